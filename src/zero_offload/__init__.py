@@ -1,0 +1,11 @@
+"""zero-offload: ZeRO stages and ZeRO-Offload on PyTorch, turned on by a DeepSpeed-style JSON config.
+
+    engine = zero_offload.initialize(model, config)
+    loss = engine(x).loss; engine.backward(loss); engine.step()
+"""
+from zero_offload.config import Config, ConfigError
+from zero_offload.engine import Engine, initialize
+from zero_offload.optim.cpu_adam import CPUAdam
+
+__version__ = "0.1.0"
+__all__ = ["initialize", "Engine", "Config", "ConfigError", "CPUAdam", "__version__"]

@@ -1,0 +1,218 @@
+"""The training engine: micro-steps, the accumulation boundary, precision, clipping and the LR schedule.
+
+`initialize(model, config)` wraps a model; the engine then mirrors DeepSpeed's: ``engine(x)`` runs the
+forward, ``engine.backward(loss)`` scales the loss and reduces gradients across ranks, ``engine.step()``
+takes the optimizer step at the gradient-accumulation boundary and is a no-op otherwise.
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Iterable
+
+import torch
+
+from zero_offload.comm import DistContext
+from zero_offload.config import Config
+from zero_offload.optim.lr_schedules import build_scheduler
+from zero_offload.precision import LossScaler, is_overflow, training_dtype
+from zero_offload.zero import ParamGroup, ZeroOptimizer
+
+__all__ = ["Engine", "initialize"]
+
+
+def initialize(model: torch.nn.Module, config: "Config | dict | str",
+               model_parameters: Iterable | None = None) -> "Engine":
+    """Wrap ``model`` for ZeRO training as ``config`` says (a dict, a JSON path or a `Config`).
+
+    ``model_parameters`` optionally gives parameters or param-group dicts (``{"params": [...],
+    "weight_decay": 0.0}``), as ``deepspeed.initialize(model_parameters=...)`` takes them; by default every
+    parameter with ``requires_grad`` forms one group.
+
+    Raises:
+        ConfigError: an invalid config (the message names the key), or batch sizes that do not divide.
+        ValueError: a model with no trainable parameters, or a group naming a parameter not in the model.
+    """
+    return Engine(model, config, model_parameters)
+
+
+class Engine:
+    """A model under ZeRO stage 0-2, optionally with the optimizer offloaded to the host.
+
+    Attributes:
+        module: the user's model (its parameters are now views into flat buffers).
+        global_step: optimizer steps taken, skipped fp16-overflow steps included (DeepSpeed's global_steps).
+        skipped_steps: steps skipped because the fp16 gradients overflowed.
+        micro_steps: backward passes so far.
+        timings: seconds spent in forward, backward and optimizer over the last optimizer step.
+    """
+
+    def __init__(self, model: torch.nn.Module, config: "Config | dict | str", model_parameters=None):
+        self.config = Config.load(config)
+        self.ctx = DistContext.create()
+        self.batch = self.config.batch_sizes(self.ctx.world_size)
+        if self.config.seed is not None:
+            torch.manual_seed(self.config.seed)
+        self.dtype = training_dtype(self.config)
+        self.module = model.to(device=self.ctx.device, dtype=self.dtype)
+        self.device = self.ctx.device
+        groups = self._param_groups(model_parameters)
+        self.zero = ZeroOptimizer(self.ctx, self.config, groups, self.batch.gradient_accumulation_steps)
+        self.optimizer = self.zero.optimizer
+        self.scaler = LossScaler(self.config)
+        self.lr_scheduler = build_scheduler(self.config.scheduler, self.optimizer)
+        self.global_step = 0
+        self.skipped_steps = 0
+        self.micro_steps = 0
+        self._boundary_pending = False
+        self.timings = {"forward_s": 0.0, "backward_s": 0.0, "optimizer_s": 0.0}
+        self._timing_reset = False
+
+    # -- the public step loop ----------------------------------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args, **kwargs):
+        """The wrapped model's forward; inputs are passed through unchanged."""
+        self._reset_timings_if_new_step()
+        start = time.perf_counter()
+        out = self.module(*args, **kwargs)
+        self.timings["forward_s"] += time.perf_counter() - start
+        return out
+
+    def backward(self, loss: torch.Tensor) -> torch.Tensor:
+        """Backward of ``loss`` / gradient_accumulation_steps (x loss scale under fp16).
+
+        Gradients are reduced across ranks while backward runs (stage 2: every micro-step; stages 0/1:
+        on the boundary micro-step). Returns the scaled loss that was back-propagated.
+
+        Raises:
+            ValueError: ``loss`` is not a scalar tensor.
+        """
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ValueError(f"engine.backward needs a scalar loss tensor, got {type(loss).__name__} "
+                             f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
+        self._reset_timings_if_new_step()
+        start = time.perf_counter()
+        gas = self.batch.gradient_accumulation_steps
+        boundary = (self.micro_steps + 1) % gas == 0
+        scaled = loss.float() / gas if gas > 1 else loss.float()
+        if self.scaler.enabled:
+            scaled = scaled * self.scaler.scale
+        self.zero.begin_micro_step(boundary, first_micro_step=self.micro_steps % gas == 0)
+        scaled.backward()
+        self.zero.end_micro_step()
+        self.micro_steps += 1
+        self._boundary_pending = boundary
+        self.timings["backward_s"] += time.perf_counter() - start
+        return scaled
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """True when the last backward completed a full set of micro-batches."""
+        return self._boundary_pending
+
+    def step(self) -> None:
+        """At the accumulation boundary: global norm, fp16 overflow check, clipping, the partitioned
+        optimizer step, the all-gather and the LR schedule; a no-op between boundaries.
+
+        On fp16 overflow the step is skipped (parameters unchanged, the schedule not stepped) and counted in
+        ``skipped_steps`` and ``global_step``, as DeepSpeed does.
+        """
+        if not self._boundary_pending:
+            return
+        start = time.perf_counter()
+        self._boundary_pending = False
+        loss_scale = self.scaler.scale
+        norm = self.zero.grad_sq_norm().sqrt() / loss_scale
+        self.last_grad_norm = float(norm)
+        overflow = self.scaler.enabled and is_overflow(norm)
+        if overflow:
+            self.skipped_steps += 1
+        else:
+            clip = self.config.gradient_clipping
+            # torch.nn.utils.clip_grad_norm_'s coefficient, folded into the one scale the kernel applies.
+            coef = min(1.0, clip / (float(norm) + 1e-6)) if clip > 0 else 1.0
+            self.zero.step(grad_scale=coef / loss_scale)
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+        self.scaler.update(overflow)
+        self.zero.zero_grad()
+        self.global_step += 1
+        self.timings["optimizer_s"] += time.perf_counter() - start
+        self._timing_reset = True
+
+    # -- state -----------------------------------------------------------------------------------------
+    @property
+    def loss_scale(self) -> float:
+        """The current fp16 loss scale; 1.0 under bf16 and fp32."""
+        return self.scaler.scale
+
+    def get_lr(self) -> list[float]:
+        """The current learning rate of each param group."""
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+    @property
+    def train_batch_size(self) -> int:
+        return self.batch.train_batch_size
+
+    @property
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.batch.micro_batch_per_gpu
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        return self.batch.gradient_accumulation_steps
+
+    @property
+    def rank(self) -> int:
+        return self.ctx.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.ctx.world_size
+
+    def memory_breakdown(self) -> dict[str, dict]:
+        """Bytes held by this rank, by kind and device (see `ZeroOptimizer.memory_breakdown`)."""
+        return self.zero.memory_breakdown()
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """{name: fp32 CPU tensor} of every trainable parameter, from the fp32 master weights of all ranks
+        (a collective: every rank must call it)."""
+        return self.zero.full_master_state(self.module)
+
+    # -- internals -------------------------------------------------------------------------------------
+    def _reset_timings_if_new_step(self) -> None:
+        if self._timing_reset:
+            self.timings = dict.fromkeys(self.timings, 0.0)
+            self._timing_reset = False
+
+    def _param_groups(self, model_parameters) -> list[ParamGroup]:
+        named = list(self.module.named_parameters())
+        where = {id(p): (i, n) for i, (n, p) in enumerate(named)}
+        if model_parameters is None:
+            raw = [{"params": [p for _, p in named]}]
+        else:
+            raw = list(model_parameters)
+            if raw and not isinstance(raw[0], dict):
+                raw = [{"params": raw}]
+        opt = self.config.optimizer
+        adamw = opt.type == "AdamW" or opt.params.adam_w_mode
+        groups = []
+        for gi, g in enumerate(raw):
+            params = [p for p in g["params"] if p.requires_grad]
+            for p in params:
+                if id(p) not in where:
+                    raise ValueError(f"model_parameters group {gi} holds a parameter of shape {tuple(p.shape)} "
+                                     f"that is not in the model")
+            if not params:
+                continue
+            params.sort(key=lambda p: where[id(p)][0])
+            hp = dict(lr=g.get("lr", opt.params.lr), betas=tuple(g.get("betas", opt.params.betas)),
+                      eps=g.get("eps", opt.params.eps), weight_decay=g.get("weight_decay", opt.params.weight_decay),
+                      adamw_mode=adamw, bias_correction=opt.params.bias_correction)
+            groups.append(ParamGroup(params, [where[id(p)][1] for p in params], [where[id(p)][0] for p in params],
+                                     hp))
+        if not groups:
+            raise ValueError(f"{type(self.module).__name__} has no trainable parameters (none with "
+                             f"requires_grad=True): there is nothing to optimize")
+        return groups

@@ -1,0 +1,82 @@
+"""Flat parameter buffers: one aligned, padded buffer per param group, with the parameters as views into it.
+
+The buffer is split into ``world_size`` equal, contiguous partitions so every rank can name what it owns by
+offsets (ZeRO paper, Sec. 5: each data-parallel rank updates only its 1/N of the parameters).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["ALIGNMENT", "ParamSlot", "FlatParams"]
+
+# Partitions start on multiples of 64 elements: 128 bytes of bf16, a whole number of AVX-512 vectors and
+# cache lines for the host kernel, and aligned enough for NCCL.
+ALIGNMENT = 64
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """Where one parameter lives in its group's flat buffer."""
+    index: int          # position in the model's parameter order (registration order)
+    name: str
+    offset: int         # first element in the flat buffer
+    numel: int
+    shape: torch.Size
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.numel
+
+
+class FlatParams:
+    """One param group's parameters packed into a flat buffer of ``padded_numel`` elements.
+
+    Layout: parameters back to back in model order, then zero padding up to a multiple of
+    ``ALIGNMENT x world_size`` elements, so each of the ``world_size`` partitions has
+    ``partition_numel`` elements (a multiple of ALIGNMENT) and the padding is < ALIGNMENT x world_size.
+    After construction each parameter's ``.data`` is a view into ``buffer``.
+
+    Args:
+        params: the group's trainable parameters, already on the compute device in the training dtype.
+        indices, names: each parameter's model-order index and qualified name.
+    """
+
+    def __init__(self, params: list[torch.nn.Parameter], indices: list[int], names: list[str],
+                 world_size: int, alignment: int = ALIGNMENT):
+        if not params:
+            raise ValueError("FlatParams needs at least one parameter")
+        self.world_size = world_size
+        self.dtype = params[0].dtype
+        self.device = params[0].device
+        self.params = list(params)
+        self.slots: list[ParamSlot] = []
+        offset = 0
+        for p, idx, name in zip(params, indices, names):
+            self.slots.append(ParamSlot(idx, name, offset, p.numel(), p.shape))
+            offset += p.numel()
+        self.numel = offset
+        unit = alignment * world_size
+        self.padded_numel = max(1, math.ceil(offset / unit)) * unit
+        self.partition_numel = self.padded_numel // world_size
+        self.buffer = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
+        for p, slot in zip(params, self.slots):
+            view = self.buffer[slot.offset:slot.end]
+            view.copy_(p.data.reshape(-1))
+            p.data = view.view(slot.shape)
+
+    def partition_range(self, rank: int) -> tuple[int, int]:
+        """Element range [lo, hi) of ``rank``'s partition in the flat buffer."""
+        lo = rank * self.partition_numel
+        return lo, lo + self.partition_numel
+
+    def partition(self, rank: int) -> torch.Tensor:
+        """``rank``'s partition of the flat buffer (a view; shape (partition_numel,), training dtype)."""
+        lo, hi = self.partition_range(rank)
+        return self.buffer[lo:hi]
+
+    def owner(self, offset: int) -> int:
+        """The rank whose partition holds flat element ``offset``."""
+        return offset // self.partition_numel

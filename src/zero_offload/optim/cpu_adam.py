@@ -1,0 +1,94 @@
+"""`CPUAdam`: a torch.optim.Optimizer whose step runs the fused host kernel (DeepSpeedCPUAdam's role)."""
+from __future__ import annotations
+
+from typing import Callable, Iterable, Sequence
+
+import torch
+
+from zero_offload.optim.fused_adam import fused_adam_step
+
+__all__ = ["CPUAdam"]
+
+
+class CPUAdam(torch.optim.Optimizer):
+    """Adam/AdamW over fp32 CPU parameters, stepping through `fused_adam_step`.
+
+    Same hyper-parameters and results as ``torch.optim.AdamW`` (``adamw_mode=True``, decoupled weight
+    decay) or ``torch.optim.Adam`` with L2 ``weight_decay`` (``adamw_mode=False``), mirroring
+    DeepSpeed's ``DeepSpeedCPUAdam``. State per parameter: ``step`` (int), ``exp_avg`` and
+    ``exp_avg_sq`` (fp32, same shape as the parameter).
+
+    Raises:
+        ValueError: a hyper-parameter out of range, or a parameter that is not an fp32 CPU tensor.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        adamw_mode: bool = True,
+        bias_correction: bool = True,
+    ):
+        if lr < 0.0:
+            raise ValueError(f"CPUAdam: lr must be >= 0, got {lr}")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"CPUAdam: betas must lie in [0, 1), got {tuple(betas)}")
+        if eps < 0.0:
+            raise ValueError(f"CPUAdam: eps must be >= 0, got {eps}")
+        if weight_decay < 0.0:
+            raise ValueError(f"CPUAdam: weight_decay must be >= 0, got {weight_decay}")
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                        adamw_mode=adamw_mode, bias_correction=bias_correction)
+        super().__init__(params, defaults)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.device.type != "cpu" or p.dtype != torch.float32:
+                    raise ValueError(f"CPUAdam: parameters must be fp32 CPU tensors, got {p.dtype} on {p.device}")
+
+    @torch.no_grad()
+    def step(
+        self,
+        closure: Callable[[], torch.Tensor] | None = None,
+        *,
+        grads: Sequence[Sequence[torch.Tensor | None]] | None = None,
+        grad_scale: float = 1.0,
+        outputs: Sequence[Sequence[torch.Tensor | None]] | None = None,
+    ):
+        """One optimizer step over every parameter that has a gradient.
+
+        Args:
+            closure: re-evaluates the model and returns the loss (torch's convention).
+            grads: per group, per parameter, a gradient to use instead of ``p.grad``; it may be 16-bit
+                (the engine passes its bf16/fp16 gradient partition, so no fp32 copy is made).
+            grad_scale: multiplies every gradient first (1/loss_scale x clip coefficient).
+            outputs: per group, per parameter, an optional 16-bit tensor that receives the updated
+                parameter (the engine's pinned copy headed back to the device).
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for gi, group in enumerate(self.param_groups):
+            beta1, beta2 = group["betas"]
+            for pi, p in enumerate(group["params"]):
+                grad = grads[gi][pi] if grads is not None else p.grad
+                if grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = 0
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                state["step"] += 1
+                out = outputs[gi][pi] if outputs is not None else None
+                fused_adam_step(
+                    p.view(-1), grad.reshape(-1), state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1),
+                    step=state["step"], lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                    weight_decay=group["weight_decay"], adamw_mode=group["adamw_mode"],
+                    bias_correction=group["bias_correction"], grad_scale=grad_scale,
+                    out=None if out is None else out.view(-1),
+                )
+        return loss

@@ -1,0 +1,199 @@
+"""The host Adam/AdamW step on one flat partition: 16-bit gradient in, fp32 state updated, 16-bit parameter out.
+
+This module is the single Python face of the host kernel (ZeRO-Offload, Ren et al. 2021, Sec. 4.2: the
+CPU optimizer; DeepSpeed's ``DeepSpeedCPUAdam`` / ``csrc/adam/cpu_adam_impl.cpp``). `fused_adam_step` runs
+the native kernel (`zero_offload.optim._native`, built at install time) in one pass over memory, chunk by
+chunk, on all cores. Without it, it falls back to torch (``torch._fused_adamw_`` / ``torch._fused_adam_``,
+or torch's ops in ``torch.optim.AdamW``'s order when ``bias_correction=False`` or the states are bf16)
+and warns once.
+
+Accuracy against ``torch.optim.AdamW`` / ``torch.optim.Adam`` (single-tensor, fp32): the moments are
+bitwise equal (same operations and fused multiply-adds); the square root is IEEE correctly rounded where
+torch's is within 1 ulp, so the updated weight differs by at most ~1 ulp of the weight plus 2**-22 of that
+step's update per step (measured: max 1 ulp after 10 steps; tests use rtol=1e-6).
+
+bf16 moments (``exp_avg``/``exp_avg_sq`` of dtype bf16, 8 bytes/param less): computed in fp32, stored
+rounded to nearest-even (no stochastic rounding). Each step's update then differs from the fp32-state
+update by at most ~1.5 * 2**-8 relatively; over many steps an increment of ``exp_avg_sq`` smaller than
+half a bf16 ulp (``(1-beta2) * g**2 < 2**-9 * v``) is lost, so ``v`` decays more slowly than in fp32.
+Measured bound (tests/test_fused_adam.py): after 50 steps with lr=1e-3,
+``max |w_bf16 - w_fp32| <= 0.05 * lr * steps``.
+"""
+from __future__ import annotations
+
+import ctypes
+import math
+import warnings
+from typing import Callable
+
+import torch
+
+from zero_offload.optim import _native
+
+__all__ = ["fused_adam_step", "native_available", "DEFAULT_CHUNK"]
+
+DEFAULT_CHUNK = 1 << 21  # elements per chunk when on_chunk is given: ~1 ms of work, 8 MiB of fp32 master
+_GRAD_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_STATE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+_OUT_CODES = {None: 0, torch.bfloat16: 1, torch.float16: 2}
+_SCALE, _DECAY, _L2, _LERP_SMALL, _NT_OUT, _NT_STATE, _PREFETCH = 1, 2, 4, 8, 16, 32, 64
+# Kernel tuning flags, chosen by measurement (benchmarks/RESULTS_optimizer.md); tests may change them.
+KERNEL_FLAGS = _NT_OUT
+PREFETCH_ELEMS = 0
+_warned = False
+
+
+def native_available() -> bool:
+    """True when the compiled kernel is loaded (not disabled by ``ZERO_OFFLOAD_NO_NATIVE=1``)."""
+    return _native.load() is not None
+
+
+def _check(name: str, t, dtypes: dict, n: int | None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"fused_adam_step: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise ValueError(f"fused_adam_step: {name} must be a CPU tensor, got device {t.device}")
+    if t.dtype not in dtypes:
+        allowed = ", ".join(str(d) for d in dtypes if d is not None)
+        raise ValueError(f"fused_adam_step: {name} must have dtype in ({allowed}), got {t.dtype}")
+    if t.dim() != 1 or not t.is_contiguous():
+        raise ValueError(f"fused_adam_step: {name} must be 1-D and contiguous, got shape {tuple(t.shape)}")
+    if n is not None and t.numel() != n:
+        raise ValueError(f"fused_adam_step: {name} has {t.numel()} elements, master has {n}")
+
+
+def fused_adam_step(
+    master: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    adamw_mode: bool = True,
+    bias_correction: bool = True,
+    grad_scale: float = 1.0,
+    out: torch.Tensor | None = None,
+    on_chunk: Callable[[int, int], None] | None = None,
+    chunk_size: int | None = None,
+    num_threads: int | None = None,
+) -> None:
+    """One Adam (L2) or AdamW (decoupled decay) step over 1-D CPU tensors of equal length N, in place.
+
+    Args:
+        master: fp32 [N], contiguous, updated in place.
+        grad: bf16, fp16 or fp32 [N]; multiplied by ``grad_scale`` (1/loss_scale x clip coefficient) first.
+        exp_avg, exp_avg_sq: fp32 [N], or both bf16 [N] (half the state memory; see the module docstring
+            for the accuracy bound), updated in place.
+        step: the 1-based step count used for bias correction.
+        out: optional bf16/fp16 [N] that receives the updated master, rounded to nearest-even
+            (bitwise ``master.to(out.dtype)``).
+        on_chunk: called as ``on_chunk(start, end)`` (element offsets) after each finished chunk, in
+            order, from the calling thread; e.g. to start the host-to-device copy of ``out[start:end]``.
+        chunk_size: elements per chunk (default: the whole tensor, or ``DEFAULT_CHUNK`` with on_chunk).
+        num_threads: threads to use (default ``torch.get_num_threads()``).
+
+    Memory traffic per parameter: 2 (16-bit grad) + 3 x 8 (master, exp_avg, exp_avg_sq read and
+    written) + 2 (16-bit out) = 28 bytes with fp32 states, 20 bytes with bf16 states.
+
+    Mirrors ``torch.optim.AdamW`` (adamw_mode=True) and ``torch.optim.Adam`` with ``weight_decay``
+    (adamw_mode=False), as DeepSpeed's ``adam_w_mode`` does.
+
+    Raises:
+        ValueError: a tensor of the wrong type, device, dtype, shape or length (the message names it),
+            or ``step < 1``.
+    """
+    _check("master", master, {torch.float32: 0}, None)
+    n = master.numel()
+    _check("grad", grad, _GRAD_CODES, n)
+    _check("exp_avg", exp_avg, _STATE_CODES, n)
+    _check("exp_avg_sq", exp_avg_sq, _STATE_CODES, n)
+    if exp_avg_sq.dtype != exp_avg.dtype:
+        raise ValueError(f"fused_adam_step: exp_avg_sq must have exp_avg's dtype {exp_avg.dtype}, got {exp_avg_sq.dtype}")
+    if out is not None:
+        _check("out", out, {torch.bfloat16: 1, torch.float16: 2}, n)
+    if int(step) < 1:
+        raise ValueError(f"fused_adam_step: step must be >= 1 (1-based), got {step}")
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"fused_adam_step: chunk_size must be >= 1, got {chunk_size}")
+    if n == 0:
+        return
+    chunk = chunk_size or (DEFAULT_CHUNK if on_chunk is not None else n)
+    lib = _native.load()
+    if lib is None:
+        _warn_fallback()
+        for start in range(0, n, chunk):
+            end = min(n, start + chunk)
+            _torch_step(master[start:end], grad[start:end], exp_avg[start:end], exp_avg_sq[start:end],
+                        step, lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction, grad_scale,
+                        None if out is None else out[start:end])
+            if on_chunk is not None:
+                on_chunk(start, end)
+        return
+
+    bc1 = 1.0 - beta1**step if bias_correction else 1.0
+    bc2 = 1.0 - beta2**step if bias_correction else 1.0
+    flags = KERNEL_FLAGS | (_LERP_SMALL if abs(1.0 - beta1) < 0.5 else 0)
+    if grad_scale != 1.0:
+        flags |= _SCALE
+    if weight_decay != 0.0:
+        flags |= _DECAY if adamw_mode else _L2
+    if PREFETCH_ELEMS:
+        flags |= _PREFETCH
+    # Constants in double as torch computes them, rounded to fp32 once (as torch does with a Python scalar).
+    hp = _native.HParams(grad_scale, 1.0 - lr * weight_decay, weight_decay, 1.0 - beta1, beta2, 1.0 - beta2,
+                         math.sqrt(bc2), eps, -lr / bc1, flags, PREFETCH_ELEMS)
+    threads = num_threads or torch.get_num_threads()
+    gd, sd, od = _GRAD_CODES[grad.dtype], _STATE_CODES[exp_avg.dtype], _OUT_CODES[None if out is None else out.dtype]
+    ptrs = [t.data_ptr() for t in (master, grad, exp_avg, exp_avg_sq)] + [0 if out is None else out.data_ptr()]
+    sizes = [4, grad.element_size(), exp_avg.element_size(), exp_avg.element_size(), 2]
+    hp_ref = ctypes.byref(hp)
+    for start in range(0, n, chunk):
+        end = min(n, start + chunk)
+        p = [0 if base == 0 else base + start * size for base, size in zip(ptrs, sizes)]
+        lib.zo_adam_step(p[0], p[1], gd, p[2], p[3], sd, p[4] or None, od, end - start, hp_ref, threads)
+        if on_chunk is not None:
+            on_chunk(start, end)
+
+
+def _warn_fallback() -> None:
+    global _warned
+    if not _warned:
+        _warned = True
+        warnings.warn(f"zero_offload: native host Adam kernel unavailable ({_native.load_error()}); "
+                      "using torch's (slower) fused AdamW instead", RuntimeWarning, stacklevel=3)
+
+
+def _torch_step(master, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, adamw_mode,
+                bias_correction, grad_scale, out) -> None:
+    """The fallback: torch's fused kernel where it applies, else torch's ops in AdamW's order."""
+    g = grad.float() if grad.dtype != torch.float32 else grad
+    if grad_scale != 1.0:
+        g = g * grad_scale
+    if bias_correction and exp_avg.dtype == torch.float32:
+        fused = torch._fused_adamw_ if adamw_mode else torch._fused_adam_
+        fused([master], [g], [exp_avg], [exp_avg_sq], [], [torch.tensor(float(step))], lr=lr, beta1=beta1,
+              beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
+    else:
+        m = exp_avg.float() if exp_avg.dtype != torch.float32 else exp_avg
+        v = exp_avg_sq.float() if exp_avg_sq.dtype != torch.float32 else exp_avg_sq
+        if weight_decay != 0.0:
+            if adamw_mode:
+                master.mul_(1.0 - lr * weight_decay)
+            else:
+                g = g.add(master, alpha=weight_decay)
+        m.lerp_(g, 1.0 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+        bc1 = 1.0 - beta1**step if bias_correction else 1.0
+        bc2_sqrt = math.sqrt(1.0 - beta2**step) if bias_correction else 1.0
+        denom = (v.sqrt() / bc2_sqrt).add_(eps)
+        master.addcdiv_(m, denom, value=-lr / bc1)
+        if m is not exp_avg:
+            exp_avg.copy_(m)
+            exp_avg_sq.copy_(v)
+    if out is not None:
+        out.copy_(master)

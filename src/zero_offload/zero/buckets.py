@@ -1,0 +1,96 @@
+"""Gradient buckets: contiguous ranges of a group's flat gradient that are reduced as one collective.
+
+A bucket never crosses a partition boundary, so its reduction has exactly one owner: the bucketed
+reduce-scatter of ZeRO stage 1/2 is one ``reduce`` per bucket to the rank that owns its range (DeepSpeed's
+stage-2 ``average_tensor`` does the same per partition). Stage 0 buckets are all-reduced.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from zero_offload.flat import FlatParams
+
+__all__ = ["Piece", "GradBucket", "plan_buckets"]
+
+
+@dataclass
+class Piece:
+    """The part [param_lo, param_hi) of a flattened parameter that lies in a bucket, at ``bucket_lo``."""
+    param: torch.nn.Parameter
+    param_lo: int
+    param_hi: int
+    bucket_lo: int
+
+    @property
+    def bucket_hi(self) -> int:
+        return self.bucket_lo + self.param_hi - self.param_lo
+
+
+@dataclass(eq=False)
+class GradBucket:
+    """Elements [lo, hi) of group ``group``'s flat gradient; ``owner`` is None for an all-reduce (stage 0).
+
+    Life cycle per micro-step: ``reset`` -> pieces filled as their gradients arrive (``fill``) -> ready
+    -> reduction launched (``work``) -> waited and handed to the gradient partition -> ``reset``.
+    """
+    group: int
+    lo: int
+    hi: int
+    owner: int | None
+    pieces: list[Piece]
+    pad_lo: int                   # bucket offset where zero padding starts (== numel when none)
+    order_key: tuple[int, int]    # launch order: later-used parameters first, as backward produces them
+    filled: list[bool] = field(default_factory=list)
+    pending: int = 0
+    buffer: torch.Tensor | None = None
+    work: object = None
+
+    @property
+    def numel(self) -> int:
+        return self.hi - self.lo
+
+    def reset(self) -> None:
+        self.filled = [False] * len(self.pieces)
+        self.pending = len(self.pieces)
+        self.buffer = None
+        self.work = None
+
+    def fill(self, index: int) -> bool:
+        """Mark piece ``index`` as arrived; True when the bucket has just become ready."""
+        if not self.filled[index]:
+            self.filled[index] = True
+            self.pending -= 1
+            return self.pending == 0
+        return False
+
+    @property
+    def ready(self) -> bool:
+        return self.pending == 0
+
+
+def plan_buckets(flat: FlatParams, group: int, bucket_numel: int, partitioned: bool) -> list[GradBucket]:
+    """Split ``flat`` into buckets of at most ``bucket_numel`` elements, cut at partition boundaries.
+
+    Buckets are cut from the end of each partition backwards, matching the order backward produces
+    gradients (last layers first), so the first bucket fills as early as possible.
+    """
+    spans = ([flat.partition_range(r) for r in range(flat.world_size)] if partitioned
+             else [(0, flat.padded_numel)])
+    buckets = []
+    for owner, (p_lo, p_hi) in enumerate(spans):
+        hi = p_hi
+        while hi > p_lo:
+            lo = max(p_lo, hi - bucket_numel)
+            pieces = [Piece(flat.params[i], max(lo, s.offset) - s.offset, min(hi, s.end) - s.offset,
+                            max(lo, s.offset) - lo)
+                      for i, s in enumerate(flat.slots) if s.offset < hi and s.end > lo]
+            first_param = min((flat.slots[i].index for i, s in enumerate(flat.slots)
+                               if s.offset < hi and s.end > lo), default=1 << 62)
+            bucket = GradBucket(group, lo, hi, owner if partitioned else None, pieces,
+                                pad_lo=max(0, min(hi, flat.numel) - lo), order_key=(-first_param, -lo))
+            bucket.reset()
+            buckets.append(bucket)
+            hi = lo
+    return buckets

@@ -1,0 +1,62 @@
+"""This rank's reduced gradients for one param group: its partition (stage 1/2) or everything (stage 0)."""
+from __future__ import annotations
+
+import torch
+
+from zero_offload.flat import FlatParams
+from zero_offload.offload.copies import CopyEngine, host_empty
+from zero_offload.zero.buckets import GradBucket
+
+__all__ = ["GradPartition"]
+
+
+class GradPartition:
+    """Where reduced gradients of one group end up, ready for the optimizer step.
+
+    - stage 0/1 on the device: a view of the full flat gradient (reduced in place, nothing to copy);
+    - stage 1 offloaded: a host copy of the partition, filled bucket by bucket at the boundary;
+    - stage 2: a separate partition-sized buffer (device, or host when offloaded) that each micro-step's
+      reduced buckets are copied into (first micro-step) or added to (the rest). Its dtype is the training
+      dtype when there is one micro-step per step (fewest bytes for the host kernel) and fp32 under gradient
+      accumulation, so accumulated 16-bit rounding does not build up (DeepSpeed's offload also accumulates
+      in fp32).
+
+    Shape (numel,) where numel is ``partition_numel`` (stage >= 1) or ``padded_numel`` (stage 0).
+    """
+
+    def __init__(self, flat: FlatParams, rank: int, stage: int, flat_grad: torch.Tensor | None,
+                 offload: bool, accumulate_fp32: bool, pin: bool, copies: CopyEngine):
+        self.lo, self.hi = flat.partition_range(rank) if stage >= 1 else (0, flat.padded_numel)
+        self.stage = stage
+        self.offload = offload
+        self.copies = copies
+        self.in_place = stage < 2 and not offload
+        if self.in_place:
+            self.buffer = flat_grad[self.lo:self.hi]
+        else:
+            dtype = torch.float32 if (stage == 2 and accumulate_fp32) else flat.dtype
+            numel = self.hi - self.lo
+            self.buffer = (host_empty(numel, dtype, pin) if offload
+                           else torch.empty(numel, dtype=dtype, device=flat.device)).zero_()
+
+    def consume(self, bucket: GradBucket, reduced: torch.Tensor, first_micro_step: bool) -> None:
+        """Take this rank's reduced ``bucket`` (already waited for) into the partition."""
+        if self.in_place:
+            return
+        dst = self.buffer[bucket.lo - self.lo:bucket.hi - self.lo]
+        if first_micro_step or self.stage < 2:
+            if self.offload:
+                self.copies.to_host(dst, reduced)
+            else:
+                dst.copy_(reduced)
+        else:
+            dst.add_(reduced.to(dst.device, non_blocking=False))
+
+    def ready(self) -> None:
+        """Block until every gradient copied into the partition has landed (before the host reads it)."""
+        if self.offload:
+            self.copies.synchronize()
+
+    def sq_norm(self) -> torch.Tensor:
+        """Sum of squares of the partition's gradients, as a 0-dim fp32 tensor on the partition's device."""
+        return torch.linalg.vector_norm(self.buffer, dtype=torch.float32).square()

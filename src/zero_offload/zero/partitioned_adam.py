@@ -1,0 +1,89 @@
+"""fp32 master weights and Adam moments for this rank's partition only, stepped on the device or the host.
+
+ZeRO stage >= 1 (ZeRO paper, Sec. 5.1, P_os): each rank keeps optimizer states for its 1/N of the flat
+parameters. With ``offload_optimizer.device = cpu`` (ZeRO-Offload, Sec. 4) those states live in host
+memory and the step is `CPUAdam`'s fused host kernel, which reads the 16-bit gradient, applies the
+combined 1/loss_scale x clip scale, and writes the 16-bit parameter into a host buffer copied back up.
+"""
+from __future__ import annotations
+
+import torch
+
+from zero_offload.flat import FlatParams
+from zero_offload.offload.copies import CopyEngine, host_empty
+from zero_offload.optim.cpu_adam import CPUAdam
+
+__all__ = ["PartitionedAdam"]
+
+
+class PartitionedAdam:
+    """The optimizer over one partition per param group.
+
+    Args:
+        flats: the groups' flat buffers; ``partition_ranges`` say which slice of each this rank steps.
+        hparams: per group, dict(lr, betas, eps, weight_decay, adamw_mode, bias_correction).
+        offload: keep states on the host and step with `CPUAdam`.
+        pin: page-lock the host master/parameter buffers (``offload_optimizer.pin_memory``).
+
+    Attributes:
+        optimizer: the inner ``torch.optim.Optimizer`` whose param groups carry the live learning rates
+            (the LR schedule writes into them).
+        masters: per group, the fp32 master partition, shape (partition numel,).
+    """
+
+    def __init__(self, flats: list[FlatParams], partition_ranges: list[tuple[int, int]], hparams: list[dict],
+                 offload: bool, pin: bool, copies: CopyEngine):
+        self.flats, self.ranges, self.offload, self.copies = flats, partition_ranges, offload, copies
+        self.masters: list[torch.Tensor] = []
+        self.outs: list[torch.Tensor | None] = []
+        for flat, (lo, hi) in zip(flats, partition_ranges):
+            part = flat.buffer[lo:hi]
+            if offload:
+                master = host_empty(hi - lo, torch.float32, pin).copy_(part)
+                out = host_empty(hi - lo, flat.dtype, pin) if flat.dtype != torch.float32 else None
+            elif flat.dtype == torch.float32:
+                master, out = part, None     # fp32 on the device: the parameters are their own master
+            else:
+                master, out = part.float(), None
+            self.masters.append(master)
+            self.outs.append(out)
+        groups = [{"params": [m], **h} for m, h in zip(self.masters, hparams)]
+        if offload:
+            self.optimizer = CPUAdam(groups)
+        else:
+            for g in groups:
+                if not g.pop("bias_correction"):
+                    raise ValueError("optimizer.params.bias_correction = false needs offload_optimizer.device "
+                                     "= 'cpu' (torch's device Adam always corrects bias)")
+            fused = {"fused": True} if flats[0].device.type == "cuda" else {"foreach": True}
+            adamw = [g.pop("adamw_mode") for g in groups][0]
+            self.optimizer = (torch.optim.AdamW if adamw else torch.optim.Adam)(groups, **fused)
+
+    @torch.no_grad()
+    def step(self, grads: list[torch.Tensor], grad_scale: float) -> None:
+        """One step of every group's partition with ``grads`` (same shapes, training dtype or fp32) times
+        ``grad_scale``, then the updated 16-bit partition is written into the flat buffer."""
+        if self.offload:
+            self.optimizer.step(grads=[[g] for g in grads], grad_scale=grad_scale,
+                                outputs=[[o] for o in self.outs])
+            for flat, (lo, hi), master, out in zip(self.flats, self.ranges, self.masters, self.outs):
+                self.copies.to_device(flat.buffer[lo:hi], out if out is not None else master)
+            self.copies.wait_for_copies()
+            return
+        for master, g in zip(self.masters, grads):
+            if g.dtype != torch.float32:
+                master.grad = g.float().mul_(grad_scale)
+            else:
+                master.grad = g if grad_scale == 1.0 else g.mul(grad_scale)
+        self.optimizer.step()
+        for flat, (lo, hi), master in zip(self.flats, self.ranges, self.masters):
+            master.grad = None
+            if master.data_ptr() != flat.buffer[lo:].data_ptr():
+                flat.buffer[lo:hi].copy_(master)
+
+    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The tensors this optimizer holds, by kind: master, exp_avg, exp_avg_sq (one per group)."""
+        states = [self.optimizer.state.get(m, {}) for m in self.masters]
+        return {"master": self.masters,
+                "exp_avg": [s["exp_avg"] for s in states if "exp_avg" in s],
+                "exp_avg_sq": [s["exp_avg_sq"] for s in states if "exp_avg_sq" in s]}

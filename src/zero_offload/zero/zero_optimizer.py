@@ -1,0 +1,133 @@
+"""`ZeroOptimizer`: flat parameters, bucketed gradient reduction and the partitioned optimizer, together.
+
+It knows the partitioning; the engine above it knows precision, clipping and the schedule.
+Data flow of one step (DESIGN.md): backward fills buckets -> reduced into this rank's gradient partition
+-> global norm -> one fused step over the partition (device or host) -> all-gather of the 16-bit partitions.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from zero_offload.comm import DistContext
+from zero_offload.config import Config
+from zero_offload.flat import FlatParams
+from zero_offload.offload.copies import CopyEngine
+from zero_offload.zero.grad_partition import GradPartition
+from zero_offload.zero.partitioned_adam import PartitionedAdam
+from zero_offload.zero.reducer import GradientReducer
+
+__all__ = ["ParamGroup", "ZeroOptimizer"]
+
+
+@dataclass
+class ParamGroup:
+    """A param group as the engine hands it over: trainable parameters in model order, and hyper-params."""
+    params: list[torch.nn.Parameter]
+    names: list[str]
+    indices: list[int]
+    hparams: dict
+
+
+class ZeroOptimizer:
+    """ZeRO stage 0, 1 or 2 over the given param groups, with the optimizer on the device or the host.
+
+    Raises:
+        ValueError: a param group without parameters.
+    """
+
+    def __init__(self, ctx: DistContext, config: Config, groups: list[ParamGroup], gradient_accumulation: int):
+        zc = config.zero_optimization
+        self.ctx, self.stage = ctx, zc.stage
+        self.offload = zc.offload_optimizer.device == "cpu"
+        self.allgather_bucket_numel = zc.allgather_bucket_size
+        self.copies = CopyEngine(ctx.device)
+        self.flats = [FlatParams(g.params, g.indices, g.names, ctx.world_size) for g in groups]
+        self.flat_grads = [torch.zeros_like(f.buffer) for f in self.flats] if self.stage < 2 else None
+        pin = zc.offload_optimizer.pin_memory
+        rank = ctx.rank if self.stage >= 1 else 0
+        self.partitions = [GradPartition(f, rank, self.stage, self.flat_grads[i] if self.flat_grads else None,
+                                         self.offload, gradient_accumulation > 1, pin, self.copies)
+                           for i, f in enumerate(self.flats)]
+        self.reducer = GradientReducer(ctx, self.flats, self.partitions, self.flat_grads, self.stage,
+                                       zc.reduce_bucket_size, zc.overlap_comm)
+        ranges = [(p.lo, p.hi) for p in self.partitions]
+        self.adam = PartitionedAdam(self.flats, ranges, [g.hparams for g in groups], self.offload, pin,
+                                    self.copies)
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The inner optimizer; its param groups hold the live learning rates."""
+        return self.adam.optimizer
+
+    def begin_micro_step(self, boundary: bool, first_micro_step: bool) -> None:
+        """Stage 2 reduces every micro-step (it keeps no full gradient); stages 0/1 at the boundary only."""
+        self.reducer.begin_micro_step(reduce=boundary or self.stage == 2, first_micro_step=first_micro_step)
+
+    def end_micro_step(self) -> None:
+        self.reducer.end_micro_step()
+
+    def grad_sq_norm(self) -> torch.Tensor:
+        """Squared L2 norm of the whole (loss-scaled) gradient over all ranks, a 0-dim fp32 CPU tensor."""
+        for p in self.partitions:
+            p.ready()
+        total = sum(p.sq_norm().to(self.ctx.device) for p in self.partitions)
+        if self.stage >= 1:
+            self.ctx.all_reduce(total, async_op=False)
+        return total.cpu()
+
+    def step(self, grad_scale: float) -> None:
+        """Update this rank's partitions with gradients x ``grad_scale``, then all-gather (stage >= 1)."""
+        self.adam.step([p.buffer for p in self.partitions], grad_scale)
+        if self.stage >= 1:
+            for f in self.flats:
+                self.ctx.all_gather_partitions(f.buffer, f.partition_numel, self.allgather_bucket_numel)
+
+    def zero_grad(self) -> None:
+        """Clear accumulated gradients after a step (stage 2 partitions are overwritten, not cleared)."""
+        for g in self.flat_grads or []:
+            g.zero_()
+
+    def memory_breakdown(self) -> dict[str, dict]:
+        """Bytes this rank holds, by kind and device, measured from the tensors themselves.
+
+        Returns {kind: {"bytes": int, "numel": int, "device": str}} for kinds ``params`` (16-bit flat
+        buffers), ``grads`` (full flat gradients, stages 0/1), ``grad_partition``, ``master``, ``exp_avg``,
+        ``exp_avg_sq`` and ``param_staging`` (host copies of updated parameters headed to the device).
+        Views of another kind's storage (fp32 masters that are the parameters themselves) count zero bytes.
+        """
+        kinds: dict[str, list[torch.Tensor]] = {
+            "params": [f.buffer for f in self.flats],
+            "grads": list(self.flat_grads or []),
+            "grad_partition": [p.buffer for p in self.partitions if not p.in_place],
+            **self.adam.state_tensors(),
+            "param_staging": [o for o in self.adam.outs if o is not None],
+        }
+        seen: set[int] = set()
+        out = {}
+        for kind, tensors in kinds.items():
+            numel = sum(t.numel() for t in tensors)
+            nbytes = 0
+            for t in tensors:
+                ptr = t.untyped_storage().data_ptr()
+                if ptr not in seen:
+                    seen.add(ptr)
+                    nbytes += t.numel() * t.element_size()
+            device = str(tensors[0].device) if tensors else "-"
+            out[kind] = {"bytes": nbytes, "numel": numel, "device": device}
+        return out
+
+    def full_master_state(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """{name: fp32 CPU tensor} for every flattened parameter, gathered from all ranks' master
+        partitions (a collective at stage >= 1)."""
+        out = {}
+        for flat, master in zip(self.flats, self.adam.masters):
+            full = master.detach().to(self.ctx.device, torch.float32)
+            if self.stage >= 1 and self.ctx.world_size > 1:
+                gathered = torch.empty(flat.padded_numel, dtype=torch.float32, device=self.ctx.device)
+                torch.distributed.all_gather_into_tensor(gathered, full.contiguous())
+                full = gathered
+            for s in flat.slots:
+                out[s.name] = full[s.offset:s.end].view(s.shape).cpu().clone()
+        return out

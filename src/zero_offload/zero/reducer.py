@@ -34,6 +34,10 @@ class _BufferPool:
             return stack.pop()
         return torch.empty(numel, dtype=self.dtype, device=self.device)
 
+    def buffers(self) -> list[torch.Tensor]:
+        """The idle buffers the pool holds (all of them between backward passes)."""
+        return [b for stack in self.free.values() for b in stack]
+
     def release(self, buf: torch.Tensor) -> None:
         if self.device.type != "cuda":
             self.free.setdefault(buf.numel(), []).append(buf)

@@ -90,32 +90,34 @@ class ZeroOptimizer:
             g.zero_()
 
     def memory_breakdown(self) -> dict[str, dict]:
-        """Bytes this rank holds, by kind and device, measured from the tensors themselves.
+        """Bytes this rank holds, by kind, measured from the tensors themselves.
 
-        Returns {kind: {"bytes": int, "numel": int, "device": str}} for kinds ``params`` (16-bit flat
-        buffers), ``grads`` (full flat gradients, stages 0/1), ``grad_partition``, ``master``, ``exp_avg``,
-        ``exp_avg_sq`` and ``param_staging`` (host copies of updated parameters headed to the device).
-        Views of another kind's storage (fp32 masters that are the parameters themselves) count zero bytes.
+        Returns {kind: {"bytes": int, "numel": int, "side": "device" | "host"}} for kinds ``params``
+        (16-bit flat buffers), ``grads`` (full flat gradients, stages 0/1), ``buckets`` (pooled stage-2
+        bucket buffers), ``grad_partition``, ``master``, ``exp_avg``, ``exp_avg_sq`` and ``param_staging``
+        (host copies of updated parameters headed to the device). ``side`` is where the tensor lives
+        logically: on a machine without an accelerator both sides are host memory. Views of another kind's
+        storage (fp32 masters that are the parameters themselves) count zero bytes.
         """
-        kinds: dict[str, list[torch.Tensor]] = {
-            "params": [f.buffer for f in self.flats],
-            "grads": list(self.flat_grads or []),
-            "grad_partition": [p.buffer for p in self.partitions if not p.in_place],
-            **self.adam.state_tensors(),
-            "param_staging": [o for o in self.adam.outs if o is not None],
+        state_side = "host" if self.offload else "device"
+        kinds: dict[str, tuple[str, list[torch.Tensor]]] = {
+            "params": ("device", [f.buffer for f in self.flats]),
+            "grads": ("device", list(self.flat_grads or [])),
+            "buckets": ("device", self.reducer.pool.buffers()),
+            "grad_partition": (state_side, [p.buffer for p in self.partitions if not p.in_place]),
+            **{k: (state_side, v) for k, v in self.adam.state_tensors().items()},
+            "param_staging": ("host", [o for o in self.adam.outs if o is not None]),
         }
         seen: set[int] = set()
         out = {}
-        for kind, tensors in kinds.items():
-            numel = sum(t.numel() for t in tensors)
+        for kind, (side, tensors) in kinds.items():
             nbytes = 0
             for t in tensors:
                 ptr = t.untyped_storage().data_ptr()
                 if ptr not in seen:
                     seen.add(ptr)
                     nbytes += t.numel() * t.element_size()
-            device = str(tensors[0].device) if tensors else "-"
-            out[kind] = {"bytes": nbytes, "numel": numel, "device": device}
+            out[kind] = {"bytes": nbytes, "numel": sum(t.numel() for t in tensors), "side": side}
         return out
 
     def full_master_state(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -1,0 +1,49 @@
+"""Run a function on N gloo ranks in forked processes and collect each rank's return value."""
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, world_size, port, fn, args, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)   # the ranks share two cores
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        result = fn(*args)
+        torch.save({"ok": result}, os.path.join(out_dir, f"{rank}.pt"))
+    except BaseException:
+        torch.save({"error": traceback.format_exc()}, os.path.join(out_dir, f"{rank}.pt"))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(fn, world_size: int, *args) -> list:
+    """``fn(*args)`` on ``world_size`` gloo ranks; returns the per-rank results (rank order)."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        ctx = mp.start_processes(_entry, args=(world_size, _free_port(), fn, args, out_dir),
+                                 nprocs=world_size, join=False, start_method="fork")
+        try:
+            while not ctx.join(timeout=600):
+                pass
+        except mp.ProcessRaisedException as e:
+            raise AssertionError(f"a rank failed:\n{e}") from None
+        results = [torch.load(os.path.join(out_dir, f"{r}.pt"), weights_only=False) for r in range(world_size)]
+    for r, res in enumerate(results):
+        if "error" in res:
+            raise AssertionError(f"rank {r} failed:\n{res['error']}")
+    return [res["ok"] for res in results]

@@ -1,0 +1,79 @@
+"""Plain-PyTorch reference runs and the matching engine runs, shared by the numerical tests."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import zero_offload
+from toy_model import batch, make_model
+
+MICRO, STEPS, LR, WD = 2, 5, 3e-3, 0.01
+
+
+def engine_config(stage=2, offload="none", gas=1, clip=0.0, precision="fp32", ws=1, bucket=500, **zero):
+    cfg = {
+        "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas,
+        "gradient_clipping": clip,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}},
+        "zero_optimization": {"stage": stage, "offload_optimizer": {"device": offload},
+                              "reduce_bucket_size": bucket, "overlap_comm": True, **zero},
+    }
+    if precision != "fp32":
+        cfg[precision] = {"enabled": True}
+    return cfg
+
+
+def reference_run(gas=1, clip=0.0, ws=1, steps=STEPS, dtype=torch.float32, loss_scale=1.0):
+    """AdamW on one process over the global batch. With a 16-bit ``dtype`` the model runs in that dtype and
+    an fp32 master copy is stepped (the same precision policy as the engine), with a static
+    ``loss_scale`` for fp16. Returns (params, losses)."""
+    model = make_model().to(dtype)
+    masters = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
+    opt = torch.optim.AdamW(masters, lr=LR, weight_decay=WD)
+    losses = []
+    for step in range(steps):
+        x, y = batch(step, MICRO * gas * ws)
+        model.zero_grad()
+        loss = model(x, y)
+        (loss * loss_scale).backward()
+        losses.append(loss.item())
+        for m, p in zip(masters, model.parameters()):
+            m.grad = p.grad.float() / loss_scale
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(masters, clip)
+        opt.step()
+        with torch.no_grad():
+            for m, p in zip(masters, model.parameters()):
+                p.copy_(m)
+    names = [n for n, _ in model.named_parameters()]
+    return dict(zip(names, (m.detach().clone() for m in masters))), losses
+
+
+def engine_run(config: dict, steps=STEPS):
+    """Train the toy model with the engine on this rank's share of each global batch.
+
+    Returns (full fp32 state from the masters, the module's parameters as fp32, per-step global losses).
+    """
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    ws = dist.get_world_size() if dist.is_initialized() else 1
+    engine = zero_offload.initialize(make_model(), config)
+    gas = engine.gradient_accumulation_steps
+    losses = []
+    for step in range(steps):
+        x, y = batch(step, MICRO * gas * ws)
+        total = torch.zeros(())
+        for k in range(gas):
+            rows = slice((rank * gas + k) * MICRO, (rank * gas + k + 1) * MICRO)
+            loss = engine(x[rows], y[rows])
+            engine.backward(loss)
+            engine.step()
+            total += loss.detach().float() / (gas * ws)
+        if ws > 1:
+            dist.all_reduce(total)
+        losses.append(total.item())
+    params = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+    return engine.full_state_dict(), params, losses
+
+
+def engine_runs(configs: list[dict], steps=STEPS) -> list:
+    return [engine_run(c, steps) for c in configs]

@@ -175,6 +175,26 @@ class Engine:
         """Bytes held by this rank, by kind and device (see `ZeroOptimizer.memory_breakdown`)."""
         return self.zero.memory_breakdown()
 
+    def save_checkpoint(self, save_dir, tag: str | None = None, client_state: Any = None):
+        """Save the full training state, sharded by rank and written atomically (see `checkpoint`).
+
+        A collective: every rank calls it. ``tag`` defaults to ``global_step{N}``; ``save_dir/latest`` is
+        updated last. Returns the checkpoint's directory.
+        """
+        from zero_offload.checkpoint import save_checkpoint
+        return save_checkpoint(self, save_dir, tag, client_state)
+
+    def load_checkpoint(self, load_dir, tag: str | None = None) -> Any:
+        """Restore a checkpoint (default: the ``latest`` one), resharding from any world size or stage,
+        and return the ``client_state`` it was saved with.
+
+        Raises:
+            CheckpointError: a missing or corrupted file, an unknown tag, or another model's checkpoint;
+                the engine is left as it was.
+        """
+        from zero_offload.checkpoint import load_checkpoint
+        return load_checkpoint(self, load_dir, tag)
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """{name: fp32 CPU tensor} of every trainable parameter, from the fp32 master weights of all ranks
         (a collective: every rank must call it)."""

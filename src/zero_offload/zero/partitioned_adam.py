@@ -87,3 +87,38 @@ class PartitionedAdam:
         return {"master": self.masters,
                 "exp_avg": [s["exp_avg"] for s in states if "exp_avg" in s],
                 "exp_avg_sq": [s["exp_avg_sq"] for s in states if "exp_avg_sq" in s]}
+
+    # -- state for checkpoints -------------------------------------------------------------------------
+    def group_state(self, g: int) -> dict:
+        """Group ``g``'s partition state: fp32 ``master``, ``exp_avg``, ``exp_avg_sq`` (zeros before the
+        first step) as CPU tensors of shape (partition numel,), and ``step`` (int)."""
+        master = self.masters[g]
+        state = self.optimizer.state.get(master, {})
+        zeros = torch.zeros(master.numel(), dtype=torch.float32)
+        step = state.get("step", 0)
+        return {"master": master.detach().float().cpu(),
+                "exp_avg": state["exp_avg"].float().cpu() if "exp_avg" in state else zeros,
+                "exp_avg_sq": state["exp_avg_sq"].float().cpu() if "exp_avg_sq" in state else zeros.clone(),
+                "step": int(step.item() if isinstance(step, torch.Tensor) else step)}
+
+    @torch.no_grad()
+    def load_group_state(self, g: int, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                         step: int) -> None:
+        """Replace group ``g``'s partition state (fp32 tensors of the partition's shape) and write the
+        16-bit parameters of the partition from ``master``."""
+        mine = self.masters[g]
+        mine.copy_(master)
+        if step > 0:
+            like = self.optimizer.state.get(mine, {}).get("exp_avg")
+            dtype = like.dtype if like is not None else getattr(self.optimizer, "state_dtype", torch.float32)
+            on_device = self.flats[0].device.type == "cuda" and not self.offload
+            self.optimizer.state[mine] = {
+                "step": step if self.offload else torch.tensor(float(step), device=mine.device if on_device
+                                                               else "cpu"),
+                "exp_avg": exp_avg.to(mine.device, dtype).clone(),
+                "exp_avg_sq": exp_avg_sq.to(mine.device, dtype).clone()}
+        else:
+            self.optimizer.state.pop(mine, None)
+        lo, hi = self.ranges[g]
+        if mine.data_ptr() != self.flats[g].buffer[lo:].data_ptr():
+            self.flats[g].buffer[lo:hi].copy_(mine)

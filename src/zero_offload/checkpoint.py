@@ -1,0 +1,335 @@
+"""Sharded, atomic checkpoints that reshard on load, in safetensors files with a JSON manifest.
+
+Layout of ``save_dir/tag/``:
+  ``rank00000.safetensors`` ...  one per rank: its partition of every group's fp32 master weights, exp_avg and
+                                 exp_avg_sq (``group{g}.{kind}``; stage 0 has one partition, in rank 0's file),
+                                 and its RNG states; the optimizer step count is in the file's metadata.
+  ``client_state.pt``            the user's ``client_state`` (torch.save).
+  ``manifest.json``              world size, stage, precision, every parameter's name, shape and flat offset,
+                                 each group's partition size, the config, the engine's state, and a SHA-256
+                                 of every file.
+``save_dir/latest`` names the newest tag.
+
+Crash safety: everything is written into ``save_dir/.tmp-tag``, flushed to disk, and renamed to ``tag`` only
+when complete; ``latest`` is replaced last, atomically. A process killed at any moment leaves the previous
+checkpoint loadable. Loading checks every checksum, name and shape before it changes anything, and maps
+parameters by name from the saved flat layout into the engine's, so a checkpoint written by N ranks at any
+stage loads into M ranks at any stage (DeepSpeed needs its universal-checkpoint conversion for that).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+if TYPE_CHECKING:
+    from zero_offload.engine import Engine
+
+__all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "read_manifest", "resolve_tag",
+           "full_parameters"]
+
+FORMAT = "zero-offload/1"
+KINDS = ("master", "exp_avg", "exp_avg_sq")
+MANIFEST = "manifest.json"
+CLIENT_STATE = "client_state.pt"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be saved or loaded; the message names the directory, file or tag at fault."""
+
+
+def _rank_file(rank: int) -> str:
+    return f"rank{rank:05d}.safetensors"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _barrier(engine: "Engine") -> None:
+    if engine.ctx.distributed:
+        dist.barrier()
+
+
+# -- save ------------------------------------------------------------------------------------------------
+def save_checkpoint(engine: "Engine", save_dir: str | os.PathLike, tag: str | None = None,
+                    client_state: Any = None) -> Path:
+    """Write the engine's full training state under ``save_dir/tag`` (see the module docstring).
+
+    A collective: every rank must call it with the same arguments. ``tag`` defaults to
+    ``global_step{N}`` as in DeepSpeed. Returns the checkpoint directory.
+
+    Raises:
+        CheckpointError: a tag that is not a plain file name.
+    """
+    tag = tag or f"global_step{engine.global_step}"
+    if not re.fullmatch(r"[A-Za-z0-9_.\-]+", tag) or tag.startswith("."):
+        raise CheckpointError(f"checkpoint tag {tag!r} must be a plain name (letters, digits, '_', '-', '.')")
+    root = Path(save_dir)
+    tmp, final = root / f".tmp-{tag}", root / tag
+    if engine.rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    _barrier(engine)
+    zero = engine.zero
+    partitions = 1 if zero.stage == 0 else engine.world_size
+    tensors: dict[str, torch.Tensor] = {"rng.torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        tensors["rng.cuda"] = torch.cuda.get_rng_state()
+    steps = []
+    if engine.rank < partitions:
+        for g in range(len(zero.flats)):
+            state = zero.adam.group_state(g)
+            steps.append(state["step"])
+            for kind in KINDS:
+                tensors[f"group{g}.{kind}"] = state[kind].contiguous()
+    np_state = np.random.get_state()
+    metadata = {"steps": json.dumps(steps), "python_rng": json.dumps(random.getstate()),
+                "numpy_rng": json.dumps([np_state[0], np_state[1].tolist(), *map(float, np_state[2:])])}
+    path = tmp / _rank_file(engine.rank)
+    save_file(tensors, str(path), metadata=metadata)
+    _fsync(path)
+    digests = {path.name: _sha256(path)}
+    if engine.ctx.distributed:
+        gathered = [None] * engine.world_size
+        dist.all_gather_object(gathered, digests)
+        digests = {k: v for d in gathered for k, v in d.items()}
+    if engine.rank == 0:
+        torch.save(client_state, tmp / CLIENT_STATE)
+        _fsync(tmp / CLIENT_STATE)
+        digests[CLIENT_STATE] = _sha256(tmp / CLIENT_STATE)
+        manifest = _manifest(engine, partitions, digests)
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        _fsync(tmp / MANIFEST)
+        _fsync(tmp)
+        _publish(root, tmp, final, tag)
+    _barrier(engine)
+    return final
+
+
+def _manifest(engine: "Engine", partitions: int, digests: dict[str, str]) -> dict:
+    zero = engine.zero
+    groups = [{"numel": f.numel, "padded_numel": f.padded_numel, "partition_numel": f.padded_numel // partitions,
+               "params": [{"name": s.name, "shape": list(s.shape), "offset": s.offset, "numel": s.numel}
+                          for s in f.slots]}
+              for f in zero.flats]
+    return {
+        "format": FORMAT, "world_size": engine.world_size, "partitions": partitions, "stage": zero.stage,
+        "precision": engine.config.precision, "groups": groups, "files": digests,
+        "config": engine.config.to_dict(),
+        "engine": {"global_step": engine.global_step, "skipped_steps": engine.skipped_steps,
+                   "micro_steps": engine.micro_steps, "loss_scaler": engine.scaler.state_dict(),
+                   "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler else None,
+                   "lrs": engine.get_lr()},
+    }
+
+
+def _publish(root: Path, tmp: Path, final: Path, tag: str) -> None:
+    """Rename the finished ``tmp`` into place, then point ``latest`` at it; each step is atomic."""
+    replaced = root / f".replaced-{tag}"
+    if final.exists():
+        shutil.rmtree(replaced, ignore_errors=True)
+        os.rename(final, replaced)       # if killed now, loading `tag` falls back to `.replaced-tag`
+    os.rename(tmp, final)
+    shutil.rmtree(replaced, ignore_errors=True)
+    latest_tmp = root / ".latest.tmp"
+    latest_tmp.write_text(tag)
+    _fsync(latest_tmp)
+    os.replace(latest_tmp, root / "latest")
+    _fsync(root)
+
+
+# -- load ------------------------------------------------------------------------------------------------
+def resolve_tag(load_dir: str | os.PathLike, tag: str | None = None) -> Path:
+    """The directory of checkpoint ``tag`` (default: the one ``latest`` names) under ``load_dir``.
+
+    Raises:
+        CheckpointError: no such directory, no ``latest`` file, or no such tag (the message lists the tags).
+    """
+    root = Path(load_dir)
+    if not root.is_dir():
+        raise CheckpointError(f"checkpoint directory '{root}' does not exist")
+    if tag is None:
+        latest = root / "latest"
+        if not latest.is_file():
+            raise CheckpointError(f"no checkpoint in '{root}': '{latest}' does not exist")
+        tag = latest.read_text().strip()
+    path = root / tag
+    if not path.is_dir() and (root / f".replaced-{tag}").is_dir():
+        path = root / f".replaced-{tag}"     # a save of the same tag was interrupted mid-swap
+    if not path.is_dir():
+        tags = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+        raise CheckpointError(f"checkpoint tag '{tag}' does not exist in '{root}' (tags there: "
+                              f"{', '.join(tags) or 'none'})")
+    return path
+
+
+def read_manifest(directory: Path, verify: list[str] | None = None) -> dict:
+    """Read ``directory/manifest.json`` and check the SHA-256 of the files named in ``verify``.
+
+    Raises:
+        CheckpointError: a missing, unreadable or foreign manifest, or a missing or corrupted file.
+    """
+    path = directory / MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint file '{path}' is missing") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"checkpoint file '{path}' is corrupted: {e}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(f"checkpoint file '{path}' is not a {FORMAT} manifest")
+    for name in verify or []:
+        file = directory / name
+        if name not in manifest["files"]:
+            raise CheckpointError(f"checkpoint file '{file}' is not listed in '{path}'")
+        if not file.is_file():
+            raise CheckpointError(f"checkpoint file '{file}' is missing")
+        if _sha256(file) != manifest["files"][name]:
+            raise CheckpointError(f"checkpoint file '{file}' is corrupted: its SHA-256 does not match the "
+                                  f"manifest (truncated or modified after saving)")
+    return manifest
+
+
+def full_parameters(directory: Path, manifest: dict, kind: str = "master"):
+    """Yield (name, fp32 tensor) for every saved parameter, reading one parameter at a time from the shards
+    (peak memory: about the largest parameter, not the model)."""
+    handles = {}
+    try:
+        for g, group in enumerate(manifest["groups"]):
+            part = group["partition_numel"]
+            for p in group["params"]:
+                out = torch.empty(p["numel"], dtype=torch.float32)
+                lo, hi = p["offset"], p["offset"] + p["numel"]
+                for r in range(lo // part, (hi - 1) // part + 1):
+                    if r not in handles:
+                        handles[r] = safe_open(str(directory / _rank_file(r)), framework="pt")
+                    piece = handles[r].get_slice(f"group{g}.{kind}")
+                    a, b = max(lo, r * part), min(hi, (r + 1) * part)
+                    out[a - lo:b - lo] = piece[a - r * part:b - r * part]
+                yield p["name"], out.view(p["shape"])
+    finally:
+        handles.clear()
+
+
+def _check_same_model(engine: "Engine", manifest: dict, path: Path) -> None:
+    saved = {p["name"]: p["shape"] for g in manifest["groups"] for p in g["params"]}
+    mine = {s.name: list(s.shape) for f in engine.zero.flats for s in f.slots}
+    missing = sorted(set(mine) - set(saved))
+    extra = sorted(set(saved) - set(mine))
+    if missing or extra:
+        raise CheckpointError(f"checkpoint '{path}' is from another model: parameters missing from it "
+                              f"{missing[:5]}, unknown to this model {extra[:5]}")
+    for name, shape in mine.items():
+        if saved[name] != shape:
+            raise CheckpointError(f"checkpoint '{path}' is from another model: parameter '{name}' has shape "
+                                  f"{saved[name]} there and {shape} here")
+
+
+def load_checkpoint(engine: "Engine", load_dir: str | os.PathLike, tag: str | None = None) -> Any:
+    """Restore what `save_checkpoint` wrote, resharding to this engine's world size and stage.
+
+    Optimizer states, master weights, the 16-bit parameters, the step counters, the loss scaler and the LR
+    schedule are restored exactly; RNG states too when the world size is the same. Returns the saved
+    ``client_state``. A collective: every rank must call it.
+
+    Raises:
+        CheckpointError: a missing directory, tag or file, a corrupted file, or a checkpoint of another
+            model. Nothing in the engine or on disk is changed then.
+    """
+    directory = resolve_tag(load_dir, tag)
+    manifest = read_manifest(directory)
+    _check_same_model(engine, manifest, directory / MANIFEST)
+    same_world = manifest["world_size"] == engine.world_size
+    shards = [_rank_file(r) for r in range(manifest["partitions"])]
+    own = [_rank_file(engine.rank)] if same_world else []
+    read_manifest(directory, sorted(set(shards + own + [CLIENT_STATE])))
+    new_states = _reshard(engine, directory, manifest)
+    client_state = torch.load(directory / CLIENT_STATE, weights_only=False)
+    rng = _read_rng(directory / _rank_file(engine.rank)) if same_world else None
+    # Everything is read and checked: only now change the engine.
+    for g, state in enumerate(new_states):
+        engine.zero.adam.load_group_state(g, **state)
+    if engine.zero.stage >= 1:
+        for f in engine.zero.flats:
+            engine.ctx.all_gather_partitions(f.buffer, f.partition_numel, engine.zero.allgather_bucket_numel)
+    saved = manifest["engine"]
+    engine.global_step, engine.skipped_steps = saved["global_step"], saved["skipped_steps"]
+    # Checkpoints sit on step boundaries; count micro-steps in this run's accumulation (it may differ).
+    engine.micro_steps = engine.global_step * engine.gradient_accumulation_steps
+    engine.scaler.load_state_dict(saved["loss_scaler"])
+    for group, lr in zip(engine.optimizer.param_groups, saved["lrs"]):
+        group["lr"] = lr
+    if engine.lr_scheduler is not None and saved["lr_scheduler"] is not None:
+        engine.lr_scheduler.load_state_dict(saved["lr_scheduler"])
+    if rng is not None:
+        _restore_rng(*rng)
+    return client_state
+
+
+def _reshard(engine: "Engine", directory: Path, manifest: dict) -> list[dict]:
+    """This rank's new partition of each group, built parameter by parameter from the saved layout."""
+    zero = engine.zero
+    steps = set()
+    for r in range(manifest["partitions"]):
+        with safe_open(str(directory / _rank_file(r)), framework="pt") as f:
+            steps.update(json.loads(f.metadata()["steps"]))
+    if len(steps) > 1:
+        raise CheckpointError(f"checkpoint '{directory}' holds different optimizer step counts {sorted(steps)}")
+    step = steps.pop() if steps else 0
+    where = {s.name: (g, s) for g, f in enumerate(zero.flats) for s in f.slots}
+    out = []
+    ranges = zero.adam.ranges
+    new = {kind: [torch.zeros(hi - lo, dtype=torch.float32) for lo, hi in ranges] for kind in KINDS}
+    for kind in KINDS:
+        for name, tensor in full_parameters(directory, manifest, kind):
+            g, slot = where[name]
+            lo, hi = ranges[g]
+            a, b = max(lo, slot.offset), min(hi, slot.end)
+            if a < b:
+                new[kind][g][a - lo:b - lo] = tensor.reshape(-1)[a - slot.offset:b - slot.offset]
+    for g in range(len(zero.flats)):
+        out.append({**{kind: new[kind][g] for kind in KINDS}, "step": step})
+    return out
+
+
+def _read_rng(path: Path):
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata()
+        torch_rng = f.get_tensor("rng.torch")
+        cuda_rng = f.get_tensor("rng.cuda") if "rng.cuda" in f.keys() else None
+    return torch_rng, cuda_rng, json.loads(meta["python_rng"]), json.loads(meta["numpy_rng"])
+
+
+def _restore_rng(torch_rng, cuda_rng, python_rng, numpy_rng) -> None:
+    torch.set_rng_state(torch_rng)
+    if cuda_rng is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(cuda_rng)
+    version, state, gauss = python_rng
+    random.setstate((version, tuple(state), gauss))
+    np.random.set_state((numpy_rng[0], np.array(numpy_rng[1], dtype=np.uint32), int(numpy_rng[2]),
+                         int(numpy_rng[3]), float(numpy_rng[4])))

@@ -179,7 +179,8 @@ def sample_offsets(num_tokens: int, batch_size: int, seq_len: int, *, rank: int 
                    world_size: int = 1, seed: int = 0, step: int = 0, split_id: int = 0) -> np.ndarray:
     """Start indices (int64, shape (batch_size,)) of the windows of ``seq_len + 1`` tokens that
     ``rank`` reads at ``step``: uniform within the rank's contiguous shard
-    ``[rank * shard, (rank + 1) * shard)``, ``shard = num_tokens // world_size``.
+    ``[rank * shard, (rank + 1) * shard)``, ``shard = num_tokens // world_size``. The generator is
+    seeded with ``[seed, step, rank, split_id]`` (non-negative ints), so any step can be replayed.
 
     Raises:
         ValueError: for a rank outside [0, world_size), non-positive sizes, or a shard shorter than

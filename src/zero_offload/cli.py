@@ -1,0 +1,80 @@
+"""`zero-offload` command line: train (the main job), bench, consolidate.
+
+Only this module imports `train/`; the library never does.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+__all__ = ["main"]
+
+
+def _train_parser(sub) -> None:
+    from zero_offload.train.loop import TrainArgs
+    d = TrainArgs()
+    p = sub.add_parser("train", help="train a GPT on real text (the main job)",
+                       description="Train a GPT preset through the ZeRO engine. With no flags: the `tiny` "
+                                   "preset on the Python standard library's source, ZeRO stage 2 with the "
+                                   "optimizer offloaded to the CPU (the DeepSpeed ZeRO-Offload tutorial's "
+                                   "config).")
+    p.add_argument("--model", default=d.model, help="preset: tiny (default), gpt2, gpt2-medium, gpt2-large, "
+                                                    "gpt2-xl, gpt2-10b")
+    p.add_argument("--config", default=d.config, help="DeepSpeed-style JSON config (default: stage 2 + "
+                                                      "offload_optimizer cpu, bf16 on GPUs that support it)")
+    p.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per sequence (default: the preset's "
+                                                                  "context)")
+    p.add_argument("--steps", type=int, default=d.steps, help=f"optimizer steps (default {d.steps})")
+    p.add_argument("--eval-every", type=int, default=d.eval_every, help="steps between validation losses")
+    p.add_argument("--save-every", type=int, default=d.save_every, help="steps between checkpoints (one is "
+                                                                        "always saved at the end)")
+    p.add_argument("--out", default=d.out, help=f"output directory: metrics.jsonl, loss.png, sample.txt, "
+                                                f"checkpoints/, data_cache/ (default {d.out})")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed for the model and the data order")
+    p.add_argument("--data", default=d.data, help="a text file or a directory of text files (default: the "
+                                                  "Python standard library's source)")
+    p.add_argument("--tokenizer", choices=("bpe", "bytes"), default=d.tokenizer,
+                   help="byte-level BPE trained on the corpus (default) or raw bytes")
+    p.add_argument("--precision", choices=("auto", "fp32", "bf16", "fp16"), default=d.precision,
+                   help="override the config's precision (auto keeps it)")
+    p.add_argument("--lr", type=float, default=d.lr, help="override the config's learning rate")
+
+
+def _run_train(ns) -> int:
+    from zero_offload.train.loop import TrainArgs, train
+    args = TrainArgs(**{k: v for k, v in vars(ns).items() if k in TrainArgs.__dataclass_fields__})
+    for flag in ("steps", "eval_every", "save_every"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    train(args)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="zero-offload", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    _train_parser(sub)
+    bench = sub.add_parser("bench", help="measured speed against peers: `bench optimizer ...`",
+                           add_help=False)
+    bench.add_argument("what", choices=("optimizer",))
+    bench.add_argument("rest", nargs=argparse.REMAINDER)
+    if argv[:1] == ["bench"] and len(argv) >= 2 and argv[1] == "optimizer":
+        from zero_offload.bench.optimizer import main as bench_optimizer
+        return bench_optimizer(argv[2:])
+    ns = parser.parse_args(argv)
+    from zero_offload.checkpoint import CheckpointError
+    from zero_offload.config import ConfigError
+    try:
+        if ns.command == "train":
+            return _run_train(ns)
+        parser.error(f"unknown command {ns.command}")
+    except (ConfigError, CheckpointError, ValueError, FileNotFoundError) as e:
+        print(f"zero-offload {ns.command}: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

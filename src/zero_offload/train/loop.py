@@ -1,0 +1,246 @@
+"""The main job: train a GPT preset on real text through the engine, with progress, metrics, checkpoints,
+a loss plot and a text sample. Only rank 0 prints and writes files."""
+from __future__ import annotations
+
+import copy
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import torch
+import torch.distributed as dist
+
+import zero_offload
+from zero_offload.checkpoint import CheckpointError, resolve_tag
+from zero_offload.comm import DistContext
+from zero_offload.config import Config
+from zero_offload.train.data import prepare_data
+from zero_offload.train.model import GPT, count_parameters, preset
+from zero_offload.train.report import plot_losses, write_sample
+
+__all__ = ["TrainArgs", "default_config", "train"]
+
+EVAL_BATCHES = 8   # validation batches per evaluation: enough for a stable curve on the tiny preset
+
+
+@dataclass
+class TrainArgs:
+    """The `zero-offload train` flags (see `cli.py` for their help)."""
+    model: str = "tiny"
+    config: str | None = None
+    seq_len: int | None = None
+    steps: int = 600
+    eval_every: int = 100
+    save_every: int = 200
+    out: str = "runs/tiny"
+    resume: bool = False
+    seed: int = 1337
+    data: str | None = None
+    tokenizer: str = "bpe"
+    precision: str = "auto"
+    lr: float | None = None
+
+
+def default_config(steps: int, device: torch.device) -> dict:
+    """The seed's configuration (DeepSpeed's ZeRO-Offload tutorial: stage 2, optimizer on the CPU,
+    contiguous gradients, overlapped communication), with a schedule sized to ``steps``."""
+    return {
+        "train_micro_batch_size_per_gpu": 16,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "bf16": {"enabled": _bf16_is_fast(device)},
+        "optimizer": {"type": "AdamW", "params": {"lr": 2e-3, "betas": [0.9, 0.95], "weight_decay": 0.1}},
+        "scheduler": {"type": "WarmupCosineLR", "params": {
+            "total_num_steps": max(1, steps), "warmup_num_steps": min(50, max(2, steps // 10)),
+            "warmup_type": "linear", "cos_min_ratio": 0.1}},
+        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"},
+                              "contiguous_gradients": True, "overlap_comm": True},
+    }
+
+
+def _bf16_is_fast(device: torch.device) -> bool:
+    # bf16 pays off on GPUs that support it; on CPUs torch's bf16 kernels are slower than fp32 for small
+    # models even with AVX512-BF16, so the CPU default is fp32.
+    return device.type == "cuda" and torch.cuda.is_bf16_supported()
+
+
+def _resolve_config(args: TrainArgs, device: torch.device) -> Config:
+    raw = default_config(args.steps, device) if args.config is None else Config.load(args.config).to_dict()
+    if args.config is not None:
+        raw = {k: v for k, v in raw.items() if v is not None}
+        raw["scheduler"] = raw.get("scheduler")
+        if raw["scheduler"] is None:
+            raw.pop("scheduler")
+    if args.precision != "auto":
+        raw["fp16"] = {**raw.get("fp16", {}), "enabled": args.precision == "fp16"}
+        raw["bf16"] = {"enabled": args.precision == "bf16"}
+    if args.lr is not None:
+        raw["optimizer"]["params"]["lr"] = args.lr
+    return Config.load(raw)
+
+
+def _log(rank: int, *msg) -> None:
+    if rank == 0:
+        print(*msg, flush=True)
+
+
+def train(args: TrainArgs) -> dict:
+    """Run the job; returns {"first_val_loss", "last_val_loss", "steps", "seconds"}.
+
+    Raises:
+        ValueError: an unknown preset, ``--seq-len`` beyond the preset's context, or bad data.
+        FileNotFoundError: a missing ``--data`` path.
+        CheckpointError: ``--resume`` with no checkpoint in ``--out``.
+    """
+    t_start = time.perf_counter()
+    cfg_model = preset(args.model)           # fails early on an unknown preset
+    seq_len = args.seq_len or cfg_model.block_size
+    if not 1 <= seq_len <= cfg_model.block_size:
+        raise ValueError(f"--seq-len {seq_len} is beyond the context of preset '{args.model}' "
+                         f"({cfg_model.block_size} tokens)")
+    ctx = DistContext.create()
+    out = Path(args.out)
+    ckpt_dir = out / "checkpoints"
+    if args.resume:
+        resolve_tag(ckpt_dir)                 # raises CheckpointError naming the directory when empty
+    data = _prepare(args, ctx, out)
+    torch.manual_seed(args.seed)
+    model = GPT(preset(args.model, vocab_size=data.vocab_size))
+    counts = count_parameters(model.config)
+    _log(ctx.rank, f"model {args.model}: {counts.total / 1e6:.2f}M parameters "
+                   f"({counts.non_embedding / 1e6:.2f}M non-embedding), vocab {data.vocab_size}, "
+                   f"context {seq_len}, {ctx.world_size} rank(s) on {ctx.device.type}")
+    config = _resolve_config(args, ctx.device)
+    wd = config.optimizer.params.weight_decay
+    engine = zero_offload.initialize(model, config, model_parameters=model.optimizer_groups(wd))
+    start = 0
+    if args.resume:
+        start = engine.load_checkpoint(ckpt_dir)["step"]
+        _log(ctx.rank, f"resumed from step {start} ({ckpt_dir})")
+    metrics = _Metrics(out, ctx.rank, append=args.resume)
+    micro, gas = engine.train_micro_batch_size_per_gpu, engine.gradient_accumulation_steps
+    tokens_per_step = micro * gas * ctx.world_size * seq_len
+    first_val = last_val = None
+    if start == 0:
+        first_val = last_val = _evaluate(engine, data, micro, seq_len, ctx, args.seed)
+        metrics.write({"step": 0, "val_loss": first_val})
+    bar = _progress(ctx.rank, start, args.steps)
+    for step in range(start, args.steps):
+        t0 = time.perf_counter()
+        loss_sum = torch.zeros((), device=ctx.device)
+        for k in range(gas):
+            x, y = data.get_batch("train", micro, seq_len, rank=ctx.rank, world_size=ctx.world_size,
+                                  seed=args.seed, step=step * gas + k)
+            _, loss = engine(x.to(ctx.device), y.to(ctx.device))
+            engine.backward(loss)
+            engine.step()
+            loss_sum += loss.detach().float() / gas
+        loss_value = _mean_over_ranks(loss_sum, ctx)
+        dt = time.perf_counter() - t0
+        record = {"step": step + 1, "loss": loss_value, "lr": engine.get_lr()[0],
+                  "tokens_per_s": tokens_per_step / dt, "step_time_s": dt,
+                  **{k: round(v, 6) for k, v in engine.timings.items()}, **_memory(ctx.device)}
+        metrics.write(record)
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{record['tokens_per_s']:.0f}",
+                            host_gb=f"{record['host_mem_gb']:.1f}",
+                            **({"dev_gb": f"{record['device_mem_gb']:.1f}"} if "device_mem_gb" in record else {}))
+        done = step + 1
+        if done % args.eval_every == 0 or done == args.steps:
+            last_val = _evaluate(engine, data, micro, seq_len, ctx, args.seed)
+            metrics.write({"step": done, "val_loss": last_val})
+            if bar is not None:
+                bar.write(f"step {done}: train loss {loss_value:.4f}, val loss {last_val:.4f}")
+        if done % args.save_every == 0 or done == args.steps:
+            engine.save_checkpoint(ckpt_dir, client_state={"step": done})
+    if bar is not None:
+        bar.close()
+    if ctx.rank == 0:
+        plot_losses(out / "metrics.jsonl", out / "loss.png")
+        text = write_sample(engine.module, data, out / "sample.txt", ctx.device, seed=args.seed)
+        print(f"--- sample ---\n{text}\n--------------")
+    result = {"first_val_loss": first_val if first_val is not None else metrics.first_val(),
+              "last_val_loss": last_val, "steps": args.steps, "seconds": time.perf_counter() - t_start}
+    if ctx.rank == 0 and result["first_val_loss"] and last_val:
+        drop = 1 - last_val / result["first_val_loss"]
+        print(f"validation loss {result['first_val_loss']:.4f} -> {last_val:.4f} ({drop:.1%} lower) in "
+              f"{result['seconds']:.0f} s; outputs in {out}")
+    return result
+
+
+def _prepare(args: TrainArgs, ctx: DistContext, out: Path):
+    """Rank 0 builds (or validates) the token cache first; the other ranks then read it."""
+    cache = out / "data_cache"
+    kwargs = dict(tokenizer=args.tokenizer)
+    if ctx.rank == 0:
+        data = prepare_data(cache, args.data, **kwargs)
+    if ctx.distributed:
+        dist.barrier()
+    if ctx.rank != 0:
+        data = prepare_data(cache, args.data, **kwargs)
+    return data
+
+
+@torch.no_grad()
+def _evaluate(engine, data, micro: int, seq_len: int, ctx: DistContext, seed: int) -> float:
+    engine.module.eval()
+    total = torch.zeros((), device=ctx.device)
+    for i in range(EVAL_BATCHES):
+        x, y = data.get_batch("val", micro, seq_len, rank=ctx.rank, world_size=ctx.world_size, seed=seed, step=i)
+        _, loss = engine.module(x.to(ctx.device), y.to(ctx.device))
+        total += loss.float()
+    engine.module.train()
+    return _mean_over_ranks(total / EVAL_BATCHES, ctx)
+
+
+def _mean_over_ranks(value: torch.Tensor, ctx: DistContext) -> float:
+    if ctx.distributed:
+        value = value.clone()
+        dist.all_reduce(value)
+        value /= ctx.world_size
+    return float(value)
+
+
+def _memory(device: torch.device) -> dict:
+    out = {"host_mem_gb": psutil.Process().memory_info().rss / 2**30}
+    if device.type == "cuda":
+        out["device_mem_gb"] = torch.cuda.memory_allocated(device) / 2**30
+        out["device_peak_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
+    return out
+
+
+def _progress(rank: int, start: int, total: int):
+    if rank != 0:
+        return None
+    from tqdm import tqdm
+    return tqdm(total=total, initial=start, unit="step", dynamic_ncols=True, mininterval=1.0)
+
+
+class _Metrics:
+    """metrics.jsonl: one JSON line per step and per evaluation (rank 0 only)."""
+
+    def __init__(self, out: Path, rank: int, append: bool):
+        self.path = out / "metrics.jsonl"
+        self.rank = rank
+        if rank == 0:
+            out.mkdir(parents=True, exist_ok=True)
+            if not append:
+                self.path.write_text("")
+
+    def write(self, record: dict) -> None:
+        if self.rank == 0:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    def first_val(self) -> float | None:
+        if self.rank != 0 or not self.path.exists():
+            return None
+        for line in self.path.read_text().splitlines():
+            rec = json.loads(line)
+            if "val_loss" in rec:
+                return rec["val_loss"]
+        return None

@@ -105,7 +105,10 @@ def train(args: TrainArgs) -> dict:
     out = Path(args.out)
     ckpt_dir = out / "checkpoints"
     if args.resume:
-        resolve_tag(ckpt_dir)                 # raises CheckpointError naming the directory when empty
+        try:
+            resolve_tag(ckpt_dir)
+        except CheckpointError as e:
+            raise CheckpointError(f"--resume: no checkpoint to resume from in '{out}' ({e})") from None
     data = _prepare(args, ctx, out)
     torch.manual_seed(args.seed)
     model = GPT(preset(args.model, vocab_size=data.vocab_size))

@@ -46,3 +46,37 @@ def test_clipping_is_active():
     unclipped, _ = reference_run(clip=0.0)
     clipped, _ = reference_run(clip=0.05)
     assert max((unclipped[n] - clipped[n]).abs().max().item() for n in unclipped) > 1e-4
+
+
+def _two_group_run(config):
+    import zero_offload
+    from reference import MICRO
+    from toy_model import batch, make_model
+    model = make_model()
+    groups = [{"params": [p for p in model.parameters() if p.dim() >= 2]},
+              {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0, "lr": 1e-3}]
+    engine = zero_offload.initialize(model, config, model_parameters=groups)
+    for step in range(5):
+        x, y = batch(step, MICRO)
+        engine.backward(engine(x, y))
+        engine.step()
+    return engine.full_state_dict()
+
+
+@pytest.mark.parametrize("stage,offload", [(1, "none"), (2, "cpu")])
+def test_param_groups_with_their_own_hyperparameters(stage, offload):
+    import torch
+    from reference import LR, MICRO, WD
+    from toy_model import batch, make_model
+    got = _two_group_run(engine_config(stage, offload, 1))
+    ref = make_model()
+    opt = torch.optim.AdamW([{"params": [p for p in ref.parameters() if p.dim() >= 2]},
+                             {"params": [p for p in ref.parameters() if p.dim() < 2], "weight_decay": 0.0,
+                              "lr": 1e-3}], lr=LR, weight_decay=WD)
+    for step in range(5):
+        x, y = batch(step, MICRO)
+        opt.zero_grad()
+        ref(x, y).backward()
+        opt.step()
+    for name, p in ref.named_parameters():
+        assert (got[name] - p.detach()).abs().max().item() <= ATOL, name

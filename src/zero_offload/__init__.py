@@ -3,9 +3,12 @@
     engine = zero_offload.initialize(model, config)
     loss = engine(x).loss; engine.backward(loss); engine.step()
 """
+from zero_offload.checkpoint import CheckpointError
 from zero_offload.config import Config, ConfigError
+from zero_offload.consolidate import consolidate
 from zero_offload.engine import Engine, initialize
 from zero_offload.optim.cpu_adam import CPUAdam
 
 __version__ = "0.1.0"
-__all__ = ["initialize", "Engine", "Config", "ConfigError", "CPUAdam", "__version__"]
+__all__ = ["initialize", "Engine", "Config", "ConfigError", "CheckpointError", "CPUAdam", "consolidate",
+           "__version__"]

@@ -24,6 +24,7 @@ import os
 import random
 import re
 import shutil
+import signal
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -69,6 +70,13 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
+def _fault_point(name: str) -> None:
+    """Fault injection for the crash-safety tests: SIGKILL this process at the named point of a save when
+    ZERO_OFFLOAD_KILL_AT names it."""
+    if os.environ.get("ZERO_OFFLOAD_KILL_AT") == name:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def _barrier(engine: "Engine") -> None:
     if engine.ctx.distributed:
         dist.barrier()
@@ -112,6 +120,7 @@ def save_checkpoint(engine: "Engine", save_dir: str | os.PathLike, tag: str | No
                 "numpy_rng": json.dumps([np_state[0], np_state[1].tolist(), *map(float, np_state[2:])])}
     path = tmp / _rank_file(engine.rank)
     save_file(tensors, str(path), metadata=metadata)
+    _fault_point("shard_written")
     _fsync(path)
     digests = {path.name: _sha256(path)}
     if engine.ctx.distributed:
@@ -123,6 +132,7 @@ def save_checkpoint(engine: "Engine", save_dir: str | os.PathLike, tag: str | No
         _fsync(tmp / CLIENT_STATE)
         digests[CLIENT_STATE] = _sha256(tmp / CLIENT_STATE)
         manifest = _manifest(engine, partitions, digests)
+        _fault_point("before_manifest")
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
         _fsync(tmp / MANIFEST)
         _fsync(tmp)
@@ -154,11 +164,14 @@ def _publish(root: Path, tmp: Path, final: Path, tag: str) -> None:
     if final.exists():
         shutil.rmtree(replaced, ignore_errors=True)
         os.rename(final, replaced)       # if killed now, loading `tag` falls back to `.replaced-tag`
+        _fault_point("old_moved_aside")
     os.rename(tmp, final)
+    _fault_point("renamed")
     shutil.rmtree(replaced, ignore_errors=True)
     latest_tmp = root / ".latest.tmp"
     latest_tmp.write_text(tag)
     _fsync(latest_tmp)
+    _fault_point("before_latest")
     os.replace(latest_tmp, root / "latest")
     _fsync(root)
 

@@ -1,4 +1,4 @@
-"""`zero-offload` command line: train (the main job), bench, consolidate.
+"""`zero-offload` command line: train (the main job), bench optimizer, consolidate.
 
 Only this module imports `train/`; the library never does.
 """
@@ -63,12 +63,24 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["bench"] and len(argv) >= 2 and argv[1] == "optimizer":
         from zero_offload.bench.optimizer import main as bench_optimizer
         return bench_optimizer(argv[2:])
+    cons = sub.add_parser("consolidate", help="a sharded checkpoint to one safetensors file",
+                          description="Gather the fp32 master weights of a checkpoint, parameter by parameter, "
+                                      "into one safetensors file under the model's parameter names.")
+    cons.add_argument("dir", help="the checkpoint directory (the one holding `latest`)")
+    cons.add_argument("--tag", default=None, help="which checkpoint (default: the one `latest` names)")
+    cons.add_argument("--out", default="model.safetensors", help="output file (default model.safetensors)")
+    cons.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="tensor dtype in the file")
     ns = parser.parse_args(argv)
     from zero_offload.checkpoint import CheckpointError
     from zero_offload.config import ConfigError
     try:
         if ns.command == "train":
             return _run_train(ns)
+        if ns.command == "consolidate":
+            from zero_offload.consolidate import export_safetensors
+            path = export_safetensors(ns.dir, ns.out, ns.tag, ns.dtype)
+            print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB)")
+            return 0
         parser.error(f"unknown command {ns.command}")
     except (ConfigError, CheckpointError, ValueError, FileNotFoundError) as e:
         print(f"zero-offload {ns.command}: error: {e}", file=sys.stderr)

@@ -1,0 +1,1 @@
+"""Side-by-side benchmarks behind ``zero-offload bench``."""

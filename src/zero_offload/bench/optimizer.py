@@ -14,7 +14,8 @@ master and both Adam moments updated, the 16-bit parameter out.
 
 Memory bandwidth: a STREAM triad ``a = b + s*c`` (12 bytes/element credited, STREAM's convention) and its
 in-place form ``a += s*c`` (12 bytes, no write-allocate), on all cores; the higher of the two is the
-limit each path's achieved bytes/s is divided by. Times are medians of ``--repeats`` runs after a warm-up.
+limit each path's achieved bytes/s is divided by. Times are medians of ``--repeats`` runs after a warm-up,
+the paths taking turns (round-robin) so that a noisy machine slows them alike.
 """
 from __future__ import annotations
 
@@ -34,30 +35,30 @@ from zero_offload.optim.fused_adam import fused_adam_step
 __all__ = ["main"]
 
 HP = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+OURS, OURS_BF16 = "zero-offload fused", "zero-offload fused, bf16 moments"
+TORCH, DEEPSPEED = "torch fused AdamW + 2 casts", "DeepSpeed CPUAdam + 2 casts"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def _median_seconds(fn: Callable[[], None], repeats: int, warmup: int = 1) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def _timed(fn: Callable[[], None]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
-def triad_bandwidth(n: int, repeats: int) -> dict[str, float]:
-    """STREAM-style triad bandwidth in GB/s (1e9 bytes/s), 12 bytes per element credited."""
-    a, b, c = torch.empty(n), torch.rand(n), torch.rand(n)
-    a.fill_(1.0)
-    copy_t = _median_seconds(lambda: torch.add(b, c, alpha=3.0, out=a), repeats)
-    inplace_t = _median_seconds(lambda: a.add_(c, alpha=1e-3), repeats)
-    return {"triad": 12 * n / copy_t / 1e9, "triad_inplace": 12 * n / inplace_t / 1e9}
+def _triad(n: int) -> Callable[[], None]:
+    """STREAM triad ``a = b + s*c`` (torch, all cores): 12 bytes per element credited."""
+    a, b, c = torch.ones(n), torch.rand(n), torch.rand(n)
+    return lambda: torch.add(b, c, alpha=3.0, out=a)
 
 
-def _bench_ours(n, dtype, repeats, state_dtype):
+def _triad_inplace(n: int) -> Callable[[], None]:
+    """In-place triad ``a += s*c``: 12 bytes per element, with no write-allocate traffic."""
+    a, c = torch.ones(n), torch.rand(n)
+    return lambda: a.add_(c, alpha=1e-3)
+
+
+def _ours(n: int, dtype: torch.dtype, state_dtype: torch.dtype) -> Callable[[], None]:
     master, grad = torch.randn(n), torch.randn(n).to(dtype)
     m, v, out = torch.zeros(n, dtype=state_dtype), torch.zeros(n, dtype=state_dtype), torch.empty(n, dtype=dtype)
     step = [0]
@@ -66,10 +67,10 @@ def _bench_ours(n, dtype, repeats, state_dtype):
         step[0] += 1
         fused_adam_step(master, grad, m, v, step=step[0], out=out, **HP)
 
-    return _median_seconds(run, repeats)
+    return run
 
 
-def _bench_torch(n, dtype, repeats):
+def _torch(n: int, dtype: torch.dtype) -> Callable[[], None]:
     master, grad = torch.randn(n), torch.randn(n).to(dtype)
     m, v, out, g32 = torch.zeros(n), torch.zeros(n), torch.empty(n, dtype=dtype), torch.empty(n)
     step = torch.zeros(())
@@ -82,10 +83,10 @@ def _bench_torch(n, dtype, repeats):
                             amsgrad=False, maximize=False)
         out.copy_(master)
 
-    return _median_seconds(run, repeats)
+    return run
 
 
-def _bench_deepspeed(n, dtype, repeats):
+def _deepspeed(n: int, dtype: torch.dtype) -> Callable[[], None]:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from deepspeed.ops.adam import DeepSpeedCPUAdam  # noqa: PLC0415  (optional peer, compiles on first use)
 
@@ -100,7 +101,7 @@ def _bench_deepspeed(n, dtype, repeats):
         opt.step()
         out.copy_(master.data)
 
-    return _median_seconds(run, repeats, warmup=2)
+    return run
 
 
 def _row(name, seconds, n, bytes_per_param, limit_gbs, error=None):
@@ -119,7 +120,7 @@ def _format(result: dict) -> str:
              "",
              f"{'path':<34}{'Gparam/s':>9}{'B/param':>9}{'GB/s':>8}{'of BW':>8}{'vs torch':>10}{'vs DS':>8}"]
     ref = {r["path"]: r.get("gparams_per_s") for r in result["rows"]}
-    t_ref, ds_ref = ref.get("torch fused AdamW + 2 casts"), ref.get("DeepSpeed CPUAdam + 2 casts")
+    t_ref, ds_ref = ref.get(TORCH), ref.get(DEEPSPEED)
     for r in result["rows"]:
         if "error" in r:
             lines.append(f"{r['path']:<34}  unavailable: {r['error']}")
@@ -143,20 +144,34 @@ def main(argv: list[str] | None = None) -> int:
     if args.params < 1 or args.repeats < 1:
         ap.error("--params and --repeats must be >= 1")
     n, dtype = args.params, DTYPES[args.dtype]
-
-    bw = triad_bandwidth(max(n, 1 << 25), args.repeats)
-    limit = max(bw.values())
-    isa = _native.set_isa(None) if _native.load() is not None else "torch fallback"
-    rows = [
-        _row("zero-offload fused", _bench_ours(n, dtype, args.repeats, torch.float32), n, 28, limit),
-        _row("zero-offload fused, bf16 moments", _bench_ours(n, dtype, args.repeats, torch.bfloat16), n, 20, limit),
-        _row("torch fused AdamW + 2 casts", _bench_torch(n, dtype, args.repeats), n, 40, limit),
-    ]
+    n_bw = max(n, 1 << 25)  # 128 MiB per array at least: far beyond any last-level cache
+    # (name, elements, bytes per element, setup); every path is set up, then all are timed round-robin
+    # so that a change in the machine's load or memory speed hits every path alike.
+    specs = [("triad", n_bw, 12, lambda: _triad(n_bw)), ("triad_inplace", n_bw, 12, lambda: _triad_inplace(n_bw)),
+             (OURS, n, 28, lambda: _ours(n, dtype, torch.float32)),
+             (OURS_BF16, n, 20, lambda: _ours(n, dtype, torch.bfloat16)),
+             (TORCH, n, 40, lambda: _torch(n, dtype))]
     if not args.no_deepspeed:
+        specs.append((DEEPSPEED, n, 40, lambda: _deepspeed(n, dtype)))
+    runs, errors = {}, {}
+    for name, _, _, setup in specs:
         try:
-            rows.append(_row("DeepSpeed CPUAdam + 2 casts", _bench_deepspeed(n, dtype, args.repeats), n, 40, limit))
-        except Exception as exc:  # not installed, or its extension failed to build
-            rows.append(_row("DeepSpeed CPUAdam + 2 casts", None, n, 40, limit, error=f"{type(exc).__name__}: {exc}"))
+            fn = setup()
+            fn()
+            fn()  # warm-up: first-touch page faults, DeepSpeed's state allocation
+            runs[name] = fn
+        except Exception as exc:  # DeepSpeed missing, or its extension failed to build
+            errors[name] = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(args.repeats):
+        for name, fn in runs.items():
+            times[name].append(_timed(fn))
+    med = {name: statistics.median(ts) for name, ts in times.items()}
+    bw = {name: 12 * n_bw / med[name] / 1e9 for name in ("triad", "triad_inplace")}
+    limit = max(bw.values())
+    rows = [_row(name, med.get(name), count, bpp, limit, errors.get(name))
+            for name, count, bpp, _ in specs if not name.startswith("triad")]
+    isa = _native.set_isa(None) if _native.load() is not None else "torch fallback"
     result = {"params": n, "dtype": args.dtype, "repeats": args.repeats, "threads": torch.get_num_threads(),
               "isa": isa, "torch": torch.__version__, "bandwidth": bw, "limit_gb_s": limit, "rows": rows}
     print(_format(result))

@@ -19,56 +19,64 @@ __all__ = ["PartitionedAdam"]
 class PartitionedAdam:
     """The optimizer over one partition per param group.
 
+    The step runs on the host -- `CPUAdam`'s fused kernel -- whenever the states live in host memory: with
+    ``offload_optimizer.device = cpu``, and on a machine whose compute device is the CPU. Only with the
+    states on an accelerator does torch's fused device AdamW do it.
+
     Args:
         flats: the groups' flat buffers; ``partition_ranges`` say which slice of each this rank steps.
         hparams: per group, dict(lr, betas, eps, weight_decay, adamw_mode, bias_correction).
-        offload: keep states on the host and step with `CPUAdam`.
+        offload: keep states on the host, separate from the compute device's buffers.
         pin: page-lock the host master/parameter buffers (``offload_optimizer.pin_memory``).
 
     Attributes:
         optimizer: the inner ``torch.optim.Optimizer`` whose param groups carry the live learning rates
             (the LR schedule writes into them).
         masters: per group, the fp32 master partition, shape (partition numel,).
+        outs: per group, the 16-bit tensor the host kernel writes updated parameters into (a pinned staging
+            buffer copied up chunk by chunk when offloaded; the partition itself on a CPU device), or None.
+
+    Raises:
+        ValueError: ``bias_correction = false`` with the states on an accelerator (torch's Adam has no
+            such switch).
     """
 
     def __init__(self, flats: list[FlatParams], partition_ranges: list[tuple[int, int]], hparams: list[dict],
                  offload: bool, pin: bool, copies: CopyEngine):
         self.flats, self.ranges, self.offload, self.copies = flats, partition_ranges, offload, copies
+        self.on_host = offload or flats[0].device.type == "cpu"
         self.masters: list[torch.Tensor] = []
         self.outs: list[torch.Tensor | None] = []
         for flat, (lo, hi) in zip(flats, partition_ranges):
             part = flat.buffer[lo:hi]
+            sixteen_bit = flat.dtype != torch.float32
             if offload:
                 master = host_empty(hi - lo, torch.float32, pin).copy_(part)
-                out = host_empty(hi - lo, flat.dtype, pin) if flat.dtype != torch.float32 else None
-            elif flat.dtype == torch.float32:
-                master, out = part, None     # fp32 on the device: the parameters are their own master
+                out = host_empty(hi - lo, flat.dtype, pin) if sixteen_bit else None
+            elif not sixteen_bit:
+                master, out = part, None     # fp32 and not offloaded: the parameters are their own master
             else:
-                master, out = part.float(), None
+                master, out = part.float(), (part if self.on_host else None)
             self.masters.append(master)
             self.outs.append(out)
         groups = [{"params": [m], **h} for m, h in zip(self.masters, hparams)]
-        if offload:
+        if self.on_host:
             self.optimizer = CPUAdam(groups)
         else:
             for g in groups:
                 if not g.pop("bias_correction"):
-                    raise ValueError("optimizer.params.bias_correction = false needs offload_optimizer.device "
-                                     "= 'cpu' (torch's device Adam always corrects bias)")
-            fused = {"fused": True} if flats[0].device.type == "cuda" else {"foreach": True}
+                    raise ValueError("optimizer.params.bias_correction = false needs the optimizer states on "
+                                     "the host (offload_optimizer.device = 'cpu'); torch's device Adam "
+                                     "always corrects bias")
             adamw = [g.pop("adamw_mode") for g in groups][0]
-            self.optimizer = (torch.optim.AdamW if adamw else torch.optim.Adam)(groups, **fused)
+            self.optimizer = (torch.optim.AdamW if adamw else torch.optim.Adam)(groups, fused=True)
 
     @torch.no_grad()
     def step(self, grads: list[torch.Tensor], grad_scale: float) -> None:
         """One step of every group's partition with ``grads`` (same shapes, training dtype or fp32) times
-        ``grad_scale``, then the updated 16-bit partition is written into the flat buffer."""
-        if self.offload:
-            self.optimizer.step(grads=[[g] for g in grads], grad_scale=grad_scale,
-                                outputs=[[o] for o in self.outs])
-            for flat, (lo, hi), master, out in zip(self.flats, self.ranges, self.masters, self.outs):
-                self.copies.to_device(flat.buffer[lo:hi], out if out is not None else master)
-            self.copies.wait_for_copies()
+        ``grad_scale``; the updated 16-bit partition ends up in the flat buffer."""
+        if self.on_host:
+            self._host_step(grads, grad_scale)
             return
         for master, g in zip(self.masters, grads):
             if g.dtype != torch.float32:
@@ -80,6 +88,20 @@ class PartitionedAdam:
             master.grad = None
             if master.data_ptr() != flat.buffer[lo:].data_ptr():
                 flat.buffer[lo:hi].copy_(master)
+
+    def _host_step(self, grads: list[torch.Tensor], grad_scale: float) -> None:
+        on_chunk = None
+        if self.offload:
+            # Each finished chunk starts its copy up at once, overlapping the rest of the host step
+            # (ZeRO-Offload paper, Sec. 4.2's pipelining of the parameter swap-in with the CPU step).
+            def on_chunk(g: int, _param: int, lo: int, hi: int) -> None:
+                src = self.outs[g] if self.outs[g] is not None else self.masters[g]
+                base = self.ranges[g][0]
+                self.copies.to_device(self.flats[g].buffer[base + lo:base + hi], src[lo:hi])
+        self.optimizer.step(grads=[[g] for g in grads], grad_scale=grad_scale,
+                            outputs=[[o] for o in self.outs], on_chunk=on_chunk)
+        if self.offload:
+            self.copies.wait_for_copies()
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         """The tensors this optimizer holds, by kind: master, exp_avg, exp_avg_sq (one per group)."""
@@ -111,10 +133,8 @@ class PartitionedAdam:
         if step > 0:
             like = self.optimizer.state.get(mine, {}).get("exp_avg")
             dtype = like.dtype if like is not None else getattr(self.optimizer, "state_dtype", torch.float32)
-            on_device = self.flats[0].device.type == "cuda" and not self.offload
             self.optimizer.state[mine] = {
-                "step": step if self.offload else torch.tensor(float(step), device=mine.device if on_device
-                                                               else "cpu"),
+                "step": step if self.on_host else torch.tensor(float(step), device=mine.device),
                 "exp_avg": exp_avg.to(mine.device, dtype).clone(),
                 "exp_avg_sq": exp_avg_sq.to(mine.device, dtype).clone()}
         else:

@@ -106,7 +106,7 @@ class ZeroOptimizer:
             "buckets": ("device", self.reducer.pool.buffers()),
             "grad_partition": (state_side, [p.buffer for p in self.partitions if not p.in_place]),
             **{k: (state_side, v) for k, v in self.adam.state_tensors().items()},
-            "param_staging": ("host", [o for o in self.adam.outs if o is not None]),
+            "param_staging": ("host", [o for o in self.adam.outs if o is not None and self.offload]),
         }
         seen: set[int] = set()
         out = {}

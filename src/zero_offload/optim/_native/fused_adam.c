@@ -38,8 +38,10 @@ enum { ZO_ISA_SCALAR = 0, ZO_ISA_AVX2 = 1, ZO_ISA_AVX512 = 2 };
 #define ZO_L2 4          /* Adam: g += l2 * p */
 #define ZO_LERP_SMALL 8  /* |1 - beta1| < 0.5: torch's lerp takes its first branch */
 #define ZO_NT_OUT 16     /* non-temporal stores for the 16-bit output */
-#define ZO_NT_STATE 32   /* non-temporal stores for master and moments */
-#define ZO_PREFETCH 64   /* software prefetch ahead */
+#define ZO_NT_STATE 32   /* non-temporal stores for master and moments (AVX-512 only; slower: off) */
+#define ZO_DYNAMIC 128   /* threads take ZO_BLOCK-element blocks in turn instead of one slice each */
+#define ZO_BLOCK 65536
+#define ZO_PREFETCH 64   /* software prefetch ahead (AVX-512 only; slower than the hardware's: off) */
 
 typedef struct {
     float grad_scale, decay, l2, w1, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step_size;
@@ -226,7 +228,7 @@ ZO_T256 ZO_INLINE __m256 zo_ld8(const void *p, int64_t i, const int dt) {
     return _mm256_cvtph_ps(h);
 }
 
-ZO_T256 ZO_INLINE void zo_st8(void *p, int64_t i, const int dt, __m256 x) {
+ZO_T256 ZO_INLINE void zo_st8(void *p, int64_t i, const int dt, __m256 x, int nt) {
     if (dt == ZO_F32) { _mm256_storeu_ps((float *)p + i, x); return; }
     __m128i h;
     if (dt == ZO_BF16) {
@@ -239,7 +241,8 @@ ZO_T256 ZO_INLINE void zo_st8(void *p, int64_t i, const int dt, __m256 x) {
     } else {
         h = _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     }
-    _mm_storeu_si128((__m128i *)((uint16_t *)p + i), h);
+    if (nt) _mm_stream_si128((__m128i *)((uint16_t *)p + i), h);
+    else _mm_storeu_si128((__m128i *)((uint16_t *)p + i), h);
 }
 
 ZO_T256 ZO_INLINE void zo_range256(const int gd, const int sd, const int od, const zo_bufs *b, int64_t i,
@@ -250,6 +253,7 @@ ZO_T256 ZO_INLINE void zo_range256(const int gd, const int sd, const int od, con
                  w1m1 = _mm256_set1_ps(h->w1 - 1.0f), b2 = _mm256_set1_ps(h->beta2),
                  omb2 = _mm256_set1_ps(h->one_minus_beta2), bc2 = _mm256_set1_ps(h->bc2_sqrt),
                  eps = _mm256_set1_ps(h->eps), nss = _mm256_set1_ps(h->neg_step_size);
+    const int nt_out = (fl & ZO_NT_OUT) && od != ZO_OUT_NONE && ((uintptr_t)b->out + 2 * i) % 16 == 0;
     for (; i + 8 <= end; i += 8) {
         __m256 g = zo_ld8(b->grad, i, gd);
         if (fl & ZO_SCALE) g = _mm256_mul_ps(g, gs);
@@ -263,11 +267,12 @@ ZO_T256 ZO_INLINE void zo_range256(const int gd, const int sd, const int od, con
         v = _mm256_fmadd_ps(_mm256_mul_ps(omb2, g), g, v);
         const __m256 d = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), bc2), eps);
         p = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(nss, m), d));
-        zo_st8(b->master, i, ZO_F32, p);
-        zo_st8(b->exp_avg, i, sd, m);
-        zo_st8(b->exp_avg_sq, i, sd, v);
-        if (od != ZO_OUT_NONE) zo_st8(b->out, i, od == ZO_OUT_BF16 ? ZO_BF16 : ZO_F16, p);
+        zo_st8(b->master, i, ZO_F32, p, 0);
+        zo_st8(b->exp_avg, i, sd, m, 0);
+        zo_st8(b->exp_avg_sq, i, sd, v, 0);
+        if (od != ZO_OUT_NONE) zo_st8(b->out, i, od == ZO_OUT_BF16 ? ZO_BF16 : ZO_F16, p, nt_out);
     }
+    if (nt_out) _mm_sfence();
     zo_range_scalar(gd, sd, od, b, i, end, h);
 }
 
@@ -327,6 +332,15 @@ int zo_adam_step(float *master, const void *grad, int gd, void *exp_avg, void *e
     if (nthreads < 1) nthreads = 1;
     if (n < (int64_t)ZO_MIN_PER_THREAD * nthreads) nthreads = (int)(n / ZO_MIN_PER_THREAD) + 1;
 #ifdef _OPENMP
+    if (h->flags & ZO_DYNAMIC) {
+        const int64_t nblocks = (n + ZO_BLOCK - 1) / ZO_BLOCK;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) if (nthreads > 1)
+        for (int64_t k = 0; k < nblocks; ++k) {
+            const int64_t lo = k * ZO_BLOCK, hi = lo + ZO_BLOCK < n ? lo + ZO_BLOCK : n;
+            zo_run(isa, gd, sd, od, &b, lo, hi, h);
+        }
+        return 0;
+    }
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
     {
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();

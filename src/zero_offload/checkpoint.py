@@ -34,6 +34,8 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from zero_offload.zero.layout import GroupLayout
+
 if TYPE_CHECKING:
     from zero_offload.engine import Engine
 
@@ -104,13 +106,13 @@ def save_checkpoint(engine: "Engine", save_dir: str | os.PathLike, tag: str | No
         tmp.mkdir()
     _barrier(engine)
     zero = engine.zero
-    partitions = 1 if zero.stage == 0 else engine.world_size
+    partitions = zero.partitions_count
     tensors: dict[str, torch.Tensor] = {"rng.torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         tensors["rng.cuda"] = torch.cuda.get_rng_state()
     steps = []
     if engine.rank < partitions:
-        for g in range(len(zero.flats)):
+        for g in range(len(zero.adam.masters)):
             state = zero.adam.group_state(g)
             steps.append(state["step"])
             for kind in KINDS:
@@ -143,10 +145,7 @@ def save_checkpoint(engine: "Engine", save_dir: str | os.PathLike, tag: str | No
 
 def _manifest(engine: "Engine", partitions: int, digests: dict[str, str]) -> dict:
     zero = engine.zero
-    groups = [{"numel": f.numel, "padded_numel": f.padded_numel, "partition_numel": f.padded_numel // partitions,
-               "params": [{"name": s.name, "shape": list(s.shape), "offset": s.offset, "numel": s.numel}
-                          for s in f.slots]}
-              for f in zero.flats]
+    groups = [g.to_json() for g in zero.layout()]
     return {
         "format": FORMAT, "world_size": engine.world_size, "partitions": partitions, "stage": zero.stage,
         "precision": engine.config.precision, "groups": groups, "files": digests,
@@ -234,24 +233,21 @@ def full_parameters(directory: Path, manifest: dict, kind: str = "master"):
     handles = {}
     try:
         for g, group in enumerate(manifest["groups"]):
-            part = group["partition_numel"]
-            for p in group["params"]:
-                out = torch.empty(p["numel"], dtype=torch.float32)
-                lo, hi = p["offset"], p["offset"] + p["numel"]
-                for r in range(lo // part, (hi - 1) // part + 1):
-                    if r not in handles:
-                        handles[r] = safe_open(str(directory / _rank_file(r)), framework="pt")
-                    piece = handles[r].get_slice(f"group{g}.{kind}")
-                    a, b = max(lo, r * part), min(hi, (r + 1) * part)
-                    out[a - lo:b - lo] = piece[a - r * part:b - r * part]
-                yield p["name"], out.view(p["shape"])
+            for p in GroupLayout.from_json(group).params:
+                out = torch.empty(p.numel, dtype=torch.float32)
+                for c in p.pieces:
+                    if c.rank not in handles:
+                        handles[c.rank] = safe_open(str(directory / _rank_file(c.rank)), framework="pt")
+                    piece = handles[c.rank].get_slice(f"group{g}.{kind}")
+                    out[c.param_offset:c.param_offset + c.length] = piece[c.part_offset:c.part_offset + c.length]
+                yield p.name, out.view(p.shape)
     finally:
         handles.clear()
 
 
 def _check_same_model(engine: "Engine", manifest: dict, path: Path) -> None:
     saved = {p["name"]: p["shape"] for g in manifest["groups"] for p in g["params"]}
-    mine = {s.name: list(s.shape) for f in engine.zero.flats for s in f.slots}
+    mine = {p.name: list(p.shape) for g in engine.zero.layout() for p in g.params}
     missing = sorted(set(mine) - set(saved))
     extra = sorted(set(saved) - set(mine))
     if missing or extra:
@@ -287,9 +283,7 @@ def load_checkpoint(engine: "Engine", load_dir: str | os.PathLike, tag: str | No
     # Everything is read and checked: only now change the engine.
     for g, state in enumerate(new_states):
         engine.zero.adam.load_group_state(g, **state)
-    if engine.zero.stage >= 1:
-        for f in engine.zero.flats:
-            engine.ctx.all_gather_partitions(f.buffer, f.partition_numel, engine.zero.allgather_bucket_numel)
+    engine.zero.after_load()
     saved = manifest["engine"]
     engine.global_step, engine.skipped_steps = saved["global_step"], saved["skipped_steps"]
     # Checkpoints sit on step boundaries; count micro-steps in this run's accumulation (it may differ).
@@ -314,20 +308,19 @@ def _reshard(engine: "Engine", directory: Path, manifest: dict) -> list[dict]:
     if len(steps) > 1:
         raise CheckpointError(f"checkpoint '{directory}' holds different optimizer step counts {sorted(steps)}")
     step = steps.pop() if steps else 0
-    where = {s.name: (g, s) for g, f in enumerate(zero.flats) for s in f.slots}
-    out = []
-    ranges = zero.adam.ranges
-    new = {kind: [torch.zeros(hi - lo, dtype=torch.float32) for lo, hi in ranges] for kind in KINDS}
+    rank = engine.rank if zero.partitions_count > 1 else 0
+    layout = zero.layout()
+    where = {p.name: (g, p) for g, group in enumerate(layout) for p in group.params}
+    new = {kind: [torch.zeros(group.partition_numel, dtype=torch.float32) for group in layout] for kind in KINDS}
     for kind in KINDS:
         for name, tensor in full_parameters(directory, manifest, kind):
-            g, slot = where[name]
-            lo, hi = ranges[g]
-            a, b = max(lo, slot.offset), min(hi, slot.end)
-            if a < b:
-                new[kind][g][a - lo:b - lo] = tensor.reshape(-1)[a - slot.offset:b - slot.offset]
-    for g in range(len(zero.flats)):
-        out.append({**{kind: new[kind][g] for kind in KINDS}, "step": step})
-    return out
+            g, placement = where[name]
+            flat = tensor.reshape(-1)
+            for c in placement.pieces:
+                if c.rank == rank:
+                    new[kind][g][c.part_offset:c.part_offset + c.length] = \
+                        flat[c.param_offset:c.param_offset + c.length]
+    return [{**{kind: new[kind][g] for kind in KINDS}, "step": step} for g in range(len(layout))]
 
 
 def _read_rng(path: Path):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import torch
 
-from zero_offload.flat import FlatParams
 from zero_offload.offload.copies import CopyEngine, host_empty
 from zero_offload.optim.cpu_adam import CPUAdam
 
@@ -24,7 +23,8 @@ class PartitionedAdam:
     states on an accelerator does torch's fused device AdamW do it.
 
     Args:
-        flats: the groups' flat buffers; ``partition_ranges`` say which slice of each this rank steps.
+        parts: per group, this rank's 16-bit (or fp32) parameter partition, 1-D: a slice of the flat buffer
+            (stages 0-2) or the concatenated unit shards (stage 3); updated in place by `step`.
         hparams: per group, dict(lr, betas, eps, weight_decay, adamw_mode, bias_correction).
         offload: keep states on the host, separate from the compute device's buffers.
         pin: page-lock the host master/parameter buffers (``offload_optimizer.pin_memory``).
@@ -41,20 +41,23 @@ class PartitionedAdam:
             such switch).
     """
 
-    def __init__(self, flats: list[FlatParams], partition_ranges: list[tuple[int, int]], hparams: list[dict],
-                 offload: bool, pin: bool, copies: CopyEngine):
-        self.flats, self.ranges, self.offload, self.copies = flats, partition_ranges, offload, copies
-        self.on_host = offload or flats[0].device.type == "cpu"
+    def __init__(self, parts: list[torch.Tensor], hparams: list[dict], offload: bool, pin: bool,
+                 copies: CopyEngine, host_params: bool = False):
+        self.parts, self.offload, self.copies = parts, offload, copies
+        self.host_params = host_params
+        self.on_host = offload or parts[0].device.type == "cpu"
         self.masters: list[torch.Tensor] = []
         self.outs: list[torch.Tensor | None] = []
-        for flat, (lo, hi) in zip(flats, partition_ranges):
-            part = flat.buffer[lo:hi]
-            sixteen_bit = flat.dtype != torch.float32
-            if offload:
-                master = host_empty(hi - lo, torch.float32, pin).copy_(part)
-                out = host_empty(hi - lo, flat.dtype, pin) if sixteen_bit else None
+        for part in parts:
+            sixteen_bit = part.dtype != torch.float32
+            if offload and not (host_params and not sixteen_bit):
+                master = host_empty(part.numel(), torch.float32, pin).copy_(part)
+                # 16-bit parameter partitions offloaded too (stage 3): the kernel writes straight into
+                # them; otherwise into a host staging buffer that is copied up chunk by chunk.
+                out = (part if host_params else host_empty(part.numel(), part.dtype, pin)) if sixteen_bit \
+                    else None
             elif not sixteen_bit:
-                master, out = part, None     # fp32 and not offloaded: the parameters are their own master
+                master, out = part, None     # fp32 where the step runs: the parameters are their own master
             else:
                 master, out = part.float(), (part if self.on_host else None)
             self.masters.append(master)
@@ -84,24 +87,29 @@ class PartitionedAdam:
             else:
                 master.grad = g if grad_scale == 1.0 else g.mul(grad_scale)
         self.optimizer.step()
-        for flat, (lo, hi), master in zip(self.flats, self.ranges, self.masters):
+        for part, master in zip(self.parts, self.masters):
             master.grad = None
-            if master.data_ptr() != flat.buffer[lo:].data_ptr():
-                flat.buffer[lo:hi].copy_(master)
+            if master.data_ptr() != part.data_ptr():
+                part.copy_(master)
 
     def _host_step(self, grads: list[torch.Tensor], grad_scale: float) -> None:
         on_chunk = None
-        if self.offload:
+        if self.host_params:
+            pass
+        elif any(p.device.type != "cpu" for p in self.parts):
             # Each finished chunk starts its copy up at once, overlapping the rest of the host step
             # (ZeRO-Offload paper, Sec. 4.2's pipelining of the parameter swap-in with the CPU step).
             def on_chunk(g: int, _param: int, lo: int, hi: int) -> None:
                 src = self.outs[g] if self.outs[g] is not None else self.masters[g]
-                base = self.ranges[g][0]
-                self.copies.to_device(self.flats[g].buffer[base + lo:base + hi], src[lo:hi])
+                self.copies.to_device(self.parts[g][lo:hi], src[lo:hi])
+        elif self.offload:
+            # A CPU compute device: the copy up is a real copy into the separate parameter buffer.
+            def on_chunk(g: int, _param: int, lo: int, hi: int) -> None:
+                src = self.outs[g] if self.outs[g] is not None else self.masters[g]
+                self.parts[g][lo:hi].copy_(src[lo:hi])
         self.optimizer.step(grads=[[g] for g in grads], grad_scale=grad_scale,
                             outputs=[[o] for o in self.outs], on_chunk=on_chunk)
-        if self.offload:
-            self.copies.wait_for_copies()
+        self.copies.wait_for_copies()
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         """The tensors this optimizer holds, by kind: master, exp_avg, exp_avg_sq (one per group)."""
@@ -139,6 +147,5 @@ class PartitionedAdam:
                 "exp_avg_sq": exp_avg_sq.to(mine.device, dtype).clone()}
         else:
             self.optimizer.state.pop(mine, None)
-        lo, hi = self.ranges[g]
-        if mine.data_ptr() != self.flats[g].buffer[lo:].data_ptr():
-            self.flats[g].buffer[lo:hi].copy_(mine)
+        if mine.data_ptr() != self.parts[g].data_ptr():
+            self.parts[g].copy_(mine)

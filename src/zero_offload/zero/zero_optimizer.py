@@ -15,6 +15,7 @@ from zero_offload.config import Config
 from zero_offload.flat import FlatParams
 from zero_offload.offload.copies import CopyEngine
 from zero_offload.zero.grad_partition import GradPartition
+from zero_offload.zero.layout import GroupLayout, contiguous_layout
 from zero_offload.zero.partitioned_adam import PartitionedAdam
 from zero_offload.zero.reducer import GradientReducer
 
@@ -52,9 +53,8 @@ class ZeroOptimizer:
                            for i, f in enumerate(self.flats)]
         self.reducer = GradientReducer(ctx, self.flats, self.partitions, self.flat_grads, self.stage,
                                        zc.reduce_bucket_size, zc.overlap_comm)
-        ranges = [(p.lo, p.hi) for p in self.partitions]
-        self.adam = PartitionedAdam(self.flats, ranges, [g.hparams for g in groups], self.offload, pin,
-                                    self.copies)
+        parts = [f.buffer[p.lo:p.hi] for f, p in zip(self.flats, self.partitions)]
+        self.adam = PartitionedAdam(parts, [g.hparams for g in groups], self.offload, pin, self.copies)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -119,6 +119,21 @@ class ZeroOptimizer:
                     nbytes += t.numel() * t.element_size()
             out[kind] = {"bytes": nbytes, "numel": sum(t.numel() for t in tensors), "side": side}
         return out
+
+    @property
+    def partitions_count(self) -> int:
+        """How many distinct optimizer partitions exist (1 at stage 0, where every rank holds all)."""
+        return self.ctx.world_size if self.stage >= 1 else 1
+
+    def layout(self) -> list[GroupLayout]:
+        """Where every parameter's elements sit in the ranks' partitions, one entry per group."""
+        return [contiguous_layout(f, self.partitions_count) for f in self.flats]
+
+    def after_load(self) -> None:
+        """Bring every rank's full 16-bit parameters up to date after partitions were replaced."""
+        if self.stage >= 1:
+            for f in self.flats:
+                self.ctx.all_gather_partitions(f.buffer, f.partition_numel, self.allgather_bucket_numel)
 
     def full_master_state(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
         """{name: fp32 CPU tensor} for every flattened parameter, gathered from all ranks' master

@@ -1,0 +1,62 @@
+"""Where each parameter's elements live across the ranks' optimizer partitions.
+
+Checkpoints record this layout and map parameters by name from one layout into another, which is what lets
+a checkpoint written by N ranks at one ZeRO stage load into M ranks at another.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from zero_offload.flat import FlatParams
+
+__all__ = ["Piece", "ParamPlacement", "GroupLayout", "contiguous_layout"]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """``length`` elements of a flattened parameter, from ``param_offset``, stored in ``rank``'s partition
+    at ``part_offset``."""
+    rank: int
+    part_offset: int
+    param_offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class ParamPlacement:
+    name: str
+    shape: tuple[int, ...]
+    numel: int
+    pieces: tuple[Piece, ...]
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """One param group: each rank's partition holds ``partition_numel`` elements."""
+    partition_numel: int
+    params: tuple[ParamPlacement, ...]
+
+    def to_json(self) -> dict:
+        return {"partition_numel": self.partition_numel,
+                "params": [{"name": p.name, "shape": list(p.shape), "numel": p.numel,
+                            "pieces": [[c.rank, c.part_offset, c.param_offset, c.length] for c in p.pieces]}
+                           for p in self.params]}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "GroupLayout":
+        return cls(data["partition_numel"], tuple(
+            ParamPlacement(p["name"], tuple(p["shape"]), p["numel"], tuple(Piece(*c) for c in p["pieces"]))
+            for p in data["params"]))
+
+
+def contiguous_layout(flat: FlatParams, partitions: int) -> GroupLayout:
+    """The layout of a flat buffer cut into ``partitions`` equal contiguous partitions (stages 0-2)."""
+    size = flat.padded_numel // partitions
+    params = []
+    for s in flat.slots:
+        pieces = []
+        for r in range(s.offset // size, (s.end - 1) // size + 1) if s.numel else ():
+            lo, hi = max(s.offset, r * size), min(s.end, (r + 1) * size)
+            pieces.append(Piece(r, lo - r * size, lo - s.offset, hi - lo))
+        params.append(ParamPlacement(s.name, tuple(s.shape), s.numel, tuple(pieces)))
+    return GroupLayout(size, tuple(params))

@@ -71,7 +71,8 @@ def engine_run(config: dict, steps=STEPS):
         if ws > 1:
             dist.all_reduce(total)
         losses.append(total.item())
-    params = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+    with zero_offload.gathered_parameters(engine.module.parameters()):   # stage 3 holds shards only
+        params = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
     return engine.full_state_dict(), params, losses
 
 

@@ -167,8 +167,7 @@ class OffloadConfig:
 class ZeroConfig:
     IGNORED: ClassVar[dict[str, str]] = IGNORED_ZERO
     stage: int = option(0, "0: data parallel; 1: partition optimizer states; 2: and gradients; "
-                           "3: and parameters.", min=0, max=3,
-                        not_implemented={3: "stage 3 is a later issue; use stage 2 with offload_optimizer"})
+                           "3: and parameters.", min=0, max=3)
     offload_optimizer: OffloadConfig = option(factory=OffloadConfig,
                                               help="Keep optimizer states and run the step on the host.")
     offload_param: OffloadConfig = option(factory=OffloadConfig, help="Keep 16-bit parameter partitions on "

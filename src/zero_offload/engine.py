@@ -17,27 +17,31 @@ from zero_offload.config import Config
 from zero_offload.optim.lr_schedules import build_scheduler
 from zero_offload.precision import LossScaler, is_overflow, training_dtype
 from zero_offload.zero import ParamGroup, ZeroOptimizer
+from zero_offload.zero.stage3 import Stage3Optimizer
+from zero_offload.zero.stage3.materialize import is_meta_model
 
 __all__ = ["Engine", "initialize"]
 
 
 def initialize(model: torch.nn.Module, config: "Config | dict | str",
-               model_parameters: Iterable | None = None) -> "Engine":
+               model_parameters: Iterable | None = None, param_init_fn=None) -> "Engine":
     """Wrap ``model`` for ZeRO training as ``config`` says (a dict, a JSON path or a `Config`).
 
     ``model_parameters`` optionally gives parameters or param-group dicts (``{"params": [...],
     "weight_decay": 0.0}``), as ``deepspeed.initialize(model_parameters=...)`` takes them; by default every
-    parameter with ``requires_grad`` forms one group.
+    parameter with ``requires_grad`` forms one group. ``param_init_fn(module)`` initialises the modules of a
+    model built under `init_sharded` (stage 3) as they are materialised.
 
     Raises:
         ConfigError: an invalid config (the message names the key), or batch sizes that do not divide.
         ValueError: a model with no trainable parameters, or a group naming a parameter not in the model.
     """
-    return Engine(model, config, model_parameters)
+    return Engine(model, config, model_parameters, param_init_fn)
 
 
 class Engine:
-    """A model under ZeRO stage 0-2, optionally with the optimizer offloaded to the host.
+    """A model under ZeRO stage 0-3, optionally with the optimizer (and at stage 3 the parameters)
+    offloaded to the host.
 
     Attributes:
         module: the user's model (its parameters are now views into flat buffers).
@@ -47,17 +51,28 @@ class Engine:
         timings: seconds spent in forward, backward and optimizer over the last optimizer step.
     """
 
-    def __init__(self, model: torch.nn.Module, config: "Config | dict | str", model_parameters=None):
+    def __init__(self, model: torch.nn.Module, config: "Config | dict | str", model_parameters=None,
+                 param_init_fn=None):
         self.config = Config.load(config)
         self.ctx = DistContext.create()
         self.batch = self.config.batch_sizes(self.ctx.world_size)
         if self.config.seed is not None:
             torch.manual_seed(self.config.seed)
         self.dtype = training_dtype(self.config)
-        self.module = model.to(device=self.ctx.device, dtype=self.dtype)
+        stage3 = self.config.zero_optimization.stage == 3
+        if is_meta_model(model) and not stage3:
+            raise ValueError("a model built under zero_offload.init_sharded (meta parameters) needs "
+                             "'zero_optimization.stage' = 3")
+        if stage3:
+            # Parameters move to the device one unit at a time, never the whole model at once.
+            self.module = model if is_meta_model(model) else model.to(dtype=self.dtype)
+        else:
+            self.module = model.to(device=self.ctx.device, dtype=self.dtype)
         self.device = self.ctx.device
         groups = self._param_groups(model_parameters)
-        self.zero = ZeroOptimizer(self.ctx, self.config, groups, self.batch.gradient_accumulation_steps)
+        gas = self.batch.gradient_accumulation_steps
+        self.zero = (Stage3Optimizer(self.ctx, self.config, self.module, groups, gas, self.dtype, param_init_fn)
+                     if stage3 else ZeroOptimizer(self.ctx, self.config, groups, gas))
         self.optimizer = self.zero.optimizer
         self.scaler = LossScaler(self.config)
         self.lr_scheduler = build_scheduler(self.config.scheduler, self.optimizer)
@@ -76,6 +91,8 @@ class Engine:
         """The wrapped model's forward; inputs are passed through unchanged."""
         self._reset_timings_if_new_step()
         start = time.perf_counter()
+        if torch.is_grad_enabled():
+            self.zero.begin_forward()
         out = self.module(*args, **kwargs)
         self.timings["forward_s"] += time.perf_counter() - start
         return out

@@ -26,26 +26,35 @@ class GradPartition:
     Shape (numel,) where numel is ``partition_numel`` (stage >= 1) or ``padded_numel`` (stage 0).
     """
 
-    def __init__(self, flat: FlatParams, rank: int, stage: int, flat_grad: torch.Tensor | None,
-                 offload: bool, accumulate_fp32: bool, pin: bool, copies: CopyEngine):
-        self.lo, self.hi = flat.partition_range(rank) if stage >= 1 else (0, flat.padded_numel)
-        self.stage = stage
-        self.offload = offload
-        self.copies = copies
-        self.in_place = stage < 2 and not offload
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, stage: int, offload: bool,
+                 accumulate_fp32: bool, pin: bool, copies: CopyEngine, in_place: torch.Tensor | None = None,
+                 lo: int = 0):
+        self.lo, self.hi = lo, lo + numel
+        self.stage, self.offload, self.copies = stage, offload, copies
+        self.in_place = in_place is not None
         if self.in_place:
-            self.buffer = flat_grad[self.lo:self.hi]
+            self.buffer = in_place
         else:
-            dtype = torch.float32 if (stage == 2 and accumulate_fp32) else flat.dtype
-            numel = self.hi - self.lo
+            dtype = torch.float32 if (stage >= 2 and accumulate_fp32) else dtype
             self.buffer = (host_empty(numel, dtype, pin) if offload
-                           else torch.empty(numel, dtype=dtype, device=flat.device)).zero_()
+                           else torch.empty(numel, dtype=dtype, device=device)).zero_()
+
+    @classmethod
+    def for_flat(cls, flat: FlatParams, rank: int, stage: int, flat_grad: torch.Tensor | None, offload: bool,
+                 accumulate_fp32: bool, pin: bool, copies: CopyEngine) -> "GradPartition":
+        """The partition of one stage 0-2 flat buffer that ``rank`` steps."""
+        lo, hi = flat.partition_range(rank) if stage >= 1 else (0, flat.padded_numel)
+        view = flat_grad[lo:hi] if (stage < 2 and not offload) else None
+        return cls(hi - lo, flat.dtype, flat.device, stage, offload, accumulate_fp32, pin, copies, view, lo)
 
     def consume(self, bucket: GradBucket, reduced: torch.Tensor, first_micro_step: bool) -> None:
         """Take this rank's reduced ``bucket`` (already waited for) into the partition."""
-        if self.in_place:
-            return
-        dst = self.buffer[bucket.lo - self.lo:bucket.hi - self.lo]
+        if not self.in_place:
+            self.accumulate(bucket.lo - self.lo, reduced, first_micro_step)
+
+    def accumulate(self, offset: int, reduced: torch.Tensor, first_micro_step: bool) -> None:
+        """Copy (first micro-step, or stage 1) or add ``reduced`` into the partition at ``offset``."""
+        dst = self.buffer[offset:offset + reduced.numel()]
         if first_micro_step or self.stage < 2:
             if self.offload:
                 self.copies.to_host(dst, reduced)

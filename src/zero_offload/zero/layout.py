@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from zero_offload.flat import FlatParams
 
-__all__ = ["Piece", "ParamPlacement", "GroupLayout", "contiguous_layout"]
+__all__ = ["Piece", "ParamPlacement", "GroupLayout", "contiguous_layout", "assemble"]
 
 
 @dataclass(frozen=True)
@@ -60,3 +60,16 @@ def contiguous_layout(flat: FlatParams, partitions: int) -> GroupLayout:
             pieces.append(Piece(r, lo - r * size, lo - s.offset, hi - lo))
         params.append(ParamPlacement(s.name, tuple(s.shape), s.numel, tuple(pieces)))
     return GroupLayout(size, tuple(params))
+
+
+def assemble(group: GroupLayout, partitions: "torch.Tensor") -> dict[str, "torch.Tensor"]:
+    """{name: tensor of the parameter's shape} from every rank's partition, ``partitions`` of shape
+    (ranks, partition_numel)."""
+    import torch
+    out = {}
+    for p in group.params:
+        flat = torch.empty(p.numel, dtype=partitions.dtype, device=partitions.device)
+        for c in p.pieces:
+            flat[c.param_offset:c.param_offset + c.length] = partitions[c.rank, c.part_offset:c.part_offset + c.length]
+        out[p.name] = flat.view(p.shape)
+    return out

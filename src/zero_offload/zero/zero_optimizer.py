@@ -48,7 +48,7 @@ class ZeroOptimizer:
         self.flat_grads = [torch.zeros_like(f.buffer) for f in self.flats] if self.stage < 2 else None
         pin = zc.offload_optimizer.pin_memory
         rank = ctx.rank if self.stage >= 1 else 0
-        self.partitions = [GradPartition(f, rank, self.stage, self.flat_grads[i] if self.flat_grads else None,
+        self.partitions = [GradPartition.for_flat(f, rank, self.stage, self.flat_grads[i] if self.flat_grads else None,
                                          self.offload, gradient_accumulation > 1, pin, self.copies)
                            for i, f in enumerate(self.flats)]
         self.reducer = GradientReducer(ctx, self.flats, self.partitions, self.flat_grads, self.stage,
@@ -60,6 +60,9 @@ class ZeroOptimizer:
     def optimizer(self) -> torch.optim.Optimizer:
         """The inner optimizer; its param groups hold the live learning rates."""
         return self.adam.optimizer
+
+    def begin_forward(self) -> None:
+        """Nothing to prepare before a forward: stages 0-2 keep every parameter whole."""
 
     def begin_micro_step(self, boundary: bool, first_micro_step: bool) -> None:
         """Stage 2 reduces every micro-step (it keeps no full gradient); stages 0/1 at the boundary only."""

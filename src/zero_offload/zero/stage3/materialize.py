@@ -1,0 +1,84 @@
+"""Turning a model's parameters into sharded units without ever holding the whole model on a rank.
+
+A model built normally (on the CPU) is copied unit by unit: each unit's full buffer lives on the device
+only until its shard is taken. A model built under `init_sharded` has meta parameters and no memory at
+all; here each module is materialised in module order, initialised by ``param_init_fn(module)`` (FSDP's
+name for it) or its own ``reset_parameters()``, and every unit is sharded and freed as soon as the last
+module that uses it (a tied weight is used twice) has been initialised. Peak: one module's parameters
+plus the tied units still open, on top of the shards.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from zero_offload.zero.stage3.units import ShardedUnit
+
+__all__ = ["materialize", "is_meta_model"]
+
+
+def is_meta_model(model: torch.nn.Module) -> bool:
+    return any(p.is_meta for p in model.parameters()) or any(b.is_meta for b in model.buffers())
+
+
+def _place_rest(module: torch.nn.Module, unit_params: set[int], device, dtype) -> None:
+    """Move (or materialise) the module's own buffers and frozen parameters to the compute device."""
+    for name, b in module._buffers.items():
+        if b is not None:
+            floating = b.is_floating_point()
+            target = dict(device=device, dtype=dtype if floating else b.dtype)
+            module._buffers[name] = torch.empty_like(b, **target) if b.is_meta else b.to(**target)
+    for p in module.parameters(recurse=False):
+        if id(p) in unit_params:
+            continue
+        new = torch.empty_like(p, device=device, dtype=dtype) if p.is_meta else p.detach().to(device, dtype)
+        torch.utils.swap_tensors(p, torch.nn.Parameter(new, requires_grad=p.requires_grad))
+
+
+def _default_init(module: torch.nn.Module) -> None:
+    reset = getattr(module, "reset_parameters", None)
+    if callable(reset):
+        reset()
+
+
+@torch.no_grad()
+def materialize(model: torch.nn.Module, units: list[ShardedUnit], module_units: dict, bind: Callable,
+                device: torch.device, dtype: torch.dtype, param_init_fn: Callable | None) -> None:
+    """Attach every unit's parameters, give it its shard via ``bind(unit)``, and release non-persistent
+    units; also place buffers and frozen parameters on ``device``."""
+    unit_params = {id(p) for u in units for p in u.params}
+    if not is_meta_model(model):
+        for u in units:
+            u.attach_params()
+            bind(u)
+            if not u.persistent:
+                u.release()
+        for module in model.modules():
+            _place_rest(module, unit_params, device, dtype)
+        return
+    init = param_init_fn or _default_init
+    last_user = {}
+    for module in model.modules():
+        for u in module_units.get(module, []):
+            last_user[u.index] = module
+    opened: set[int] = set()
+    for module in model.modules():
+        needed = module_units.get(module, [])
+        for u in needed:
+            if u.index not in opened:
+                u.full.untyped_storage().resize_(u.nbytes)
+                u.full.zero_()           # padding and anything an init function leaves alone
+                u.gathered = True
+                u.attach_params()        # swaps the meta parameters for views into `full`
+                opened.add(u.index)
+        has_meta_rest = any(t.is_meta for t in module.buffers(recurse=False)) or \
+            any(p.is_meta for p in module.parameters(recurse=False) if id(p) not in unit_params)
+        _place_rest(module, unit_params, device, dtype)
+        if needed or has_meta_rest:
+            init(module)
+        for u in needed:
+            if last_user[u.index] is module:
+                bind(u)
+                if not u.persistent:
+                    u.release()

@@ -1,0 +1,216 @@
+"""`Stage3Optimizer`: ZeRO stage 3 -- parameters, gradients and optimizer states all partitioned.
+
+Same face as the stage 0-2 `ZeroOptimizer`, so the engine drives both alike. Each param group's partition
+on a rank is the concatenation of its shards of every unit in the group; the optimizer steps that
+partition in place, and the next forward gathers the updated shards.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+import torch.distributed as dist
+
+from zero_offload.comm import DistContext
+from zero_offload.config import Config
+from zero_offload.offload.copies import CopyEngine, host_empty
+from zero_offload.zero.grad_partition import GradPartition
+from zero_offload.zero.layout import GroupLayout, ParamPlacement, Piece, assemble
+from zero_offload.zero.partitioned_adam import PartitionedAdam
+from zero_offload.zero.stage3.fetcher import ParameterFetcher, units_by_module
+from zero_offload.zero.stage3.materialize import materialize
+from zero_offload.zero.stage3.units import ShardedUnit
+
+__all__ = ["Stage3Optimizer"]
+
+
+class Stage3Optimizer:
+    """ZeRO stage 3 over the given param groups, optionally with parameters and/or optimizer on the host.
+
+    Args:
+        groups: `ParamGroup`s of trainable parameters (on the CPU or meta device, in the training dtype).
+        param_init_fn: for a model built under `init_sharded`: called as ``param_init_fn(module)`` to
+            initialise each module's materialised parameters (default: ``module.reset_parameters()``).
+    """
+
+    stage = 3
+
+    def __init__(self, ctx: DistContext, config: Config, model: torch.nn.Module, groups, gradient_accumulation: int,
+                 dtype: torch.dtype, param_init_fn=None):
+        zc = config.zero_optimization
+        self.ctx = ctx
+        self.offload = zc.offload_optimizer.device == "cpu"
+        self.offload_param = zc.offload_param.device == "cpu"
+        pin = zc.offload_optimizer.pin_memory or zc.offload_param.pin_memory
+        self.copies = CopyEngine(ctx.device)
+        self.units: list[ShardedUnit] = []
+        for g, group in enumerate(groups):
+            self.units += self._build_units(model, g, group, dtype, zc.stage3_param_persistence_threshold)
+        self.group_units = [[u for u in self.units if u.group == g] for g in range(len(groups))]
+        # The rank's partition of each group: its shards of every unit, back to back.
+        self.parts = []
+        for units in self.group_units:
+            numel = 0
+            for u in units:
+                u.partition_offset, numel = numel, numel + u.shard_numel
+            self.parts.append(host_empty(numel, dtype, pin) if self.offload_param
+                              else torch.empty(numel, dtype=dtype, device=ctx.device))
+        module_units = units_by_module(model, self.units)
+        materialize(model, self.units, module_units, self._bind, ctx.device, dtype, param_init_fn)
+        self.fetcher = ParameterFetcher(ctx, self.copies, self.units, module_units,
+                                        zc.stage3_prefetch_bucket_size, zc.stage3_max_live_parameters,
+                                        zc.stage3_max_reuse_distance)
+        for u in self.units:
+            for p in u.params:
+                p._zero_unit = u                      # for `gathered_parameters`
+                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+            u.fetcher = self.fetcher
+        self.partitions = [GradPartition(p.numel(), dtype, ctx.device, 3, self.offload,
+                                         gradient_accumulation > 1, pin, self.copies) for p in self.parts]
+        self.adam = PartitionedAdam(self.parts, [g.hparams for g in groups], self.offload, pin, self.copies,
+                                    host_params=self.offload_param)
+        self.max_in_flight = 2
+        self.in_flight: deque = deque()
+        self.first_micro_step = True
+        self.reducing = False
+
+    def _build_units(self, model, g: int, group, dtype, threshold: int) -> list[ShardedUnit]:
+        """One unit per module that owns (first holds) some of the group's parameters, in module order."""
+        index_of = {id(p): (i, n) for p, i, n in zip(group.params, group.indices, group.names)}
+        seen: set[int] = set()
+        units = []
+        for name, module in model.named_modules():
+            own = [p for p in module.parameters(recurse=False) if id(p) in index_of and id(p) not in seen]
+            if not own:
+                continue
+            seen.update(id(p) for p in own)
+            units.append(ShardedUnit(len(self.units) + len(units), g, name, own,
+                                     [index_of[id(p)][1] for p in own], [index_of[id(p)][0] for p in own],
+                                     self.ctx.world_size, self.ctx.device, dtype, threshold))
+        return units
+
+    def _bind(self, u: ShardedUnit) -> None:
+        """Give unit ``u`` its slice of the group partition, filled from its full (materialised) buffer."""
+        lo = u.partition_offset
+        u.bind(self.parts[u.group][lo:lo + u.shard_numel], lo, self.ctx.rank)
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.adam.optimizer
+
+    @property
+    def partitions_count(self) -> int:
+        return self.ctx.world_size
+
+    # -- micro-steps -----------------------------------------------------------------------------------
+    def begin_forward(self) -> None:
+        """A forward starts: the fetch order is recorded (first one) or replayed from here."""
+        self.fetcher.begin_micro_step()
+
+    def begin_micro_step(self, boundary: bool, first_micro_step: bool) -> None:
+        self.first_micro_step, self.reducing = first_micro_step, True
+        for u in self.units:
+            u.grads_pending = len(u.params)
+
+    @torch.no_grad()
+    def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
+        u = param._zero_unit
+        u.grads_pending -= 1
+        if u.grads_pending == 0:
+            self._reduce(u)
+
+    def _reduce(self, u: ShardedUnit) -> None:
+        """Reduce-scatter the unit's gradient so each rank keeps its shard's, and release the unit."""
+        u.grads_pending = -1                       # done for this micro-step
+        flat = u.flat_grad()
+        if not u.persistent and u.gathered:
+            self.fetcher.release(u)
+        if self.ctx.world_size == 1:
+            out, work = flat, None
+        else:
+            flat.div_(self.ctx.world_size)
+            out = torch.empty(u.shard_numel, dtype=flat.dtype, device=flat.device)
+            work = dist.reduce_scatter_tensor(out, flat, group=self.ctx.group, async_op=True)
+        self.in_flight.append((u, out, work, flat))
+        while len(self.in_flight) > self.max_in_flight:
+            self._complete(self.in_flight.popleft())
+
+    def _complete(self, item) -> None:
+        u, out, work, _flat = item
+        if work is not None:
+            work.wait()
+        self.partitions[u.group].accumulate(u.partition_offset, out, self.first_micro_step)
+
+    def end_micro_step(self) -> None:
+        """After backward: units whose parameters got no gradient reduce zeros, then wait for all."""
+        for u in self.units:
+            if u.grads_pending > 0:
+                self._reduce(u)
+        while self.in_flight:
+            self._complete(self.in_flight.popleft())
+        self.fetcher.end_micro_step()
+
+    # -- the step --------------------------------------------------------------------------------------
+    def grad_sq_norm(self) -> torch.Tensor:
+        for p in self.partitions:
+            p.ready()
+        total = sum(p.sq_norm().to(self.ctx.device) for p in self.partitions)
+        self.ctx.all_reduce(total, async_op=False)
+        return total.cpu()
+
+    def step(self, grad_scale: float) -> None:
+        self.adam.step([p.buffer for p in self.partitions], grad_scale)
+        self.fetcher.invalidate()
+
+    def zero_grad(self) -> None:
+        pass   # partitions are overwritten by the first micro-step of the next accumulation
+
+    def after_load(self) -> None:
+        self.fetcher.invalidate()
+
+    # -- introspection ---------------------------------------------------------------------------------
+    def layout(self) -> list[GroupLayout]:
+        out = []
+        for units, part in zip(self.group_units, self.parts):
+            params = []
+            for u in units:
+                s_n = u.shard_numel
+                for slot in u.slots:
+                    pieces = []
+                    for r in range(slot.offset // s_n, (slot.end - 1) // s_n + 1) if slot.numel else ():
+                        lo, hi = max(slot.offset, r * s_n), min(slot.end, (r + 1) * s_n)
+                        pieces.append(Piece(r, u.partition_offset + lo - r * s_n, lo - slot.offset, hi - lo))
+                    params.append(ParamPlacement(slot.name, tuple(slot.shape), slot.numel, tuple(pieces)))
+            out.append(GroupLayout(part.numel(), tuple(params)))
+        return out
+
+    def full_master_state(self, module) -> dict[str, torch.Tensor]:
+        out = {}
+        for layout, master in zip(self.layout(), self.adam.masters):
+            local = master.detach().to(self.ctx.device, torch.float32).contiguous()
+            gathered = torch.empty(self.ctx.world_size, local.numel(), dtype=torch.float32, device=self.ctx.device)
+            if self.ctx.world_size > 1:
+                dist.all_gather_into_tensor(gathered, local, group=self.ctx.group)
+            else:
+                gathered[0] = local
+            out.update({k: v.cpu().clone() for k, v in assemble(layout, gathered).items()})
+        return out
+
+    def memory_breakdown(self) -> dict[str, dict]:
+        """Bytes this rank holds, by kind (see `ZeroOptimizer.memory_breakdown`); ``params`` are this rank's
+        shards, ``gathered`` the full buffers gathered right now and ``peak_gathered`` the most at once."""
+        state_side = "host" if self.adam.on_host and self.offload else "device"
+        def entry(tensors, side):
+            return {"bytes": sum(t.numel() * t.element_size() for t in tensors),
+                    "numel": sum(t.numel() for t in tensors), "side": side}
+        states = self.adam.state_tensors()
+        aliased = {m.data_ptr() for m in self.parts}
+        return {
+            "params": entry(self.parts, "host" if self.offload_param else "device"),
+            "gathered": {"bytes": self.fetcher.live_bytes(), "numel": self.fetcher.live_numel, "side": "device"},
+            "peak_gathered": {"bytes": self.fetcher.peak_live_bytes, "numel": 0, "side": "device"},
+            "grad_partition": entry([p.buffer for p in self.partitions], state_side),
+            "master": entry([m for m in states["master"] if m.data_ptr() not in aliased], state_side),
+            "exp_avg": entry(states["exp_avg"], state_side),
+            "exp_avg_sq": entry(states["exp_avg_sq"], state_side),
+        }

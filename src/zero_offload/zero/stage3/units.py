@@ -1,0 +1,142 @@
+"""Sharded units: the trainable parameters of one module (in one param group), sharded 1/N across ranks.
+
+ZeRO stage 3 (ZeRO paper, Sec. 5.3, P_os+g+p): every rank keeps only its 1/N shard of each unit's flat,
+padded 16-bit parameters. A unit is all-gathered into a full buffer just before its module runs and
+released after; the parameters are views into that full buffer, whose storage is freed on release and
+re-allocated on gather, so tensors autograd saved in forward see the gathered values again in backward
+(the same trick as FSDP's flat parameters). While released, each parameter's ``.data`` is an empty
+tensor of shape (0,), as in DeepSpeed: reading one outside its module then fails with a shape error
+instead of touching freed memory (use `gathered_parameters`).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from zero_offload.comm import DistContext
+from zero_offload.flat import ALIGNMENT, ParamSlot
+from zero_offload.offload.copies import CopyEngine
+
+__all__ = ["ShardedUnit", "GatherHandle"]
+
+
+@dataclass
+class GatherHandle:
+    """An all-gather in flight: wait() before the unit's parameters are read."""
+    work: object
+    staging: torch.Tensor | None   # the device copy of a host shard, kept alive until the gather is done
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+
+
+class ShardedUnit:
+    """One module's trainable parameters of one param group as a sharded flat buffer.
+
+    Attributes:
+        full: (padded_numel,) training-dtype buffer on the compute device; its storage is empty while the
+            unit is released. The parameters are views into it.
+        shard: (shard_numel,) this rank's shard, a view into the group's partition (device memory, or host
+            memory with ``offload_param``); bound by `bind`.
+        persistent: numel <= ``stage3_param_persistence_threshold``: gathered once per step and kept.
+    """
+
+    def __init__(self, index: int, group: int, module_name: str, params: list[torch.nn.Parameter],
+                 names: list[str], indices: list[int], world_size: int, device: torch.device,
+                 dtype: torch.dtype, persistence_threshold: int):
+        self.index, self.group, self.module_name = index, group, module_name
+        self.params = params
+        self.slots: list[ParamSlot] = []
+        offset = 0
+        for p, name, idx in zip(params, names, indices):
+            self.slots.append(ParamSlot(idx, name, offset, p.numel(), p.shape))
+            offset += p.numel()
+        self.numel = offset
+        unit = ALIGNMENT * world_size
+        self.padded_numel = max(1, math.ceil(offset / unit)) * unit
+        self.shard_numel = self.padded_numel // world_size
+        self.full = torch.empty(self.padded_numel, dtype=dtype, device=device)
+        self.nbytes = self.padded_numel * self.full.element_size()
+        self.persistent = self.numel <= persistence_threshold
+        self.gathered = True          # the full buffer holds valid values
+        self._empty = torch.empty(0, dtype=dtype, device=device)
+        if any(p.is_meta for p in params):
+            self.full.untyped_storage().resize_(0)   # built under init_sharded: nothing to hold yet
+            self.gathered = False
+        else:
+            self.full[self.numel:].zero_()
+        self.handle: GatherHandle | None = None
+        self.shard: torch.Tensor | None = None
+        self.partition_offset = 0     # where `shard` starts in the group's partition
+        self.grads_pending = 0
+        self.grad_seen: set[int] = set()
+
+    def attach_params(self) -> None:
+        """Make every parameter a view into ``full`` (keeping the Parameter objects, so ties survive)."""
+        for p, s in zip(self.params, self.slots):
+            view = self.full[s.offset:s.end].view(s.shape)
+            if p.is_meta:
+                torch.utils.swap_tensors(p, torch.nn.Parameter(view, requires_grad=p.requires_grad))
+            else:
+                view.copy_(p.data)
+                p.data = view
+
+    def bind(self, shard: torch.Tensor, partition_offset: int, rank: int) -> None:
+        """Give the unit its shard (a view of the group partition) and fill it from ``full``."""
+        self.shard, self.partition_offset = shard, partition_offset
+        shard.copy_(self.full[rank * self.shard_numel:(rank + 1) * self.shard_numel])
+
+    # -- gather / release ------------------------------------------------------------------------------
+    def _point_params(self, at_full: bool) -> None:
+        for p, s in zip(self.params, self.slots):
+            p.data = self.full[s.offset:s.end].view(s.shape) if at_full else self._empty
+
+    def gather(self, ctx: DistContext, copies: CopyEngine, async_op: bool) -> GatherHandle:
+        """Refill ``full`` from every rank's shard (a host shard is copied up first)."""
+        self.full.untyped_storage().resize_(self.nbytes)
+        self._point_params(True)
+        src = self.shard
+        if src.device != self.full.device:
+            staging = torch.empty(self.shard_numel, dtype=src.dtype, device=self.full.device)
+            copies.to_device(staging, src)
+            copies.wait_for_copies()
+            src = staging
+        if ctx.world_size == 1:
+            self.full.copy_(src)
+            work = None
+        else:
+            work = dist.all_gather_into_tensor(self.full, src, group=ctx.group, async_op=async_op)
+        self.gathered = True
+        self.handle = GatherHandle(work, src) if async_op else None
+        return self.handle
+
+    def wait(self) -> None:
+        if self.handle is not None:
+            self.handle.wait()
+            self.handle = None
+
+    def release(self) -> None:
+        """Free the full buffer's memory; the parameters keep their shapes but no storage."""
+        self.wait()
+        self.full.untyped_storage().resize_(0)
+        self._point_params(False)
+        self.gathered = False
+
+    # -- gradients -------------------------------------------------------------------------------------
+    def flat_grad(self) -> torch.Tensor:
+        """The unit's gradients packed into one padded flat buffer (zeros where a parameter got none);
+        the parameters' ``.grad`` are freed."""
+        flat = torch.empty(self.padded_numel, dtype=self.full.dtype, device=self.full.device)
+        if self.padded_numel > self.numel:
+            flat[self.numel:].zero_()
+        for p, s in zip(self.params, self.slots):
+            if p.grad is None:
+                flat[s.offset:s.end].zero_()
+            else:
+                flat[s.offset:s.end].copy_(p.grad.reshape(-1))
+                p.grad = None
+        return flat

@@ -66,6 +66,9 @@ def test_resume_is_exact_in_fp32_same_world(tmp_path):
     ((1, 2, "none"), (2, 2, "none")),   # 1 rank -> 2
     ((2, 1, "none"), (2, 2, "cpu")),    # stage 1 -> stage 2 with offload, 2 ranks
     ((2, 2, "cpu"), (2, 0, "none")),    # stage 2 -> stage 0
+    ((2, 2, "cpu"), (2, 3, "cpu")),     # stage 2 -> stage 3
+    ((2, 3, "none"), (1, 2, "cpu")),    # stage 3, 2 ranks -> stage 2, 1 rank
+    ((1, 3, "cpu"), (2, 3, "none")),    # stage 3, 1 rank -> 2 ranks
 ])
 def test_reshard_matches_the_reference(tmp_path, save, load):
     (ws_a, stage_a, off_a), (ws_b, stage_b, off_b) = save, load

@@ -22,9 +22,10 @@ def _train_and_save(cfg, path):
     return engine.full_state_dict()
 
 
+@pytest.mark.parametrize("stage", [2, 3])
 @pytest.mark.parametrize("ws", [1, 2])
-def test_consolidate_returns_the_masters(tmp_path, ws):
-    cfg = engine_config(2, "cpu", 1, precision="bf16", ws=ws)
+def test_consolidate_returns_the_masters(tmp_path, ws, stage):
+    cfg = engine_config(stage, "cpu", 1, precision="bf16", ws=ws)
     full = _train_and_save(cfg, tmp_path) if ws == 1 else run_ranks(_train_and_save, 2, cfg, tmp_path)[0]
     state = zero_offload.consolidate(tmp_path)
     assert state.keys() == full.keys()

@@ -175,7 +175,7 @@ class ParameterFetcher:
         pos = self.last_position.get(u.index)
         if self.mode != REPLAYING or pos is None or self.reuse_distance <= 0:
             return False
-        return self.next_use[pos] <= self.reuse_distance
+        return self.next_use[pos] <= self.reuse_distance and self.live_numel <= self.max_live_numel
 
 
 def units_by_module(model: torch.nn.Module, units: list[ShardedUnit]) -> dict[torch.nn.Module, list[ShardedUnit]]:

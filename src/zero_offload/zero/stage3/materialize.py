@@ -44,19 +44,25 @@ def _default_init(module: torch.nn.Module) -> None:
 
 @torch.no_grad()
 def materialize(model: torch.nn.Module, units: list[ShardedUnit], module_units: dict, bind: Callable,
-                device: torch.device, dtype: torch.dtype, param_init_fn: Callable | None) -> None:
+                device: torch.device, dtype: torch.dtype, param_init_fn: Callable | None) -> int:
     """Attach every unit's parameters, give it its shard via ``bind(unit)``, and release non-persistent
-    units; also place buffers and frozen parameters on ``device``."""
+    units; also place buffers and frozen parameters on ``device``.
+
+    Returns the most bytes of full (unsharded) unit buffers held at once, measured from their storages.
+    """
     unit_params = {id(p) for u in units for p in u.params}
+    held = lambda: sum(u.full.untyped_storage().nbytes() for u in units)  # noqa: E731
+    peak = 0
     if not is_meta_model(model):
         for u in units:
             u.attach_params()
+            peak = max(peak, held())
             bind(u)
             if not u.persistent:
                 u.release()
         for module in model.modules():
             _place_rest(module, unit_params, device, dtype)
-        return
+        return peak
     init = param_init_fn or _default_init
     last_user = {}
     for module in model.modules():
@@ -77,8 +83,10 @@ def materialize(model: torch.nn.Module, units: list[ShardedUnit], module_units: 
         _place_rest(module, unit_params, device, dtype)
         if needed or has_meta_rest:
             init(module)
+        peak = max(peak, held())
         for u in needed:
             if last_user[u.index] is module:
                 bind(u)
                 if not u.persistent:
                     u.release()
+    return peak

@@ -56,7 +56,8 @@ class Stage3Optimizer:
             self.parts.append(host_empty(numel, dtype, pin) if self.offload_param
                               else torch.empty(numel, dtype=dtype, device=ctx.device))
         module_units = units_by_module(model, self.units)
-        materialize(model, self.units, module_units, self._bind, ctx.device, dtype, param_init_fn)
+        self.peak_materialize_bytes = materialize(model, self.units, module_units, self._bind, ctx.device, dtype,
+                                                  param_init_fn)
         self.fetcher = ParameterFetcher(ctx, self.copies, self.units, module_units,
                                         zc.stage3_prefetch_bucket_size, zc.stage3_max_live_parameters,
                                         zc.stage3_max_reuse_distance)
@@ -188,11 +189,13 @@ class Stage3Optimizer:
         out = {}
         for layout, master in zip(self.layout(), self.adam.masters):
             local = master.detach().to(self.ctx.device, torch.float32).contiguous()
-            gathered = torch.empty(self.ctx.world_size, local.numel(), dtype=torch.float32, device=self.ctx.device)
+            gathered = torch.empty(self.ctx.world_size * local.numel(), dtype=torch.float32,
+                                   device=self.ctx.device)
             if self.ctx.world_size > 1:
                 dist.all_gather_into_tensor(gathered, local, group=self.ctx.group)
             else:
-                gathered[0] = local
+                gathered.copy_(local)
+            gathered = gathered.view(self.ctx.world_size, -1)
             out.update({k: v.cpu().clone() for k, v in assemble(layout, gathered).items()})
         return out
 

@@ -80,10 +80,14 @@ class ShardedUnit:
         for p, s in zip(self.params, self.slots):
             view = self.full[s.offset:s.end].view(s.shape)
             if p.is_meta:
-                torch.utils.swap_tensors(p, torch.nn.Parameter(view, requires_grad=p.requires_grad))
+                # Swap in a real tensor first; `.data = view` then gives the parameter the view's storage
+                # but its own version counter, so gathering into `full` does not bump it.
+                real = torch.nn.Parameter(torch.empty(0, dtype=view.dtype, device=view.device),
+                                          requires_grad=p.requires_grad)
+                torch.utils.swap_tensors(p, real)
             else:
                 view.copy_(p.data)
-                p.data = view
+            p.data = view
 
     def bind(self, shard: torch.Tensor, partition_offset: int, rank: int) -> None:
         """Give the unit its shard (a view of the group partition) and fill it from ``full``."""

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ALIGNMENT", "ParamSlot", "FlatParams"]
+__all__ = ["ALIGNMENT", "ParamSlot", "FlatParams", "pack"]
 
 # Partitions start on multiples of 64 elements: 128 bytes of bf16, a whole number of AVX-512 vectors and
 # cache lines for the host kernel, and aligned enough for NCCL.
@@ -29,6 +29,18 @@ class ParamSlot:
     @property
     def end(self) -> int:
         return self.offset + self.numel
+
+
+def pack(params: list[torch.nn.Parameter], indices: list[int], names: list[str], world_size: int,
+         alignment: int = ALIGNMENT) -> tuple[list[ParamSlot], int, int]:
+    """Lay parameters back to back: their slots, the element count, and that count padded up to a
+    multiple of ``alignment x world_size`` (so ``world_size`` equal, aligned partitions tile it)."""
+    slots, offset = [], 0
+    for p, idx, name in zip(params, indices, names):
+        slots.append(ParamSlot(idx, name, offset, p.numel(), p.shape))
+        offset += p.numel()
+    unit = alignment * world_size
+    return slots, offset, max(1, math.ceil(offset / unit)) * unit
 
 
 class FlatParams:
@@ -52,14 +64,7 @@ class FlatParams:
         self.dtype = params[0].dtype
         self.device = params[0].device
         self.params = list(params)
-        self.slots: list[ParamSlot] = []
-        offset = 0
-        for p, idx, name in zip(params, indices, names):
-            self.slots.append(ParamSlot(idx, name, offset, p.numel(), p.shape))
-            offset += p.numel()
-        self.numel = offset
-        unit = alignment * world_size
-        self.padded_numel = max(1, math.ceil(offset / unit)) * unit
+        self.slots, self.numel, self.padded_numel = pack(params, indices, names, world_size, alignment)
         self.partition_numel = self.padded_numel // world_size
         self.buffer = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
         for p, slot in zip(params, self.slots):

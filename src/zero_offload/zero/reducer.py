@@ -146,8 +146,10 @@ class GradientReducer:
 
     def _launch(self, b: GradBucket) -> None:
         buf = self._buffer(b)
-        if self.ctx.world_size > 1:
-            buf.div_(self.ctx.world_size)   # average over ranks; dividing first keeps fp16 sums in range
+        if self.ctx.world_size > 1 and (b.owner is None or buf.dtype == torch.float16):
+            # Average over ranks. An all-reduce divides first (every rank keeps the result); fp16 divides
+            # first to keep the sum in range; otherwise only the owner divides its result, in `_complete`.
+            buf.div_(self.ctx.world_size)
         self.launch_times.append(time.perf_counter())
         b.work = (self.ctx.all_reduce(buf) if b.owner is None else self.ctx.reduce(buf, b.owner))
         self.in_flight.append(b)
@@ -159,6 +161,8 @@ class GradientReducer:
     def _complete(self, b: GradBucket) -> None:
         b.work.wait()
         if b.owner is None or b.owner == self.ctx.rank:
+            if b.owner is not None and self.ctx.world_size > 1 and b.buffer.dtype != torch.float16:
+                b.buffer.div_(self.ctx.world_size)
             self.partitions[b.group].consume(b, b.buffer, self.first_micro_step)
         if self.flat_grads is None:
             self.pool.release(b.buffer)

@@ -129,7 +129,8 @@ class Stage3Optimizer:
         if self.ctx.world_size == 1:
             out, work = flat, None
         else:
-            flat.div_(self.ctx.world_size)
+            if flat.dtype == torch.float16:
+                flat.div_(self.ctx.world_size)    # fp16: average before summing, to stay in range
             out = torch.empty(u.shard_numel, dtype=flat.dtype, device=flat.device)
             work = dist.reduce_scatter_tensor(out, flat, group=self.ctx.group, async_op=True)
         self.in_flight.append((u, out, work, flat))
@@ -140,6 +141,8 @@ class Stage3Optimizer:
         u, out, work, _flat = item
         if work is not None:
             work.wait()
+            if out.dtype != torch.float16:
+                out.div_(self.ctx.world_size)     # average the 1/N shard, not the whole gradient
         self.partitions[u.group].accumulate(u.partition_offset, out, self.first_micro_step)
 
     def end_micro_step(self) -> None:

@@ -10,14 +10,13 @@ instead of touching freed memory (use `gathered_parameters`).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from zero_offload.comm import DistContext
-from zero_offload.flat import ALIGNMENT, ParamSlot
+from zero_offload.flat import ParamSlot, pack
 from zero_offload.offload.copies import CopyEngine
 
 __all__ = ["ShardedUnit", "GatherHandle"]
@@ -50,14 +49,7 @@ class ShardedUnit:
                  dtype: torch.dtype, persistence_threshold: int):
         self.index, self.group, self.module_name = index, group, module_name
         self.params = params
-        self.slots: list[ParamSlot] = []
-        offset = 0
-        for p, name, idx in zip(params, names, indices):
-            self.slots.append(ParamSlot(idx, name, offset, p.numel(), p.shape))
-            offset += p.numel()
-        self.numel = offset
-        unit = ALIGNMENT * world_size
-        self.padded_numel = max(1, math.ceil(offset / unit)) * unit
+        self.slots, self.numel, self.padded_numel = pack(params, indices, names, world_size)
         self.shard_numel = self.padded_numel // world_size
         self.full = torch.empty(self.padded_numel, dtype=dtype, device=device)
         self.nbytes = self.padded_numel * self.full.element_size()

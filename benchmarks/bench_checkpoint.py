@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import socket
 import statistics
@@ -95,17 +94,27 @@ def run(engine_name: str, model_name: str, repeats: int) -> dict:
 
 
 def consolidate_peak(checkpoint_dir: str) -> dict:
-    """Peak RSS of `zero-offload consolidate` in a child process, and of a child that only imports."""
+    """Peak anonymous memory (MiB) of a child running `zero-offload consolidate`, beside one that only
+    imports it."""
+    # Anonymous memory only: the shards are read through mmap, and their page-cache pages (reclaimable,
+    # shared) would otherwise count in RSS. A thread samples RssAnon while the work runs.
+    sampler = ("import threading, time\n"
+               "peak = [0]; done = threading.Event()\n"
+               "def anon():\n"
+               "    for line in open('/proc/self/status'):\n"
+               "        if line.startswith('RssAnon:'): return int(line.split()[1])\n"
+               "def watch():\n"
+               "    while not done.is_set(): peak[0] = max(peak[0], anon()); time.sleep(0.002)\n"
+               "t = threading.Thread(target=watch); t.start()\n")
     def peak(code: str) -> float:
-        before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-        subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
-        return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**10, before
+        code = sampler + code + "\ndone.set(); t.join(); print(max(peak[0], anon()))"
+        out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
+        return int(out.split()[-1]) / 2**10
     out = os.path.join(checkpoint_dir, "model.safetensors")
-    base, _ = peak("import zero_offload.consolidate")
-    code = (f"from zero_offload.cli import main; main(['consolidate', {checkpoint_dir!r}, '--tag', 't0', "
-            f"'--out', {out!r}])")
+    base = peak("import zero_offload.consolidate")
     t0 = time.perf_counter()
-    full, _ = peak(code)
+    full = peak(f"import zero_offload.consolidate\nfrom zero_offload.cli import main\n"
+                f"main(['consolidate', {checkpoint_dir!r}, '--tag', 't0', '--out', {out!r}])")
     return {"import_only_peak_mib": base, "consolidate_peak_mib": full, "seconds": time.perf_counter() - t0,
             "file_mib": os.path.getsize(out) / 2**20}
 

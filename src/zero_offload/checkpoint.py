@@ -274,10 +274,18 @@ def load_checkpoint(engine: "Engine", load_dir: str | os.PathLike, tag: str | No
     manifest = read_manifest(directory)
     _check_same_model(engine, manifest, directory / MANIFEST)
     same_world = manifest["world_size"] == engine.world_size
-    shards = [_rank_file(r) for r in range(manifest["partitions"])]
     own = [_rank_file(engine.rank)] if same_world else []
-    read_manifest(directory, sorted(set(shards + own + [CLIENT_STATE])))
-    new_states = _reshard(engine, directory, manifest)
+    zero = engine.zero
+    if manifest["partitions"] == zero.partitions_count and \
+            manifest["groups"] == [g.to_json() for g in zero.layout()]:
+        # Same layout: this rank's partition is stored whole in one file; read (and verify) only that.
+        shard = _rank_file(engine.rank if zero.partitions_count > 1 else 0)
+        read_manifest(directory, sorted({shard, *own, CLIENT_STATE}))
+        new_states = _read_own_partition(directory / shard, len(manifest["groups"]))
+    else:
+        shards = [_rank_file(r) for r in range(manifest["partitions"])]
+        read_manifest(directory, sorted(set(shards + own + [CLIENT_STATE])))
+        new_states = _reshard(engine, directory, manifest)
     client_state = torch.load(directory / CLIENT_STATE, weights_only=False)
     rng = _read_rng(directory / _rank_file(engine.rank)) if same_world else None
     # Everything is read and checked: only now change the engine.
@@ -296,6 +304,14 @@ def load_checkpoint(engine: "Engine", load_dir: str | os.PathLike, tag: str | No
     if rng is not None:
         _restore_rng(*rng)
     return client_state
+
+
+def _read_own_partition(path: Path, groups: int) -> list[dict]:
+    """Each group's saved partition, read whole from one rank file (checkpoint of the same layout)."""
+    with safe_open(str(path), framework="pt") as f:
+        steps = json.loads(f.metadata()["steps"])
+        return [{**{kind: f.get_tensor(f"group{g}.{kind}") for kind in KINDS}, "step": steps[g]}
+                for g in range(groups)]
 
 
 def _reshard(engine: "Engine", directory: Path, manifest: dict) -> list[dict]:

@@ -68,7 +68,7 @@ def export_safetensors(checkpoint_dir: str | os.PathLike, out: str | os.PathLike
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
         for _, tensor in full_parameters(directory, manifest):
-            f.write(tensor.to(torch_dtype).contiguous().view(torch.uint8).numpy().tobytes())
+            f.write(memoryview(tensor.to(torch_dtype).contiguous().view(torch.uint8).numpy()))
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, out)

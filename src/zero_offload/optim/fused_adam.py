@@ -39,7 +39,7 @@ _GRAD_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _STATE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 _OUT_CODES = {None: 0, torch.bfloat16: 1, torch.float16: 2}
 _SCALE, _DECAY, _L2, _LERP_SMALL, _NT_OUT, _NT_STATE, _PREFETCH, _DYNAMIC = 1, 2, 4, 8, 16, 32, 64, 128
-# Kernel tuning, chosen by measurement (benchmarks/RESULTS_optimizer.md): non-temporal stores for the
+# Kernel tuning, chosen by measurement (BENCHMARKS.md, "Host optimizer kernel"): non-temporal stores for the
 # write-only 16-bit output (+12%; for the read-modify-write states they cost 35%), 64K-element blocks
 # handed to threads in turn (+2%, and a descheduled core no longer holds the others up), no software prefetch.
 KERNEL_FLAGS = _NT_OUT | _DYNAMIC

@@ -223,3 +223,4 @@ def test_init_sharded_never_holds_the_model():
         assert after["peak_gathered"]["bytes"] < 0.6 * full_bytes
         for name, p in ref.named_parameters():
             assert (state[name] - p.detach()).abs().max().item() <= ATOL, name
+

@@ -176,7 +176,10 @@ class ZeroConfig:
                                               "Always on here; false is accepted with a warning.")
     overlap_comm: bool = option(False, "Reduce full buckets asynchronously while backward continues; false "
                                        "waits for each reduction before backward goes on.")
-    reduce_bucket_size: int = option(500_000_000, "Elements per gradient bucket.", min=1)
+    reduce_bucket_size: int = option(500_000_000, "Elements per gradient bucket (stages 0-2; stage 3 "
+                                                  "reduce-scatters each module's gradients as soon as they are "
+                                                  "complete, which measured faster than one late bucket).",
+                                     min=1)
     allgather_bucket_size: int = option(500_000_000, "Elements per all-gather of updated parameters.", min=1)
     sub_group_size: int = option(1_000_000_000, "Elements the host optimizer steps at a time.", min=1)
     stage3_prefetch_bucket_size: int = option(50_000_000, "Stage 3: elements prefetched ahead.", min=0)

@@ -67,7 +67,7 @@ def engine_run(config: dict, steps=STEPS):
             loss = engine(x[rows], y[rows])
             engine.backward(loss)
             engine.step()
-            total += loss.detach().float() / (gas * ws)
+            total += loss.detach().float().cpu() / (gas * ws)
         if ws > 1:
             dist.all_reduce(total)
         losses.append(total.item())

@@ -11,6 +11,7 @@ import time
 from typing import Any, Iterable
 
 import torch
+from torch.utils._pytree import tree_map
 
 from zero_offload.comm import DistContext
 from zero_offload.config import Config
@@ -88,11 +89,13 @@ class Engine:
         return self.forward(*args, **kwargs)
 
     def forward(self, *args, **kwargs):
-        """The wrapped model's forward; inputs are passed through unchanged."""
+        """The wrapped model's forward. Tensor inputs on another device are moved to the engine's, as
+        DDP's forward does."""
         self._reset_timings_if_new_step()
         start = time.perf_counter()
         if torch.is_grad_enabled():
             self.zero.begin_forward()
+        args, kwargs = tree_map(self._to_device, (args, kwargs))
         out = self.module(*args, **kwargs)
         self.timings["forward_s"] += time.perf_counter() - start
         return out
@@ -218,6 +221,10 @@ class Engine:
         return self.zero.full_master_state(self.module)
 
     # -- internals -------------------------------------------------------------------------------------
+    def _to_device(self, x):
+        return x.to(self.device, non_blocking=True) if isinstance(x, torch.Tensor) and x.device != self.device \
+            else x
+
     def _reset_timings_if_new_step(self) -> None:
         if self._timing_reset:
             self.timings = dict.fromkeys(self.timings, 0.0)

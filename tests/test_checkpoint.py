@@ -146,3 +146,22 @@ def test_resaving_a_tag_keeps_a_loadable_checkpoint(tmp_path):
     fresh.load_checkpoint(tmp_path)
     assert fresh.global_step == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "t"]
+
+
+def _load_expecting_error(cfg, path):
+    engine = zero_offload.initialize(make_model(seed=5), cfg)
+    try:
+        engine.load_checkpoint(path)
+    except CheckpointError as e:
+        return str(e)
+    return None
+
+
+def test_a_corrupt_shard_on_one_rank_fails_every_rank_without_a_hang(tmp_path):
+    cfg = engine_config(2, "cpu", 1, ws=2)
+    run_ranks(_phase_save, 2, cfg, tmp_path, 1)
+    shard = tmp_path / "global_step1" / "rank00001.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-64])
+    errors = run_ranks(_load_expecting_error, 2, cfg, tmp_path)
+    assert "failed on another rank" in errors[0]
+    assert "rank00001.safetensors' is corrupted" in errors[1]

@@ -37,6 +37,7 @@ def _load(**extra):
     ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}},
      "'zero_optimization.offload_param.device' = 'cpu' needs 'zero_optimization.stage' = 3"),
     ({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}}, "needs 'zero_optimization.stage' >= 1"),
+    ({"zero_optimization": {"cpu_offload": True}}, "set offload_optimizer.device = 'cpu'"),
     ({"zero_optimization": {"reduce_bucket_size": 0}}, "'zero_optimization.reduce_bucket_size': got 0, must be >= 1"),
     ({"zero_optimization": {"stage3_param_persistence_threshold": -1}},
      "'zero_optimization.stage3_param_persistence_threshold': got -1, must be >= 0"),

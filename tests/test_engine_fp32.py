@@ -80,3 +80,26 @@ def test_param_groups_with_their_own_hyperparameters(stage, offload):
         opt.step()
     for name, p in ref.named_parameters():
         assert (got[name] - p.detach()).abs().max().item() <= ATOL, name
+
+
+def _init_with_rank_seed(config):
+    import torch.distributed as dist
+    import zero_offload
+    from toy_model import make_model
+    engine = zero_offload.initialize(make_model(seed=dist.get_rank()), config)   # different init per rank
+    return engine.full_state_dict()
+
+
+@pytest.mark.parametrize("stage", (0, 2, 3))
+def test_every_rank_starts_from_rank_zero_weights(stage):
+    from toy_model import make_model
+    states = run_ranks(_init_with_rank_seed, 2, engine_config(stage, "none", 1, ws=2))
+    rank0 = dict(make_model(seed=0).named_parameters())
+    for state in states:
+        for name, value in state.items():
+            assert torch_equal(value, rank0[name]), name
+
+
+def torch_equal(a, b):
+    import torch
+    return torch.equal(a, b.detach())

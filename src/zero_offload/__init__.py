@@ -1,7 +1,7 @@
 """zero-offload: ZeRO stages and ZeRO-Offload on PyTorch, turned on by a DeepSpeed-style JSON config.
 
     engine = zero_offload.initialize(model, config)
-    loss = engine(x).loss; engine.backward(loss); engine.step()
+    loss = engine(x, y); engine.backward(loss); engine.step()   # engine(...) is the model's forward
 """
 from zero_offload.checkpoint import CheckpointError
 from zero_offload.config import Config, ConfigError

@@ -270,6 +270,47 @@ def load_checkpoint(engine: "Engine", load_dir: str | os.PathLike, tag: str | No
         CheckpointError: a missing directory, tag or file, a corrupted file, or a checkpoint of another
             model. Nothing in the engine or on disk is changed then.
     """
+    error, staged = None, None
+    try:
+        staged = _read_for_load(engine, load_dir, tag)
+    except CheckpointError as e:
+        error = e
+    _agree_on_failure(engine, error)
+    manifest, new_states, client_state, rng = staged
+    # Everything is read and checked on every rank: only now change the engine.
+    for g, state in enumerate(new_states):
+        engine.zero.adam.load_group_state(g, **state)
+    engine.zero.after_load()
+    engine.zero.zero_grad()
+    engine._boundary_pending = False
+    saved = manifest["engine"]
+    engine.global_step, engine.skipped_steps = saved["global_step"], saved["skipped_steps"]
+    # Checkpoints sit on step boundaries; count micro-steps in this run's accumulation (it may differ).
+    engine.micro_steps = engine.global_step * engine.gradient_accumulation_steps
+    engine.scaler.load_state_dict(saved["loss_scaler"])
+    for group, lr in zip(engine.optimizer.param_groups, saved["lrs"]):
+        group["lr"] = lr
+    if engine.lr_scheduler is not None and saved["lr_scheduler"] is not None:
+        engine.lr_scheduler.load_state_dict(saved["lr_scheduler"])
+    if rng is not None:
+        _restore_rng(*rng)
+    return client_state
+
+
+def _agree_on_failure(engine: "Engine", error: CheckpointError | None) -> None:
+    """Raise on every rank if reading failed on any, so no rank goes on into a collective alone."""
+    if engine.ctx.distributed:
+        flag = torch.tensor([0.0 if error is None else 1.0], device=engine.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if error is None and flag.item() > 0:
+            raise CheckpointError("loading the checkpoint failed on another rank (see its error); nothing "
+                                  "was changed")
+    if error is not None:
+        raise error
+
+
+def _read_for_load(engine: "Engine", load_dir, tag):
+    """Read and verify everything this rank needs; returns (manifest, partitions, client_state, rng)."""
     directory = resolve_tag(load_dir, tag)
     manifest = read_manifest(directory)
     _check_same_model(engine, manifest, directory / MANIFEST)
@@ -288,22 +329,7 @@ def load_checkpoint(engine: "Engine", load_dir: str | os.PathLike, tag: str | No
         new_states = _reshard(engine, directory, manifest)
     client_state = torch.load(directory / CLIENT_STATE, weights_only=False)
     rng = _read_rng(directory / _rank_file(engine.rank)) if same_world else None
-    # Everything is read and checked: only now change the engine.
-    for g, state in enumerate(new_states):
-        engine.zero.adam.load_group_state(g, **state)
-    engine.zero.after_load()
-    saved = manifest["engine"]
-    engine.global_step, engine.skipped_steps = saved["global_step"], saved["skipped_steps"]
-    # Checkpoints sit on step boundaries; count micro-steps in this run's accumulation (it may differ).
-    engine.micro_steps = engine.global_step * engine.gradient_accumulation_steps
-    engine.scaler.load_state_dict(saved["loss_scaler"])
-    for group, lr in zip(engine.optimizer.param_groups, saved["lrs"]):
-        group["lr"] = lr
-    if engine.lr_scheduler is not None and saved["lr_scheduler"] is not None:
-        engine.lr_scheduler.load_state_dict(saved["lr_scheduler"])
-    if rng is not None:
-        _restore_rng(*rng)
-    return client_state
+    return manifest, new_states, client_state, rng
 
 
 def _read_own_partition(path: Path, groups: int) -> list[dict]:

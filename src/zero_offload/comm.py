@@ -51,13 +51,22 @@ class DistContext:
             dist.init_process_group("nccl" if cuda else "gloo")
         if dist.is_initialized():
             rank, world = dist.get_rank(), dist.get_world_size()
+            # A gloo group computes on the CPU even where CUDA exists (gloo reduces CPU tensors only).
+            cuda = cuda and dist.get_backend() != "gloo"
         else:
             rank, world = 0, 1
         if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
             device = torch.device("cuda", torch.cuda.current_device())
         else:
             device = torch.device("cpu")
         return cls(rank, world, device)
+
+    def broadcast_from_first(self, tensors) -> None:
+        """Give every rank rank 0's values (the initial weights, as DeepSpeed's _broadcast_model)."""
+        if self.distributed:
+            for t in tensors:
+                dist.broadcast(t, src=self._global(0), group=self.group)
 
     @property
     def distributed(self) -> bool:

@@ -30,6 +30,7 @@ IGNORED_TOP_LEVEL = {
     "csv_monitor": "metrics go to metrics.jsonl",
     "comms_logger": "no communication logger",
     "steps_per_print_dist": "only rank 0 prints",
+    "steps_per_print": "the main job shows a progress bar and writes every step to metrics.jsonl",
 }
 IGNORED_ZERO = {
     "reduce_scatter": "gradients are always reduced to their owning partition",
@@ -38,13 +39,13 @@ IGNORED_ZERO = {
     "elastic_checkpoint": "checkpoints always reshard",
     "load_from_fp32_weights": "checkpoints always restore fp32 master weights",
     "ignore_unused_parameters": "unused parameters contribute zero gradients",
-    "cpu_offload": "use offload_optimizer.device = 'cpu'",
     "stage3_gather_16bit_weights_on_model_save": "use Engine.full_state_dict()",
     "stage3_gather_fp16_weights_on_model_save": "use Engine.full_state_dict()",
     "zero_hpz_partition_size": "no hierarchical partitioning",
     "zero_quantized_weights": "no quantized communication",
     "zero_quantized_gradients": "no quantized communication",
     "memory_efficient_linear": "no linear override",
+    "sub_group_size": "the host step streams the partition in cache-sized chunks by itself",
 }
 IGNORED_OFFLOAD = {
     "buffer_count": "host buffers are sized from reduce_bucket_size",
@@ -159,8 +160,10 @@ class OffloadConfig:
         "none", "Where the partition lives: the accelerator (none), host memory (cpu) or NVMe files.",
         not_implemented={"nvme": "NVMe offload is a later issue; use 'cpu'"})
     nvme_path: str | None = option(None, "Directory for NVMe swap files (device = nvme).")
-    pin_memory: bool = option(False, "Pin the large host buffers (page-locked) for faster, asynchronous "
-                                     "copies. Small per-bucket staging buffers are always pinned on CUDA.")
+    pin_memory: bool = option(False, "Page-lock the host buffers (gradient partition, master weights, "
+                                     "parameter staging) so copies to and from the GPU run asynchronously on "
+                                     "the copy stream; without it each copy blocks the host. Recommended on "
+                                     "GPUs; DeepSpeed's default (false) is kept.")
 
 
 @dataclass
@@ -176,12 +179,13 @@ class ZeroConfig:
                                               "Always on here; false is accepted with a warning.")
     overlap_comm: bool = option(False, "Reduce full buckets asynchronously while backward continues; false "
                                        "waits for each reduction before backward goes on.")
+    cpu_offload: bool = option(False, "DeepSpeed's legacy switch; true is refused with the key to use instead.",
+                               not_implemented={True: "the legacy key; set offload_optimizer.device = 'cpu'"})
     reduce_bucket_size: int = option(500_000_000, "Elements per gradient bucket (stages 0-2; stage 3 "
                                                   "reduce-scatters each module's gradients as soon as they are "
                                                   "complete, which measured faster than one late bucket).",
                                      min=1)
     allgather_bucket_size: int = option(500_000_000, "Elements per all-gather of updated parameters.", min=1)
-    sub_group_size: int = option(1_000_000_000, "Elements the host optimizer steps at a time.", min=1)
     stage3_prefetch_bucket_size: int = option(50_000_000, "Stage 3: elements prefetched ahead.", min=0)
     stage3_param_persistence_threshold: int = option(100_000, "Stage 3: parameters this small stay gathered.",
                                                      min=0)
@@ -215,7 +219,6 @@ class Config:
                                                         min=1)
     gradient_accumulation_steps: int | None = option(None, "Micro-batches per optimizer step.", min=1)
     gradient_clipping: float = option(0.0, "Clip the global gradient norm to this; 0 disables.", min=0.0)
-    steps_per_print: int = option(10, "Print a progress line every this many optimizer steps.", min=1)
     seed: int | None = option(None, "Not a DeepSpeed key: seeds torch on every rank when given.")
     fp16: FP16Config = option(factory=FP16Config, help="fp16 mixed precision with loss scaling.")
     bf16: BF16Config = option(factory=BF16Config, help="bf16 mixed precision.")

@@ -49,7 +49,9 @@ class Engine:
         global_step: optimizer steps taken, skipped fp16-overflow steps included (DeepSpeed's global_steps).
         skipped_steps: steps skipped because the fp16 gradients overflowed.
         micro_steps: backward passes so far.
-        timings: seconds spent in forward, backward and optimizer over the last optimizer step.
+        last_grad_norm: the global gradient norm of the last boundary step (before clipping); None before.
+        timings: host wall-clock seconds in forward, backward and optimizer over the last optimizer step.
+            On CUDA the device is not synchronised for them, so they time the host's side of the work.
     """
 
     def __init__(self, model: torch.nn.Module, config: "Config | dict | str", model_parameters=None,
@@ -74,6 +76,9 @@ class Engine:
         gas = self.batch.gradient_accumulation_steps
         self.zero = (Stage3Optimizer(self.ctx, self.config, self.module, groups, gas, self.dtype, param_init_fn)
                      if stage3 else ZeroOptimizer(self.ctx, self.config, groups, gas))
+        # Buffers and frozen parameters start from rank 0's values too (trainable ones were broadcast above).
+        self.ctx.broadcast_from_first([*self.module.buffers(),
+                                       *(p.data for p in self.module.parameters() if not p.requires_grad)])
         self.optimizer = self.zero.optimizer
         self.scaler = LossScaler(self.config)
         self.lr_scheduler = build_scheduler(self.config.scheduler, self.optimizer)
@@ -81,6 +86,7 @@ class Engine:
         self.skipped_steps = 0
         self.micro_steps = 0
         self._boundary_pending = False
+        self.last_grad_norm: float | None = None
         self.timings = {"forward_s": 0.0, "backward_s": 0.0, "optimizer_s": 0.0}
         self._timing_reset = False
 

@@ -76,12 +76,3 @@ class FlatParams:
         """Element range [lo, hi) of ``rank``'s partition in the flat buffer."""
         lo = rank * self.partition_numel
         return lo, lo + self.partition_numel
-
-    def partition(self, rank: int) -> torch.Tensor:
-        """``rank``'s partition of the flat buffer (a view; shape (partition_numel,), training dtype)."""
-        lo, hi = self.partition_range(rank)
-        return self.buffer[lo:hi]
-
-    def owner(self, offset: int) -> int:
-        """The rank whose partition holds flat element ``offset``."""
-        return offset // self.partition_numel

@@ -162,9 +162,11 @@ def train(args: TrainArgs) -> dict:
             engine.save_checkpoint(ckpt_dir, client_state={"step": done})
     if bar is not None:
         bar.close()
+    # Every rank generates (stage 3 gathers parameters collectively); rank 0 writes and prints.
+    text = write_sample(engine.module, data, out / "sample.txt" if ctx.rank == 0 else None, ctx.device,
+                        seed=args.seed)
     if ctx.rank == 0:
         plot_losses(out / "metrics.jsonl", out / "loss.png")
-        text = write_sample(engine.module, data, out / "sample.txt", ctx.device, seed=args.seed)
         print(f"--- sample ---\n{text}\n--------------")
     result = {"first_val_loss": first_val if first_val is not None else metrics.first_val(),
               "last_val_loss": last_val, "steps": args.steps, "seconds": time.perf_counter() - t_start}

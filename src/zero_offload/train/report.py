@@ -38,13 +38,15 @@ def plot_losses(metrics_path: Path, png_path: Path) -> None:
 
 
 @torch.no_grad()
-def write_sample(model, data, path: Path, device: torch.device, seed: int, tokens: int = 200) -> str:
-    """Generate ``tokens`` tokens after the first 32 validation tokens; save and return the text."""
+def write_sample(model, data, path: Path | None, device: torch.device, seed: int, tokens: int = 200) -> str:
+    """Generate ``tokens`` tokens after the first 32 validation tokens; save (unless ``path`` is None) and
+    return the text."""
     prompt = torch.as_tensor(data.val[:32].astype("int64"))[None].to(device)
     model.eval()
     gen = torch.Generator(device=device).manual_seed(seed)
     out = model.generate(prompt, tokens, temperature=0.8, top_k=50, generator=gen)
     model.train()
     text = data.decode(out[0].tolist())
-    Path(path).write_text(text)
+    if path is not None:
+        Path(path).write_text(text)
     return text

@@ -61,6 +61,8 @@ class GradPartition:
             else:
                 dst.copy_(reduced)
         else:
+            if self.offload:
+                self.copies.synchronize()   # the first micro-step's async copies must land before adding
             dst.add_(reduced.to(dst.device, non_blocking=False))
 
     def ready(self) -> None:

@@ -93,16 +93,14 @@ class PartitionedAdam:
                 part.copy_(master)
 
     def _host_step(self, grads: list[torch.Tensor], grad_scale: float) -> None:
-        on_chunk = None
-        if self.host_params:
-            pass
-        elif any(p.device.type != "cpu" for p in self.parts):
+        on_chunk = None   # parameters on the host (stage 3 offload_param) are written in place: no copy
+        if not self.host_params and any(p.device.type != "cpu" for p in self.parts):
             # Each finished chunk starts its copy up at once, overlapping the rest of the host step
             # (ZeRO-Offload paper, Sec. 4.2's pipelining of the parameter swap-in with the CPU step).
             def on_chunk(g: int, _param: int, lo: int, hi: int) -> None:
                 src = self.outs[g] if self.outs[g] is not None else self.masters[g]
                 self.copies.to_device(self.parts[g][lo:hi], src[lo:hi])
-        elif self.offload:
+        elif not self.host_params and self.offload:
             # A CPU compute device: the copy up is a real copy into the separate parameter buffer.
             def on_chunk(g: int, _param: int, lo: int, hi: int) -> None:
                 src = self.outs[g] if self.outs[g] is not None else self.masters[g]

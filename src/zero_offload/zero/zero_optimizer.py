@@ -45,6 +45,7 @@ class ZeroOptimizer:
         self.allgather_bucket_numel = zc.allgather_bucket_size
         self.copies = CopyEngine(ctx.device)
         self.flats = [FlatParams(g.params, g.indices, g.names, ctx.world_size) for g in groups]
+        ctx.broadcast_from_first(f.buffer for f in self.flats)   # every replica starts from rank 0's weights
         self.flat_grads = [torch.zeros_like(f.buffer) for f in self.flats] if self.stage < 2 else None
         pin = zc.offload_optimizer.pin_memory
         rank = ctx.rank if self.stage >= 1 else 0

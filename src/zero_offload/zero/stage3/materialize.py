@@ -55,6 +55,7 @@ def materialize(model: torch.nn.Module, units: list[ShardedUnit], module_units: 
     peak = 0
     if not is_meta_model(model):
         for u in units:
+            u.open()
             u.attach_params()
             peak = max(peak, held())
             bind(u)
@@ -73,9 +74,7 @@ def materialize(model: torch.nn.Module, units: list[ShardedUnit], module_units: 
         needed = module_units.get(module, [])
         for u in needed:
             if u.index not in opened:
-                u.full.untyped_storage().resize_(u.nbytes)
-                u.full.zero_()           # padding and anything an init function leaves alone
-                u.gathered = True
+                u.open()                 # zeroed: padding and anything an init function leaves alone
                 u.attach_params()        # swaps the meta parameters for views into `full`
                 opened.add(u.index)
         has_meta_rest = any(t.is_meta for t in module.buffers(recurse=False)) or \

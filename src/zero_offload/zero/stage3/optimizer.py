@@ -66,9 +66,11 @@ class Stage3Optimizer:
                 p._zero_unit = u                      # for `gathered_parameters`
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
             u.fetcher = self.fetcher
-        self.partitions = [GradPartition(p.numel(), dtype, ctx.device, 3, self.offload,
+        # The step runs where the states are; with parameters on the host it runs there too.
+        host_step = self.offload or self.offload_param
+        self.partitions = [GradPartition(p.numel(), dtype, ctx.device, 3, host_step,
                                          gradient_accumulation > 1, pin, self.copies) for p in self.parts]
-        self.adam = PartitionedAdam(self.parts, [g.hparams for g in groups], self.offload, pin, self.copies,
+        self.adam = PartitionedAdam(self.parts, [g.hparams for g in groups], host_step, pin, self.copies,
                                     host_params=self.offload_param)
         self.max_in_flight = 2
         self.in_flight: deque = deque()
@@ -93,6 +95,7 @@ class Stage3Optimizer:
     def _bind(self, u: ShardedUnit) -> None:
         """Give unit ``u`` its slice of the group partition, filled from its full (materialised) buffer."""
         lo = u.partition_offset
+        self.ctx.broadcast_from_first([u.full])   # every rank shards rank 0's initial weights
         u.bind(self.parts[u.group][lo:lo + u.shard_numel], lo, self.ctx.rank)
 
     @property

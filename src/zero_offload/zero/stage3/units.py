@@ -56,16 +56,18 @@ class ShardedUnit:
         self.persistent = self.numel <= persistence_threshold
         self.gathered = True          # the full buffer holds valid values
         self._empty = torch.empty(0, dtype=dtype, device=device)
-        if any(p.is_meta for p in params):
-            self.full.untyped_storage().resize_(0)   # built under init_sharded: nothing to hold yet
-            self.gathered = False
-        else:
-            self.full[self.numel:].zero_()
+        self.full.untyped_storage().resize_(0)   # held only from `open` (materialising) or `gather` on
+        self.gathered = False
         self.handle: GatherHandle | None = None
         self.shard: torch.Tensor | None = None
         self.partition_offset = 0     # where `shard` starts in the group's partition
         self.grads_pending = 0
-        self.grad_seen: set[int] = set()
+
+    def open(self) -> None:
+        """Allocate ``full`` (zeroed) to materialise the unit: one unit at a time holds memory."""
+        self.full.untyped_storage().resize_(self.nbytes)
+        self.full.zero_()
+        self.gathered = True
 
     def attach_params(self) -> None:
         """Make every parameter a view into ``full`` (keeping the Parameter objects, so ties survive)."""

@@ -165,3 +165,27 @@ def test_a_corrupt_shard_on_one_rank_fails_every_rank_without_a_hang(tmp_path):
     errors = run_ranks(_load_expecting_error, 2, cfg, tmp_path)
     assert "failed on another rank" in errors[0]
     assert "rank00001.safetensors' is corrupted" in errors[1]
+
+
+class WithBufferAndFrozen(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = make_model()
+        self.register_buffer("calls", torch.zeros(()))
+        self.scale = torch.nn.Parameter(torch.ones(()), requires_grad=False)
+
+    def forward(self, x, y):
+        self.calls += 1
+        return self.inner(x, y) * self.scale
+
+
+def test_buffers_and_frozen_parameters_are_restored(tmp_path):
+    cfg = engine_config(2, "cpu", 1)
+    engine = zero_offload.initialize(WithBufferAndFrozen(), cfg)
+    with torch.no_grad():
+        engine.module.scale.fill_(0.5)
+    _train(engine, 2)
+    engine.save_checkpoint(tmp_path)
+    fresh = zero_offload.initialize(WithBufferAndFrozen(), cfg)
+    fresh.load_checkpoint(tmp_path)
+    assert fresh.module.calls.item() == 2 and fresh.module.scale.item() == 0.5

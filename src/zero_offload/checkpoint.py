@@ -5,6 +5,7 @@ Layout of ``save_dir/tag/``:
                                  exp_avg_sq (``group{g}.{kind}``; stage 0 has one partition, in rank 0's file),
                                  and its RNG states; the optimizer step count is in the file's metadata.
   ``client_state.pt``            the user's ``client_state`` (torch.save).
+  ``module_state.safetensors``   persistent buffers and frozen parameters (what no optimizer holds).
   ``manifest.json``              world size, stage, precision, every parameter's name, shape and flat offset,
                                  each group's partition size, the config, the engine's state, and a SHA-256
                                  of every file.
@@ -46,6 +47,21 @@ FORMAT = "zero-offload/1"
 KINDS = ("master", "exp_avg", "exp_avg_sq")
 MANIFEST = "manifest.json"
 CLIENT_STATE = "client_state.pt"
+MODULE_STATE = "module_state.safetensors"
+
+
+def _module_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What the optimizer does not hold: persistent buffers and frozen parameters, by qualified name."""
+    out = {}
+    for prefix, m in module.named_modules():
+        dot = f"{prefix}." if prefix else ""
+        for name, b in m._buffers.items():
+            if b is not None and name not in m._non_persistent_buffers_set:
+                out[dot + name] = b
+        for name, p in m._parameters.items():
+            if p is not None and not p.requires_grad:
+                out[dot + name] = p.data
+    return out
 
 
 class CheckpointError(ValueError):
@@ -133,6 +149,10 @@ def save_checkpoint(engine: "Engine", save_dir: str | os.PathLike, tag: str | No
         torch.save(client_state, tmp / CLIENT_STATE)
         _fsync(tmp / CLIENT_STATE)
         digests[CLIENT_STATE] = _sha256(tmp / CLIENT_STATE)
+        save_file({k: v.detach().cpu().contiguous().clone() for k, v in _module_state(engine.module).items()},
+                  str(tmp / MODULE_STATE))
+        _fsync(tmp / MODULE_STATE)
+        digests[MODULE_STATE] = _sha256(tmp / MODULE_STATE)
         manifest = _manifest(engine, partitions, digests)
         _fault_point("before_manifest")
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
@@ -276,10 +296,14 @@ def load_checkpoint(engine: "Engine", load_dir: str | os.PathLike, tag: str | No
     except CheckpointError as e:
         error = e
     _agree_on_failure(engine, error)
-    manifest, new_states, client_state, rng = staged
+    manifest, new_states, client_state, rng, module_state = staged
     # Everything is read and checked on every rank: only now change the engine.
     for g, state in enumerate(new_states):
         engine.zero.adam.load_group_state(g, **state)
+    live = _module_state(engine.module)
+    with torch.no_grad():
+        for name, value in module_state.items():
+            live[name].copy_(value)
     engine.zero.after_load()
     engine.zero.zero_grad()
     engine._boundary_pending = False
@@ -329,7 +353,23 @@ def _read_for_load(engine: "Engine", load_dir, tag):
         new_states = _reshard(engine, directory, manifest)
     client_state = torch.load(directory / CLIENT_STATE, weights_only=False)
     rng = _read_rng(directory / _rank_file(engine.rank)) if same_world else None
-    return manifest, new_states, client_state, rng
+    return manifest, new_states, client_state, rng, _read_module_state(engine, directory, manifest)
+
+
+def _read_module_state(engine: "Engine", directory: Path, manifest: dict) -> dict[str, torch.Tensor]:
+    """The saved buffers and frozen parameters, checked against the model's."""
+    if MODULE_STATE not in manifest["files"]:
+        return {}
+    read_manifest(directory, [MODULE_STATE])
+    from safetensors.torch import load_file
+    saved = load_file(str(directory / MODULE_STATE))
+    live = _module_state(engine.module)
+    for name, value in saved.items():
+        if name not in live or tuple(live[name].shape) != tuple(value.shape):
+            raise CheckpointError(f"checkpoint file '{directory / MODULE_STATE}' holds buffer or frozen "
+                                  f"parameter '{name}' {tuple(value.shape)} that this model "
+                                  f"{'lacks' if name not in live else f'has as {tuple(live[name].shape)}'}")
+    return saved
 
 
 def _read_own_partition(path: Path, groups: int) -> list[dict]:

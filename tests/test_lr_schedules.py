@@ -2,7 +2,6 @@
 import math
 
 import pytest
-import torch
 
 import zero_offload
 from toy_model import batch, make_model

@@ -4,7 +4,7 @@ import torch
 
 import zero_offload
 from dist_utils import run_ranks
-from reference import engine_config, engine_run
+from reference import engine_config
 from toy_model import batch, make_model
 from zero_offload.flat import ALIGNMENT
 

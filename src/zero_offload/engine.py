@@ -6,7 +6,6 @@ takes the optimizer step at the gradient-accumulation boundary and is a no-op ot
 """
 from __future__ import annotations
 
-import math
 import time
 from typing import Any, Iterable
 

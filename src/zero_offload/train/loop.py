@@ -2,9 +2,7 @@
 a loss plot and a text sample. Only rank 0 prints and writes files."""
 from __future__ import annotations
 
-import copy
 import json
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from zero_offload.flat import FlatParams
 
 __all__ = ["Piece", "ParamPlacement", "GroupLayout", "contiguous_layout", "assemble"]
@@ -62,10 +64,9 @@ def contiguous_layout(flat: FlatParams, partitions: int) -> GroupLayout:
     return GroupLayout(size, tuple(params))
 
 
-def assemble(group: GroupLayout, partitions: "torch.Tensor") -> dict[str, "torch.Tensor"]:
+def assemble(group: GroupLayout, partitions: torch.Tensor) -> dict[str, torch.Tensor]:
     """{name: tensor of the parameter's shape} from every rank's partition, ``partitions`` of shape
     (ranks, partition_numel)."""
-    import torch
     out = {}
     for p in group.params:
         flat = torch.empty(p.numel, dtype=partitions.dtype, device=partitions.device)

@@ -14,6 +14,7 @@ from zero_offload.comm import DistContext
 from zero_offload.config import Config
 from zero_offload.flat import FlatParams
 from zero_offload.offload.copies import CopyEngine
+from zero_offload.zero.gather import gather_masters, global_grad_sq_norm
 from zero_offload.zero.grad_partition import GradPartition
 from zero_offload.zero.layout import GroupLayout, contiguous_layout
 from zero_offload.zero.partitioned_adam import PartitionedAdam
@@ -74,12 +75,7 @@ class ZeroOptimizer:
 
     def grad_sq_norm(self) -> torch.Tensor:
         """Squared L2 norm of the whole (loss-scaled) gradient over all ranks, a 0-dim fp32 CPU tensor."""
-        for p in self.partitions:
-            p.ready()
-        total = sum(p.sq_norm().to(self.ctx.device) for p in self.partitions)
-        if self.stage >= 1:
-            self.ctx.all_reduce(total, async_op=False)
-        return total.cpu()
+        return global_grad_sq_norm(self.ctx, self.partitions, partitioned=self.stage >= 1)
 
     def step(self, grad_scale: float) -> None:
         """Update this rank's partitions with gradients x ``grad_scale``, then all-gather (stage >= 1)."""
@@ -142,13 +138,4 @@ class ZeroOptimizer:
     def full_master_state(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
         """{name: fp32 CPU tensor} for every flattened parameter, gathered from all ranks' master
         partitions (a collective at stage >= 1)."""
-        out = {}
-        for flat, master in zip(self.flats, self.adam.masters):
-            full = master.detach().to(self.ctx.device, torch.float32)
-            if self.stage >= 1 and self.ctx.world_size > 1:
-                gathered = torch.empty(flat.padded_numel, dtype=torch.float32, device=self.ctx.device)
-                torch.distributed.all_gather_into_tensor(gathered, full.contiguous())
-                full = gathered
-            for s in flat.slots:
-                out[s.name] = full[s.offset:s.end].view(s.shape).cpu().clone()
-        return out
+        return gather_masters(self.ctx, self.layout(), self.adam.masters, self.partitions_count)

@@ -14,8 +14,9 @@ import torch.distributed as dist
 from zero_offload.comm import DistContext
 from zero_offload.config import Config
 from zero_offload.offload.copies import CopyEngine, host_empty
+from zero_offload.zero.gather import gather_masters, global_grad_sq_norm
 from zero_offload.zero.grad_partition import GradPartition
-from zero_offload.zero.layout import GroupLayout, ParamPlacement, Piece, assemble
+from zero_offload.zero.layout import GroupLayout, ParamPlacement, Piece
 from zero_offload.zero.partitioned_adam import PartitionedAdam
 from zero_offload.zero.stage3.fetcher import ParameterFetcher, units_by_module
 from zero_offload.zero.stage3.materialize import materialize
@@ -159,11 +160,7 @@ class Stage3Optimizer:
 
     # -- the step --------------------------------------------------------------------------------------
     def grad_sq_norm(self) -> torch.Tensor:
-        for p in self.partitions:
-            p.ready()
-        total = sum(p.sq_norm().to(self.ctx.device) for p in self.partitions)
-        self.ctx.all_reduce(total, async_op=False)
-        return total.cpu()
+        return global_grad_sq_norm(self.ctx, self.partitions, partitioned=True)
 
     def step(self, grad_scale: float) -> None:
         self.adam.step([p.buffer for p in self.partitions], grad_scale)
@@ -192,18 +189,7 @@ class Stage3Optimizer:
         return out
 
     def full_master_state(self, module) -> dict[str, torch.Tensor]:
-        out = {}
-        for layout, master in zip(self.layout(), self.adam.masters):
-            local = master.detach().to(self.ctx.device, torch.float32).contiguous()
-            gathered = torch.empty(self.ctx.world_size * local.numel(), dtype=torch.float32,
-                                   device=self.ctx.device)
-            if self.ctx.world_size > 1:
-                dist.all_gather_into_tensor(gathered, local, group=self.ctx.group)
-            else:
-                gathered.copy_(local)
-            gathered = gathered.view(self.ctx.world_size, -1)
-            out.update({k: v.cpu().clone() for k, v in assemble(layout, gathered).items()})
-        return out
+        return gather_masters(self.ctx, self.layout(), self.adam.masters, self.partitions_count)
 
     def memory_breakdown(self) -> dict[str, dict]:
         """Bytes this rank holds, by kind (see `ZeroOptimizer.memory_breakdown`); ``params`` are this rank's

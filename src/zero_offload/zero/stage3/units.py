@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from zero_offload.comm import DistContext
-from zero_offload.flat import ParamSlot, pack
+from zero_offload.flat import pack
 from zero_offload.offload.copies import CopyEngine
 
 __all__ = ["ShardedUnit", "GatherHandle"]

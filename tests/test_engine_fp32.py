@@ -7,8 +7,12 @@ import pytest
 from dist_utils import run_ranks
 from reference import engine_config, engine_runs, reference_run
 
+# The global norm here is ~10: a clip of 1.0 scales every step's gradients by ~0.1. A much smaller clip (0.05
+# was used) pushes rounding-noise gradients of rare embedding rows below Adam's eps, where the update is
+# proportional to that noise, so the comparison then measures the CPU's matmul rounding, not the engine.
+CLIP = 1.0
 CASES = [(stage, offload, gas, clip)
-         for stage, offload, gas, clip in itertools.product((0, 1, 2), ("none", "cpu"), (1, 3), (0.0, 0.05))
+         for stage, offload, gas, clip in itertools.product((0, 1, 2), ("none", "cpu"), (1, 3), (0.0, CLIP))
          if not (stage == 0 and offload == "cpu")]
 ATOL = 1e-5
 
@@ -44,7 +48,7 @@ def test_matches_adamw(results, ws, stage, offload, gas, clip):
 def test_clipping_is_active():
     """The clip value the matrix uses must really clip, or the clipping cases would test nothing."""
     unclipped, _ = reference_run(clip=0.0)
-    clipped, _ = reference_run(clip=0.05)
+    clipped, _ = reference_run(clip=CLIP)
     assert max((unclipped[n] - clipped[n]).abs().max().item() for n in unclipped) > 1e-4
 
 

@@ -6,16 +6,20 @@ Build one with `Config.load(dict | path | Config)`; batch sizes are resolved aga
 """
 from __future__ import annotations
 
-import json
+import inspect
 import os
 import warnings
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
+import torch
+
+from zero_offload.config_compat import AutoContext, normalize, resolve_auto
+from zero_offload.config_io import check_finite, decode_config_string, read_config_file
 from zero_offload.config_schema import ConfigError, from_dict, option, to_dict
 
 __all__ = ["Config", "ConfigError", "BatchSizes", "FP16Config", "BF16Config", "OptimizerConfig",
-           "SchedulerConfig", "ZeroConfig", "OffloadConfig"]
+           "SchedulerConfig", "ZeroConfig", "OffloadConfig", "AutoContext"]
 
 # DeepSpeed keys that change nothing here: accepted with one warning, so a DeepSpeed JSON runs unchanged.
 IGNORED_TOP_LEVEL = {
@@ -31,6 +35,30 @@ IGNORED_TOP_LEVEL = {
     "comms_logger": "no communication logger",
     "steps_per_print_dist": "only rank 0 prints",
     "steps_per_print": "the main job shows a progress bar and writes every step to metrics.jsonl",
+    "comet": "metrics go to metrics.jsonl",
+    "timers": "no DeepSpeed timers",
+    "autotuning": "no autotuner; `zero-offload estimate` plans memory",
+    "activation_checkpointing": "it configures deepspeed.checkpointing, which models call themselves; use "
+                                "torch.utils.checkpoint (HF: model.gradient_checkpointing_enable())",
+    "checkpoint": "checkpoints are always per-rank shards, written atomically and resharded on load",
+    "data_types": "gradients accumulate in fp32 at stages 2/3 and in the training dtype at stages 0/1",
+    "aio": "NVMe offload is not built, and these settings only tune its I/O",
+    "compile": "the engine does not compile the model; call torch.compile on it yourself",
+    "hybrid_engine": "no inference hybrid engine",
+    "pipeline": "no pipeline parallelism; the section only applies to a deepspeed.pipe.PipelineModule",
+    "datastates": "no DataStates checkpoint engine",
+    "disable_allgather": "updated parameters are always all-gathered",
+    "disable_python_gc": "Python's garbage collector is left as it is",
+    "managed_gradient_accumulation": "the engine always counts micro-steps to the accumulation boundary",
+    "vocabulary_size": "only used by DeepSpeed for an alignment warning",
+    "log_level": "zero-offload logs through Python warnings",
+    "use_data_before_expert_parallelism": "no expert parallelism",
+    "expert_parallel": "no expert parallelism",
+    "seq_parallel_communication_data_type": "no sequence parallelism",
+    "tensor_parallel": "no tensor parallelism (autotp_size 1 is the same as none)",
+    "sequence_parallel_size": "no sequence parallelism (1 is the same as none)",
+    "torch_autocast": "autocast is off (enabled = false), as DeepSpeed's default",
+    "data_efficiency": "data efficiency is off (enabled = false)",
 }
 IGNORED_ZERO = {
     "reduce_scatter": "gradients are always reduced to their owning partition",
@@ -39,13 +67,28 @@ IGNORED_ZERO = {
     "elastic_checkpoint": "checkpoints always reshard",
     "load_from_fp32_weights": "checkpoints always restore fp32 master weights",
     "ignore_unused_parameters": "unused parameters contribute zero gradients",
-    "stage3_gather_16bit_weights_on_model_save": "use Engine.full_state_dict()",
-    "stage3_gather_fp16_weights_on_model_save": "use Engine.full_state_dict()",
     "zero_hpz_partition_size": "no hierarchical partitioning",
     "zero_quantized_weights": "no quantized communication",
     "zero_quantized_gradients": "no quantized communication",
     "memory_efficient_linear": "no linear override",
     "sub_group_size": "the host step streams the partition in cache-sized chunks by itself",
+    "stage3_module_granularity_threshold": "every module that owns parameters is its own gather unit",
+    "stage3_model_persistence_threshold": "persistence is decided by stage3_param_persistence_threshold alone",
+    "stage3_use_all_reduce_for_fetch_params": "parameters are fetched with all-gather",
+    "stage3_allgather_sequential": "each module's parameters are gathered as one flat buffer",
+    "use_multi_rank_bucket_allreduce": "buckets are reduced to their owning rank",
+    "compute_grad_norm": "the global gradient norm is always computed (clipping and get_global_grad_norm)",
+    "parameter_alignment": "flat buffers are always aligned",
+    "legacy_stage1": "there is one stage-1 implementation",
+    "zero_quantized_nontrainable_weights": "no quantized weights; frozen weights keep their dtype",
+    "override_module_apply": "module.apply is not patched",
+    "log_trace_cache_warnings": "the stage-3 fetcher warns once when the module order changes",
+    "enable_sanity_checks": "no extra internal checks",
+    "save_muon_momentum_buffer_in_memory": "no Muon optimizer",
+    "leaf_module": "every module that owns parameters is its own gather unit",
+    "pipeline_loading_checkpoint": "no pipeline parallelism",
+    "mics_shard_size": "no MiCS",
+    "zenflow": "ZenFlow's stall-free offload is not built: the plain ZeRO-Offload host step runs instead",
 }
 IGNORED_OFFLOAD = {
     "buffer_count": "host buffers are sized from reduce_bucket_size",
@@ -56,6 +99,9 @@ IGNORED_OFFLOAD = {
     "pipeline": "read-ahead is always on",
     "pipeline_read": "read-ahead is always on",
     "pipeline_write": "write-behind is always on",
+    "super_offload": "SuperOffload (Superchip CPU offload) is not built: the plain ZeRO-Offload host step "
+                     "runs instead",
+    "cpuadam_cores_perc": "the host kernel uses every core torch is allowed to use (torch.set_num_threads)",
 }
 
 
@@ -70,11 +116,22 @@ class FP16Config:
     min_loss_scale: float = option(1.0, "The dynamic scale never drops below this.", min=0.0, min_exclusive=True)
     auto_cast: bool = option(False, "Accepted for DeepSpeed compatibility; inputs are not cast.",
                              not_implemented={True: "cast inputs yourself; the model runs in fp16"})
+    fp16_master_weights_and_grads: bool = option(
+        False, "DeepSpeed's fp16 master weights; master weights are always fp32 here.",
+        not_implemented={True: "master weights are always fp32"})
 
 
 @dataclass
 class BF16Config:
     enabled: bool = option(False, "Train with bf16 parameters and fp32 master weights (no loss scaling).")
+    check_grad_overflow: bool = option(True, "Skip the optimizer step when the gradient norm is not finite "
+                                             "(DeepSpeed 0.19.8's default, true).")
+    immediate_grad_update: bool = option(False, "DeepSpeed's bf16 optimizer switch; gradients always go "
+                                                "straight to their partition here (no effect).")
+    bf16_master_weights_and_grads: bool = option(False, "DeepSpeed: bf16 master weights and gradients. "
+                                                        "Accepted with a warning: masters stay fp32.")
+    bf16_optimizer_states: bool = option(False, "DeepSpeed: bf16 Adam moments (needs "
+                                                "bf16_master_weights_and_grads). Accepted with a warning.")
 
 
 @dataclass
@@ -86,46 +143,155 @@ class AdamParams:
     adam_w_mode: bool = option(True, "Decoupled weight decay (AdamW); false adds L2 decay to the gradient.")
     bias_correction: bool = option(True, "Adam's bias correction of both moments.")
     torch_adam: bool = option(False, "Accepted for DeepSpeed compatibility; the host kernel is always ours.")
+    amsgrad: bool = option(False, "AMSGrad (keep the running max of exp_avg_sq): the step then runs "
+                                  "torch.optim.Adam/AdamW(amsgrad=True) on this rank's partition.")
+    fp32_optimizer_states: bool = option(True, "DeepSpeed's switch for fp32 Adam moments; they are always "
+                                               "fp32 here.", not_implemented={False: "moments are always fp32"})
 
     def validate(self, path):
         for i, b in enumerate(self.betas):
             if not 0.0 <= b < 1.0:
                 raise ConfigError(f"config key '{path}.betas[{i}]': got {b!r}, must be in [0, 1)")
+        if self.amsgrad and not self.bias_correction:
+            raise ConfigError(f"config key '{path}.amsgrad' = true needs '{path}.bias_correction' = true "
+                              f"(torch's AMSGrad always corrects bias)")
+
+
+# DeepSpeed optimizer types with no counterpart here, and what to use instead.
+REFUSED_OPTIMIZERS = {
+    "lamb": "LAMB is not built; use 'AdamW' (or a client optimizer)",
+    "onebitadam": "1-bit Adam's compressed communication is not built; use 'Adam' (the same update before "
+                  "its freeze_step)",
+    "onebitlamb": "1-bit LAMB is not built; use 'AdamW'",
+    "zerooneadam": "0/1 Adam is not built; use 'Adam'",
+    "lion": "Lion is not built; use 'AdamW' or pass a client optimizer",
+    "muon": "Muon is not built; use 'AdamW'",
+    "muadam": "MuP's MuAdam is not built; use 'Adam' with per-group learning rates",
+    "muadamw": "MuP's MuAdamW is not built; use 'AdamW' with per-group learning rates",
+    "musgd": "MuP's MuSGD is not built; use 'SGD' with per-group learning rates",
+}
+
+
+def _torch_optimizer(name: str):
+    cls = getattr(torch.optim, name, None)
+    if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer) and cls is not torch.optim.Optimizer:
+        return cls
+    return None
 
 
 @dataclass
 class OptimizerConfig:
-    type: Literal["Adam", "AdamW"] = option("Adam", "Adam or AdamW (AdamW forces adam_w_mode = true).")
-    params: AdamParams = option(factory=AdamParams, help="The optimizer's hyper-parameters.")
+    torch_kwargs: ClassVar[dict | None] = None     # set per instance: the params of a torch.optim type
+    type: str = option("Adam", "Adam or AdamW (our fused kernel; AdamW forces adam_w_mode = true), or any "
+                               "torch.optim class name (SGD, Adagrad, RMSprop, ...), which then runs on this "
+                               "rank's partition, as DeepSpeed runs getattr(torch.optim, type).")
+    params: Any = option(factory=dict, help="The optimizer's hyper-parameters, as DeepSpeed names them.")
 
-    def validate(self, path):
-        if self.type == "AdamW" and not self.params.adam_w_mode:
-            raise ConfigError(f"config key '{path}.params.adam_w_mode': false contradicts "
-                              f"'{path}.type' = 'AdamW'; use type 'Adam' for L2 weight decay")
+    def __post_init__(self):
+        self._resolve("optimizer")
+
+    def _resolve(self, path):
+        if isinstance(self.params, AdamParams):
+            return                        # already resolved (a copy of a resolved config)
+        if not isinstance(self.params, dict):
+            raise ConfigError(f"config key '{path}.params': got {self.params!r}, expected an object")
+        raw = self.params
+        if "max_grad_norm" in raw:
+            raise ConfigError(f"config key '{path}.params.max_grad_norm' is not an optimizer parameter (DeepSpeed "
+                              f"refuses it too); use the top-level 'gradient_clipping'")
+        lower = self.type.lower()
+        if lower in ("adam", "adamw"):
+            self.type = "AdamW" if lower == "adamw" else "Adam"
+            self.torch_kwargs = None
+            self.params = from_dict(AdamParams, raw, f"{path}.params")
+            if self.type == "AdamW" and not self.params.adam_w_mode:
+                raise ConfigError(f"config key '{path}.params.adam_w_mode': false contradicts "
+                                  f"'{path}.type' = 'AdamW'; use type 'Adam' for L2 weight decay")
+            return
+        if lower in REFUSED_OPTIMIZERS:
+            raise ConfigError(f"config key '{path}.type': {self.type!r} is accepted by DeepSpeed but not "
+                              f"implemented in zero-offload ({REFUSED_OPTIMIZERS[lower]})")
+        cls = _torch_optimizer(self.type)
+        if cls is None:
+            raise ConfigError(f"config key '{path}.type': got {self.type!r}, allowed: 'Adam', 'AdamW' or a "
+                              f"torch.optim class name (SGD, Adagrad, RMSprop, ...)")
+        accepted = set(inspect.signature(cls.__init__).parameters) - {"self", "params"}
+        for key in raw:
+            if key not in accepted:
+                raise ConfigError(f"unknown config key '{path}.params.{key}' for torch.optim.{cls.__name__}; "
+                                  f"valid keys: {', '.join(sorted(accepted))}")
+        self.torch_kwargs = dict(raw)
+        lr = raw.get("lr", inspect.signature(cls.__init__).parameters["lr"].default
+                      if "lr" in accepted else 1e-3)
+        self.params = AdamParams(lr=float(lr), weight_decay=float(raw.get("weight_decay", 0.0)))
 
 
 @dataclass
 class WarmupLRParams:
     warmup_min_lr: float = option(0.0, "Learning rate at the first step.", min=0.0)
-    warmup_max_lr: float = option(0.001, "Learning rate reached after warmup.", min=0.0)
-    warmup_num_steps: int = option(1000, "Steps of warmup.", min=1)
+    warmup_max_lr: float | None = option(None, "Learning rate reached after warmup (default: the optimizer's "
+                                               "lr, as DeepSpeed 0.19.8).", min=0.0)
+    warmup_num_steps: int = option(1000, "Steps of warmup. DeepSpeed warms up over max(2, n) steps; 0 (which "
+                                         "DeepSpeed 0.19.8 refuses and older versions clamped) is read as 2, "
+                                         "with a warning.", min=0)
     warmup_type: Literal["log", "linear"] = option("log", "Shape of the warmup curve.")
+
+    def validate(self, path):
+        if self.warmup_num_steps == 0:
+            warnings.warn(f"config key '{path}.warmup_num_steps' = 0: DeepSpeed warms up over max(2, n) steps, "
+                          f"so the rate reaches warmup_max_lr at the second step (DeepSpeed 0.19.8 refuses 0; "
+                          f"earlier versions clamp it the same way)", stacklevel=4)
 
 
 @dataclass
 class WarmupDecayLRParams(WarmupLRParams):
+    warmup_max_lr: float = option(0.001, "Learning rate reached after warmup.", min=0.0)
     total_num_steps: int = option(None, "Steps until the rate has decayed linearly to 0 (required).", min=1)
 
     def validate(self, path):
+        super().validate(path)
         if self.total_num_steps is None:
             raise ConfigError(f"config key '{path}.total_num_steps' is required for WarmupDecayLR")
+
+
+@dataclass
+class OneCycleParams:
+    cycle_min_lr: float = option(None, "Lower bound of the cycle's learning rate (required).", min=0.0)
+    cycle_max_lr: float = option(None, "Upper bound of the cycle's learning rate (required).", min=0.0)
+    decay_lr_rate: float = option(0.0, "After the cycle: lr = cycle_min_lr / (1 + rate x intervals).", min=0.0)
+    cycle_first_step_size: int = option(2000, "Steps of the rising half of the cycle.", min=1)
+    cycle_second_step_size: int | None = option(None, "Steps of the falling half (default: the first's).",
+                                                min=0)
+    cycle_first_stair_count: int = option(0, "Stairs in the rising half (0: continuous).", min=0)
+    cycle_second_stair_count: int | None = option(None, "Stairs in the falling half (default: the first's).",
+                                                  min=0)
+    decay_step_size: int = option(0, "Steps per decay interval after the cycle (0: no decay).", min=0)
+    cycle_momentum: bool = option(True, "Cycle Adam's beta1 inversely to the lr (sets beta2 to 0.99, as "
+                                        "DeepSpeed does).")
+    cycle_min_mom: float = option(0.8, "Lower bound of beta1.", min=0.0)
+    cycle_max_mom: float = option(0.9, "Upper bound of beta1.", min=0.0)
+    decay_mom_rate: float = option(0.0, "After the cycle: beta1 = cycle_max_mom x (1 + rate x intervals).",
+                                   min=0.0)
+
+    def validate(self, path):
+        for key in ("cycle_min_lr", "cycle_max_lr"):
+            if getattr(self, key) is None:
+                raise ConfigError(f"config key '{path}.{key}' is required for OneCycle")
+
+
+@dataclass
+class LRRangeTestParams:
+    lr_range_test_min_lr: float = option(1e-3, "Learning rate at the first step.", min=0.0)
+    lr_range_test_step_size: int = option(2000, "Steps per increase interval.", min=1)
+    lr_range_test_step_rate: float = option(1.0, "lr = min_lr x (1 + rate x intervals).")
+    lr_range_test_staircase: bool = option(False, "Whole intervals only (a staircase) instead of continuous.")
 
 
 @dataclass
 class WarmupCosineLRParams:
     total_num_steps: int = option(None, "Steps of the whole schedule (required).", min=1)
     warmup_min_ratio: float = option(0.0, "Start of warmup as a fraction of the optimizer's lr.", min=0.0)
-    warmup_num_steps: int = option(1000, "Steps of warmup.", min=1)
+    warmup_num_steps: int = option(1000, "Steps of warmup (DeepSpeed uses max(2, n)).", min=1)
     cos_min_ratio: float = option(0.0001, "End of the cosine decay as a fraction of the optimizer's lr.",
                                   min=0.0)
     warmup_type: Literal["log", "linear"] = option("log", "Shape of the warmup curve.")
@@ -136,12 +302,13 @@ class WarmupCosineLRParams:
 
 
 SCHEDULER_PARAMS = {"WarmupLR": WarmupLRParams, "WarmupDecayLR": WarmupDecayLRParams,
-                    "WarmupCosineLR": WarmupCosineLRParams}
+                    "WarmupCosineLR": WarmupCosineLRParams, "OneCycle": OneCycleParams,
+                    "LRRangeTest": LRRangeTestParams}
 
 
 @dataclass
 class SchedulerConfig:
-    type: Literal["WarmupLR", "WarmupDecayLR", "WarmupCosineLR"] = option(
+    type: Literal["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest"] = option(
         None, "The learning-rate schedule, stepped with every optimizer step (DeepSpeed's names).")
     params: Any = option(factory=dict, help="The schedule's parameters, as DeepSpeed names them.")
 
@@ -160,10 +327,10 @@ class OffloadConfig:
         "none", "Where the partition lives: the accelerator (none), host memory (cpu) or NVMe files.",
         not_implemented={"nvme": "NVMe offload is a later issue; use 'cpu'"})
     nvme_path: str | None = option(None, "Directory for NVMe swap files (device = nvme).")
-    pin_memory: bool = option(False, "Page-lock the host buffers (gradient partition, master weights, "
-                                     "parameter staging) so copies to and from the GPU run asynchronously on "
-                                     "the copy stream; without it each copy blocks the host. Recommended on "
-                                     "GPUs; DeepSpeed's default (false) is kept.")
+    pin_memory: bool = option(True, "Page-lock the host buffers (gradient partition, master weights, "
+                                    "parameter staging) so copies to and from the GPU run asynchronously on "
+                                    "the copy stream; without it each copy blocks the host. DeepSpeed 0.19.8's "
+                                    "default (true); no effect on a machine without CUDA.")
 
 
 @dataclass
@@ -177,10 +344,12 @@ class ZeroConfig:
                                                                       "the host (stage 3 only).")
     contiguous_gradients: bool = option(True, "Copy gradients into contiguous buckets as they are produced. "
                                               "Always on here; false is accepted with a warning.")
-    overlap_comm: bool = option(False, "Reduce full buckets asynchronously while backward continues; false "
-                                       "waits for each reduction before backward goes on.")
-    cpu_offload: bool = option(False, "DeepSpeed's legacy switch; true is refused with the key to use instead.",
-                               not_implemented={True: "the legacy key; set offload_optimizer.device = 'cpu'"})
+    overlap_comm: bool | None = option(None, "Reduce full buckets asynchronously while backward continues; "
+                                             "false waits for each reduction before backward goes on. Default "
+                                             "(as DeepSpeed 0.19.8): true at stage 3, else false.")
+    stage3_gather_16bit_weights_on_model_save: bool = option(
+        False, "Stage 3: `save_16bit_model` gathers the 16-bit weights to rank 0 and writes them (without it, "
+               "DeepSpeed writes nothing at stage 3 and so does zero-offload, with a warning).")
     reduce_bucket_size: int = option(500_000_000, "Elements per gradient bucket (stages 0-2; stage 3 "
                                                   "reduce-scatters each module's gradients as soon as they are "
                                                   "complete, which measured faster than one late bucket).",
@@ -194,6 +363,8 @@ class ZeroConfig:
                                                            "within this many elements.", min=0)
 
     def validate(self, path):
+        if self.overlap_comm is None:
+            self.overlap_comm = self.stage == 3
         if self.offload_param.device != "none" and self.stage < 3:
             raise ConfigError(f"config key '{path}.offload_param.device' = {self.offload_param.device!r} needs "
                               f"'{path}.stage' = 3 (got {self.stage}); parameters are only partitioned at "
@@ -219,6 +390,15 @@ class Config:
                                                         min=1)
     gradient_accumulation_steps: int | None = option(None, "Micro-batches per optimizer step.", min=1)
     gradient_clipping: float = option(0.0, "Clip the global gradient norm to this; 0 disables.", min=0.0)
+    prescale_gradients: bool = option(False, "Divide gradients by the world size before they are summed "
+                                             "across ranks instead of after (DeepSpeed's prescale_gradients).")
+    gradient_predivide_factor: float = option(1.0, "Divide gradients by this before they are summed and by "
+                                                   "world size / factor after (DeepSpeed's meaning; ignored "
+                                                   "with prescale_gradients).", min=0.0, min_exclusive=True)
+    communication_data_type: Literal["fp32", "fp16", "bf16"] | None = option(
+        None, "DeepSpeed: the dtype gradients are reduced in (default: the training dtype).")
+    dataloader_drop_last: bool = option(False, "The compat dataloader (zero_offload.deepspeed.initialize "
+                                               "with training_data) drops the last incomplete batch.")
     seed: int | None = option(None, "Not a DeepSpeed key: seeds torch on every rank when given.")
     fp16: FP16Config = option(factory=FP16Config, help="fp16 mixed precision with loss scaling.")
     bf16: BF16Config = option(factory=BF16Config, help="bf16 mixed precision.")
@@ -231,42 +411,71 @@ class Config:
             raise ConfigError("config keys 'fp16.enabled' and 'bf16.enabled' are both true; choose one")
 
     @classmethod
-    def load(cls, source: "Config | dict | str | os.PathLike") -> "Config":
-        """Build a Config from a dict, a path to a JSON file, or return a Config as is.
+    def load(cls, source: "Config | dict | str | os.PathLike", auto: "AutoContext | None" = None) -> "Config":
+        """Build a Config from a dict, a path to a JSON/hjson file (read as DeepSpeed reads it), a base64-encoded
+        config string (DeepSpeed accepts one), or return a Config as is.
+
+        ``auto`` tells how to resolve Hugging Face ``"auto"`` values (see `config_compat.resolve_auto`);
+        without it an ``"auto"`` that needs the model or the device is an error naming the key.
 
         Raises:
-            ConfigError: an unreadable or invalid JSON file (naming it), or any invalid key or value.
+            ConfigError: an unreadable, binary or invalid file (naming it), a duplicate key, NaN or
+                Infinity (naming the key), or any invalid key or value.
         """
         if isinstance(source, Config):
             return source
         if isinstance(source, (str, os.PathLike)):
-            try:
-                with open(source, encoding="utf-8") as f:
-                    data = json.load(f)
-            except OSError as e:
-                raise ConfigError(f"config file '{source}' cannot be read: {e.strerror}") from e
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"config file '{source}' is not valid JSON: {e}") from e
-            return cls.from_dict(data)
+            if isinstance(source, str) and not os.path.exists(source):
+                decoded = decode_config_string(source)
+                if decoded is not None:
+                    return cls.from_dict(decoded, auto)
+            return cls.from_dict(read_config_file(source), auto)
         if isinstance(source, dict):
-            return cls.from_dict(source)
+            check_finite(source)
+            return cls.from_dict(source, auto)
         raise ConfigError(f"config must be a dict, a JSON file path or a zero_offload.Config, got "
                           f"{type(source).__name__}")
 
     @classmethod
-    def from_dict(cls, data: dict) -> "Config":
+    def from_dict(cls, data: dict, auto: "AutoContext | None" = None) -> "Config":
         """Build and validate a Config from DeepSpeed-style JSON data (see `Config.load`)."""
+        data = resolve_auto(normalize(data), auto)
         cfg = from_dict(cls, data)
-        if not cfg.zero_optimization.contiguous_gradients:
-            warnings.warn("config key 'zero_optimization.contiguous_gradients' = false has no effect: "
-                          "gradients are always copied into contiguous buckets", stacklevel=2)
-        if cfg.optimizer.params.torch_adam:
-            warnings.warn("config key 'optimizer.params.torch_adam' has no effect: the host step always "
-                          "uses zero-offload's kernel", stacklevel=2)
+        for message in cfg.no_effect_warnings():
+            warnings.warn(message, stacklevel=3)
         return cfg
 
+    def no_effect_warnings(self) -> list[str]:
+        """One message per set value that is accepted for DeepSpeed compatibility but changes nothing here."""
+        out = []
+        if not self.zero_optimization.contiguous_gradients:
+            out.append("config key 'zero_optimization.contiguous_gradients' = false has no effect: "
+                       "gradients are always copied into contiguous buckets")
+        if self.optimizer.type in ("Adam", "AdamW") and self.optimizer.params.torch_adam:
+            out.append("config key 'optimizer.params.torch_adam' has no effect: the host step always "
+                       "uses zero-offload's kernel")
+        if self.bf16.immediate_grad_update:
+            out.append("config key 'bf16.immediate_grad_update' has no effect: gradients always go straight to "
+                       "their partition")
+        for key in ("bf16_master_weights_and_grads", "bf16_optimizer_states"):
+            if getattr(self.bf16, key):
+                out.append(f"config key 'bf16.{key}' has no effect yet: master weights and Adam moments stay "
+                           f"fp32 (more memory, same or better accuracy)")
+        if self.communication_data_type is not None and self.communication_data_type != self.precision:
+            out.append(f"config key 'communication_data_type' = {self.communication_data_type!r} has no effect "
+                       f"yet: gradients are reduced in the training dtype ({self.precision})")
+        if self.prescale_gradients and self.gradient_predivide_factor != 1.0:
+            out.append("config key 'gradient_predivide_factor' has no effect with 'prescale_gradients' = true "
+                       "(as in DeepSpeed)")
+        return out
+
     def to_dict(self) -> dict:
-        return to_dict(self)
+        out = to_dict(self)
+        if self.optimizer.torch_kwargs is not None:
+            out["optimizer"]["params"] = dict(self.optimizer.torch_kwargs)
+        if self.scheduler is None:
+            out.pop("scheduler")
+        return out
 
     @property
     def precision(self) -> Literal["fp32", "fp16", "bf16"]:

@@ -13,7 +13,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from zero_offload.comm import DistContext
-from zero_offload.config import Config
+from zero_offload.config import AutoContext, Config
 from zero_offload.optim.lr_schedules import build_scheduler
 from zero_offload.precision import LossScaler, is_overflow, training_dtype
 from zero_offload.zero import ParamGroup, ZeroOptimizer
@@ -54,9 +54,10 @@ class Engine:
     """
 
     def __init__(self, model: torch.nn.Module, config: "Config | dict | str", model_parameters=None,
-                 param_init_fn=None):
-        self.config = Config.load(config)
+                 param_init_fn=None, auto_values: dict | None = None):
         self.ctx = DistContext.create()
+        self.config = Config.load(config, auto=AutoContext(self.ctx.world_size, model, self.ctx.device,
+                                                           dict(auto_values or {})))
         self.batch = self.config.batch_sizes(self.ctx.world_size)
         if self.config.seed is not None:
             torch.manual_seed(self.config.seed)
@@ -150,7 +151,9 @@ class Engine:
         loss_scale = self.scaler.scale
         norm = self.zero.grad_sq_norm().sqrt() / loss_scale
         self.last_grad_norm = float(norm)
-        overflow = self.scaler.enabled and is_overflow(norm)
+        # fp16 overflow; bf16 skips a non-finite step too with bf16.check_grad_overflow (DeepSpeed 0.19.8).
+        overflow = (self.scaler.enabled or (self.config.bf16.enabled and self.config.bf16.check_grad_overflow)) \
+            and is_overflow(norm)
         if overflow:
             self.skipped_steps += 1
         else:

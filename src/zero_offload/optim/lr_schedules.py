@@ -1,4 +1,4 @@
-"""DeepSpeed's WarmupLR, WarmupDecayLR and WarmupCosineLR, stepped once per optimizer step.
+"""DeepSpeed's WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle and LRRangeTest, stepped per optimizer step.
 
 Formulas and the step-0 behaviour mirror ``deepspeed.runtime.lr_schedules``: the optimizer's lr is set at
 construction (WarmupLR: ``warmup_min_lr``; WarmupCosineLR: 0), each ``step()`` advances
@@ -11,9 +11,10 @@ import math
 
 import torch
 
-from zero_offload.config import SchedulerConfig, WarmupCosineLRParams, WarmupDecayLRParams, WarmupLRParams
+from zero_offload.config import (LRRangeTestParams, OneCycleParams, SchedulerConfig, WarmupCosineLRParams,
+                                 WarmupDecayLRParams, WarmupLRParams)
 
-__all__ = ["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "build_scheduler"]
+__all__ = ["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest", "build_scheduler"]
 
 
 def _warmup_gamma(iteration: int, warmup_steps: int, warmup_type: str) -> float:
@@ -51,7 +52,9 @@ class WarmupLR(_Schedule):
 
     def __init__(self, optimizer, p: WarmupLRParams):
         super().__init__(optimizer)
-        self.min_lr, self.max_lr = p.warmup_min_lr, p.warmup_max_lr
+        self.min_lr = p.warmup_min_lr
+        # DeepSpeed 0.19.8: no warmup_max_lr means the optimizer's own lr.
+        self.max_lr = p.warmup_max_lr if p.warmup_max_lr is not None else optimizer.param_groups[0]["lr"]
         self.warmup_steps = max(2, p.warmup_num_steps)  # log(1) would divide by zero
         self.warmup_type = p.warmup_type
         self._apply()
@@ -117,9 +120,98 @@ class WarmupCosineLR(_Schedule):
         super().load_state_dict(state)
 
 
+class LRRangeTest(_Schedule):
+    """lr = min_lr x (1 + step_rate x interval), interval = (iteration + 1) / step_size (floored when
+    ``lr_range_test_staircase``): DeepSpeed's LR range test (Smith, 2017)."""
+
+    def __init__(self, optimizer, p: LRRangeTestParams):
+        super().__init__(optimizer)
+        self.min_lr, self.step_size, self.step_rate = p.lr_range_test_min_lr, p.lr_range_test_step_size, \
+            p.lr_range_test_step_rate
+        self.staircase = p.lr_range_test_staircase
+        for group in optimizer.param_groups:     # DeepSpeed sets min_lr at construction
+            group["lr"] = self.min_lr
+
+    def get_lr(self) -> list[float]:
+        interval = (self.last_batch_iteration + 1) / self.step_size
+        if self.staircase:
+            interval = math.floor(interval)
+        return [self.min_lr * (1 + self.step_rate * interval) for _ in self.optimizer.param_groups]
+
+
+class OneCycle(_Schedule):
+    """DeepSpeed's 1Cycle: lr rises from cycle_min_lr to cycle_max_lr over cycle_first_step_size steps,
+    falls back over cycle_second_step_size, then decays; beta1 cycles the other way when
+    ``cycle_momentum`` (and beta2 is set to 0.99, as DeepSpeed does)."""
+
+    def __init__(self, optimizer, p: OneCycleParams):
+        super().__init__(optimizer)
+        first = float(p.cycle_first_step_size)
+        second = float(p.cycle_second_step_size) if p.cycle_second_step_size is not None else first
+        self.total_size, self.first_step_size, self.second_step_size = first + second, first, second
+        self.step_ratio = first / self.total_size
+        self.first_stair_count = p.cycle_first_stair_count
+        self.second_stair_count = (p.cycle_first_stair_count if p.cycle_second_stair_count is None
+                                   else p.cycle_second_stair_count)
+        self.decay_step_size = p.decay_step_size
+        self.min_lr, self.max_lr, self.decay_lr_rate = p.cycle_min_lr, p.cycle_max_lr, p.decay_lr_rate
+        self.skip_lr_decay = math.isclose(self.decay_step_size, 0) or math.isclose(self.decay_lr_rate, 0)
+        self.skip_mom_decay = math.isclose(self.decay_step_size, 0) or math.isclose(p.decay_mom_rate, 0)
+        self.cycle_momentum = p.cycle_momentum and "betas" in optimizer.param_groups[0]
+        self.min_mom, self.max_mom, self.decay_mom_rate = p.cycle_min_mom, p.cycle_max_mom, p.decay_mom_rate
+        for group in optimizer.param_groups:
+            group["lr"] = self.min_lr
+            if self.cycle_momentum:
+                group["betas"] = (self.min_mom, 0.99)
+
+    def _scale_factor(self) -> float:
+        it = self.last_batch_iteration + 1
+        cycle = math.floor(1 + it / self.total_size)
+        x = 1.0 + it / self.total_size - cycle
+        if x <= self.step_ratio:
+            scale, stairs = x / self.step_ratio, self.first_stair_count
+        else:
+            scale, stairs = (x - 1) / (self.step_ratio - 1), self.second_stair_count
+        if stairs > 0:
+            cycle_it = it % self.total_size
+            if cycle_it <= self.first_step_size:
+                position = cycle_it * stairs / self.first_step_size
+            else:
+                position = (self.total_size - cycle_it) * stairs / self.second_step_size
+            scale = math.floor(position) / stairs
+        return scale
+
+    def get_lr(self) -> list[float]:
+        if self.last_batch_iteration < self.total_size:
+            lr = self.min_lr + (self.max_lr - self.min_lr) * self._scale_factor()
+        elif self.skip_lr_decay:
+            lr = self.min_lr
+        else:
+            interval = (self.last_batch_iteration - self.total_size + 1) / self.decay_step_size
+            lr = self.min_lr / (1 + self.decay_lr_rate * interval)
+        return [lr for _ in self.optimizer.param_groups]
+
+    def get_mom(self) -> float:
+        if self.last_batch_iteration < self.total_size:
+            return self.max_mom - (self.max_mom - self.min_mom) * self._scale_factor()
+        if self.skip_mom_decay:
+            return self.max_mom
+        interval = (self.last_batch_iteration - self.total_size + 1) / self.decay_step_size
+        return self.max_mom * (1 + self.decay_mom_rate * interval)
+
+    def _apply(self) -> None:
+        super()._apply()
+        if self.cycle_momentum and self.last_batch_iteration >= 0:
+            for group in self.optimizer.param_groups:
+                group["betas"] = (self.get_mom(), 0.99)
+
+
+SCHEDULES = {"WarmupLR": WarmupLR, "WarmupDecayLR": WarmupDecayLR, "WarmupCosineLR": WarmupCosineLR,
+             "OneCycle": OneCycle, "LRRangeTest": LRRangeTest}
+
+
 def build_scheduler(config: SchedulerConfig | None, optimizer: torch.optim.Optimizer):
     """The schedule named by the config's ``scheduler.type``, or None when no scheduler is configured."""
     if config is None:
         return None
-    cls = {"WarmupLR": WarmupLR, "WarmupDecayLR": WarmupDecayLR, "WarmupCosineLR": WarmupCosineLR}[config.type]
-    return cls(optimizer, config.params)
+    return SCHEDULES[config.type](optimizer, config.params)

@@ -100,6 +100,8 @@ def train(args: TrainArgs) -> dict:
         raise ValueError(f"--seq-len {seq_len} is beyond the context of preset '{args.model}' "
                          f"({cfg_model.block_size} tokens)")
     ctx = DistContext.create()
+    config = _resolve_config(args, ctx.device)   # a typo in the config costs no data or model work
+    config.batch_sizes(ctx.world_size)
     out = Path(args.out)
     ckpt_dir = out / "checkpoints"
     if args.resume:
@@ -114,7 +116,6 @@ def train(args: TrainArgs) -> dict:
     _log(ctx.rank, f"model {args.model}: {counts.total / 1e6:.2f}M parameters "
                    f"({counts.non_embedding / 1e6:.2f}M non-embedding), vocab {data.vocab_size}, "
                    f"context {seq_len}, {ctx.world_size} rank(s) on {ctx.device.type}")
-    config = _resolve_config(args, ctx.device)
     wd = config.optimizer.params.weight_decay
     engine = zero_offload.initialize(model, config, model_parameters=model.optimizer_groups(wd))
     start = 0

@@ -15,6 +15,7 @@ import torch
 
 from zero_offload.comm import DistContext
 from zero_offload.flat import FlatParams
+from zero_offload.zero.averaging import GradAveraging
 from zero_offload.zero.buckets import GradBucket, plan_buckets
 from zero_offload.zero.grad_partition import GradPartition
 
@@ -55,8 +56,9 @@ class GradientReducer:
 
     def __init__(self, ctx: DistContext, flats: list[FlatParams], partitions: list[GradPartition],
                  flat_grads: list[torch.Tensor] | None, stage: int, bucket_numel: int, overlap: bool,
-                 max_in_flight: int = 2):
+                 max_in_flight: int = 2, averaging: GradAveraging | None = None):
         self.ctx, self.flats, self.partitions = ctx, flats, partitions
+        self.averaging = averaging or GradAveraging(ctx.world_size)
         self.flat_grads = flat_grads
         self.stage, self.overlap, self.max_in_flight = stage, overlap, max_in_flight
         buckets = [b for g, f in enumerate(flats) for b in plan_buckets(f, g, bucket_numel, stage >= 1)]
@@ -146,10 +148,9 @@ class GradientReducer:
 
     def _launch(self, b: GradBucket) -> None:
         buf = self._buffer(b)
-        if self.ctx.world_size > 1 and (b.owner is None or buf.dtype == torch.float16):
-            # Average over ranks. An all-reduce divides first (every rank keeps the result); fp16 divides
-            # first to keep the sum in range; otherwise only the owner divides its result, in `_complete`.
-            buf.div_(self.ctx.world_size)
+        # Average over ranks. An all-reduce divides first (every rank keeps the result); fp16 divides
+        # first to keep the sum in range; otherwise only the owner divides its result, in `_complete`.
+        self.averaging.before_sum(buf, divide_first=b.owner is None or buf.dtype == torch.float16)
         self.launch_times.append(time.perf_counter())
         b.work = (self.ctx.all_reduce(buf) if b.owner is None else self.ctx.reduce(buf, b.owner))
         self.in_flight.append(b)
@@ -161,8 +162,7 @@ class GradientReducer:
     def _complete(self, b: GradBucket) -> None:
         b.work.wait()
         if b.owner is None or b.owner == self.ctx.rank:
-            if b.owner is not None and self.ctx.world_size > 1 and b.buffer.dtype != torch.float16:
-                b.buffer.div_(self.ctx.world_size)
+            self.averaging.after_sum(b.buffer, divide_first=b.owner is None or b.buffer.dtype == torch.float16)
             self.partitions[b.group].consume(b, b.buffer, self.first_micro_step)
         if self.flat_grads is None:
             self.pool.release(b.buffer)

@@ -17,7 +17,8 @@ from zero_offload.offload.copies import CopyEngine
 from zero_offload.zero.gather import gather_masters, global_grad_sq_norm
 from zero_offload.zero.grad_partition import GradPartition
 from zero_offload.zero.layout import GroupLayout, contiguous_layout
-from zero_offload.zero.partitioned_adam import PartitionedAdam
+from zero_offload.zero.averaging import GradAveraging
+from zero_offload.zero.partitioned_torch import partitioned_optimizer
 from zero_offload.zero.reducer import GradientReducer
 
 __all__ = ["ParamGroup", "ZeroOptimizer"]
@@ -54,9 +55,11 @@ class ZeroOptimizer:
                                          self.offload, gradient_accumulation > 1, pin, self.copies)
                            for i, f in enumerate(self.flats)]
         self.reducer = GradientReducer(ctx, self.flats, self.partitions, self.flat_grads, self.stage,
-                                       zc.reduce_bucket_size, zc.overlap_comm)
+                                       zc.reduce_bucket_size, zc.overlap_comm,
+                                       averaging=GradAveraging.from_config(config, ctx.world_size))
         parts = [f.buffer[p.lo:p.hi] for f, p in zip(self.flats, self.partitions)]
-        self.adam = PartitionedAdam(parts, [g.hparams for g in groups], self.offload, pin, self.copies)
+        self.adam = partitioned_optimizer(config, parts, [g.hparams for g in groups], self.offload, pin,
+                                          self.copies)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:

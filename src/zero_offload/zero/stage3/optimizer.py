@@ -17,7 +17,8 @@ from zero_offload.offload.copies import CopyEngine, host_empty
 from zero_offload.zero.gather import gather_masters, global_grad_sq_norm
 from zero_offload.zero.grad_partition import GradPartition
 from zero_offload.zero.layout import GroupLayout, ParamPlacement, Piece
-from zero_offload.zero.partitioned_adam import PartitionedAdam
+from zero_offload.zero.averaging import GradAveraging
+from zero_offload.zero.partitioned_torch import partitioned_optimizer
 from zero_offload.zero.stage3.fetcher import ParameterFetcher, units_by_module
 from zero_offload.zero.stage3.materialize import materialize
 from zero_offload.zero.stage3.units import ShardedUnit
@@ -71,8 +72,9 @@ class Stage3Optimizer:
         host_step = self.offload or self.offload_param
         self.partitions = [GradPartition(p.numel(), dtype, ctx.device, 3, host_step,
                                          gradient_accumulation > 1, pin, self.copies) for p in self.parts]
-        self.adam = PartitionedAdam(self.parts, [g.hparams for g in groups], host_step, pin, self.copies,
-                                    host_params=self.offload_param)
+        self.adam = partitioned_optimizer(config, self.parts, [g.hparams for g in groups], host_step, pin,
+                                          self.copies, host_params=self.offload_param)
+        self.averaging = GradAveraging.from_config(config, ctx.world_size)
         self.max_in_flight = 2
         self.in_flight: deque = deque()
         self.first_micro_step = True
@@ -133,8 +135,8 @@ class Stage3Optimizer:
         if self.ctx.world_size == 1:
             out, work = flat, None
         else:
-            if flat.dtype == torch.float16:
-                flat.div_(self.ctx.world_size)    # fp16: average before summing, to stay in range
+            # fp16: average before summing, to stay in range
+            self.averaging.before_sum(flat, divide_first=flat.dtype == torch.float16)
             out = torch.empty(u.shard_numel, dtype=flat.dtype, device=flat.device)
             work = dist.reduce_scatter_tensor(out, flat, group=self.ctx.group, async_op=True)
         self.in_flight.append((u, out, work, flat))
@@ -145,8 +147,8 @@ class Stage3Optimizer:
         u, out, work, _flat = item
         if work is not None:
             work.wait()
-            if out.dtype != torch.float16:
-                out.div_(self.ctx.world_size)     # average the 1/N shard, not the whole gradient
+            # average the 1/N shard, not the whole gradient
+            self.averaging.after_sum(out, divide_first=out.dtype == torch.float16)
         self.partitions[u.group].accumulate(u.partition_offset, out, self.first_micro_step)
 
     def end_micro_step(self) -> None:

@@ -1,0 +1,328 @@
+"""DeepSpeed's legacy and alternative config spellings, Hugging Face ``"auto"`` values, and unbuilt settings.
+
+Applied to the raw dict before the typed `Config` is built, so the dataclasses see one spelling per key:
+
+- legacy forms DeepSpeed 0.19.8 still reads: ``"zero_optimization": true`` (stage 1, ``allgather_size``),
+  the ``bfloat16`` section, ``zero_optimization.cpu_offload`` / ``cpu_offload_param`` /
+  ``cpu_offload_use_pin_memory``, ``stage3_gather_fp16_weights_on_model_save`` and the pydantic aliases
+  without the ``stage3_`` prefix (``prefetch_bucket_size``, ...);
+- settings DeepSpeed ignores (``offload_param`` below stage 3) are dropped with one warning;
+- top-level sections removed in DeepSpeed 0.19.8 are refused with DeepSpeed's reason, and settings that
+  would change training and are not built here are refused (`UNBUILT` lists them for the README);
+- ``"auto"`` values are resolved as ``transformers.integrations.deepspeed`` does wherever the engine knows
+  the value (`resolve_auto`); elsewhere the error names the key and the argument that supplies it.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from zero_offload.config_schema import ConfigError
+
+__all__ = ["normalize", "resolve_auto", "AutoContext", "UNBUILT", "REMOVED_IN_DEEPSPEED"]
+
+# Sections DeepSpeed 0.19.8 itself refuses (deepspeed/runtime/config.py, _REMOVED_TOP_LEVEL_CONFIG_KEYS).
+REMOVED_IN_DEEPSPEED = {
+    "nebula": "Nebula checkpointing was removed from DeepSpeed",
+    "compression_training": "the DeepSpeed compression library was removed; the model would train unquantized",
+    "amp": "NVIDIA Apex AMP integration was removed; use 'fp16' or 'bf16'",
+    "quantize_training": "Mixture-of-Quantization was removed",
+    "sparse_gradients": "sparse embedding-gradient compression was removed",
+    "eigenvalue": "eigenvalue-based MoQ was removed",
+    "sparse_attention": "DeepSpeed Sparse Attention was removed",
+    "elasticity": "elastic training was removed; set the batch keys directly",
+    "graph_harvesting": "graph harvesting was removed",
+    "curriculum_learning": "top-level curriculum_learning was removed; use data_efficiency",
+    "progressive_layer_drop": "Progressive Layer Dropping was removed",
+}
+REMOVED_ZERO_IN_DEEPSPEED = {
+    "mics_shard_size": "MiCS ZeRO-3 sharding was removed from DeepSpeed",
+    "mics_hierarchical_params_gather": "MiCS ZeRO-3 sharding was removed from DeepSpeed",
+    "zeropp_loco_param": "LoCo-Zero++ was removed from DeepSpeed",
+}
+
+# Settings that change what is trained and are not built here: refused, never ignored (README lists them).
+UNBUILT = {
+    "gradient_allreduce_op = 'sum'": "gradients are always averaged over ranks",
+    "fp16.auto_cast = true": "inputs are not cast; cast them yourself (the model runs in fp16)",
+    "fp16.fp16_master_weights_and_grads = true": "master weights are always fp32",
+    "torch_autocast.enabled = true": "no autocast regions; use fp16 or bf16",
+    "tensor_parallel.autotp_size > 1": "no tensor parallelism (data parallel only)",
+    "sequence_parallel_size > 1": "no sequence parallelism (data parallel only)",
+    "data_efficiency.enabled = true": "no curriculum / random-LTD data sampling",
+    "weight_quantization": "no quantized weights",
+    "optimizer.type Lamb, OneBitAdam, OneBitLamb, ZeroOneAdam, Lion, Muon, MuAdam, MuAdamW, MuSGD":
+        "use Adam/AdamW or a torch.optim name (SGD, Adagrad, RMSprop, ...)",
+    "offload_optimizer.device / offload_param.device = 'nvme'": "NVMe offload; use 'cpu'",
+}
+
+
+def _warn(message: str) -> None:
+    warnings.warn(message, stacklevel=4)
+
+
+def _refuse(key: str, value, reason: str) -> None:
+    raise ConfigError(f"config key '{key}': {value!r} is accepted by DeepSpeed but not implemented in "
+                      f"zero-offload ({reason})")
+
+
+def _refuse_unbuilt(data: dict) -> None:
+    for key, reason in REMOVED_IN_DEEPSPEED.items():
+        if key in data:
+            raise ConfigError(f"config key '{key}' is refused, as DeepSpeed 0.19.8 refuses it: {reason}")
+    zero = data.get("zero_optimization")
+    if isinstance(zero, dict):
+        for key, reason in REMOVED_ZERO_IN_DEEPSPEED.items():
+            if key in zero:
+                raise ConfigError(f"config key 'zero_optimization.{key}' is refused, as DeepSpeed 0.19.8 "
+                                  f"refuses it: {reason}")
+    op = data.get("gradient_allreduce_op", "mean")
+    if op != "mean":
+        if op == "sum":
+            _refuse("gradient_allreduce_op", op, UNBUILT["gradient_allreduce_op = 'sum'"])
+        raise ConfigError(f"config key 'gradient_allreduce_op': got {op!r}, allowed: 'mean', 'sum'")
+    data.pop("gradient_allreduce_op", None)
+    autocast = data.get("torch_autocast")
+    if isinstance(autocast, dict) and autocast.get("enabled"):
+        _refuse("torch_autocast.enabled", True, UNBUILT["torch_autocast.enabled = true"])
+    tp = data.get("tensor_parallel")
+    if isinstance(tp, dict) and int(tp.get("autotp_size", 1) or 1) > 1:
+        _refuse("tensor_parallel.autotp_size", tp["autotp_size"], UNBUILT["tensor_parallel.autotp_size > 1"])
+    if int(data.get("sequence_parallel_size", 1) or 1) > 1:
+        _refuse("sequence_parallel_size", data["sequence_parallel_size"], UNBUILT["sequence_parallel_size > 1"])
+    de = data.get("data_efficiency")
+    if isinstance(de, dict) and de.get("enabled"):
+        _refuse("data_efficiency.enabled", True, UNBUILT["data_efficiency.enabled = true"])
+    if data.get("weight_quantization"):
+        _refuse("weight_quantization", "(section)", UNBUILT["weight_quantization"])
+
+
+def _legacy_zero(data: dict) -> None:
+    zero = data.get("zero_optimization")
+    if isinstance(zero, bool):
+        # deepspeed.runtime.zero.config.read_zero_config_deprecated
+        new = {"stage": 1 if zero else 0}
+        if zero:
+            new["allgather_bucket_size"] = data.get("allgather_size", 500_000_000)
+        data["zero_optimization"] = new
+        data.pop("allgather_size", None)
+        _warn(f"config key 'zero_optimization' = {str(zero).lower()} is DeepSpeed's deprecated form; read as "
+              f"{new}")
+        return
+    if "allgather_size" in data:
+        _warn("config key 'allgather_size' has no effect: DeepSpeed reads it only with the legacy "
+              "'zero_optimization': true form; ignored")
+        data.pop("allgather_size")
+    if not isinstance(zero, dict):
+        return
+    # Pydantic aliases: DeepSpeed accepts the field names without the stage3_ prefix too.
+    for short in ("prefetch_bucket_size", "param_persistence_threshold", "model_persistence_threshold",
+                  "max_live_parameters", "max_reuse_distance", "gather_16bit_weights_on_model_save",
+                  "module_granularity_threshold", "use_all_reduce_for_fetch_params", "allgather_sequential"):
+        if short in zero:
+            zero.setdefault(f"stage3_{short}", zero.pop(short))
+    if "stage3_gather_fp16_weights_on_model_save" in zero:
+        old = zero.pop("stage3_gather_fp16_weights_on_model_save")
+        zero.setdefault("stage3_gather_16bit_weights_on_model_save", old)
+    # Deprecated offload switches, mapped as DeepSpeed's new_param_fn does.
+    if zero.get("cpu_offload") is not None:
+        if zero.pop("cpu_offload") and "offload_optimizer" not in zero:
+            zero["offload_optimizer"] = {"device": "cpu"}
+        _warn("config key 'zero_optimization.cpu_offload' is deprecated in DeepSpeed; read as "
+              "offload_optimizer.device = 'cpu'")
+    if zero.get("cpu_offload_param") is not None:
+        if zero.pop("cpu_offload_param") and "offload_param" not in zero:
+            zero["offload_param"] = {"device": "cpu"}
+        _warn("config key 'zero_optimization.cpu_offload_param' is deprecated in DeepSpeed; read as "
+              "offload_param.device = 'cpu'")
+    if zero.get("cpu_offload_use_pin_memory") is not None:
+        pin = zero.pop("cpu_offload_use_pin_memory")
+        for key in ("offload_optimizer", "offload_param"):
+            if isinstance(zero.get(key), dict):
+                zero[key].setdefault("pin_memory", pin)
+        _warn("config key 'zero_optimization.cpu_offload_use_pin_memory' is deprecated in DeepSpeed; read as "
+              "pin_memory of the offload sections")
+    for key in ("offload_optimizer", "offload_param"):
+        if zero.get(key) is None and key in zero:
+            zero.pop(key)                   # DeepSpeed's Optional[...] = None
+    stage = zero.get("stage", 0)
+    param = zero.get("offload_param")
+    if isinstance(stage, int) and stage < 3 and isinstance(param, dict) and param.get("device", "none") != "none":
+        # DeepSpeed-Chat sets offload_param at every stage; DeepSpeed reads it only at stage 3.
+        _warn(f"config key 'zero_optimization.offload_param' has no effect at stage {stage}: parameters are "
+              f"only partitioned (and offloaded) at stage 3, and DeepSpeed ignores it too; ignored")
+        zero.pop("offload_param")
+
+
+def _aliases(data: dict) -> None:
+    if "bfloat16" in data:
+        old = data.pop("bfloat16")
+        if "bf16" in data:
+            _warn("config key 'bfloat16' has no effect: 'bf16' is also given and DeepSpeed reads only 'bf16'")
+        else:
+            data["bf16"] = old
+
+
+def normalize(data: dict) -> dict:
+    """A copy of ``data`` with one spelling per key (see the module docstring).
+
+    Raises:
+        ConfigError: a key DeepSpeed 0.19.8 removed, or an unbuilt setting that would change training.
+    """
+    data = _deep_copy(data)
+    _refuse_unbuilt(data)
+    _aliases(data)
+    _legacy_zero(data)
+    return data
+
+
+def _deep_copy(x):
+    if isinstance(x, dict):
+        return {k: _deep_copy(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_deep_copy(v) for v in x]
+    return x
+
+
+# -- Hugging Face "auto" -------------------------------------------------------------------------------------
+
+@dataclass
+class AutoContext:
+    """What the engine knows when it resolves ``"auto"`` values.
+
+    Attributes:
+        world_size: data-parallel ranks.
+        model: the model (its ``config.hidden_size`` sizes buckets, as transformers does), or None.
+        device: the compute device (fp16/bf16 ``"auto"`` follow it).
+        values: dotted key -> value supplied by the caller (a client optimizer's lr, TrainingArguments, ...);
+            these win over everything else.
+    """
+    world_size: int = 1
+    model: Any = None
+    device: torch.device | None = None
+    values: dict = field(default_factory=dict)
+
+
+# Where a value the engine cannot know comes from, as transformers fills it (TrainingArguments field).
+_SUPPLIED_BY = {
+    "gradient_clipping": "TrainingArguments.max_grad_norm",
+    "optimizer.params.lr": "TrainingArguments.learning_rate (or a client optimizer)",
+    "optimizer.params.betas": "TrainingArguments.adam_beta1/adam_beta2 (or a client optimizer)",
+    "optimizer.params.eps": "TrainingArguments.adam_epsilon (or a client optimizer)",
+    "optimizer.params.weight_decay": "TrainingArguments.weight_decay (or a client optimizer)",
+    "scheduler.params.total_num_steps": "the number of training steps (transformers: num_training_steps)",
+    "scheduler.params.warmup_num_steps": "TrainingArguments.warmup_steps",
+    "train_micro_batch_size_per_gpu": "TrainingArguments.per_device_train_batch_size",
+    "train_batch_size": "per_device_train_batch_size x gradient_accumulation_steps x world size",
+}
+
+
+def _hidden_size(model) -> int | None:
+    cfg = getattr(model, "config", None)
+    for c in (cfg, getattr(cfg, "text_config", None)):
+        if c is None:
+            continue
+        if isinstance(getattr(c, "hidden_size", None), int):
+            return c.hidden_size
+        sizes = getattr(c, "hidden_sizes", None)
+        if sizes:
+            return max(sizes)
+    return None
+
+
+def _get(data: dict, dotted: str):
+    node = data
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def _set(data: dict, dotted: str, value) -> None:
+    *parents, last = dotted.split(".")
+    node = data
+    for part in parents:
+        node = node[part]
+    node[last] = value
+
+
+def _auto_keys(data, path="") -> list[str]:
+    out = []
+    if isinstance(data, dict):
+        for k, v in data.items():
+            out += _auto_keys(v, f"{path}.{k}" if path else k)
+    elif data == "auto":
+        out.append(path)
+    return out
+
+
+def resolve_auto(data: dict, ctx: AutoContext | None) -> dict:
+    """Replace every ``"auto"`` value in ``data`` (in place) as transformers' DeepSpeed integration would.
+
+    Known here: batch keys from the other batch keys (an ``"auto"`` batch key is left to DeepSpeed's batch
+    arithmetic), bucket and persistence sizes from ``model.config.hidden_size`` (reduce_bucket_size = h^2,
+    stage3_prefetch_bucket_size = 0.9 h^2, stage3_param_persistence_threshold = 10 h), fp16/bf16 from the
+    device (bf16 on an accelerator that has it, else fp16 on CUDA, else fp32), ``warmup_min_lr`` = 0,
+    ``warmup_max_lr`` = the optimizer's lr, ``gradient_accumulation_steps`` from the batch keys.
+
+    Raises:
+        ConfigError: an ``"auto"`` the engine cannot know; the message names the key and the argument
+            that supplies it.
+    """
+    keys = _auto_keys(data)
+    if not keys:
+        return data
+    ctx = ctx or AutoContext()
+    for key in keys:
+        if key in ctx.values:
+            _set(data, key, ctx.values[key])
+    batch_keys = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+    for key in batch_keys:
+        if data.get(key) == "auto":
+            data.pop(key)
+    if not any(k in data for k in ("train_batch_size", "train_micro_batch_size_per_gpu")) and \
+            any(k in keys for k in batch_keys[:2]):
+        key = next(k for k in batch_keys[:2] if k in keys)
+        raise ConfigError(f"config key '{key}' = 'auto' cannot be resolved: no other batch key fixes it; set "
+                          f"it to a number (transformers fills it from {_SUPPLIED_BY[key]})")
+    zero = data.get("zero_optimization") if isinstance(data.get("zero_optimization"), dict) else {}
+    sized = {"reduce_bucket_size": lambda h: h * h, "stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
+             "stage3_param_persistence_threshold": lambda h: 10 * h}
+    for key, rule in sized.items():
+        if zero.get(key) == "auto":
+            h = _hidden_size(ctx.model)
+            if h is None:
+                raise ConfigError(f"config key 'zero_optimization.{key}' = 'auto' needs the model's hidden size "
+                                  f"(model.config.hidden_size, as transformers reads it); the model has none: "
+                                  f"set the key to a number")
+            zero[key] = rule(h)
+    precision = [k for k in ("fp16", "bf16") if isinstance(data.get(k), dict) and data[k].get("enabled") == "auto"]
+    if precision:
+        dev = ctx.device or torch.device("cpu")
+        bf16_ok = dev.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+        choice = "bf16" if bf16_ok and "bf16" in precision else (
+            "fp16" if dev.type == "cuda" and "fp16" in precision else None)
+        for k in precision:
+            data[k]["enabled"] = k == choice
+    sched = _get(data, "scheduler.params")
+    if isinstance(sched, dict):
+        if sched.get("warmup_min_lr") == "auto":
+            sched["warmup_min_lr"] = 0.0            # transformers: fill_only(..., 0)
+        if sched.get("warmup_max_lr") == "auto":
+            lr = _get(data, "optimizer.params.lr")
+            if isinstance(lr, (int, float)) and not isinstance(lr, bool):
+                sched["warmup_max_lr"] = lr
+    left = [k for k in _auto_keys(data)]
+    if left:
+        key = left[0]
+        if key == "scheduler.params.warmup_max_lr":
+            source = "optimizer.params.lr (or TrainingArguments.learning_rate)"
+        else:
+            source = _SUPPLIED_BY.get(key, "no argument: set it to a value")
+        raise ConfigError(f"config key '{key}' = 'auto' cannot be resolved by zero-offload; give it a value "
+                          f"(transformers fills it from {source})")
+    return data

@@ -6,16 +6,16 @@ Build one with `Config.load(dict | path | Config)`; batch sizes are resolved aga
 """
 from __future__ import annotations
 
-import inspect
 import os
 import warnings
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
-
-import torch
+from typing import ClassVar, Literal
 
 from zero_offload.config_compat import AutoContext, normalize, resolve_auto
 from zero_offload.config_io import check_finite, decode_config_string, read_config_file
+from zero_offload.config_optim import (SCHEDULER_PARAMS, AdamParams, LRRangeTestParams, OneCycleParams,  # noqa: F401
+                                       OptimizerConfig, SchedulerConfig, WarmupCosineLRParams,
+                                       WarmupDecayLRParams, WarmupLRParams)
 from zero_offload.config_schema import ConfigError, from_dict, option, to_dict
 
 __all__ = ["Config", "ConfigError", "BatchSizes", "FP16Config", "BF16Config", "OptimizerConfig",
@@ -132,192 +132,6 @@ class BF16Config:
                                                         "Accepted with a warning: masters stay fp32.")
     bf16_optimizer_states: bool = option(False, "DeepSpeed: bf16 Adam moments (needs "
                                                 "bf16_master_weights_and_grads). Accepted with a warning.")
-
-
-@dataclass
-class AdamParams:
-    lr: float = option(1e-3, "Learning rate (the schedule's max when a scheduler sets it).", min=0.0)
-    betas: tuple[float, float] = option((0.9, 0.999), "Adam's (beta1, beta2).")
-    eps: float = option(1e-8, "Added to the denominator for numerical stability.", min=0.0)
-    weight_decay: float = option(0.0, "Decoupled (AdamW) or L2 (Adam) weight decay.", min=0.0)
-    adam_w_mode: bool = option(True, "Decoupled weight decay (AdamW); false adds L2 decay to the gradient.")
-    bias_correction: bool = option(True, "Adam's bias correction of both moments.")
-    torch_adam: bool = option(False, "Accepted for DeepSpeed compatibility; the host kernel is always ours.")
-    amsgrad: bool = option(False, "AMSGrad (keep the running max of exp_avg_sq): the step then runs "
-                                  "torch.optim.Adam/AdamW(amsgrad=True) on this rank's partition.")
-    fp32_optimizer_states: bool = option(True, "DeepSpeed's switch for fp32 Adam moments; they are always "
-                                               "fp32 here.", not_implemented={False: "moments are always fp32"})
-
-    def validate(self, path):
-        for i, b in enumerate(self.betas):
-            if not 0.0 <= b < 1.0:
-                raise ConfigError(f"config key '{path}.betas[{i}]': got {b!r}, must be in [0, 1)")
-        if self.amsgrad and not self.bias_correction:
-            raise ConfigError(f"config key '{path}.amsgrad' = true needs '{path}.bias_correction' = true "
-                              f"(torch's AMSGrad always corrects bias)")
-
-
-# DeepSpeed optimizer types with no counterpart here, and what to use instead.
-REFUSED_OPTIMIZERS = {
-    "lamb": "LAMB is not built; use 'AdamW' (or a client optimizer)",
-    "onebitadam": "1-bit Adam's compressed communication is not built; use 'Adam' (the same update before "
-                  "its freeze_step)",
-    "onebitlamb": "1-bit LAMB is not built; use 'AdamW'",
-    "zerooneadam": "0/1 Adam is not built; use 'Adam'",
-    "lion": "Lion is not built; use 'AdamW' or pass a client optimizer",
-    "muon": "Muon is not built; use 'AdamW'",
-    "muadam": "MuP's MuAdam is not built; use 'Adam' with per-group learning rates",
-    "muadamw": "MuP's MuAdamW is not built; use 'AdamW' with per-group learning rates",
-    "musgd": "MuP's MuSGD is not built; use 'SGD' with per-group learning rates",
-}
-
-
-def _torch_optimizer(name: str):
-    cls = getattr(torch.optim, name, None)
-    if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer) and cls is not torch.optim.Optimizer:
-        return cls
-    return None
-
-
-@dataclass
-class OptimizerConfig:
-    torch_kwargs: ClassVar[dict | None] = None     # set per instance: the params of a torch.optim type
-    type: str = option("Adam", "Adam or AdamW (our fused kernel; AdamW forces adam_w_mode = true), or any "
-                               "torch.optim class name (SGD, Adagrad, RMSprop, ...), which then runs on this "
-                               "rank's partition, as DeepSpeed runs getattr(torch.optim, type).")
-    params: Any = option(factory=dict, help="The optimizer's hyper-parameters, as DeepSpeed names them.")
-
-    def __post_init__(self):
-        self._resolve("optimizer")
-
-    def _resolve(self, path):
-        if isinstance(self.params, AdamParams):
-            return                        # already resolved (a copy of a resolved config)
-        if not isinstance(self.params, dict):
-            raise ConfigError(f"config key '{path}.params': got {self.params!r}, expected an object")
-        raw = self.params
-        if "max_grad_norm" in raw:
-            raise ConfigError(f"config key '{path}.params.max_grad_norm' is not an optimizer parameter (DeepSpeed "
-                              f"refuses it too); use the top-level 'gradient_clipping'")
-        lower = self.type.lower()
-        if lower in ("adam", "adamw"):
-            self.type = "AdamW" if lower == "adamw" else "Adam"
-            self.torch_kwargs = None
-            self.params = from_dict(AdamParams, raw, f"{path}.params")
-            if self.type == "AdamW" and not self.params.adam_w_mode:
-                raise ConfigError(f"config key '{path}.params.adam_w_mode': false contradicts "
-                                  f"'{path}.type' = 'AdamW'; use type 'Adam' for L2 weight decay")
-            return
-        if lower in REFUSED_OPTIMIZERS:
-            raise ConfigError(f"config key '{path}.type': {self.type!r} is accepted by DeepSpeed but not "
-                              f"implemented in zero-offload ({REFUSED_OPTIMIZERS[lower]})")
-        cls = _torch_optimizer(self.type)
-        if cls is None:
-            raise ConfigError(f"config key '{path}.type': got {self.type!r}, allowed: 'Adam', 'AdamW' or a "
-                              f"torch.optim class name (SGD, Adagrad, RMSprop, ...)")
-        accepted = set(inspect.signature(cls.__init__).parameters) - {"self", "params"}
-        for key in raw:
-            if key not in accepted:
-                raise ConfigError(f"unknown config key '{path}.params.{key}' for torch.optim.{cls.__name__}; "
-                                  f"valid keys: {', '.join(sorted(accepted))}")
-        self.torch_kwargs = dict(raw)
-        lr = raw.get("lr", inspect.signature(cls.__init__).parameters["lr"].default
-                      if "lr" in accepted else 1e-3)
-        self.params = AdamParams(lr=float(lr), weight_decay=float(raw.get("weight_decay", 0.0)))
-
-
-@dataclass
-class WarmupLRParams:
-    warmup_min_lr: float = option(0.0, "Learning rate at the first step.", min=0.0)
-    warmup_max_lr: float | None = option(None, "Learning rate reached after warmup (default: the optimizer's "
-                                               "lr, as DeepSpeed 0.19.8).", min=0.0)
-    warmup_num_steps: int = option(1000, "Steps of warmup. DeepSpeed warms up over max(2, n) steps; 0 (which "
-                                         "DeepSpeed 0.19.8 refuses and older versions clamped) is read as 2, "
-                                         "with a warning.", min=0)
-    warmup_type: Literal["log", "linear"] = option("log", "Shape of the warmup curve.")
-
-    def validate(self, path):
-        if self.warmup_num_steps == 0:
-            warnings.warn(f"config key '{path}.warmup_num_steps' = 0: DeepSpeed warms up over max(2, n) steps, "
-                          f"so the rate reaches warmup_max_lr at the second step (DeepSpeed 0.19.8 refuses 0; "
-                          f"earlier versions clamp it the same way)", stacklevel=4)
-
-
-@dataclass
-class WarmupDecayLRParams(WarmupLRParams):
-    warmup_max_lr: float = option(0.001, "Learning rate reached after warmup.", min=0.0)
-    total_num_steps: int = option(None, "Steps until the rate has decayed linearly to 0 (required).", min=1)
-
-    def validate(self, path):
-        super().validate(path)
-        if self.total_num_steps is None:
-            raise ConfigError(f"config key '{path}.total_num_steps' is required for WarmupDecayLR")
-
-
-@dataclass
-class OneCycleParams:
-    cycle_min_lr: float = option(None, "Lower bound of the cycle's learning rate (required).", min=0.0)
-    cycle_max_lr: float = option(None, "Upper bound of the cycle's learning rate (required).", min=0.0)
-    decay_lr_rate: float = option(0.0, "After the cycle: lr = cycle_min_lr / (1 + rate x intervals).", min=0.0)
-    cycle_first_step_size: int = option(2000, "Steps of the rising half of the cycle.", min=1)
-    cycle_second_step_size: int | None = option(None, "Steps of the falling half (default: the first's).",
-                                                min=0)
-    cycle_first_stair_count: int = option(0, "Stairs in the rising half (0: continuous).", min=0)
-    cycle_second_stair_count: int | None = option(None, "Stairs in the falling half (default: the first's).",
-                                                  min=0)
-    decay_step_size: int = option(0, "Steps per decay interval after the cycle (0: no decay).", min=0)
-    cycle_momentum: bool = option(True, "Cycle Adam's beta1 inversely to the lr (sets beta2 to 0.99, as "
-                                        "DeepSpeed does).")
-    cycle_min_mom: float = option(0.8, "Lower bound of beta1.", min=0.0)
-    cycle_max_mom: float = option(0.9, "Upper bound of beta1.", min=0.0)
-    decay_mom_rate: float = option(0.0, "After the cycle: beta1 = cycle_max_mom x (1 + rate x intervals).",
-                                   min=0.0)
-
-    def validate(self, path):
-        for key in ("cycle_min_lr", "cycle_max_lr"):
-            if getattr(self, key) is None:
-                raise ConfigError(f"config key '{path}.{key}' is required for OneCycle")
-
-
-@dataclass
-class LRRangeTestParams:
-    lr_range_test_min_lr: float = option(1e-3, "Learning rate at the first step.", min=0.0)
-    lr_range_test_step_size: int = option(2000, "Steps per increase interval.", min=1)
-    lr_range_test_step_rate: float = option(1.0, "lr = min_lr x (1 + rate x intervals).")
-    lr_range_test_staircase: bool = option(False, "Whole intervals only (a staircase) instead of continuous.")
-
-
-@dataclass
-class WarmupCosineLRParams:
-    total_num_steps: int = option(None, "Steps of the whole schedule (required).", min=1)
-    warmup_min_ratio: float = option(0.0, "Start of warmup as a fraction of the optimizer's lr.", min=0.0)
-    warmup_num_steps: int = option(1000, "Steps of warmup (DeepSpeed uses max(2, n)).", min=1)
-    cos_min_ratio: float = option(0.0001, "End of the cosine decay as a fraction of the optimizer's lr.",
-                                  min=0.0)
-    warmup_type: Literal["log", "linear"] = option("log", "Shape of the warmup curve.")
-
-    def validate(self, path):
-        if self.total_num_steps is None:
-            raise ConfigError(f"config key '{path}.total_num_steps' is required for WarmupCosineLR")
-
-
-SCHEDULER_PARAMS = {"WarmupLR": WarmupLRParams, "WarmupDecayLR": WarmupDecayLRParams,
-                    "WarmupCosineLR": WarmupCosineLRParams, "OneCycle": OneCycleParams,
-                    "LRRangeTest": LRRangeTestParams}
-
-
-@dataclass
-class SchedulerConfig:
-    type: Literal["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest"] = option(
-        None, "The learning-rate schedule, stepped with every optimizer step (DeepSpeed's names).")
-    params: Any = option(factory=dict, help="The schedule's parameters, as DeepSpeed names them.")
-
-    def validate(self, path):
-        if self.type is None:
-            raise ConfigError(f"config key '{path}.type' is required; allowed: {', '.join(SCHEDULER_PARAMS)}")
-        if not isinstance(self.params, dict):
-            raise ConfigError(f"config key '{path}.params': got {self.params!r}, expected an object")
-        self.params = from_dict(SCHEDULER_PARAMS[self.type], self.params, f"{path}.params")
 
 
 @dataclass

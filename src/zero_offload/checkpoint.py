@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from zero_offload.engine import Engine
 
 __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "read_manifest", "resolve_tag",
-           "full_parameters"]
+           "full_parameters", "tied_aliases", "MODULE_STATE"]
 
 FORMAT = "zero-offload/1"
 KINDS = ("master", "exp_avg", "exp_avg_sq")
@@ -101,6 +101,19 @@ def _barrier(engine: "Engine") -> None:
 
 
 # -- save ------------------------------------------------------------------------------------------------
+def tied_aliases(module: torch.nn.Module) -> dict[str, str]:
+    """{state_dict name: the first name of the same tensor} for every tied alias (GPT-2's ``lm_head.weight``
+    tied to ``transformer.wte.weight``)."""
+    first: dict[int, str] = {}
+    out = {}
+    for name, t in module.state_dict(keep_vars=True).items():
+        if id(t) in first:
+            out[name] = first[id(t)]
+        else:
+            first[id(t)] = name
+    return out
+
+
 def save_checkpoint(engine: "Engine", save_dir: str | os.PathLike, tag: str | None = None,
                     client_state: Any = None) -> Path:
     """Write the engine's full training state under ``save_dir/tag`` (see the module docstring).
@@ -170,6 +183,9 @@ def _manifest(engine: "Engine", partitions: int, digests: dict[str, str]) -> dic
         "format": FORMAT, "world_size": engine.world_size, "partitions": partitions, "stage": zero.stage,
         "precision": engine.config.precision, "groups": groups, "files": digests,
         "config": engine.config.to_dict(),
+        # Every model.state_dict() name in order, and each tied alias's first name (for consolidate).
+        "state_dict_keys": list(engine.module.state_dict(keep_vars=True)),
+        "aliases": tied_aliases(engine.module),
         "engine": {"global_step": engine.global_step, "skipped_steps": engine.skipped_steps,
                    "micro_steps": engine.micro_steps, "loss_scaler": engine.scaler.state_dict(),
                    "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler else None,

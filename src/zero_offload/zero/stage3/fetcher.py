@@ -61,6 +61,15 @@ class ParameterFetcher:
             self.hooks.append(module.register_forward_pre_hook(self._pre_forward))
             self.hooks.append(module.register_forward_hook(self._post_forward))
 
+    def add_external(self, module: torch.nn.Module, u: ShardedUnit) -> None:
+        """Gather ``u`` before ``module``'s forward too (``register_external_parameter``)."""
+        if module not in self.module_units:
+            self.module_units[module] = []
+            self.hooks.append(module.register_forward_pre_hook(self._pre_forward))
+            self.hooks.append(module.register_forward_hook(self._post_forward))
+        if u not in self.module_units[module]:
+            self.module_units[module].append(u)
+
     # -- micro-step life cycle -------------------------------------------------------------------------
     def begin_micro_step(self) -> None:
         if self.mode == RECORDING and self.trace:
@@ -183,7 +192,8 @@ def units_by_module(model: torch.nn.Module, units: list[ShardedUnit]) -> dict[to
     owner_of = {id(p): u for u in units for p in u.params}
     needs: dict[torch.nn.Module, list[ShardedUnit]] = defaultdict(list)
     for module in model.modules():
-        for p in module.parameters(recurse=False):
+        external = module.__dict__.get("_zero_external_params", [])   # register_external_parameter
+        for p in [*module.parameters(recurse=False), *external]:
             u = owner_of.get(id(p))
             if u is not None and u not in needs[module]:
                 needs[module].append(u)

@@ -6,39 +6,61 @@ from typing import Iterable
 
 import torch
 
-__all__ = ["init_sharded", "gathered_parameters"]
+from zero_offload.zero.stage3.sharded_init import ShardedInit, close_full, has_slice, open_full
+
+__all__ = ["init_sharded", "gathered_parameters", "register_external_parameter"]
 
 
-@contextlib.contextmanager
-def init_sharded(config=None):
+def init_sharded(config=None) -> ShardedInit:
     """Build a model inside this context and no rank ever holds a full copy of it.
 
-    Modules are created on the meta device (no memory); `zero_offload.initialize` with ZeRO stage 3 then
-    materialises them module by module, initialising each with ``param_init_fn(module)`` (an argument of
-    ``initialize``) or the module's own ``reset_parameters()``, and keeps only this rank's shards. This is
-    DeepSpeed's ``zero.Init`` / FSDP's meta-device initialisation. ``config`` is accepted for symmetry
-    with ``deepspeed.zero.Init(config_dict_or_path=...)`` and unused.
+    As each module's ``__init__`` returns, its parameters keep only this rank's 1/N slice of the values the
+    constructor set and become meta tensors (see `sharded_init`); `zero_offload.initialize` with ZeRO
+    stage 3 then assembles each unit from the slices, module by module. The initial weights are
+    bit-identical to a normal build with the same seed, as under DeepSpeed's ``zero.Init``. A parameter
+    with no constructor values (created on the meta device) is initialised by ``param_init_fn(module)``
+    (an argument of ``initialize``) or the module's ``reset_parameters()``; a given ``param_init_fn`` runs
+    on every module. Set values after construction under ``gathered_parameters(params, modifier_rank=0)``.
+    ``config`` is accepted for symmetry with ``deepspeed.zero.Init(config_dict_or_path=...)`` and unused.
 
     Example::
 
         with zero_offload.init_sharded():
             model = GPT(cfg)
-        engine = zero_offload.initialize(model, config, param_init_fn=GPT.init_module)
+        engine = zero_offload.initialize(model, config)
     """
-    with torch.device("meta"):
-        yield
+    return ShardedInit()
 
 
 @contextlib.contextmanager
-def gathered_parameters(params: Iterable[torch.nn.Parameter]):
-    """Gather stage-3 parameters for reading outside their module's forward, and release them after.
+def gathered_parameters(params: Iterable[torch.nn.Parameter] | torch.nn.Parameter,
+                        modifier_rank: int | None = None, enabled: bool = True):
+    """Gather stage-3 parameters for reading (or writing) outside their module's forward, and release them
+    after.
 
     Needed when code reads a parameter's values outside the forward of the module that owns it (a
     weight-norm logger, an export, a custom loss using an embedding matrix): under stage 3 a parameter
-    only holds values while its module runs. Writes made inside are discarded (DeepSpeed's
-    ``GatheredParameters`` with ``modifier_rank=None``). A collective: every rank must enter it with the
-    same parameters. Parameters not managed by stage 3 pass through untouched.
+    only holds values while its module runs. With ``modifier_rank=None`` writes made inside are discarded;
+    with ``modifier_rank=r`` the values rank ``r`` holds at exit are broadcast to every rank and written into
+    the shards and the fp32 master weights (DeepSpeed's ``GatheredParameters(params, modifier_rank)``). A
+    collective: every rank must enter it with the same parameters. Parameters not managed by stage 3 pass
+    through untouched.
     """
+    if not enabled:
+        yield
+        return
+    if isinstance(params, torch.Tensor):
+        params = [params]
+    params = list(params)
+    if any(has_slice(p) for p in params):      # built under init_sharded, before initialize
+        states = {id(p): open_full(p) for p in params if has_slice(p)}
+        try:
+            yield
+        finally:
+            for p in params:
+                if id(p) in states:
+                    close_full(p, states.pop(id(p)), modifier_rank)
+        return
     units = []
     for p in params:
         u = getattr(p, "_zero_unit", None)
@@ -53,6 +75,29 @@ def gathered_parameters(params: Iterable[torch.nn.Parameter]):
             u.wait()
     try:
         yield
+        if modifier_rank is not None:
+            for u in units:
+                u.owner.write_back(u, modifier_rank)
     finally:
         for u in opened:
             u.fetcher.release(u)
+        if modifier_rank is None:
+            for u in units:
+                if u not in opened:      # a unit that stays gathered: drop the writes made to it
+                    u.fetcher.release(u)
+                    u.fetcher._gather(u, async_op=False)
+
+
+def register_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:
+    """Declare that ``module``'s forward uses ``parameter``, which another module owns (DeepSpeed's
+    ``zero.register_external_parameter``): its unit is then gathered before ``module``'s forward as well.
+
+    Backward needs no registration: a parameter autograd saved is gathered again when backward reads it
+    (see `saved_params`). Works before or after ``initialize``.
+    """
+    external = module.__dict__.setdefault("_zero_external_params", [])
+    if not any(p is parameter for p in external):
+        external.append(parameter)
+    unit = getattr(parameter, "_zero_unit", None)
+    if unit is not None:
+        unit.fetcher.add_external(module, unit)

@@ -13,6 +13,7 @@ from typing import Callable
 
 import torch
 
+from zero_offload.zero.stage3.sharded_init import fill_view, has_slice, pop_slices
 from zero_offload.zero.stage3.units import ShardedUnit
 
 __all__ = ["materialize", "is_meta_model"]
@@ -72,15 +73,28 @@ def materialize(model: torch.nn.Module, units: list[ShardedUnit], module_units: 
     opened: set[int] = set()
     for module in model.modules():
         needed = module_units.get(module, [])
+        lacking = False                  # a meta parameter with no constructor values (plain meta build)
         for u in needed:
             if u.index not in opened:
+                slices = pop_slices(u.params)
+                lacking |= any(p.is_meta and id(p) not in slices for p in u.params)
                 u.open()                 # zeroed: padding and anything an init function leaves alone
                 u.attach_params()        # swaps the meta parameters for views into `full`
+                for p, s in zip(u.params, u.slots):
+                    if id(p) in slices:  # built under init_sharded: the constructor's values
+                        fill_view(slices[id(p)], u.full[s.offset:s.end].view(s.shape))
                 opened.add(u.index)
+        for p in module.parameters(recurse=False):
+            if id(p) not in unit_params and has_slice(p):    # frozen: not in a unit
+                state = pop_slices([p])[id(p)]
+                real = torch.nn.Parameter(torch.empty(p.shape, dtype=dtype, device=device),
+                                          requires_grad=p.requires_grad)
+                fill_view(state, real.data)
+                torch.utils.swap_tensors(p, real)
         has_meta_rest = any(t.is_meta for t in module.buffers(recurse=False)) or \
             any(p.is_meta for p in module.parameters(recurse=False) if id(p) not in unit_params)
         _place_rest(module, unit_params, device, dtype)
-        if needed or has_meta_rest:
+        if (needed or has_meta_rest) and (param_init_fn is not None or lacking or has_meta_rest):
             init(module)
         peak = max(peak, held())
         for u in needed:

@@ -21,6 +21,7 @@ from zero_offload.zero.averaging import GradAveraging
 from zero_offload.zero.partitioned_torch import partitioned_optimizer
 from zero_offload.zero.stage3.fetcher import ParameterFetcher, units_by_module
 from zero_offload.zero.stage3.materialize import materialize
+from zero_offload.zero.stage3.saved_params import SavedParameterGuard
 from zero_offload.zero.stage3.units import ShardedUnit
 
 __all__ = ["Stage3Optimizer"]
@@ -63,11 +64,13 @@ class Stage3Optimizer:
         self.fetcher = ParameterFetcher(ctx, self.copies, self.units, module_units,
                                         zc.stage3_prefetch_bucket_size, zc.stage3_max_live_parameters,
                                         zc.stage3_max_reuse_distance)
+        self.saved_params = SavedParameterGuard(self.units)
         for u in self.units:
             for p in u.params:
                 p._zero_unit = u                      # for `gathered_parameters`
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
             u.fetcher = self.fetcher
+            u.owner = self                            # for `gathered_parameters(modifier_rank=...)`
         # The step runs where the states are; with parameters on the host it runs there too.
         host_step = self.offload or self.offload_param
         self.partitions = [GradPartition(p.numel(), dtype, ctx.device, 3, host_step,
@@ -105,6 +108,19 @@ class Stage3Optimizer:
     def optimizer(self) -> torch.optim.Optimizer:
         return self.adam.optimizer
 
+    @torch.no_grad()
+    def write_back(self, u: ShardedUnit, src_rank: int) -> None:
+        """Keep what rank ``src_rank`` wrote into gathered unit ``u``: broadcast its full buffer from there and
+        write this rank's 16-bit shard and fp32 master slice from it (DeepSpeed's
+        ``GatheredParameters(modifier_rank=...)``, which also updates the fp32 partitions)."""
+        if self.ctx.distributed:
+            dist.broadcast(u.full, src=self.ctx._global(src_rank), group=self.ctx.group)
+        mine = u.full[self.ctx.rank * u.shard_numel:(self.ctx.rank + 1) * u.shard_numel]
+        u.shard.copy_(mine)
+        master = self.adam.masters[u.group]
+        if master.data_ptr() != self.parts[u.group].data_ptr():
+            master[u.partition_offset:u.partition_offset + u.shard_numel].copy_(mine)
+
     @property
     def partitions_count(self) -> int:
         return self.ctx.world_size
@@ -113,6 +129,7 @@ class Stage3Optimizer:
     def begin_forward(self) -> None:
         """A forward starts: the fetch order is recorded (first one) or replayed from here."""
         self.fetcher.begin_micro_step()
+        self.saved_params.start()
 
     def begin_micro_step(self, boundary: bool, first_micro_step: bool) -> None:
         self.first_micro_step, self.reducing = first_micro_step, True
@@ -158,6 +175,7 @@ class Stage3Optimizer:
                 self._reduce(u)
         while self.in_flight:
             self._complete(self.in_flight.popleft())
+        self.saved_params.stop()
         self.fetcher.end_micro_step()
 
     # -- the step --------------------------------------------------------------------------------------

@@ -1,0 +1,32 @@
+"""``deepspeed.zero``: ``Init``, ``GatheredParameters`` and ``register_external_parameter`` over stage 3."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from zero_offload.zero.stage3.gather import gathered_parameters, init_sharded, register_external_parameter
+
+__all__ = ["Init", "GatheredParameters", "register_external_parameter"]
+
+
+def Init(module=None, data_parallel_group=None, mem_efficient_linear=True, remote_device=None,  # noqa: N802
+         pin_memory=False, config_dict_or_path=None, config=None, enabled=True, dtype=None, mpu=None,
+         zero_param_parallel_group=None, zero_quantized_weights=False, zero_quantized_nontrainable_weights=False,
+         sequence_data_parallel_group=None, param_swapper=None):
+    """DeepSpeed's ``zero.Init``: build the model inside it and ranks keep only their shards
+    (`zero_offload.init_sharded`). ``enabled=False`` builds normally."""
+    if module is not None:
+        raise ValueError("zero.Init(module=...) (partitioning an existing model) is not built: build the model "
+                         "inside `with zero.Init():`, or pass it to initialize() as it is")
+    if not enabled:
+        return contextlib.nullcontext()
+    return init_sharded(config_dict_or_path or config)
+
+
+def GatheredParameters(params, modifier_rank: int | None = None, fwd_module: torch.nn.Module | None = None,  # noqa: N802
+                       enabled: bool = True):
+    """DeepSpeed's ``zero.GatheredParameters``: gather stage-3 parameters inside the block; with
+    ``modifier_rank`` that rank's writes are kept on every rank (shards and fp32 masters). ``fwd_module`` is
+    accepted and unused (DeepSpeed uses it to register the gathered parameters as external)."""
+    return gathered_parameters(params, modifier_rank=modifier_rank, enabled=enabled)

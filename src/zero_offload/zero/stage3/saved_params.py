@@ -1,0 +1,54 @@
+"""Stage-3 parameters that autograd saved for backward are gathered again when backward reads them.
+
+A parameter can be used outside its module's forward (a tied embedding in a custom loss, a weight read by
+its parent's forward): the module hooks then do not know that backward needs it, the unit is released, and
+backward would read freed storage. While a training micro-step runs, a ``saved_tensors_hooks`` pair marks
+every saved tensor that is a view of a unit's full buffer; unpacking one gathers that unit again if it was
+released (into the same storage, so the saved view is valid). The unit is released with the others at the
+end of the micro-step. This is the detection DeepSpeed leaves to ``register_external_parameter``.
+"""
+from __future__ import annotations
+
+import torch
+
+from zero_offload.zero.stage3.units import ShardedUnit
+
+__all__ = ["SavedParameterGuard"]
+
+
+class SavedParameterGuard:
+    """Install with `start` before a training forward, remove with `stop` after its backward."""
+
+    def __init__(self, units: list[ShardedUnit]):
+        # A unit's storage object survives release/gather (only its size changes), so it identifies the unit.
+        self.by_storage = {u.full.untyped_storage()._cdata: u for u in units}
+        self._hooks = None
+        self.regathered = 0               # units gathered again by backward (for tests)
+
+    @property
+    def active(self) -> bool:
+        return self._hooks is not None
+
+    def _pack(self, t: torch.Tensor):
+        unit = self.by_storage.get(t.untyped_storage()._cdata) if t.layout == torch.strided else None
+        return t, unit
+
+    def _unpack(self, packed):
+        t, unit = packed
+        if unit is not None:
+            if unit.gathered:
+                unit.wait()
+            else:
+                unit.fetcher._gather(unit, async_op=False)   # not in the recorded order: no trace
+                self.regathered += 1
+        return t
+
+    def start(self) -> None:
+        if self._hooks is None:
+            self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            self._hooks.__enter__()
+
+    def stop(self) -> None:
+        if self._hooks is not None:
+            self._hooks.__exit__(None, None, None)
+            self._hooks = None

@@ -75,7 +75,7 @@ class ClientScheduler:
 
     def step(self, *args, **kwargs) -> None:
         with warnings.catch_warnings():     # torch warns when its optimizer.step was not the one called
-            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\(\)` before")
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
             self.scheduler.step(*args, **kwargs)
         self._copy()
 

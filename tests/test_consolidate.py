@@ -28,8 +28,10 @@ def test_consolidate_returns_the_masters(tmp_path, ws, stage):
     cfg = engine_config(stage, "cpu", 1, precision="bf16", ws=ws)
     full = _train_and_save(cfg, tmp_path) if ws == 1 else run_ranks(_train_and_save, 2, cfg, tmp_path)[0]
     state = zero_offload.consolidate(tmp_path)
-    assert state.keys() == full.keys()
+    assert list(state) == list(make_model().state_dict())     # every name, tied head.weight included
     assert all(torch.equal(state[n], full[n]) for n in full)
+    assert state["head.weight"] is state["wte.weight"]
+    make_model(seed=3).load_state_dict(state, strict=True)
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
@@ -38,12 +40,12 @@ def test_safetensors_file_loads_into_a_fresh_model(tmp_path, dtype):
     out = tmp_path / "model.safetensors"
     assert main(["consolidate", str(tmp_path / "ckpt"), "--out", str(out), "--dtype", dtype]) == 0
     tensors = load_file(out)
-    assert all(t.dtype == (torch.float32 if dtype == "fp32" else torch.bfloat16) for t in tensors.values())
     fresh = make_model(seed=3)
-    missing, unexpected = fresh.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=False)
-    assert missing == ["head.weight"] and not unexpected     # tied to wte.weight, stored once
+    assert all(t.dtype == (torch.float32 if dtype == "fp32" else torch.bfloat16) for t in tensors.values())
+    assert set(tensors) == set(fresh.state_dict())
+    fresh.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=True)   # tied head.weight too
     trained = make_model(seed=3)
-    trained.load_state_dict(zero_offload.consolidate(tmp_path / "ckpt"), strict=False)
+    trained.load_state_dict(zero_offload.consolidate(tmp_path / "ckpt"), strict=True)
     x, y = batch(9, 2)
     tol = 0 if dtype == "fp32" else 0.05
     assert abs(fresh(x, y).item() - trained(x, y).item()) <= tol

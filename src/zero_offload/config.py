@@ -13,13 +13,14 @@ from typing import ClassVar, Literal
 
 from zero_offload.config_compat import AutoContext, normalize, resolve_auto
 from zero_offload.config_io import check_finite, decode_config_string, read_config_file
-from zero_offload.config_optim import (SCHEDULER_PARAMS, AdamParams, LRRangeTestParams, OneCycleParams,  # noqa: F401
+from zero_offload.config_optim import (SCHEDULER_PARAMS, AdamParams, LRRangeTestParams, OneCycleParams,
                                        OptimizerConfig, SchedulerConfig, WarmupCosineLRParams,
                                        WarmupDecayLRParams, WarmupLRParams)
 from zero_offload.config_schema import ConfigError, from_dict, option, to_dict
 
 __all__ = ["Config", "ConfigError", "BatchSizes", "FP16Config", "BF16Config", "OptimizerConfig",
-           "SchedulerConfig", "ZeroConfig", "OffloadConfig", "AutoContext"]
+           "SchedulerConfig", "ZeroConfig", "OffloadConfig", "AutoContext", "AdamParams", "WarmupLRParams",
+           "WarmupDecayLRParams", "WarmupCosineLRParams", "OneCycleParams", "LRRangeTestParams", "SCHEDULER_PARAMS"]
 
 # DeepSpeed keys that change nothing here: accepted with one warning, so a DeepSpeed JSON runs unchanged.
 IGNORED_TOP_LEVEL = {

@@ -24,8 +24,8 @@ def Init(module=None, data_parallel_group=None, mem_efficient_linear=True, remot
     return init_sharded(config_dict_or_path or config)
 
 
-def GatheredParameters(params, modifier_rank: int | None = None, fwd_module: torch.nn.Module | None = None,  # noqa: N802
-                       enabled: bool = True):
+def GatheredParameters(params, modifier_rank: int | None = None,  # noqa: N802
+                       fwd_module: torch.nn.Module | None = None, enabled: bool = True):
     """DeepSpeed's ``zero.GatheredParameters``: gather stage-3 parameters inside the block; with
     ``modifier_rank`` that rank's writes are kept on every rank (shards and fp32 masters). ``fwd_module`` is
     accepted and unused (DeepSpeed uses it to register the gathered parameters as external)."""

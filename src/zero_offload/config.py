@@ -177,9 +177,11 @@ class ZeroConfig:
     stage3_max_reuse_distance: int = option(1_000_000_000, "Stage 3: keep a parameter gathered if reused "
                                                            "within this many elements.", min=0)
 
-    def validate(self, path):
-        if self.overlap_comm is None:
+    def __post_init__(self):
+        if self.overlap_comm is None:            # DeepSpeed 0.19.8's dynamic default
             self.overlap_comm = self.stage == 3
+
+    def validate(self, path):
         if self.offload_param.device != "none" and self.stage < 3:
             raise ConfigError(f"config key '{path}.offload_param.device' = {self.offload_param.device!r} needs "
                               f"'{path}.stage' = 3 (got {self.stage}); parameters are only partitioned at "

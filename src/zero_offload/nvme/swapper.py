@@ -1,0 +1,244 @@
+"""`Swapper`: asynchronous reads and writes between aligned host buffers and swap files.
+
+Life cycle (DeepSpeed's ``AsyncIOBuilder`` handle and its ``swap_tensor`` helpers play this role there):
+``open`` a file per swapped tensor, ``read`` ahead and ``write`` behind (each returns a `Pending` at once),
+``wait`` for one, ``flush`` waits for all, ``close`` waits, closes and deletes the files.
+
+Every request is cut into ``block_size`` pieces run on ``thread_count`` I/O threads; ``os.preadv`` and
+``os.pwritev`` release the GIL, so the host step and the I/O overlap. Files are opened with ``O_DIRECT``
+(no page cache: the disk's bandwidth, and no host memory grows with the model) where the filesystem
+accepts it, checked at open with a probe; elsewhere (tmpfs, some network filesystems) with buffered I/O
+and one warning. Errors from the disk (ENOSPC, EIO, ...) are raised as `NvmeIOError`, which names the file.
+"""
+from __future__ import annotations
+
+import atexit
+import errno as errno_mod
+import os
+import threading
+import warnings
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from zero_offload.nvme.buffers import ALIGNMENT, AlignedBuffer
+
+__all__ = ["NvmeIOError", "SwapFile", "Pending", "Swapper"]
+
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+
+class NvmeIOError(OSError):
+    """A read or write of a swap file failed; ``filename`` is the file, ``errno`` the cause (ENOSPC, EIO)."""
+
+
+@dataclass
+class SwapFile:
+    """One open swap file: its path, descriptor, size in bytes and whether it bypasses the page cache."""
+    path: Path
+    fd: int
+    nbytes: int
+    direct: bool
+
+
+@dataclass
+class Pending:
+    """An outstanding read or write: its pieces' futures. `Swapper.wait` completes it."""
+    futures: list[Future] = field(default_factory=list)
+
+    def done(self) -> bool:
+        return all(f.done() for f in self.futures)
+
+
+class Swapper:
+    """Swap files under ``directory``, read and written through ``thread_count`` I/O threads.
+
+    Args:
+        directory: where the files live (created if missing).
+        block_size: bytes per piece of a request (aio ``block_size``; DeepSpeed's default 1 MiB).
+        thread_count: I/O threads (aio ``intra_op_parallelism`` / ``thread_count``; default 1).
+        use_direct: try O_DIRECT at open (falls back to buffered I/O with one warning).
+
+    Raises:
+        NvmeIOError: from `open`, `wait`, `flush` -- naming the file, with the OS error's errno.
+    """
+
+    def __init__(self, directory: str | os.PathLike, block_size: int = 1 << 20, thread_count: int = 1,
+                 use_direct: bool = True):
+        if block_size < ALIGNMENT or block_size % ALIGNMENT:
+            raise ValueError(f"Swapper: block_size must be a positive multiple of {ALIGNMENT} bytes, "
+                             f"got {block_size}")
+        if thread_count < 1:
+            raise ValueError(f"Swapper: thread_count must be >= 1, got {thread_count}")
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.block_size, self.use_direct = block_size, use_direct and bool(_O_DIRECT)
+        self.files: dict[str, SwapFile] = {}
+        self.pool = ThreadPoolExecutor(thread_count, thread_name_prefix="zero-offload-nvme")
+        self.pending: list[Pending] = []
+        self.bytes_read = self.bytes_written = 0
+        self._lock = threading.Lock()
+        self._warned = False
+        self._closed = False
+        atexit.register(_close_at_exit, weakref.ref(self))
+
+    # -- open / close ----------------------------------------------------------------------------------
+    def open(self, name: str, nbytes: int) -> SwapFile:
+        """Create (or truncate) file ``name`` of ``nbytes`` bytes, sparse: unwritten ranges read as zeros."""
+        path = self.directory / name
+        fd, direct = self._open_fd(path)
+        try:
+            os.ftruncate(fd, nbytes)
+        except OSError as e:
+            os.close(fd)
+            raise _io_error(e, "size", path, nbytes, 0) from e
+        f = SwapFile(path, fd, nbytes, direct)
+        self.files[name] = f
+        return f
+
+    def _open_fd(self, path: Path) -> tuple[int, bool]:
+        flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC
+        if self.use_direct:
+            try:
+                fd = os.open(path, flags | _O_DIRECT, 0o600)
+                if self._probe_direct(fd):
+                    return fd, True
+                os.close(fd)
+            except OSError as e:
+                if e.errno not in (errno_mod.EINVAL, errno_mod.EOPNOTSUPP):
+                    raise _io_error(e, "open", path, 0, 0) from e
+            if not self._warned:
+                self._warned = True
+                warnings.warn(f"zero_offload: '{self.directory}' does not accept O_DIRECT; NVMe swap files use "
+                              "buffered I/O (through the page cache) instead", RuntimeWarning, stacklevel=3)
+        try:
+            return os.open(path, flags, 0o600), False
+        except OSError as e:
+            raise _io_error(e, "open", path, 0, 0) from e
+
+    @staticmethod
+    def _probe_direct(fd: int) -> bool:
+        """One aligned block written and read back: some filesystems accept the flag at open, not the I/O."""
+        buf = AlignedBuffer(ALIGNMENT)
+        view = memoryview(buf.raw.numpy())
+        try:
+            os.pwritev(fd, [view], 0)
+            os.preadv(fd, [view], 0)
+            os.ftruncate(fd, 0)
+            return True
+        except OSError as e:
+            if e.errno in (errno_mod.EINVAL, errno_mod.EOPNOTSUPP):
+                return False
+            raise
+
+    def close(self) -> None:
+        """Wait for all requests, close and delete every file. Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.flush()
+        finally:
+            self.pool.shutdown(wait=True)
+            for f in self.files.values():
+                os.close(f.fd)
+                f.path.unlink(missing_ok=True)
+            self.files.clear()
+
+    # -- read-ahead / write-behind ---------------------------------------------------------------------
+    def read(self, name: str, dst: torch.Tensor, offset: int = 0) -> Pending:
+        """Start reading ``dst.nbytes`` bytes at byte ``offset`` of file ``name`` into ``dst`` (contiguous,
+        CPU; aligned to 4096 with its length and ``offset`` for an O_DIRECT file)."""
+        return self._submit(name, dst, offset, write=False)
+
+    def write(self, name: str, src: torch.Tensor, offset: int = 0) -> Pending:
+        """Start writing ``src`` (contiguous CPU tensor) at byte ``offset`` of file ``name``.
+        ``src`` must not change until the request is waited for."""
+        return self._submit(name, src, offset, write=True)
+
+    def wait(self, pending: Pending | None) -> None:
+        """Block until ``pending`` completes; re-raise its first error as `NvmeIOError`."""
+        if pending is None:
+            return
+        error = None
+        for fut in pending.futures:
+            e = fut.exception()
+            error = error or e
+        with self._lock:
+            if pending in self.pending:
+                self.pending.remove(pending)
+        if error is not None:
+            raise error
+
+    def flush(self) -> None:
+        """Wait for every outstanding request; raise the first error."""
+        error = None
+        while self.pending:
+            try:
+                self.wait(self.pending[0])
+            except NvmeIOError as e:
+                error = error or e
+        if error is not None:
+            raise error
+
+    def _submit(self, name: str, tensor: torch.Tensor, offset: int, write: bool) -> Pending:
+        if self._closed:
+            raise RuntimeError(f"Swapper for '{self.directory}' is closed")
+        f = self.files[name]
+        if tensor.device.type != "cpu" or not tensor.is_contiguous():
+            raise ValueError("Swapper: tensors must be contiguous CPU tensors")
+        nbytes = tensor.numel() * tensor.element_size()
+        if offset < 0 or offset + nbytes > f.nbytes:
+            raise ValueError(f"Swapper: {nbytes} bytes at offset {offset} exceed '{f.path}' ({f.nbytes} bytes)")
+        if f.direct and (offset % ALIGNMENT or nbytes % ALIGNMENT or tensor.data_ptr() % ALIGNMENT):
+            raise ValueError(f"Swapper: O_DIRECT I/O on '{f.path}' needs address, offset and length aligned to "
+                             f"{ALIGNMENT} bytes (offset {offset}, length {nbytes})")
+        flat = tensor.view(-1).view(torch.uint8) if nbytes else tensor
+        pending = Pending()
+        for lo in range(0, nbytes, self.block_size):
+            hi = min(nbytes, lo + self.block_size)
+            pending.futures.append(self.pool.submit(_transfer, f, flat[lo:hi], offset + lo, write))
+        with self._lock:
+            self.pending.append(pending)
+            if write:
+                self.bytes_written += nbytes
+            else:
+                self.bytes_read += nbytes
+        return pending
+
+
+def _transfer(f: SwapFile, piece: torch.Tensor, offset: int, write: bool) -> None:
+    """Run on an I/O thread: the whole piece, retrying short transfers (the GIL is released inside)."""
+    view = memoryview(piece.numpy()).cast("B")
+    done, n = 0, len(view)
+    try:
+        while done < n:
+            if write:
+                got = os.pwritev(f.fd, [view[done:]], offset + done)
+            else:
+                got = os.preadv(f.fd, [view[done:]], offset + done)
+                if got == 0:            # past the end of a shorter file: the rest reads as zeros
+                    piece[done:].zero_()
+                    return
+            done += got
+    except OSError as e:
+        raise _io_error(e, "write" if write else "read", f.path, n, offset) from e
+
+
+def _io_error(e: OSError, op: str, path: Path, nbytes: int, offset: int) -> NvmeIOError:
+    err = NvmeIOError(e.errno, f"NVMe swap {op} of {nbytes} bytes at offset {offset} failed: "
+                               f"{e.strerror or e}", str(path))
+    return err
+
+
+def _close_at_exit(ref) -> None:
+    swapper = ref()
+    if swapper is not None:
+        try:
+            swapper.close()
+        except Exception:   # at exit: the files go in any case
+            for f in swapper.files.values():
+                f.path.unlink(missing_ok=True)

@@ -1,0 +1,113 @@
+"""The NVMe I/O layer alone: bit-for-bit round trips, O_DIRECT and its fallback, disk errors naming the file."""
+import errno
+import os
+import subprocess
+import warnings
+
+import pytest
+import torch
+
+from zero_offload.nvme import AlignedBuffer, BufferPool, NvmeIOError, Swapper
+from zero_offload.nvme import swapper as swapper_mod
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 1 MiB tmpfs (we run as root in CI); skipped with the reason where mounting is not allowed."""
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True,
+                       text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs to provoke ENOSPC: {r.stderr.strip() or r.returncode}")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_round_trip_is_bit_exact(tmp_path, dtype):
+    s = Swapper(tmp_path, block_size=8192, thread_count=3)
+    numel = 3 * 8192 // torch.empty(0, dtype=dtype).element_size() + 1024   # pieces of unequal size
+    src, dst = AlignedBuffer(numel * 4), AlignedBuffer(numel * 4)
+    x = src.view(dtype, numel)
+    x.copy_(torch.randn(numel).to(dtype))
+    x.view(torch.int16 if x.element_size() == 2 else torch.int32)[:7] = -1   # NaN bit patterns survive too
+    s.open("state", 2 * src.nbytes)
+    s.write("state", src.raw, offset=src.nbytes)
+    s.flush()
+    s.wait(s.read("state", dst.raw, offset=src.nbytes))
+    assert torch.equal(dst.raw, src.raw)
+    s.wait(s.read("state", dst.raw, offset=0))       # never written: sparse, reads as zeros
+    assert not dst.raw.any()
+    assert s.bytes_written == src.nbytes and s.bytes_read == 2 * src.nbytes
+    path = s.files["state"].path
+    s.close()
+    assert not path.exists()
+    s.close()                                          # twice is fine
+
+
+def test_direct_io_where_the_filesystem_allows_it(tmp_path):
+    s = Swapper(tmp_path)
+    f = s.open("a", 4096)
+    probe = os.open(tmp_path / "probe", os.O_RDWR | os.O_CREAT | getattr(os, "O_DIRECT", 0))
+    os.close(probe)
+    assert f.direct == bool(getattr(os, "O_DIRECT", 0))
+    misaligned = torch.zeros(100, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="aligned"):
+        s.read("a", misaligned)
+    s.close()
+
+
+def test_buffered_fallback_warns_once(tmp_path, monkeypatch):
+    monkeypatch.setattr(Swapper, "_probe_direct", staticmethod(lambda fd: False))
+    s = Swapper(tmp_path)
+    with pytest.warns(RuntimeWarning, match="O_DIRECT"):
+        a = s.open("a", 8192)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        b = s.open("b", 8192)
+    assert not a.direct and not b.direct
+    src = torch.arange(100, dtype=torch.float32)         # unaligned tensors are fine without O_DIRECT
+    s.write("b", src, offset=4)
+    dst = torch.empty(100, dtype=torch.float32)
+    s.flush()
+    s.wait(s.read("b", dst, offset=4))
+    assert torch.equal(src, dst)
+    s.close()
+
+
+def test_enospc_names_the_file(small_tmpfs):
+    s = Swapper(small_tmpfs, block_size=1 << 16)
+    s.open("exp_avg.swp", 4 << 20)                       # sparse: 4 MiB announced on a 1 MiB filesystem
+    buf = AlignedBuffer(2 << 20)
+    pending = s.write("exp_avg.swp", buf.raw)
+    with pytest.raises(NvmeIOError) as info:
+        s.wait(pending)
+    assert info.value.errno == errno.ENOSPC
+    assert info.value.filename == str(small_tmpfs / "exp_avg.swp")
+    assert "exp_avg.swp" in str(info.value)
+    s.close()
+    assert not (small_tmpfs / "exp_avg.swp").exists()
+
+
+def test_eio_names_the_file(tmp_path, monkeypatch):
+    s = Swapper(tmp_path)
+    s.open("master.swp", 8192)
+
+    def failing(*_args):
+        raise OSError(errno.EIO, "Input/output error")
+    monkeypatch.setattr(swapper_mod.os, "preadv", failing)
+    with pytest.raises(NvmeIOError, match="master.swp") as info:
+        s.wait(s.read("master.swp", AlignedBuffer(8192).raw))
+    assert info.value.errno == errno.EIO
+    monkeypatch.undo()
+    s.close()
+
+
+def test_pool_round_robin_and_bounds():
+    pool = BufferPool(3, 5000)
+    assert [pool.next()[0] for _ in range(4)] == [0, 1, 2, 0]
+    assert pool.nbytes == 3 * 8192
+    assert all(b.raw.data_ptr() % 4096 == 0 for b in pool.buffers)
+    with pytest.raises(ValueError, match="exceeds"):
+        pool.buffers[0].view(torch.float32, 3000)

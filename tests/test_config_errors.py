@@ -37,8 +37,8 @@ def _load(**extra):
     ({"scheduler": {"type": "WarmupDecayLR", "params": {}}}, "'scheduler.params.total_num_steps' is required"),
     ({"scheduler": {"type": "WarmupLR", "params": {"warmup_steps": 3}}}, "did you mean 'warmup_num_steps'"),
     ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "'fp16.enabled' and 'bf16.enabled'"),
-    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}},
-     "'zero_optimization.offload_optimizer.device': 'nvme' is accepted by DeepSpeed but not implemented"),
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/tmp"}}},
+     "'zero_optimization.offload_param.device': 'nvme' is accepted by DeepSpeed but not implemented"),
     ({"gradient_allreduce_op": "sum"}, "'gradient_allreduce_op': 'sum' is accepted by DeepSpeed but not implemented"),
     ({"amp": {"enabled": True}}, "'amp' is refused, as DeepSpeed 0.19.8 refuses it"),
     ({"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}}, "master weights are always fp32"),
@@ -59,11 +59,11 @@ def test_deepspeed_only_keys_warn_once_and_are_accepted():
         warnings.simplefilter("always")
         cfg = _load(wall_clock_breakdown=True,
                     zero_optimization={"stage": 2, "round_robin_gradients": True,
-                                       "offload_optimizer": {"device": "cpu", "buffer_count": 4}})
+                                       "offload_optimizer": {"device": "cpu", "ratio": 1.0}})
     messages = [str(x.message) for x in w]
     assert sum("'wall_clock_breakdown' has no effect" in m for m in messages) == 1
     assert sum("'zero_optimization.round_robin_gradients'" in m for m in messages) == 1
-    assert sum("'zero_optimization.offload_optimizer.buffer_count'" in m for m in messages) == 1
+    assert sum("'zero_optimization.offload_optimizer.ratio'" in m for m in messages) == 1
     assert cfg.zero_optimization.offload_optimizer.device == "cpu"
 
 

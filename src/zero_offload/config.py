@@ -20,7 +20,8 @@ from zero_offload.config_schema import ConfigError, from_dict, option, to_dict
 
 __all__ = ["Config", "ConfigError", "BatchSizes", "FP16Config", "BF16Config", "OptimizerConfig",
            "SchedulerConfig", "ZeroConfig", "OffloadConfig", "AutoContext", "AdamParams", "WarmupLRParams",
-           "WarmupDecayLRParams", "WarmupCosineLRParams", "OneCycleParams", "LRRangeTestParams", "SCHEDULER_PARAMS"]
+           "WarmupDecayLRParams", "WarmupCosineLRParams", "OneCycleParams", "LRRangeTestParams", "SCHEDULER_PARAMS",
+           "OffloadOptimizerConfig", "OffloadParamConfig", "AioConfig"]
 
 # DeepSpeed keys that change nothing here: accepted with one warning, so a DeepSpeed JSON runs unchanged.
 IGNORED_TOP_LEVEL = {
@@ -43,7 +44,6 @@ IGNORED_TOP_LEVEL = {
                                 "torch.utils.checkpoint (HF: model.gradient_checkpointing_enable())",
     "checkpoint": "checkpoints are always per-rank shards, written atomically and resharded on load",
     "data_types": "gradients accumulate in fp32 at stages 2/3 and in the training dtype at stages 0/1",
-    "aio": "NVMe offload is not built, and these settings only tune its I/O",
     "compile": "the engine does not compile the model; call torch.compile on it yourself",
     "hybrid_engine": "no inference hybrid engine",
     "pipeline": "no pipeline parallelism; the section only applies to a deepspeed.pipe.PipelineModule",
@@ -72,7 +72,6 @@ IGNORED_ZERO = {
     "zero_quantized_weights": "no quantized communication",
     "zero_quantized_gradients": "no quantized communication",
     "memory_efficient_linear": "no linear override",
-    "sub_group_size": "the host step streams the partition in cache-sized chunks by itself",
     "stage3_module_granularity_threshold": "every module that owns parameters is its own gather unit",
     "stage3_model_persistence_threshold": "persistence is decided by stage3_param_persistence_threshold alone",
     "stage3_use_all_reduce_for_fetch_params": "parameters are fetched with all-gather",
@@ -92,18 +91,19 @@ IGNORED_ZERO = {
     "zenflow": "ZenFlow's stall-free offload is not built: the plain ZeRO-Offload host step runs instead",
 }
 IGNORED_OFFLOAD = {
-    "buffer_count": "host buffers are sized from reduce_bucket_size",
-    "buffer_size": "host buffers are sized from reduce_bucket_size",
-    "max_in_cpu": "all offloaded partitions stay in host memory",
-    "fast_init": "host state is always initialised in place",
     "ratio": "the whole optimizer step runs on the host when offloaded",
-    "pipeline": "read-ahead is always on",
-    "pipeline_read": "read-ahead is always on",
-    "pipeline_write": "write-behind is always on",
+    "pipeline": "set pipeline_read / pipeline_write",
     "super_offload": "SuperOffload (Superchip CPU offload) is not built: the plain ZeRO-Offload host step "
                      "runs instead",
     "cpuadam_cores_perc": "the host kernel uses every core torch is allowed to use (torch.set_num_threads)",
 }
+IGNORED_OFFLOAD_OPTIMIZER = {**IGNORED_OFFLOAD,
+                             "buffer_size": "NVMe buffers hold one sub-group (sub_group_size) each",
+                             "max_in_cpu": "a key of offload_param"}
+IGNORED_OFFLOAD_PARAM = {**IGNORED_OFFLOAD,
+                         "fast_init": "a key of offload_optimizer",
+                         "pipeline_read": "a key of offload_optimizer",
+                         "pipeline_write": "a key of offload_optimizer"}
 
 
 @dataclass
@@ -139,9 +139,10 @@ class BF16Config:
 class OffloadConfig:
     IGNORED: ClassVar[dict[str, str]] = IGNORED_OFFLOAD
     device: Literal["none", "cpu", "nvme"] = option(
-        "none", "Where the partition lives: the accelerator (none), host memory (cpu) or NVMe files.",
-        not_implemented={"nvme": "NVMe offload is a later issue; use 'cpu'"})
-    nvme_path: str | None = option(None, "Directory for NVMe swap files (device = nvme).")
+        "none", "Where the partition lives: the accelerator (none), host memory (cpu) or NVMe files "
+                "(nvme: swap files under nvme_path, ZeRO-Infinity).")
+    nvme_path: str | None = option(None, "Directory for NVMe swap files (device = nvme); files go to "
+                                         "nvme_path/zero_offload/rank{r}/ and are removed at exit.")
     pin_memory: bool = option(True, "Page-lock the host buffers (gradient partition, master weights, "
                                     "parameter staging) so copies to and from the GPU run asynchronously on "
                                     "the copy stream; without it each copy blocks the host. DeepSpeed 0.19.8's "
@@ -149,14 +150,63 @@ class OffloadConfig:
 
 
 @dataclass
+class OffloadOptimizerConfig(OffloadConfig):
+    IGNORED: ClassVar[dict[str, str]] = IGNORED_OFFLOAD_OPTIMIZER
+    buffer_count: int = option(4, "NVMe: aligned host buffers in the pool the optimizer states stream through, "
+                                  "each one sub-group's master weights and both moments; host memory for "
+                                  "optimizer state is buffer_count x 12 bytes x sub_group_size. Needs "
+                                  "1 + pipeline_read + pipeline_write.", min=0)
+    pipeline_read: bool = option(False, "NVMe: read sub-group i+1 while sub-group i is stepped.")
+    pipeline_write: bool = option(False, "NVMe: write sub-group i-1 while sub-group i is stepped.")
+    fast_init: bool = option(False, "NVMe: accepted (DeepSpeed's switch); initialisation always writes only "
+                                     "the master weights and leaves the zero moments as sparse files.")
+
+
+@dataclass
+class OffloadParamConfig(OffloadConfig):
+    IGNORED: ClassVar[dict[str, str]] = IGNORED_OFFLOAD_PARAM
+    device: Literal["none", "cpu", "nvme"] = option(
+        "none", "Where the 16-bit parameter partitions live: the accelerator (none) or host memory (cpu).",
+        not_implemented={"nvme": "stage-3 parameters on NVMe are not built yet; use 'cpu' (the optimizer "
+                                 "states can go to NVMe with offload_optimizer.device = 'nvme')"})
+    buffer_count: int = option(5, "NVMe: buffers in the parameter pool (DeepSpeed's default).", min=0)
+    buffer_size: int = option(100_000_000, "NVMe: elements per parameter buffer (DeepSpeed's default).", min=0)
+    max_in_cpu: int = option(1_000_000_000, "NVMe: parameter elements kept in host memory.", min=0)
+
+
+@dataclass
+class AioConfig:
+    """DeepSpeed's ``aio`` block: how NVMe swap files are read and written."""
+    block_size: int = option(1_048_576, "Bytes per I/O request piece (a multiple of 4096).", min=4096)
+    queue_depth: int = option(8, "Accepted (libaio's queue depth); requests here go to a thread pool.", min=1)
+    intra_op_parallelism: int = option(1, "I/O threads that read and write swap files in parallel.", min=1)
+    thread_count: int | None = option(None, "Older name of intra_op_parallelism; used when given.", min=1)
+    single_submit: bool = option(False, "Accepted (a libaio submission mode); no effect with I/O threads.")
+    overlap_events: bool = option(True, "Accepted (a libaio completion mode); no effect with I/O threads.")
+    use_gds: bool = option(False, "GPUDirect Storage.", not_implemented={
+        True: "GPUDirect Storage needs CUDA and NVIDIA cuFile; swap files go through host buffers"})
+
+    def validate(self, path):
+        if self.block_size % 4096:
+            raise ConfigError(f"config key '{path}.block_size': got {self.block_size}, must be a multiple of "
+                              "4096 bytes (O_DIRECT alignment)")
+
+    @property
+    def threads(self) -> int:
+        return self.thread_count if self.thread_count is not None else self.intra_op_parallelism
+
+
+@dataclass
 class ZeroConfig:
     IGNORED: ClassVar[dict[str, str]] = IGNORED_ZERO
     stage: int = option(0, "0: data parallel; 1: partition optimizer states; 2: and gradients; "
                            "3: and parameters.", min=0, max=3)
-    offload_optimizer: OffloadConfig = option(factory=OffloadConfig,
-                                              help="Keep optimizer states and run the step on the host.")
-    offload_param: OffloadConfig = option(factory=OffloadConfig, help="Keep 16-bit parameter partitions on "
-                                                                      "the host (stage 3 only).")
+    offload_optimizer: OffloadOptimizerConfig = option(
+        factory=OffloadOptimizerConfig, help="Keep optimizer states on the host or NVMe and run the step on the host.")
+    offload_param: OffloadParamConfig = option(factory=OffloadParamConfig, help="Keep 16-bit parameter "
+                                                                                "partitions on the host (stage 3 only).")
+    sub_group_size: int = option(1_000_000_000, "Elements per sub-group of a rank's optimizer partition: the "
+                                                "unit the NVMe host step reads, steps and writes.", min=1)
     contiguous_gradients: bool = option(True, "Copy gradients into contiguous buckets as they are produced. "
                                               "Always on here; false is accepted with a warning.")
     overlap_comm: bool | None = option(None, "Reduce full buckets asynchronously while backward continues; "
@@ -189,6 +239,21 @@ class ZeroConfig:
         if self.offload_optimizer.device != "none" and self.stage < 1:
             raise ConfigError(f"config key '{path}.offload_optimizer.device' = "
                               f"{self.offload_optimizer.device!r} needs '{path}.stage' >= 1 (got 0)")
+        for key, off in (("offload_optimizer", self.offload_optimizer), ("offload_param", self.offload_param)):
+            if off.device != "nvme":
+                continue
+            if key == "offload_optimizer" and self.stage < 2:
+                raise ConfigError(f"config key '{path}.{key}.device' = 'nvme' needs '{path}.stage' 2 or 3 (got "
+                                  f"{self.stage}); as in DeepSpeed's ZeRO-Infinity, use 'cpu' at stage {self.stage}")
+            if not off.nvme_path:
+                raise ConfigError(f"config key '{path}.{key}.nvme_path' is required with '{path}.{key}.device' "
+                                  "= 'nvme'")
+        oo = self.offload_optimizer
+        need = 1 + oo.pipeline_read + oo.pipeline_write
+        if oo.device == "nvme" and oo.buffer_count < need:
+            raise ConfigError(f"config key '{path}.offload_optimizer.buffer_count': got {oo.buffer_count}, needs "
+                              f">= {need} (one sub-group stepped, plus one read ahead with pipeline_read and one "
+                              "written behind with pipeline_write)")
 
 
 @dataclass(frozen=True)
@@ -222,6 +287,8 @@ class Config:
     optimizer: OptimizerConfig = option(factory=OptimizerConfig, help="The optimizer (Adam or AdamW).")
     scheduler: SchedulerConfig | None = option(None, "The learning-rate schedule; none keeps lr fixed.")
     zero_optimization: ZeroConfig = option(factory=ZeroConfig, help="ZeRO stage and offload settings.")
+    aio: AioConfig = option(factory=AioConfig, help="How NVMe swap files are read and written (DeepSpeed's "
+                                                    "aio block).")
 
     def validate(self, path):
         if self.fp16.enabled and self.bf16.enabled:

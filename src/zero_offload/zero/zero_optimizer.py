@@ -13,6 +13,7 @@ import torch
 from zero_offload.comm import DistContext
 from zero_offload.config import Config
 from zero_offload.flat import FlatParams
+from zero_offload.nvme.setup import build_nvme_adam
 from zero_offload.offload.copies import CopyEngine
 from zero_offload.zero.gather import gather_masters, global_grad_sq_norm
 from zero_offload.zero.grad_partition import GradPartition
@@ -43,7 +44,7 @@ class ZeroOptimizer:
     def __init__(self, ctx: DistContext, config: Config, groups: list[ParamGroup], gradient_accumulation: int):
         zc = config.zero_optimization
         self.ctx, self.stage = ctx, zc.stage
-        self.offload = zc.offload_optimizer.device == "cpu"
+        self.offload = zc.offload_optimizer.device in ("cpu", "nvme")
         self.allgather_bucket_numel = zc.allgather_bucket_size
         self.copies = CopyEngine(ctx.device)
         self.flats = [FlatParams(g.params, g.indices, g.names, ctx.world_size) for g in groups]
@@ -58,8 +59,11 @@ class ZeroOptimizer:
                                        zc.reduce_bucket_size, zc.overlap_comm,
                                        averaging=GradAveraging.from_config(config, ctx.world_size))
         parts = [f.buffer[p.lo:p.hi] for f, p in zip(self.flats, self.partitions)]
-        self.adam = partitioned_optimizer(config, parts, [g.hparams for g in groups], self.offload, pin,
-                                          self.copies)
+        if zc.offload_optimizer.device == "nvme":
+            self.adam = build_nvme_adam(parts, [g.hparams for g in groups], self.copies, config, ctx.rank)
+        else:
+            self.adam = partitioned_optimizer(config, parts, [g.hparams for g in groups], self.offload, pin,
+                                              self.copies)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:

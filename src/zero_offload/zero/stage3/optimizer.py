@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from zero_offload.comm import DistContext
 from zero_offload.config import Config
+from zero_offload.nvme.setup import build_nvme_adam
 from zero_offload.offload.copies import CopyEngine, host_empty
 from zero_offload.zero.gather import gather_masters, global_grad_sq_norm
 from zero_offload.zero.grad_partition import GradPartition
@@ -42,7 +43,7 @@ class Stage3Optimizer:
                  dtype: torch.dtype, param_init_fn=None):
         zc = config.zero_optimization
         self.ctx = ctx
-        self.offload = zc.offload_optimizer.device == "cpu"
+        self.offload = zc.offload_optimizer.device in ("cpu", "nvme")
         self.offload_param = zc.offload_param.device == "cpu"
         pin = zc.offload_optimizer.pin_memory or zc.offload_param.pin_memory
         self.copies = CopyEngine(ctx.device)
@@ -75,8 +76,11 @@ class Stage3Optimizer:
         host_step = self.offload or self.offload_param
         self.partitions = [GradPartition(p.numel(), dtype, ctx.device, 3, host_step,
                                          gradient_accumulation > 1, pin, self.copies) for p in self.parts]
-        self.adam = partitioned_optimizer(config, self.parts, [g.hparams for g in groups], host_step, pin,
-                                          self.copies, host_params=self.offload_param)
+        if zc.offload_optimizer.device == "nvme":
+            self.adam = build_nvme_adam(self.parts, [g.hparams for g in groups], self.copies, config, ctx.rank)
+        else:
+            self.adam = partitioned_optimizer(config, self.parts, [g.hparams for g in groups], host_step, pin,
+                                              self.copies, host_params=self.offload_param)
         self.averaging = GradAveraging.from_config(config, ctx.world_size)
         self.max_in_flight = 2
         self.in_flight: deque = deque()

@@ -1,0 +1,282 @@
+"""`NvmeAdam`: a rank's optimizer partition with its fp32 masters and Adam moments in swap files.
+
+ZeRO-Infinity (arXiv 2104.07857, Sec. 5-6; DeepSpeed's ``PipelinedOptimizerSwapper``): the partition is cut
+into sub-groups of ``sub_group_size`` elements; the host step streams them through a pool of
+``buffer_count`` aligned buffers -- read sub-group i+1 ahead (``pipeline_read``), step i with the fused host
+kernel, write i-1 behind (``pipeline_write``) -- so host memory for optimizer state is the pool, not the
+model. Same role and face as `PartitionedAdam` (see `zero_offload.nvme.role.HostOptimizer`).
+
+Files: ``{nvme_path}/zero_offload/rank{r}/group{g}.{master,exp_avg,exp_avg_sq}.swp``, each sub-group at
+byte offset ``i x sub x 4`` (``sub`` rounded up to 1024 elements for O_DIRECT alignment). The moments start
+as sparse files (zeros, no disk written) and are written by the first step. Files left by a killed run are
+reclaimed at the next start; the files are removed by `close`, when the optimizer is collected, or at exit.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import weakref
+from pathlib import Path
+
+import torch
+
+from zero_offload.nvme.buffers import ALIGNMENT, BufferPool, align_up
+from zero_offload.nvme.swapper import NvmeIOError, Pending, Swapper
+from zero_offload.offload.copies import CopyEngine
+from zero_offload.optim.cpu_adam import CPUAdam
+from zero_offload.optim.fused_adam import fused_adam_step
+
+__all__ = ["NvmeAdam", "KINDS", "swap_directory"]
+
+KINDS = ("master", "exp_avg", "exp_avg_sq")
+_FP32 = 4
+
+
+def swap_directory(nvme_path: str | os.PathLike, rank: int) -> Path:
+    """Where rank ``rank`` keeps its swap files under ``nvme_path``."""
+    return Path(nvme_path) / "zero_offload" / f"rank{rank}"
+
+
+class _SwappedMasters:
+    """The fp32 master partitions as a sequence: ``masters[g]`` reads group g's file into a new tensor."""
+
+    def __init__(self, owner: "NvmeAdam"):
+        self._owner = owner
+
+    def __len__(self) -> int:
+        return len(self._owner.parts)
+
+    def __getitem__(self, g: int) -> torch.Tensor:
+        if not 0 <= g < len(self):
+            raise IndexError(g)
+        return self._owner.read_state(g, "master")
+
+    def __iter__(self):
+        return (self[g] for g in range(len(self)))
+
+
+class NvmeAdam:
+    """Adam/AdamW over this rank's partitions with the states on NVMe, stepped on the host.
+
+    Args:
+        parts: per group, this rank's parameter partition (1-D, 16-bit or fp32, host or device); the step
+            writes the updated parameters into it.
+        hparams: per group, dict(lr, betas, eps, weight_decay, adamw_mode, bias_correction).
+        directory: this rank's swap directory (reclaimed: anything in it is deleted first).
+        sub_group_size: elements per sub-group (the unit of swapping).
+        buffer_count: sub-group buffers in the pool, each 12 bytes x sub-group elements.
+        pipeline_read / pipeline_write: overlap the read of i+1 / the write of i-1 with the step of i.
+        block_size / thread_count: the swapper's request piece (bytes) and I/O threads.
+
+    Raises:
+        NvmeIOError: a failed read or write (naming the file). After one, every later `step` and state read
+            raises too: the files may hold a half-written step, and only the last checkpoint is sound.
+    """
+
+    on_host = True
+
+    def __init__(self, parts: list[torch.Tensor], hparams: list[dict], copies: CopyEngine, directory: Path,
+                 sub_group_size: int, buffer_count: int, pipeline_read: bool = False, pipeline_write: bool = False,
+                 block_size: int = 1 << 20, thread_count: int = 1):
+        self.parts, self.copies = parts, copies
+        self.pipeline_read, self.pipeline_write = pipeline_read, pipeline_write
+        self.sub = self.sub_group_numel([p.numel() for p in parts], sub_group_size)
+        self.units = [(g, i, lo, min(p.numel(), lo + self.sub))
+                      for g, p in enumerate(parts) for i, lo in enumerate(range(0, p.numel(), self.sub))]
+        shutil.rmtree(directory, ignore_errors=True)     # a killed run's files: reclaimed
+        self.swapper = Swapper(directory, block_size=block_size, thread_count=thread_count)
+        self._finalizer = weakref.finalize(self, self.swapper.close)
+        for g, p in enumerate(parts):
+            for kind in KINDS:
+                self.swapper.open(self._name(g, kind), self.file_bytes(p.numel()))
+        self.pool = BufferPool(buffer_count, 3 * self.sub * _FP32)
+        self.staging = [None] * buffer_count
+        self._writes: list[Pending | None] = [None] * buffer_count
+        self.steps = [0] * len(parts)
+        self.broken: BaseException | None = None
+        self.optimizer = CPUAdam([{"params": [torch.zeros(0)], **h} for h in hparams])   # live lrs
+        self.outs = [None] * len(parts)
+        self.masters = _SwappedMasters(self)
+        self.timings = {"read_wait_s": 0.0, "adam_s": 0.0, "write_wait_s": 0.0}
+        self._guard(self._write_initial_masters)
+
+    @staticmethod
+    def sub_group_numel(numels: list[int], sub_group_size: int) -> int:
+        """Elements per sub-group for partitions of ``numels``: ``sub_group_size``, at most the largest
+        partition, rounded up to 1024 (4096 bytes of fp32, the O_DIRECT alignment)."""
+        return align_up(min(sub_group_size, max(max(numels), 1)) * _FP32) // _FP32
+
+    @classmethod
+    def bytes_needed(cls, numels: list[int], sub_group_size: int) -> int:
+        """Bytes of swap files for partitions of ``numels`` elements: 3 fp32 states, whole sub-groups."""
+        sub = cls.sub_group_numel(numels, sub_group_size)
+        return sum(3 * -(-n // sub) * sub * _FP32 for n in numels)
+
+    # -- layout ----------------------------------------------------------------------------------------
+    def file_bytes(self, numel: int) -> int:
+        """Bytes of one state file of a partition of ``numel`` elements (whole sub-groups)."""
+        return -(-numel // self.sub) * self.sub * _FP32
+
+    @staticmethod
+    def _name(g: int, kind: str) -> str:
+        return f"group{g}.{kind}.swp"
+
+    def _views(self, slot: int, n: int) -> list[torch.Tensor]:
+        buf = self.pool.buffers[slot]
+        return [buf.view(torch.float32, n, k * self.sub * _FP32) for k in range(3)]
+
+    def _io(self, slot: int, g: int, i: int, n: int, write: bool, kinds=KINDS) -> list[Pending]:
+        """Start reads or writes of sub-group i's ``kinds`` (aligned lengths: the padding goes along)."""
+        nbytes = align_up(n * _FP32, ALIGNMENT)
+        buf = self.pool.buffers[slot]
+        out = []
+        for k, kind in enumerate(KINDS):
+            if kind in kinds:
+                view = buf.raw[k * self.sub * _FP32:k * self.sub * _FP32 + nbytes]
+                op = self.swapper.write if write else self.swapper.read
+                out.append(op(self._name(g, kind), view, i * self.sub * _FP32))
+        return out
+
+    def _wait(self, pendings) -> None:
+        for p in pendings or ():
+            self.swapper.wait(p)
+
+    def _free_slot(self, slot: int) -> None:
+        """Wait until nothing still reads from buffer ``slot`` (its write-behind, a copy up)."""
+        self._wait(self._writes[slot])
+        self._writes[slot] = None
+        self.copies.synchronize()
+
+    def _guard(self, fn, *args):
+        if self.broken is not None:
+            raise RuntimeError(f"NVMe optimizer states are unusable after an earlier I/O error ({self.broken}); "
+                               "restart from the last checkpoint") from self.broken
+        try:
+            return fn(*args)
+        except BaseException as e:
+            self.broken = e
+            raise
+
+    # -- the step --------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, grads: list[torch.Tensor], grad_scale: float) -> None:
+        """One step of every group's partition with ``grads`` (host tensors of the partitions' shapes) times
+        ``grad_scale``, streamed sub-group by sub-group; updated parameters land in ``parts``."""
+        self._guard(self._step, grads, grad_scale)
+
+    def _step(self, grads, grad_scale) -> None:
+        import time
+        for g in range(len(self.parts)):
+            self.steps[g] += 1
+        nslots = len(self.pool)
+        reads: dict[int, list[Pending]] = {}
+
+        def issue_read(k: int) -> None:
+            g, i, lo, hi = self.units[k]
+            self._free_slot(k % nslots)
+            reads[k] = self._io(k % nslots, g, i, hi - lo, write=False)
+
+        issue_read(0)
+        for k, (g, i, lo, hi) in enumerate(self.units):
+            slot = k % nslots
+            if self.pipeline_read and k + 1 < len(self.units):
+                issue_read(k + 1)                      # read-ahead overlaps this sub-group's step
+            t0 = time.perf_counter()
+            self._wait(reads.pop(k))
+            t1 = time.perf_counter()
+            master, exp_avg, exp_avg_sq = self._views(slot, hi - lo)
+            h = self.optimizer.param_groups[g]
+            part = self.parts[g][lo:hi]
+            sixteen_bit = part.dtype != torch.float32
+            out = None
+            if sixteen_bit:
+                out = part if part.device.type == "cpu" else self._staging(slot, part.dtype)[:hi - lo]
+            fused_adam_step(master, grads[g][lo:hi], exp_avg, exp_avg_sq, step=self.steps[g], lr=h["lr"],
+                            beta1=h["betas"][0], beta2=h["betas"][1], eps=h["eps"],
+                            weight_decay=h["weight_decay"], adamw_mode=h["adamw_mode"],
+                            bias_correction=h["bias_correction"], grad_scale=grad_scale, out=out)
+            if part.device.type != "cpu":
+                self.copies.to_device(part, out if sixteen_bit else master)   # up while the next one steps
+            elif not sixteen_bit:
+                part.copy_(master)
+            t2 = time.perf_counter()
+            self._writes[slot] = self._io(slot, g, i, hi - lo, write=True)
+            if not self.pipeline_write:
+                self._wait(self._writes[slot])
+                self._writes[slot] = None
+            t3 = time.perf_counter()
+            if not self.pipeline_read and k + 1 < len(self.units):
+                issue_read(k + 1)
+            self.timings["read_wait_s"] += t1 - t0
+            self.timings["adam_s"] += t2 - t1
+            self.timings["write_wait_s"] += t3 - t2
+        t0 = time.perf_counter()
+        self.swapper.flush()
+        self._writes = [None] * nslots
+        self.copies.wait_for_copies()
+        self.timings["write_wait_s"] += time.perf_counter() - t0
+
+    def _staging(self, slot: int, dtype: torch.dtype) -> torch.Tensor:
+        if self.staging[slot] is None:
+            self.staging[slot] = torch.empty(self.sub, dtype=dtype)
+        return self.staging[slot]
+
+    # -- state, streamed -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _write_initial_masters(self) -> None:
+        """The fp32 masters from the parameters, sub-group by sub-group; the moments stay sparse zeros."""
+        nslots = len(self.pool)
+        for k, (g, i, lo, hi) in enumerate(self.units):
+            slot = k % nslots
+            self._free_slot(slot)
+            self._views(slot, hi - lo)[0].copy_(self.parts[g][lo:hi])
+            self._writes[slot] = self._io(slot, g, i, hi - lo, write=True, kinds=("master",))
+        self.swapper.flush()
+        self._writes = [None] * nslots
+
+    def read_state(self, g: int, kind: str) -> torch.Tensor:
+        """Group ``g``'s ``kind`` (master, exp_avg, exp_avg_sq) as a new fp32 CPU tensor of the partition's
+        length, read through the pool one sub-group at a time."""
+        return self._guard(self._read_state, g, kind)
+
+    def _read_state(self, g: int, kind: str) -> torch.Tensor:
+        out = torch.empty(self.parts[g].numel(), dtype=torch.float32)
+        k = KINDS.index(kind)
+        for _g, i, lo, hi in (u for u in self.units if u[0] == g):
+            self._free_slot(0)
+            self._wait(self._io(0, g, i, hi - lo, write=False, kinds=(kind,)))
+            out[lo:hi].copy_(self._views(0, hi - lo)[k])
+        return out
+
+    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """Host memory this optimizer holds for its states: the pool (counted under ``master``)."""
+        return {"master": [b.raw for b in self.pool.buffers], "exp_avg": [], "exp_avg_sq": []}
+
+    def group_state(self, g: int) -> dict:
+        """As `PartitionedAdam.group_state`: fp32 CPU tensors of shape (partition numel,) and ``step``."""
+        return {**{kind: self.read_state(g, kind) for kind in KINDS}, "step": self.steps[g]}
+
+    @torch.no_grad()
+    def load_group_state(self, g: int, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                         step: int) -> None:
+        """Write group ``g``'s state (fp32 tensors of the partition's shape) to its files through the pool
+        and the 16-bit parameters of the partition from ``master``."""
+        self._guard(self._load_group_state, g, (master, exp_avg, exp_avg_sq), step)
+
+    def _load_group_state(self, g: int, states, step: int) -> None:
+        for _g, i, lo, hi in (u for u in self.units if u[0] == g):
+            self._free_slot(0)
+            for view, src in zip(self._views(0, hi - lo), states):
+                view.copy_(src[lo:hi])
+            self._wait(self._io(0, g, i, hi - lo, write=True))
+        self.steps[g] = int(step)
+        self.parts[g].copy_(states[0])
+
+    def close(self) -> None:
+        """Wait for outstanding I/O and delete the swap files (also done when collected and at exit)."""
+        self._finalizer()
+
+    @property
+    def bytes_on_disk(self) -> int:
+        """Bytes of swap files this rank announced (the moments become real on the first step)."""
+        return sum(f.nbytes for f in self.swapper.files.values())

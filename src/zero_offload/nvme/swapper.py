@@ -135,12 +135,15 @@ class Swapper:
             raise
 
     def close(self) -> None:
-        """Wait for all requests, close and delete every file. Safe to call twice."""
+        """Wait for all requests, close and delete every file. Safe to call twice. A write that fails now
+        is not raised: the files are scratch and go in any case (errors surface at `wait` and `flush`)."""
         if self._closed:
             return
         self._closed = True
         try:
             self.flush()
+        except NvmeIOError:
+            pass
         finally:
             self.pool.shutdown(wait=True)
             for f in self.files.values():

@@ -150,6 +150,10 @@ class Swapper:
                 os.close(f.fd)
                 f.path.unlink(missing_ok=True)
             self.files.clear()
+            try:
+                self.directory.rmdir()          # only when empty: never someone else's files
+            except OSError:
+                pass
 
     # -- read-ahead / write-behind ---------------------------------------------------------------------
     def read(self, name: str, dst: torch.Tensor, offset: int = 0) -> Pending:

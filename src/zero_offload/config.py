@@ -203,8 +203,8 @@ class ZeroConfig:
                            "3: and parameters.", min=0, max=3)
     offload_optimizer: OffloadOptimizerConfig = option(
         factory=OffloadOptimizerConfig, help="Keep optimizer states on the host or NVMe and run the step on the host.")
-    offload_param: OffloadParamConfig = option(factory=OffloadParamConfig, help="Keep 16-bit parameter "
-                                                                                "partitions on the host (stage 3 only).")
+    offload_param: OffloadParamConfig = option(
+        factory=OffloadParamConfig, help="Keep 16-bit parameter partitions on the host (stage 3 only).")
     sub_group_size: int = option(1_000_000_000, "Elements per sub-group of a rank's optimizer partition: the "
                                                 "unit the NVMe host step reads, steps and writes.", min=1)
     contiguous_gradients: bool = option(True, "Copy gradients into contiguous buckets as they are produced. "

@@ -111,3 +111,20 @@ def test_pool_round_robin_and_bounds():
     assert all(b.raw.data_ptr() % 4096 == 0 for b in pool.buffers)
     with pytest.raises(ValueError, match="exceeds"):
         pool.buffers[0].view(torch.float32, 3000)
+
+
+def test_both_partition_optimizers_fill_the_role(tmp_path):
+    from zero_offload.nvme.adam import NvmeAdam
+    from zero_offload.offload.copies import CopyEngine
+    from zero_offload.zero.optimizer_role import PartitionOptimizer
+    from zero_offload.zero.partitioned_adam import PartitionedAdam
+    hp = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "adamw_mode": True,
+          "bias_correction": True}
+    copies = CopyEngine(torch.device("cpu"))
+    part = torch.randn(5000)
+    nvme = NvmeAdam([part], [hp], copies, tmp_path / "r0", 2048, 3, True, True, block_size=4096)
+    assert isinstance(nvme, PartitionOptimizer)
+    assert isinstance(PartitionedAdam([part.clone()], [hp], True, False, copies), PartitionOptimizer)
+    assert torch.equal(nvme.masters[0], part)            # masters read back from the files, bit for bit
+    nvme.close()
+    assert not (tmp_path / "r0").exists()

@@ -4,7 +4,7 @@ ZeRO-Infinity (arXiv 2104.07857, Sec. 5-6; DeepSpeed's ``PipelinedOptimizerSwapp
 into sub-groups of ``sub_group_size`` elements; the host step streams them through a pool of
 ``buffer_count`` aligned buffers -- read sub-group i+1 ahead (``pipeline_read``), step i with the fused host
 kernel, write i-1 behind (``pipeline_write``) -- so host memory for optimizer state is the pool, not the
-model. Same role and face as `PartitionedAdam` (see `zero_offload.nvme.role.HostOptimizer`).
+model. Same role as `PartitionedAdam`: `zero_offload.zero.optimizer_role.PartitionOptimizer`.
 
 Files: ``{nvme_path}/zero_offload/rank{r}/group{g}.{master,exp_avg,exp_avg_sq}.swp``, each sub-group at
 byte offset ``i x sub x 4`` (``sub`` rounded up to 1024 elements for O_DIRECT alignment). The moments start

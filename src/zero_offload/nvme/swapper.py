@@ -19,6 +19,7 @@ import threading
 import warnings
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
+from multiprocessing import util as mp_util
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -84,6 +85,8 @@ class Swapper:
         self._warned = False
         self._closed = False
         atexit.register(_close_at_exit, weakref.ref(self))
+        # A forked multiprocessing child leaves through os._exit (no atexit) after running these finalizers.
+        mp_util.Finalize(None, _close_at_exit, args=(weakref.ref(self),), exitpriority=10)
 
     # -- open / close ----------------------------------------------------------------------------------
     def open(self, name: str, nbytes: int) -> SwapFile:

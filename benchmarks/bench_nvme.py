@@ -145,6 +145,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--buffers", type=int, default=4, help="requests in flight (buffer_count)")
     ap.add_argument("--adam-numel", type=int, default=500_000_000, help="partition elements for the host step")
     ap.add_argument("--sub-group", type=int, default=50_000_000, help="sub_group_size for the host step")
+    ap.add_argument("--no-deepspeed", action="store_true", help="skip DeepSpeed's aio (its JIT build takes minutes)")
     ap.add_argument("--out", default=None, help="also write the JSON here")
     args = ap.parse_args(argv)
     directory = Path(args.dir) / "bench_nvme"
@@ -153,7 +154,8 @@ def main(argv=None) -> dict:
     res = {"machine": os.uname().nodename, "cpus": os.cpu_count(), "bytes": nbytes, "threads": args.threads}
     res["dd"] = dd_bandwidth(directory / "dd.bin", nbytes)
     res["swapper"] = swapper_bandwidth(directory, nbytes, args.threads, args.block_size, args.buffers)
-    res["deepspeed_aio"] = deepspeed_aio_bandwidth(directory, nbytes, args.threads, args.block_size)
+    res["deepspeed_aio"] = ({"error": "skipped (--no-deepspeed)"} if args.no_deepspeed
+                            else deepspeed_aio_bandwidth(directory, nbytes, args.threads, args.block_size))
     for op in ("write", "read"):
         res["swapper"][f"{op}_vs_dd"] = res["swapper"][op] / res["dd"][op]
         if op in res["deepspeed_aio"]:

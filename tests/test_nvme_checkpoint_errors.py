@@ -159,3 +159,10 @@ def test_enospc_mid_step_names_the_file_and_stops(tmp_path, mounts):
     fresh = zero_offload.initialize(make_model(seed=7), engine_config(2, "cpu", 1))
     fresh.load_checkpoint(tmp_path / "ckpt")          # the last checkpoint still loads
     assert fresh.global_step == 1
+
+
+def test_nvme_refuses_optimizers_without_adam_states(tmp_path):
+    cfg = nvme(engine_config(2, "cpu", 1), tmp_path)
+    cfg["optimizer"] = {"type": "SGD", "params": {"lr": 0.1}}
+    with pytest.raises(ConfigError, match="'zero_optimization.offload_optimizer.device' = 'nvme'.*'SGD'"):
+        zero_offload.initialize(make_model(), cfg)

@@ -10,11 +10,25 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ALIGNMENT", "ParamSlot", "FlatParams", "pack"]
+__all__ = ["ALIGNMENT", "ParamSlot", "FlatParams", "pack", "padded_numel", "partition_numel"]
 
 # Partitions start on multiples of 64 elements: 128 bytes of bf16, a whole number of AVX-512 vectors and
 # cache lines for the host kernel, and aligned enough for NCCL.
 ALIGNMENT = 64
+
+
+def padded_numel(numel: int, world_size: int, alignment: int = ALIGNMENT) -> int:
+    """``numel`` elements padded up to a multiple of ``alignment x world_size`` (at least one such unit), so
+    ``world_size`` equal, aligned partitions tile the buffer. The one padding rule of every flat buffer:
+    `FlatParams`, stage-3 units and `zero_offload.estimate` all size memory with it."""
+    unit = alignment * world_size
+    return max(1, math.ceil(numel / unit)) * unit
+
+
+def partition_numel(numels, world_size: int, alignment: int = ALIGNMENT) -> int:
+    """Elements in each rank's partition of a flat buffer packing tensors of ``numels`` elements (an iterable
+    of ints) back to back: ``padded_numel(sum(numels), world_size) // world_size``."""
+    return padded_numel(sum(numels), world_size, alignment) // world_size
 
 
 @dataclass(frozen=True)
@@ -39,8 +53,7 @@ def pack(params: list[torch.nn.Parameter], indices: list[int], names: list[str],
     for p, idx, name in zip(params, indices, names):
         slots.append(ParamSlot(idx, name, offset, p.numel(), p.shape))
         offset += p.numel()
-    unit = alignment * world_size
-    return slots, offset, max(1, math.ceil(offset / unit)) * unit
+    return slots, offset, padded_numel(offset, world_size, alignment)
 
 
 class FlatParams:
@@ -65,7 +78,7 @@ class FlatParams:
         self.device = params[0].device
         self.params = list(params)
         self.slots, self.numel, self.padded_numel = pack(params, indices, names, world_size, alignment)
-        self.partition_numel = self.padded_numel // world_size
+        self.partition_numel = partition_numel([self.numel], world_size, alignment)
         self.buffer = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
         for p, slot in zip(params, self.slots):
             view = self.buffer[slot.offset:slot.end]

@@ -8,13 +8,23 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["host_empty", "CopyEngine"]
+__all__ = ["host_empty", "host_alloc_bytes", "CopyEngine"]
 
 
 def host_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
     """A 1-D host tensor of ``numel`` elements, page-locked when ``pin`` and CUDA is present."""
     pin = pin and torch.cuda.is_available()
     return torch.empty(numel, dtype=dtype, pin_memory=pin)
+
+
+def host_alloc_bytes(numel: int, dtype: torch.dtype, pin: bool, accelerator: bool) -> int:
+    """Bytes of host memory `host_empty(numel, dtype, pin)` takes: exact when unpinned; a pinned block from
+    torch's caching host allocator is rounded up to a power of two. The memory model
+    (`zero_offload.estimate`) sizes host buffers with this, so change both together."""
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if pin and accelerator and nbytes > 0:
+        return 1 << (nbytes - 1).bit_length()
+    return nbytes
 
 
 class CopyEngine:

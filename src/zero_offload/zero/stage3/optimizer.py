@@ -232,4 +232,6 @@ class Stage3Optimizer:
             "master": entry([m for m in states["master"] if m.data_ptr() not in aliased], state_side),
             "exp_avg": entry(states["exp_avg"], state_side),
             "exp_avg_sq": entry(states["exp_avg_sq"], state_side),
+            "param_staging": entry([o for o in self.adam.outs if o is not None and o.data_ptr() not in aliased],
+                                   "host"),
         }

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from zero_offload.comm import DistContext
-from zero_offload.flat import pack
+from zero_offload.flat import pack, partition_numel
 from zero_offload.offload.copies import CopyEngine
 
 __all__ = ["ShardedUnit", "GatherHandle"]
@@ -50,7 +50,7 @@ class ShardedUnit:
         self.index, self.group, self.module_name = index, group, module_name
         self.params = params
         self.slots, self.numel, self.padded_numel = pack(params, indices, names, world_size)
-        self.shard_numel = self.padded_numel // world_size
+        self.shard_numel = partition_numel([self.numel], world_size)
         self.full = torch.empty(self.padded_numel, dtype=dtype, device=device)
         self.nbytes = self.padded_numel * self.full.element_size()
         self.persistent = self.numel <= persistence_threshold

@@ -1,0 +1,314 @@
+"""The memory model: bytes per rank on the device, in host memory and on NVMe, by kind, for a ZeRO config.
+
+Every model-state figure is computed with the engine's own sizing functions -- `flat.padded_numel` /
+`flat.partition_numel` for padding and partitions (what `FlatParams` and stage-3 units allocate),
+`offload.copies.host_alloc_bytes` for host buffers (pinned-pool rounding), the bucket plan of
+`zero.buckets` -- so a change to how the engine allocates changes the estimate with it. Tests hold the
+estimate to `Engine.memory_breakdown()` (2 %) and to the process's anonymous RSS growth (10 %).
+
+Activations are a formula, not a measurement (Korthikanti et al. 2022, "Reducing Activation Recomputation
+in Large Transformer Models", Sec. 4.1), stated in `activation_formula`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from zero_offload.config import Config
+from zero_offload.flat import padded_numel, partition_numel
+from zero_offload.offload.copies import host_alloc_bytes
+from zero_offload.precision import training_dtype
+from zero_offload.presets import GPTConfig, gpt_units, preset
+
+__all__ = ["ModelShape", "MemoryEstimate", "estimate_memory", "model_shape", "activation_bytes",
+           "activation_formula", "MODEL_STATE_KINDS", "REDUCER_IN_FLIGHT"]
+
+# Kinds that `Engine.memory_breakdown()` also reports (measured from the tensors the engine holds).
+MODEL_STATE_KINDS = ("params", "grads", "buckets", "grad_partition", "master", "exp_avg", "exp_avg_sq",
+                     "param_staging")
+# The gradient reducer's bound on buckets reduced at once (zero/reducer.py's ``max_in_flight``).
+REDUCER_IN_FLIGHT = 2
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the memory model needs to know of a model.
+
+    Attributes:
+        units: ``(module name, param group, [numels])`` per stage-3 unit, in the engine's build order.
+        gpt: the transformer's shape when known (sizes activations), else None.
+        name: for messages and tables.
+    """
+    units: tuple[tuple[str, int, tuple[int, ...]], ...]
+    gpt: GPTConfig | None = None
+    name: str = "model"
+
+    @property
+    def n_params(self) -> int:
+        return sum(sum(n) for _, _, n in self.units)
+
+    def group_numels(self) -> list[list[int]]:
+        groups: dict[int, list[int]] = {}
+        for _, g, numels in self.units:
+            groups.setdefault(g, []).extend(numels)
+        return [groups[g] for g in sorted(groups)]
+
+    @property
+    def largest_unit(self) -> int:
+        return max(sum(n) for _, _, n in self.units)
+
+
+def model_shape(model) -> ModelShape:
+    """A `ModelShape` from an ``nn.Module`` (any device, meta included; one param group, as
+    `initialize` makes without ``model_parameters``), a preset name, a `GPTConfig`, or a parameter count.
+
+    Raises:
+        ValueError: an unknown preset name (the message lists the valid ones), a count < 1, or a module with
+            no trainable parameters.
+        TypeError: anything else.
+    """
+    if isinstance(model, str):
+        cfg = preset(model)
+        return ModelShape(tuple((m, g, tuple(n)) for m, g, n in gpt_units(cfg)), cfg, model)
+    if isinstance(model, GPTConfig):
+        return ModelShape(tuple((m, g, tuple(n)) for m, g, n in gpt_units(model)), model, "gpt")
+    if isinstance(model, bool) or not isinstance(model, (int, torch.nn.Module)):
+        if isinstance(model, float) and model.is_integer():
+            model = int(model)
+        else:
+            raise TypeError(f"estimate_memory needs an nn.Module, a preset name or a parameter count, "
+                            f"got {type(model).__name__}")
+    if isinstance(model, int):
+        if model < 1:
+            raise ValueError(f"a model needs at least 1 parameter, got {model}")
+        return ModelShape((("model", 0, (model,)),), None, f"{model / 1e9:.3g}B params")
+    seen: set[int] = set()
+    units = []
+    for name, module in model.named_modules():     # stage 3's unit rule: the module that first holds it
+        own = [p for p in module.parameters(recurse=False) if p.requires_grad and id(p) not in seen]
+        if own:
+            seen.update(id(p) for p in own)
+            units.append((name, 0, tuple(p.numel() for p in own)))
+    if not units:
+        raise ValueError(f"{type(model).__name__} has no trainable parameters")
+    gpt = getattr(model, "config", None)
+    return ModelShape(tuple(units), gpt if isinstance(gpt, GPTConfig) else None, type(model).__name__)
+
+
+@dataclass
+class MemoryEstimate:
+    """Bytes per rank, by kind, on each side. On a machine without an accelerator ``device`` is host memory
+    too (``accelerator`` False): `need` then adds the two.
+
+    Attributes:
+        device, host, nvme: {kind: bytes}.
+        formulas: {kind: how it was computed}, for the figures that are formulas rather than sizes.
+    """
+    device: dict[str, int] = field(default_factory=dict)
+    host: dict[str, int] = field(default_factory=dict)
+    nvme: dict[str, int] = field(default_factory=dict)
+    accelerator: bool = True
+    formulas: dict[str, str] = field(default_factory=dict)
+
+    def add(self, side: str, kind: str, nbytes: int) -> None:
+        where = getattr(self, side)
+        where[kind] = where.get(kind, 0) + int(nbytes)
+
+    @property
+    def device_bytes(self) -> int:
+        return sum(self.device.values())
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(self.host.values())
+
+    @property
+    def nvme_bytes(self) -> int:
+        return sum(self.nvme.values())
+
+    def model_states(self) -> dict[str, int]:
+        """{kind: bytes} over all sides for the kinds `Engine.memory_breakdown()` reports."""
+        out = {}
+        for side in (self.device, self.host, self.nvme):
+            for k, v in side.items():
+                if k in MODEL_STATE_KINDS:
+                    out[k] = out.get(k, 0) + v
+        return out
+
+    def need(self) -> dict[str, int]:
+        """{"device", "host", "nvme": bytes} this rank needs; without an accelerator all is "host"."""
+        if self.accelerator:
+            return {"device": self.device_bytes, "host": self.host_bytes, "nvme": self.nvme_bytes}
+        return {"device": 0, "host": self.device_bytes + self.host_bytes, "nvme": self.nvme_bytes}
+
+
+def activation_formula(checkpointing: bool) -> str:
+    per_layer = "s*b*h*(34 + 5*a*s/h) * d/2"
+    head = "b*s*V*(d + 8)"
+    if checkpointing:
+        return f"L * s*b*h*d (block inputs kept) + one block's {per_layer} (recompute) + {head} (logits, fp32 loss)"
+    return f"L * {per_layer} + {head} (logits, fp32 loss)"
+
+
+def activation_bytes(gpt: GPTConfig, micro_batch: int, seq_len: int, dtype_bytes: int,
+                     checkpointing: bool | None = None) -> int:
+    """Activation bytes of one forward/backward of a GPT (Korthikanti et al. 2022, Sec. 4.1): per block
+    ``s*b*h*(34 + 5*a*s/h)`` bytes of 16-bit activations (scaled by ``d/2`` for fp32); with activation
+    checkpointing only each block's input ``s*b*h*d`` is kept, plus one block's activations during its
+    recompute; plus the logits ``b*s*V`` in the training dtype and their fp32 loss copy and gradient.
+    s = seq_len, b = micro_batch, h = n_embd, a = n_head, V = vocab, L = n_layer, d = dtype bytes."""
+    s, b, h, a, v, n = seq_len, micro_batch, gpt.n_embd, gpt.n_head, gpt.vocab_size, gpt.n_layer
+    ckpt = gpt.activation_checkpointing if checkpointing is None else checkpointing
+    block = int(s * b * h * (34 + 5 * a * s / h) * dtype_bytes / 2)
+    logits = b * s * v * (dtype_bytes + 8)
+    return (n * s * b * h * dtype_bytes + block if ckpt else n * block) + logits
+
+
+def _stage2_bucket_numels(group_numels: list[list[int]], world_size: int, bucket_numel: int) -> list[int]:
+    """Sizes of every stage-2 bucket, largest first."""
+    # zero/buckets.plan_buckets: each partition cut into buckets of at most bucket_numel elements.
+    sizes = []
+    for numels in group_numels:
+        part = partition_numel(numels, world_size)
+        for _ in range(world_size):
+            full, rest = divmod(part, bucket_numel)
+            sizes += [bucket_numel] * full + ([rest] if rest else [])
+    return sorted(sizes, reverse=True)
+
+
+def estimate_memory(model, config: "Config | dict | str | None" = None, world_size: int = 1, *,
+                    micro_batch: int | None = None, seq_len: int | None = None,
+                    activation_checkpointing: bool | None = None, accelerator: bool | None = None
+                    ) -> MemoryEstimate:
+    """Bytes one rank of ``world_size`` holds to train ``model`` under ``config``, by kind and side.
+
+    Args:
+        model: an ``nn.Module`` (meta is fine), a preset name (``"gpt2-10b"``), a `GPTConfig`, or a
+            parameter count.
+        config: a DeepSpeed-style config (dict, JSON path or `Config`); default: the seed's stage 2 with
+            the optimizer offloaded, bf16.
+        micro_batch, seq_len: size the activations (GPT shapes only; default: the config's micro-batch and
+            the model's context). Skipped for a bare parameter count.
+        activation_checkpointing: override the model's own setting for the activation figure.
+        accelerator: whether the compute device is an accelerator (default: ``torch.cuda.is_available()``).
+            Pinned host buffers round up to a power of two only then.
+
+    Kinds: ``params`` (16-bit flat buffers, or this rank's stage-3 shards), ``grads`` (full gradients,
+    stages 0/1), ``buckets`` (stage-2 bucket buffers), ``grad_partition``, ``master``, ``exp_avg``,
+    ``exp_avg_sq``, ``param_staging`` (host copies of updated parameters), ``live_params`` (stage 3: gathered
+    units, persistent ones and the prefetch / live-parameter budget), ``reduce_buffers`` (stage 3: unit
+    gradients being reduce-scattered), ``pinned_rounding``, ``activations``.
+
+    Raises:
+        ConfigError: an invalid config (the message names the key).
+        ValueError / TypeError: see `model_shape`; ``world_size`` < 1.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    shape = model if isinstance(model, ModelShape) else model_shape(model)
+    cfg = Config.load(config if config is not None else default_plan_config())
+    zc = cfg.zero_optimization
+    accelerator = torch.cuda.is_available() if accelerator is None else accelerator
+    dtype = training_dtype(cfg)
+    d = torch.empty((), dtype=dtype).element_size()
+    try:
+        gas = cfg.batch_sizes(world_size).gradient_accumulation_steps
+        micro = cfg.batch_sizes(world_size).micro_batch_per_gpu
+    except Exception:                       # batch keys that do not divide: the engine reports it itself
+        gas, micro = cfg.gradient_accumulation_steps or 1, cfg.train_micro_batch_size_per_gpu or 1
+    grad_dtype_bytes = 4 if gas > 1 else d   # stage 2/3 partitions accumulate in fp32 under accumulation
+    moment_bytes = 4
+    est = MemoryEstimate(accelerator=accelerator)
+    offload_opt = zc.offload_optimizer.device == "cpu"
+    offload_param = zc.stage == 3 and zc.offload_param.device == "cpu"
+    pin = zc.offload_optimizer.pin_memory or (zc.stage == 3 and zc.offload_param.pin_memory)
+    rounding = 0
+
+    def host(kind: str, numel: int, dtype_: torch.dtype) -> None:
+        nonlocal rounding
+        nbytes = numel * torch.empty((), dtype=dtype_).element_size()
+        est.add("host", kind, nbytes)
+        rounding += host_alloc_bytes(numel, dtype_, pin, accelerator) - nbytes
+
+    grad_dtype = torch.float32 if grad_dtype_bytes == 4 else dtype
+    groups = shape.group_numels()
+    if zc.stage < 3:
+        parts = [partition_numel(n, world_size) if zc.stage >= 1 else padded_numel(sum(n), world_size)
+                 for n in groups]
+        for n in groups:
+            est.add("device", "params", padded_numel(sum(n), world_size) * d)
+            if zc.stage < 2:
+                est.add("device", "grads", padded_numel(sum(n), world_size) * d)
+        if zc.stage == 2:
+            sizes = _stage2_bucket_numels(groups, world_size, zc.reduce_bucket_size)
+            # Alive at once: those in flight, plus every bucket a late parameter spans (a tied embedding's
+            # gradient is complete only at the end of backward, and its buckets wait for it).
+            largest = max(max(n) for n in groups)
+            alive = REDUCER_IN_FLIGHT + 1 + -(-largest // zc.reduce_bucket_size)
+            est.add("device", "buckets", sum(sizes[:alive]) * d)
+            est.formulas["buckets"] = ("(2 in flight + ceil(largest parameter / reduce_bucket_size) + 1) "
+                                       "largest buckets x d")
+        for p in parts:
+            if offload_opt:
+                host("grad_partition", p, grad_dtype if zc.stage == 2 else dtype)
+                host("master", p, torch.float32)
+                if d < 4:
+                    host("param_staging", p, dtype)
+            else:
+                if zc.stage == 2:
+                    est.add("device", "grad_partition", p * grad_dtype_bytes)
+                if d < 4:
+                    est.add("device", "master", p * 4)
+            side = "host" if offload_opt else "device"
+            est.add(side, "exp_avg", p * moment_bytes)
+            est.add(side, "exp_avg_sq", p * moment_bytes)
+    else:
+        host_step = offload_opt or offload_param
+        parts = []
+        for g in range(len(groups)):
+            parts.append(sum(partition_numel(n, world_size) for _, gi, n in shape.units if gi == g))
+        unit_bytes = sorted((padded_numel(sum(n), world_size) * d for _, _, n in shape.units), reverse=True)
+        persistent = sum(padded_numel(sum(n), world_size) * d for _, _, n in shape.units
+                         if sum(n) <= zc.stage3_param_persistence_threshold)
+        budget = min(zc.stage3_max_live_parameters, zc.stage3_prefetch_bucket_size) * d
+        est.add("device", "live_params", persistent + min(sum(unit_bytes), unit_bytes[0] + budget))
+        est.formulas["live_params"] = ("persistent units + largest unit + min(stage3_max_live_parameters, "
+                                       "stage3_prefetch_bucket_size) x d, at most the whole model")
+        est.add("device", "reduce_buffers", sum(unit_bytes[:REDUCER_IN_FLIGHT + 1]))
+        for p in parts:
+            if offload_param:
+                host("params", p, dtype)
+            else:
+                est.add("device", "params", p * d)
+            if host_step:
+                host("grad_partition", p, grad_dtype)
+                if not (offload_param and d == 4):
+                    host("master", p, torch.float32)
+                if d < 4 and not offload_param:
+                    host("param_staging", p, dtype)
+            else:
+                est.add("device", "grad_partition", p * grad_dtype_bytes)
+                if d < 4:
+                    est.add("device", "master", p * 4)
+            side = "host" if host_step else "device"
+            est.add(side, "exp_avg", p * moment_bytes)
+            est.add(side, "exp_avg_sq", p * moment_bytes)
+    if rounding:
+        est.add("host", "pinned_rounding", rounding)
+        est.formulas["pinned_rounding"] = "each pinned host buffer rounded up to a power of two (torch's host allocator)"
+    if shape.gpt is not None:
+        s = seq_len or shape.gpt.block_size
+        b = micro_batch or micro
+        ckpt = shape.gpt.activation_checkpointing if activation_checkpointing is None else activation_checkpointing
+        est.add("device", "activations", activation_bytes(shape.gpt, b, s, d, ckpt))
+        est.formulas["activations"] = activation_formula(ckpt) + f" with b={b}, s={s}, d={d}"
+    return est
+
+
+def default_plan_config() -> dict:
+    """The seed's config (DeepSpeed's ZeRO-Offload tutorial): stage 2, optimizer on the CPU, bf16."""
+    return {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
+            "optimizer": {"type": "AdamW", "params": {"lr": 3e-4}},
+            "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"},
+                                  "contiguous_gradients": True, "overlap_comm": True}}

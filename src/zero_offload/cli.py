@@ -1,4 +1,4 @@
-"""`zero-offload` command line: train (the main job), bench optimizer, consolidate.
+"""`zero-offload` command line: train (the main job), estimate, bench optimizer, consolidate.
 
 Only this module imports `train/`; the library never does.
 """
@@ -41,6 +41,29 @@ def _train_parser(sub) -> None:
     p.add_argument("--lr", type=float, default=d.lr, help="override the config's learning rate")
 
 
+def _estimate_parser(sub) -> None:
+    p = sub.add_parser("estimate", help="memory per rank of every ZeRO stage x offload, and a plan",
+                       description="Per-rank device, host and NVMe bytes of every ZeRO stage x offload choice for "
+                                   "a model, whether each fits this machine (or the hardware given), and the "
+                                   "planner's choice (marked *). Sizes: 80GB (10^9), 24GiB (2^30), 512MiB.")
+    what = p.add_mutually_exclusive_group()
+    what.add_argument("--model", default=None, help="a GPT preset: tiny, gpt2, gpt2-medium, gpt2-large, "
+                                                    "gpt2-xl, gpt2-10b (default tiny)")
+    what.add_argument("--params", default=None, help="a bare parameter count: 10e9, 10B, 350M")
+    what.add_argument("--hf-config", default=None, help="a Hugging Face config.json (decoder sizes)")
+    p.add_argument("--gpus", type=int, default=None, help="ranks on this machine (default: its GPUs, or 1)")
+    p.add_argument("--gpu-mem", default=None, help="memory per GPU (default: this machine's; 0 = no GPU)")
+    p.add_argument("--host-mem", default=None, help="host memory for all ranks (default: this machine's RAM)")
+    p.add_argument("--nvme", default=None, help="NVMe space (default: none)")
+    p.add_argument("--micro-batch", type=int, default=None, help="sequences per micro-batch (default: the "
+                                                                 "config's, else 1)")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the preset's context)")
+    p.add_argument("--config", default=None, help="base config: its batch sizes, precision and optimizer are "
+                                                  "kept, the plan picks stage and offload (default: bf16, AdamW)")
+    p.add_argument("--write-config", default=None, help="write the planned config to this JSON file")
+    p.add_argument("--no-deepspeed", action="store_true", help="skip DeepSpeed's estimator columns")
+
+
 def _run_train(ns) -> int:
     from zero_offload.train.loop import TrainArgs, train
     args = TrainArgs(**{k: v for k, v in vars(ns).items() if k in TrainArgs.__dataclass_fields__})
@@ -56,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="zero-offload", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
+    _estimate_parser(sub)
     bench = sub.add_parser("bench", help="measured speed against peers: `bench optimizer ...`",
                            add_help=False)
     bench.add_argument("what", choices=("optimizer",))
@@ -76,6 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if ns.command == "train":
             return _run_train(ns)
+        if ns.command == "estimate":
+            from zero_offload.estimate.table import run_estimate
+            return run_estimate(ns)
         if ns.command == "consolidate":
             from zero_offload.consolidate import export_safetensors
             path = export_safetensors(ns.dir, ns.out, ns.tag, ns.dtype)

@@ -220,14 +220,21 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
     grad_dtype_bytes = 4 if gas > 1 else d   # stage 2/3 partitions accumulate in fp32 under accumulation
     moment_bytes = 4
     est = MemoryEstimate(accelerator=accelerator)
-    offload_opt = zc.offload_optimizer.device == "cpu"
-    offload_param = zc.stage == 3 and zc.offload_param.device == "cpu"
+    offload_opt = zc.offload_optimizer.device in ("cpu", "nvme")
+    offload_param = zc.stage == 3 and zc.offload_param.device in ("cpu", "nvme")
+    # NVMe: master weights and moments (and parameter shards) live in files; the host keeps gradients and
+    # staging (the I/O buffers' own size is the NVMe layer's to state).
+    state_nvme = zc.offload_optimizer.device == "nvme"
+    param_nvme = offload_param and zc.offload_param.device == "nvme"
     pin = zc.offload_optimizer.pin_memory or (zc.stage == 3 and zc.offload_param.pin_memory)
     rounding = 0
 
     def host(kind: str, numel: int, dtype_: torch.dtype) -> None:
         nonlocal rounding
         nbytes = numel * torch.empty((), dtype=dtype_).element_size()
+        if (state_nvme and kind == "master") or (param_nvme and kind == "params"):
+            est.add("nvme", kind, nbytes)
+            return
         est.add("host", kind, nbytes)
         rounding += host_alloc_bytes(numel, dtype_, pin, accelerator) - nbytes
 
@@ -260,7 +267,7 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
                     est.add("device", "grad_partition", p * grad_dtype_bytes)
                 if d < 4:
                     est.add("device", "master", p * 4)
-            side = "host" if offload_opt else "device"
+            side = ("nvme" if state_nvme else "host") if offload_opt else "device"
             est.add(side, "exp_avg", p * moment_bytes)
             est.add(side, "exp_avg_sq", p * moment_bytes)
     else:
@@ -291,7 +298,7 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
                 est.add("device", "grad_partition", p * grad_dtype_bytes)
                 if d < 4:
                     est.add("device", "master", p * 4)
-            side = "host" if host_step else "device"
+            side = ("nvme" if state_nvme else "host") if host_step else "device"
             est.add(side, "exp_avg", p * moment_bytes)
             est.add(side, "exp_avg_sq", p * moment_bytes)
     if rounding:

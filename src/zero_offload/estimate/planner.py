@@ -1,0 +1,227 @@
+"""The planner: the fastest ZeRO config that fits the hardware with headroom, with the reason for each choice.
+
+Preference (fastest first), each step taken only when the one before does not fit: the lowest stage
+(0, 1, 2: less communication and no gathering), then the optimizer offloaded to the host (stage 2,
+ZeRO-Offload), then stage 3, then stage 3 with the optimizer and then the parameters offloaded, then NVMe
+(where built), then smaller buckets and live-parameter limits. Without an accelerator the compute device
+is the host, so "offload" moves nothing off a device: the seed's stage 2 + offload_optimizer goes first
+(every config then steps with the same fused host kernel) and the rest follow as memory fallbacks.
+"""
+from __future__ import annotations
+
+import copy
+import re
+from dataclasses import dataclass, field
+
+from zero_offload.config import Config, ConfigError
+from zero_offload.estimate.memory import MemoryEstimate, ModelShape, default_plan_config, estimate_memory, model_shape
+
+__all__ = ["Candidate", "Plan", "plan", "candidates", "parse_bytes", "fmt_bytes", "HEADROOM"]
+
+# Fraction of each memory kept free: allocator fragmentation, the framework's own buffers, other processes.
+HEADROOM = 0.10
+
+
+def parse_bytes(value, what: str = "memory size") -> int:
+    """Bytes from an int or a string like ``80GB`` (10^9), ``24GiB`` (2^30), ``512M``, ``1.5T``.
+
+    Raises:
+        ValueError: a negative or unparsable size (the message names ``what`` and the value).
+    """
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        nbytes = int(value)
+    else:
+        m = re.fullmatch(r"\s*([-+]?[0-9]*\.?[0-9]+)\s*([kmgtp]?)(i?)b?\s*", str(value), re.IGNORECASE)
+        if not m:
+            raise ValueError(f"{what}: cannot read {value!r} as a size (examples: 80GB, 24GiB, 512MiB, 1.5TB)")
+        base = 1024 if m.group(3) else 1000
+        nbytes = int(float(m.group(1)) * base ** " kmgtp".index(m.group(2).lower() or " "))
+    if nbytes < 0:
+        raise ValueError(f"{what} must be >= 0, got {value!r}")
+    return nbytes
+
+
+def fmt_bytes(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+@dataclass
+class Candidate:
+    """One config the planner considers: ``zero`` is merged into ``zero_optimization``."""
+    name: str
+    zero: dict
+    reason: str
+    estimate: MemoryEstimate | None = None
+    fits: bool = False
+    short: dict[str, int] = field(default_factory=dict)     # side -> bytes missing
+    error: str | None = None                                # a config the engine does not accept here
+
+
+def candidates(accelerator: bool) -> list[Candidate]:
+    """Every config the planner tries, in order of preference (see the module docstring)."""
+    cpu = {"device": "cpu"}
+    rows = [
+        Candidate("stage 0", {"stage": 0}, "everything fits on the device: plain data parallelism, the fastest"),
+        Candidate("stage 1", {"stage": 1}, "partitioning the optimizer states (stage 1) makes it fit on the device"),
+        Candidate("stage 2", {"stage": 2}, "partitioning gradients too (stage 2) makes it fit on the device"),
+        Candidate("stage 2 + offload opt", {"stage": 2, "offload_optimizer": cpu},
+                  "optimizer states and step on the host (ZeRO-Offload) leave only 16-bit parameters, buckets "
+                  "and activations on the device"),
+        Candidate("stage 3", {"stage": 3}, "16-bit parameters partitioned too (stage 3)"),
+        Candidate("stage 3 + offload opt", {"stage": 3, "offload_optimizer": cpu},
+                  "stage 3 with the optimizer states and step on the host"),
+        Candidate("stage 3 + offload opt+param", {"stage": 3, "offload_optimizer": cpu, "offload_param": cpu},
+                  "stage 3 with parameter shards on the host too: the device holds only live units"),
+        Candidate("stage 3 + nvme opt", {"stage": 3, "offload_optimizer": {"device": "nvme"},
+                                         "offload_param": cpu},
+                  "optimizer states on NVMe: host memory holds parameters and staging only"),
+        Candidate("stage 3 + nvme opt+param", {"stage": 3, "offload_optimizer": {"device": "nvme"},
+                                               "offload_param": {"device": "nvme"}},
+                  "optimizer states and parameters on NVMe"),
+        Candidate("stage 2 + offload opt, small buckets", {"stage": 2, "offload_optimizer": cpu,
+                                                           "reduce_bucket_size": 50_000_000,
+                                                           "allgather_bucket_size": 50_000_000},
+                  "ZeRO-Offload with 5e7-element buckets"),
+        Candidate("stage 3 + offload opt+param, low live", {"stage": 3, "offload_optimizer": cpu,
+                                                            "offload_param": cpu,
+                                                            "stage3_max_live_parameters": 100_000_000,
+                                                            "stage3_prefetch_bucket_size": 10_000_000},
+                  "stage 3 offload with at most 1e8 live parameters and 1e7 prefetched"),
+    ]
+    if not accelerator:
+        seed = rows.pop(3)
+        seed.reason = ("no accelerator: every config steps on the host with the same fused kernel, so the "
+                       "seed's ZeRO-Offload config (stage 2 + offload_optimizer) is kept; it fits")
+        rows.insert(0, seed)
+    return rows
+
+
+@dataclass
+class Plan:
+    """The planner's answer.
+
+    Attributes:
+        config: the chosen DeepSpeed-style config (a dict `initialize` accepts), or None when nothing fits.
+        name: the chosen row's name; reasons: {config key: why}.
+        rows: every candidate with its estimate and whether it fits (the `zero-offload estimate` table).
+        missing: when nothing fits, {side: bytes short} for the candidate that came closest.
+        ranks: ranks sharing the host's memory.
+    """
+    config: dict | None
+    name: str | None
+    reasons: dict[str, str]
+    rows: list[Candidate]
+    missing: dict[str, int]
+    ranks: int
+    capacity: dict[str, int | None]
+
+    @property
+    def fits(self) -> bool:
+        return self.config is not None
+
+    @property
+    def chosen(self) -> Candidate | None:
+        return next((c for c in self.rows if c.name == self.name), None)
+
+    def message(self) -> str:
+        """One paragraph: the choice and why, or what is missing and where."""
+        if self.fits:
+            why = "; ".join(f"{k}: {v}" for k, v in self.reasons.items())
+            return f"plan: {self.name} ({why})"
+        where = ", ".join(f"{fmt_bytes(v)} of {side} memory" + (" per rank" if side == "device" else "")
+                          for side, v in self.missing.items() if v > 0)
+        best = min((c for c in self.rows if c.estimate is not None), key=lambda c: sum(c.short.values()))
+        return (f"nothing fits: the closest config ({best.name}) is missing {where} "
+                f"(capacity with {HEADROOM:.0%} headroom: {self._cap_text()})")
+
+    def _cap_text(self) -> str:
+        parts = []
+        for side, cap in self.capacity.items():
+            if cap is not None:
+                parts.append(f"{side} {fmt_bytes(int(cap * (1 - HEADROOM)))}")
+        return ", ".join(parts)
+
+
+def _zero_section(base: dict, zero: dict) -> dict:
+    out = {k: v for k, v in base.get("zero_optimization", {}).items()
+           if k not in ("stage", "offload_optimizer", "offload_param")}
+    out.update(copy.deepcopy(zero))
+    if out["stage"] == 2:
+        out.setdefault("contiguous_gradients", True)
+        out.setdefault("overlap_comm", True)
+    return out
+
+
+def plan(model, gpus: int = 1, gpu_memory=None, host_memory=None, nvme=None, micro_batch: int | None = None,
+         seq_len: int | None = None, config: "dict | str | Config | None" = None,
+         headroom: float = HEADROOM) -> Plan:
+    """The fastest config for ``model`` on ``gpus`` ranks of one machine that fits with ``headroom`` free.
+
+    Args:
+        model: an ``nn.Module``, a preset name, a `GPTConfig` or a parameter count (see `estimate_memory`).
+        gpus: data-parallel ranks on this machine (>= 1); they share its host memory.
+        gpu_memory: bytes (or a string like ``80GB``) per accelerator; None or 0: no accelerator, the ranks
+            compute on the host.
+        host_memory: host bytes for all ranks together (required).
+        nvme: NVMe bytes available (None: no NVMe).
+        micro_batch, seq_len: size the activations (default: the config's micro-batch, the model's context).
+        config: the base config whose batch sizes, precision and optimizer the plan keeps (default: the
+            seed's, bf16); the planner chooses its ``zero_optimization`` stage and offload keys.
+
+    Returns:
+        A `Plan`: ``plan.config`` is the chosen DeepSpeed-style dict, ``plan.reasons`` says why; when nothing
+        fits ``plan.config`` is None and ``plan.missing`` / ``plan.message()`` say how much is missing where.
+
+    Raises:
+        ValueError: ``gpus`` < 1, a negative memory size, no ``host_memory``, or a bad model (see
+            `model_shape`); ConfigError: a bad base config.
+    """
+    if not isinstance(gpus, int) or gpus < 1:
+        raise ValueError(f"gpus must be an integer >= 1, got {gpus!r}")
+    gpu_bytes = parse_bytes(gpu_memory, "gpu_memory") if gpu_memory is not None else 0
+    if host_memory is None:
+        raise ValueError("host_memory is required (bytes, or a size such as '128GB')")
+    host_bytes = parse_bytes(host_memory, "host_memory")
+    nvme_bytes = parse_bytes(nvme, "nvme") if nvme is not None else 0
+    if micro_batch is not None and micro_batch < 1:
+        raise ValueError(f"micro_batch must be >= 1, got {micro_batch}")
+    accelerator = gpu_bytes > 0
+    shape = model if isinstance(model, ModelShape) else model_shape(model)
+    base = Config.load(config).to_dict() if config is not None else default_plan_config()
+    base = {k: v for k, v in base.items() if v is not None}
+    if micro_batch is not None:
+        base.pop("train_batch_size", None)
+        base["train_micro_batch_size_per_gpu"] = micro_batch
+    keep = 1 - headroom
+    rows = candidates(accelerator)
+    chosen = None
+    for cand in rows:
+        raw = {**base, "zero_optimization": _zero_section(base, cand.zero)}
+        try:
+            Config.load(raw)
+        except ConfigError as e:
+            cand.error = str(e)
+            continue
+        est = estimate_memory(shape, raw, gpus, micro_batch=micro_batch, seq_len=seq_len, accelerator=accelerator)
+        need = est.need()
+        cand.estimate = est
+        cand.short = {"device": max(0, int(need["device"] - gpu_bytes * keep)) if accelerator else 0,
+                      "host": max(0, int(need["host"] * gpus - host_bytes * keep)),
+                      "nvme": max(0, int(need["nvme"] * gpus - nvme_bytes * keep))}
+        cand.fits = not any(cand.short.values())
+        if cand.fits and chosen is None:
+            chosen = (cand, raw)
+    capacity = {"device": gpu_bytes if accelerator else None, "host": host_bytes, "nvme": nvme_bytes or None}
+    if chosen is None:
+        scored = [c for c in rows if c.estimate is not None]
+        best = min(scored, key=lambda c: sum(c.short.values()))
+        return Plan(None, None, {}, rows, {k: v for k, v in best.short.items() if v}, gpus, capacity)
+    cand, raw = chosen
+    reasons = {"zero_optimization": cand.reason}
+    passed = [c.name for c in rows[:rows.index(cand)] if c.estimate is not None]
+    if passed:
+        reasons["rejected"] = "does not fit: " + ", ".join(passed)
+    need = cand.estimate.need()
+    reasons["memory"] = (f"per rank {fmt_bytes(need['device'])} device, {fmt_bytes(need['host'])} host"
+                         + (f", {fmt_bytes(need['nvme'])} NVMe" if need["nvme"] else ""))
+    return Plan(raw, cand.name, reasons, rows, {}, gpus, capacity)

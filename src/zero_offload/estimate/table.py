@@ -1,0 +1,165 @@
+"""`zero-offload estimate`: the table of every stage x offload choice, this machine's hardware, and DeepSpeed's
+own estimator numbers beside ours where DeepSpeed imports."""
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import psutil
+import torch
+
+from zero_offload.estimate.memory import ModelShape, model_shape
+from zero_offload.estimate.planner import Plan, fmt_bytes, parse_bytes, plan
+
+__all__ = ["this_machine", "render", "deepspeed_estimates", "hf_config_shape", "run_estimate"]
+
+
+def this_machine() -> dict:
+    """{"gpus", "gpu_memory", "host_memory"} of this machine: CUDA devices and their memory from torch (none:
+    0 bytes, the ranks compute on the host), total RAM from psutil."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpu_mem = torch.cuda.get_device_properties(0).total_memory if gpus else 0
+    return {"gpus": gpus, "gpu_memory": gpu_mem, "host_memory": psutil.virtual_memory().total}
+
+
+def hf_config_shape(path: str) -> ModelShape:
+    """A parameter count from a Hugging Face ``config.json`` (a decoder: vocab, hidden, layers, intermediate).
+
+    Raises:
+        ValueError: the file is missing, not JSON, or lacks the sizes (the message names the file and key).
+    """
+    try:
+        cfg = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--hf-config {path}: cannot read a JSON config ({e})") from None
+    def get(*names):
+        for n in names:
+            if isinstance(cfg.get(n), int):
+                return cfg[n]
+        raise ValueError(f"--hf-config {path}: no integer {' / '.join(names)} in the config")
+    h = get("hidden_size", "n_embd", "d_model")
+    layers = get("num_hidden_layers", "n_layer", "num_layers")
+    vocab = get("vocab_size")
+    inter = cfg.get("intermediate_size") or cfg.get("n_inner") or 4 * h
+    gated = 3 if cfg.get("hidden_act", cfg.get("activation_function", "")) in ("silu", "swiglu") else 2
+    heads = cfg.get("num_attention_heads") or cfg.get("n_head") or 1
+    kv = cfg.get("num_key_value_heads") or heads
+    attn = h * h * 2 + 2 * h * (h * kv // heads)
+    embed = vocab * h * (1 if cfg.get("tie_word_embeddings", True) else 2)
+    units = [("embed", 0, (embed,))]
+    units += [(f"layers.{i}", 0, (attn, gated * h * inter, 2 * h)) for i in range(layers)]
+    return ModelShape(tuple(units), None, Path(path).parent.name or Path(path).name)
+
+
+def deepspeed_estimates(shape: ModelShape, gpus: int) -> dict[str, tuple[int, int]] | None:
+    """DeepSpeed's ``estimate_zero2/3_model_states_mem_needs`` for the same model: {row name: (device bytes
+    per GPU, host bytes for the node)}; None where DeepSpeed does not import."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    try:
+        from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs as z3
+        from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs as z2
+    except Exception:   # not installed, or it fails to import on this machine
+        return None
+    n, largest = shape.n_params, shape.largest_unit
+    out = {}
+    cpu, gpu = z2(n, gpus, 1, cpu_offload=False)
+    out["stage 2"] = (gpu, cpu)
+    cpu, gpu = z2(n, gpus, 1, cpu_offload=True)
+    out["stage 2 + offload opt"] = (gpu, cpu)
+    cpu, gpu, _ = z3(n, largest, gpus, 1, cpu_offload=False, cpu_offload_params=False)
+    out["stage 3"] = (gpu, cpu)
+    cpu, gpu, _ = z3(n, largest, gpus, 1, cpu_offload=True, cpu_offload_params=False)
+    out["stage 3 + offload opt"] = (gpu, cpu)
+    cpu, gpu, _ = z3(n, largest, gpus, 1, cpu_offload=True, cpu_offload_params=True)
+    out["stage 3 + offload opt+param"] = (gpu, cpu)
+    return out
+
+
+def render(result: Plan, shape: ModelShape, ds: dict | None) -> str:
+    """The table: one row per candidate, per-rank device / host / NVMe bytes, host for all ranks, fits or
+    not (``*`` marks the plan), and DeepSpeed's numbers where given."""
+    accel = result.capacity["device"] is not None
+    head = ["", "config", "device/rank" if accel else "-", "host/rank", f"host x{result.ranks}", "nvme/rank",
+            "fits"]
+    if ds is not None:
+        head += ["DeepSpeed device", "DeepSpeed host"]
+    lines = []
+    for c in result.rows:
+        if c.estimate is None:
+            continue
+        need = c.estimate.need()
+        row = ["*" if c.name == result.name else "", c.name, fmt_bytes(need["device"]) if accel else "-",
+               fmt_bytes(need["host"]), fmt_bytes(need["host"] * result.ranks),
+               fmt_bytes(need["nvme"]) if need["nvme"] else "-",
+               "yes" if c.fits else "no: " + ", ".join(f"{k} -{fmt_bytes(v)}" for k, v in c.short.items() if v)]
+        if ds is not None:
+            d = ds.get(c.name)
+            row += [fmt_bytes(d[0]), fmt_bytes(d[1])] if d else ["", ""]
+        lines.append(row)
+    widths = [max(len(r[i]) for r in [head] + lines) for i in range(len(head))]
+    fmt = lambda r: "  ".join(x.ljust(w) for x, w in zip(r, widths)).rstrip()
+    skipped = [f"  ({c.name}: not available here: {c.error.split(':')[-1].strip()})"
+               for c in result.rows if c.estimate is None and c.error]
+    cap = result.capacity
+    hw = (f"{result.ranks} rank(s)" + (f" x {fmt_bytes(cap['device'])} device" if accel else " on the host (no accelerator)")
+          + f", host {fmt_bytes(cap['host'])}" + (f", NVMe {fmt_bytes(cap['nvme'])}" if cap["nvme"] else ""))
+    out = [f"{shape.name}: {shape.n_params / 1e6:,.1f}M parameters; {hw}", fmt(head), *map(fmt, lines), *skipped]
+    if ds is not None:
+        out.append("DeepSpeed: estimate_zero2/3_model_states_mem_needs (model states only, host with its 1.5x "
+                   "buffer factor, for all ranks)")
+    chosen = result.chosen
+    if chosen is not None:
+        out.append(result.message())
+        for kind, formula in chosen.estimate.formulas.items():
+            out.append(f"  {kind}: {formula}")
+    else:
+        out.append(result.message())
+    return "\n".join(out)
+
+
+def parse_count(value: str) -> int:
+    """A parameter count from ``10e9``, ``10B``, ``350M``, ``124000000``.
+
+    Raises:
+        ValueError: not a positive count (the message names --params and the value).
+    """
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmbgt]?)\s*", str(value), re.IGNORECASE)
+    if not m:
+        raise ValueError(f"--params: cannot read {value!r} as a parameter count (examples: 10e9, 10B, 350M)")
+    scale = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}[m.group(2).lower()]
+    count = int(float(m.group(1)) * scale)
+    if count < 1:
+        raise ValueError(f"--params must be >= 1, got {value!r}")
+    return count
+
+
+def run_estimate(ns) -> int:
+    """The `zero-offload estimate` command (argparse namespace from `cli.py`)."""
+    given = sum(x is not None for x in (ns.model, ns.params, ns.hf_config))
+    if given > 1:
+        raise ValueError("give one of --model, --params, --hf-config")
+    if ns.hf_config is not None:
+        shape = hf_config_shape(ns.hf_config)
+    elif ns.params is not None:
+        shape = model_shape(parse_count(ns.params))
+    else:
+        shape = model_shape(ns.model or "tiny")
+    machine = this_machine()
+    gpus = ns.gpus if ns.gpus is not None else max(1, machine["gpus"])
+    gpu_mem = ns.gpu_mem if ns.gpu_mem is not None else machine["gpu_memory"]
+    host_mem = ns.host_mem if ns.host_mem is not None else machine["host_memory"]
+    for flag, value in (("--gpu-mem", gpu_mem), ("--host-mem", host_mem), ("--nvme", ns.nvme)):
+        if value is not None:
+            parse_bytes(value, flag)
+    result = plan(shape, gpus=gpus, gpu_memory=gpu_mem, host_memory=host_mem, nvme=ns.nvme,
+                  micro_batch=ns.micro_batch, seq_len=ns.seq_len, config=ns.config)
+    ds = deepspeed_estimates(shape, gpus) if not ns.no_deepspeed else None
+    print(render(result, shape, ds))
+    if not result.fits:
+        return 1
+    if ns.write_config:
+        Path(ns.write_config).write_text(json.dumps(result.config, indent=2) + "\n")
+        print(f"wrote {ns.write_config}")
+    return 0

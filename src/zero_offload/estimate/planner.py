@@ -187,8 +187,12 @@ def plan(model, gpus: int = 1, gpu_memory=None, host_memory=None, nvme=None, mic
         raise ValueError(f"micro_batch must be >= 1, got {micro_batch}")
     accelerator = gpu_bytes > 0
     shape = model if isinstance(model, ModelShape) else model_shape(model)
-    base = Config.load(config).to_dict() if config is not None else default_plan_config()
-    base = {k: v for k, v in base.items() if v is not None}
+    if isinstance(config, dict):
+        Config.load(config)                       # a bad base config fails here, naming the key
+        base = copy.deepcopy(config)
+    else:
+        base = Config.load(config).to_dict() if config is not None else default_plan_config()
+        base = {k: v for k, v in base.items() if v is not None}
     if micro_batch is not None:
         base.pop("train_batch_size", None)
         base["train_micro_batch_size_per_gpu"] = micro_batch

@@ -16,7 +16,8 @@ from zero_offload.checkpoint import CheckpointError, resolve_tag
 from zero_offload.comm import DistContext
 from zero_offload.config import Config
 from zero_offload.train.data import prepare_data
-from zero_offload.train.model import GPT, count_parameters, preset
+from zero_offload.train.model import GPT, count_parameters, flops_per_token, preset
+from zero_offload.train.planning import choose_config, gpt_param_init_fn, needs_sharded_init, peak_flops
 from zero_offload.train.report import plot_losses, write_sample
 
 __all__ = ["TrainArgs", "default_config", "train"]
@@ -65,7 +66,8 @@ def _bf16_is_fast(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_bf16_supported()
 
 
-def _resolve_config(args: TrainArgs, device: torch.device) -> Config:
+def _raw_config(args: TrainArgs, device: torch.device) -> dict:
+    """The main job's defaults, or ``--config``, with ``--precision`` and ``--lr`` applied."""
     raw = default_config(args.steps, device) if args.config is None else Config.load(args.config).to_dict()
     if args.config is not None:
         raw = {k: v for k, v in raw.items() if v is not None}
@@ -77,7 +79,8 @@ def _resolve_config(args: TrainArgs, device: torch.device) -> Config:
         raw["bf16"] = {"enabled": args.precision == "bf16"}
     if args.lr is not None:
         raw["optimizer"]["params"]["lr"] = args.lr
-    return Config.load(raw)
+    Config.load(raw)     # a bad override fails here, naming the key
+    return raw
 
 
 def _log(rank: int, *msg) -> None:
@@ -100,7 +103,11 @@ def train(args: TrainArgs) -> dict:
         raise ValueError(f"--seq-len {seq_len} is beyond the context of preset '{args.model}' "
                          f"({cfg_model.block_size} tokens)")
     ctx = DistContext.create()
-    config = _resolve_config(args, ctx.device)   # a typo in the config costs no data or model work
+    # Before any work: the planner's config for this machine (no --config), or a check that --config fits.
+    choice = choose_config(cfg_model, args.model, _raw_config(args, ctx.device), args.config, ctx.world_size,
+                           ctx.device, seq_len)
+    _log(ctx.rank, choice.message)
+    config = Config.load(choice.raw)   # a typo in the config costs no data or model work
     config.batch_sizes(ctx.world_size)
     out = Path(args.out)
     ckpt_dir = out / "checkpoints"
@@ -111,13 +118,21 @@ def train(args: TrainArgs) -> dict:
             raise CheckpointError(f"--resume: no checkpoint to resume from in '{out}' ({e})") from None
     data = _prepare(args, ctx, out)
     torch.manual_seed(args.seed)
-    model = GPT(preset(args.model, vocab_size=data.vocab_size))
+    model_cfg = preset(args.model, vocab_size=data.vocab_size)
+    init_fn = None
+    if needs_sharded_init(model_cfg, choice.raw, ctx.world_size):
+        with zero_offload.init_sharded():       # no rank holds the whole model: built unit by unit
+            model = GPT(model_cfg)
+        init_fn = gpt_param_init_fn(model, model_cfg.n_layer)
+    else:
+        model = GPT(model_cfg)
     counts = count_parameters(model.config)
     _log(ctx.rank, f"model {args.model}: {counts.total / 1e6:.2f}M parameters "
                    f"({counts.non_embedding / 1e6:.2f}M non-embedding), vocab {data.vocab_size}, "
                    f"context {seq_len}, {ctx.world_size} rank(s) on {ctx.device.type}")
     wd = config.optimizer.params.weight_decay
-    engine = zero_offload.initialize(model, config, model_parameters=model.optimizer_groups(wd))
+    engine = zero_offload.initialize(model, config, model_parameters=model.optimizer_groups(wd),
+                                     param_init_fn=init_fn)
     start = 0
     if args.resume:
         start = engine.load_checkpoint(ckpt_dir)["step"]
@@ -125,6 +140,7 @@ def train(args: TrainArgs) -> dict:
     metrics = _Metrics(out, ctx.rank, append=args.resume)
     micro, gas = engine.train_micro_batch_size_per_gpu, engine.gradient_accumulation_steps
     tokens_per_step = micro * gas * ctx.world_size * seq_len
+    flops_token, peak = flops_per_token(model_cfg, seq_len), peak_flops(ctx.device)
     first_val = last_val = None
     if start == 0:
         first_val = last_val = _evaluate(engine, data, micro, seq_len, ctx, args.seed)
@@ -145,10 +161,17 @@ def train(args: TrainArgs) -> dict:
         record = {"step": step + 1, "loss": loss_value, "lr": engine.get_lr()[0],
                   "tokens_per_s": tokens_per_step / dt, "step_time_s": dt,
                   **{k: round(v, 6) for k, v in engine.timings.items()}, **_memory(ctx.device)}
+        if ctx.device.type == "cuda":
+            # Model FLOPs (6N + attention per token, no recompute counted) per GPU, and MFU against its peak.
+            record["tflops"] = tokens_per_step / dt * flops_token / ctx.world_size / 1e12
+            if peak:
+                record["mfu"] = record["tflops"] * 1e12 / peak
         metrics.write(record)
         if bar is not None:
             bar.update(1)
-            bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{record['tokens_per_s']:.0f}",
+            extra = {k: f"{record[k]:.1f}" if k == "tflops" else f"{record[k]:.1%}"
+                     for k in ("tflops", "mfu") if k in record}
+            bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{record['tokens_per_s']:.0f}", **extra,
                             host_gb=f"{record['host_mem_gb']:.1f}",
                             **({"dev_gb": f"{record['device_mem_gb']:.1f}"} if "device_mem_gb" in record else {}))
         done = step + 1

@@ -1,0 +1,115 @@
+"""The main job's config choice: the planner's for this machine without ``--config``; with one, a check that
+it fits before any work is done. Also how a preset too large for host memory is built (`init_sharded`)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import psutil
+import torch
+import torch.nn as nn
+
+from zero_offload.config import Config
+from zero_offload.estimate import estimate_memory, fmt_bytes, plan
+from zero_offload.estimate.planner import HEADROOM
+from zero_offload.presets import GPTConfig, count_parameters
+
+__all__ = ["Choice", "choose_config", "needs_sharded_init", "gpt_param_init_fn", "peak_flops"]
+
+
+@dataclass
+class Choice:
+    raw: dict               # the config dict to train with
+    message: str            # what was chosen and why (printed by rank 0)
+
+
+def _machine(device: torch.device) -> tuple[int, int]:
+    """(accelerator bytes per rank or 0, host bytes available to this job now)."""
+    gpu = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 0
+    return gpu, psutil.virtual_memory().available
+
+
+def choose_config(model: GPTConfig, name: str, base: dict, user_config: str | None, world_size: int,
+                  device: torch.device, seq_len: int) -> Choice:
+    """The config to train ``model`` with on ``world_size`` ranks of this machine.
+
+    Without ``user_config``: `zero_offload.plan` over ``base`` (the main job's defaults) for this machine's
+    accelerator memory and available host memory. With one: ``base`` is that config, checked against the
+    same memory model.
+
+    Raises:
+        ValueError: nothing fits, or the given config does not fit; the message carries the estimate (what
+            is needed where, and what this machine has) and the `zero-offload estimate` command to run.
+    """
+    gpu, host = _machine(device)
+    micro = Config.load(base).batch_sizes(world_size).micro_batch_per_gpu
+    hint = (f"run `zero-offload estimate --model {name} --seq-len {seq_len} --micro-batch {micro}` "
+            f"to see what fits")
+    if user_config is None:
+        result = plan(model, gpus=world_size, gpu_memory=gpu or None, host_memory=host, micro_batch=micro,
+                      seq_len=seq_len, config=base)
+        if not result.fits:
+            raise ValueError(f"model {name} fits nowhere on this machine: {result.message()}; {hint}")
+        return Choice(result.config, result.message())
+    est = estimate_memory(model, base, world_size, micro_batch=micro, seq_len=seq_len, accelerator=gpu > 0)
+    need = est.need()
+    if not needs_sharded_init(model, base, world_size, host):
+        need["host"] += 4 * count_parameters(model).total   # the fp32 model built on the host first
+    short = []
+    if gpu and need["device"] > gpu * (1 - HEADROOM):
+        short.append(f"{fmt_bytes(need['device'])} of device memory per rank (the device has {fmt_bytes(gpu)})")
+    if need["host"] * world_size > host * (1 - HEADROOM):
+        short.append(f"{fmt_bytes(need['host'] * world_size)} of host memory for {world_size} rank(s) "
+                     f"({fmt_bytes(host)} available)")
+    if short:
+        side = ({k: est.device.get(k, 0) + est.host.get(k, 0) for k in {*est.device, *est.host}} if not gpu
+                else {**est.device, **{f"host {k}": v for k, v in est.host.items()}})
+        top = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in sorted(side.items(), key=lambda kv: -kv[1])[:5] if v)
+        raise ValueError(f"config {user_config} does not fit model {name} on this machine: it needs "
+                         f"{' and '.join(short)}; largest per rank: {top}; {hint}")
+    return Choice(base, f"config {user_config}: fits ({fmt_bytes(need['device'])} device, "
+                        f"{fmt_bytes(need['host'])} host per rank estimated)")
+
+
+def needs_sharded_init(model: GPTConfig, raw: dict, world_size: int, host_available: int | None = None) -> bool:
+    """Build under `init_sharded` (meta, materialised unit by unit) when the config is stage 3 and the whole
+    fp32 model on every rank would take more than half the available host memory."""
+    if Config.load(raw).zero_optimization.stage != 3:
+        return False
+    host = psutil.virtual_memory().available if host_available is None else host_available
+    return 4 * count_parameters(model).total * world_size > host / 2
+
+
+def gpt_param_init_fn(model: nn.Module, n_layer: int):
+    """``param_init_fn`` for a GPT built under `init_sharded`: the same GPT-2 initialisation as
+    ``GPT.init_weights``, one module at a time (projections into the residual stream scaled by
+    1/sqrt(2 n_layer))."""
+    names = {id(m): n for n, m in model.named_modules()}
+    residual_std = 0.02 / math.sqrt(2 * n_layer)
+
+    def init(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, 0.0, residual_std if names.get(id(module), "").endswith("c_proj") else 0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, 0.0, 0.02)
+        elif isinstance(module, nn.LayerNorm):
+            module.reset_parameters()
+    return init
+
+
+# Dense peak TFLOP/s of 16-bit tensor-core matmuls (vendor data sheets; SXM parts), for MFU.
+_PEAK_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0, "L40S": 362.0, "L4": 121.0, "A10": 125.0,
+                "V100": 125.0, "4090": 165.2, "3090": 71.0}
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """The device's dense 16-bit peak in FLOP/s from its name, or None (a CPU, an unknown GPU)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, tflops in _PEAK_TFLOPS.items():
+        if key in name:
+            return tflops * 1e12
+    return None

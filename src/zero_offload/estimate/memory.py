@@ -20,6 +20,7 @@ from zero_offload.flat import padded_numel, partition_numel
 from zero_offload.offload.copies import host_alloc_bytes
 from zero_offload.precision import training_dtype
 from zero_offload.presets import GPTConfig, gpt_units, preset
+from zero_offload.zero.buckets import bucket_spans
 
 __all__ = ["ModelShape", "MemoryEstimate", "estimate_memory", "model_shape", "activation_bytes",
            "activation_formula", "MODEL_STATE_KINDS", "REDUCER_IN_FLIGHT"]
@@ -165,16 +166,21 @@ def activation_bytes(gpt: GPTConfig, micro_batch: int, seq_len: int, dtype_bytes
     return (n * s * b * h * dtype_bytes + block if ckpt else n * block) + logits
 
 
-def _stage2_bucket_numels(group_numels: list[list[int]], world_size: int, bucket_numel: int) -> list[int]:
-    """Sizes of every stage-2 bucket, largest first."""
-    # zero/buckets.plan_buckets: each partition cut into buckets of at most bucket_numel elements.
-    sizes = []
-    for numels in group_numels:
+def _stage2_bucket_bytes(group_numels: list[list[int]], world_size: int, bucket_numel: int, d: int) -> int:
+    """Bytes of stage-2 bucket buffers alive at once: every bucket the largest parameter spans (its gradient
+    may come last -- a tied embedding's is complete only at the end of backward -- and its buckets wait for
+    it) plus the reducer's in-flight ones (the largest others)."""
+    spans = []          # (size, spans the largest parameter)
+    largest = max((n, g, i) for g, numels in enumerate(group_numels) for i, n in enumerate(numels))
+    for g, numels in enumerate(group_numels):
         part = partition_numel(numels, world_size)
-        for _ in range(world_size):
-            full, rest = divmod(part, bucket_numel)
-            sizes += [bucket_numel] * full + ([rest] if rest else [])
-    return sorted(sizes, reverse=True)
+        lo_p = sum(numels[:largest[2]]) if g == largest[1] else -1
+        hi_p = lo_p + largest[0]
+        for _, lo, hi in bucket_spans([(r * part, (r + 1) * part) for r in range(world_size)], bucket_numel):
+            spans.append((hi - lo, lo < hi_p and hi > lo_p))
+    held = [n for n, spanned in spans if spanned]
+    others = sorted((n for n, spanned in spans if not spanned), reverse=True)
+    return (sum(held) + sum(others[:REDUCER_IN_FLIGHT])) * d
 
 
 def estimate_memory(model, config: "Config | dict | str | None" = None, world_size: int = 1, *,
@@ -248,14 +254,8 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
             if zc.stage < 2:
                 est.add("device", "grads", padded_numel(sum(n), world_size) * d)
         if zc.stage == 2:
-            sizes = _stage2_bucket_numels(groups, world_size, zc.reduce_bucket_size)
-            # Alive at once: those in flight, plus every bucket a late parameter spans (a tied embedding's
-            # gradient is complete only at the end of backward, and its buckets wait for it).
-            largest = max(max(n) for n in groups)
-            alive = REDUCER_IN_FLIGHT + 1 + -(-largest // zc.reduce_bucket_size)
-            est.add("device", "buckets", sum(sizes[:alive]) * d)
-            est.formulas["buckets"] = ("(2 in flight + ceil(largest parameter / reduce_bucket_size) + 1) "
-                                       "largest buckets x d")
+            est.add("device", "buckets", _stage2_bucket_bytes(groups, world_size, zc.reduce_bucket_size, d))
+            est.formulas["buckets"] = "(buckets the largest parameter spans + 2 in flight) x d"
         for p in parts:
             if offload_opt:
                 host("grad_partition", p, grad_dtype if zc.stage == 2 else dtype)

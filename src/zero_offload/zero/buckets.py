@@ -12,7 +12,7 @@ import torch
 
 from zero_offload.flat import FlatParams
 
-__all__ = ["Piece", "GradBucket", "plan_buckets"]
+__all__ = ["Piece", "GradBucket", "plan_buckets", "bucket_spans"]
 
 
 @dataclass
@@ -70,27 +70,34 @@ class GradBucket:
         return self.pending == 0
 
 
-def plan_buckets(flat: FlatParams, group: int, bucket_numel: int, partitioned: bool) -> list[GradBucket]:
-    """Split ``flat`` into buckets of at most ``bucket_numel`` elements, cut at partition boundaries.
-
-    Buckets are cut from the end of each partition backwards, matching the order backward produces
-    gradients (last layers first), so the first bucket fills as early as possible.
-    """
-    spans = ([flat.partition_range(r) for r in range(flat.world_size)] if partitioned
-             else [(0, flat.padded_numel)])
-    buckets = []
+def bucket_spans(spans: list[tuple[int, int]], bucket_numel: int) -> list[tuple[int, int, int]]:
+    """``(owner, lo, hi)`` of every bucket: each span (a partition) cut into buckets of at most
+    ``bucket_numel`` elements from its end backwards, the order backward produces gradients (last layers
+    first), so the first bucket fills as early as possible. The memory model sizes buckets with this too."""
+    out = []
     for owner, (p_lo, p_hi) in enumerate(spans):
         hi = p_hi
         while hi > p_lo:
             lo = max(p_lo, hi - bucket_numel)
-            pieces = [Piece(flat.params[i], max(lo, s.offset) - s.offset, min(hi, s.end) - s.offset,
-                            max(lo, s.offset) - lo)
-                      for i, s in enumerate(flat.slots) if s.offset < hi and s.end > lo]
-            first_param = min((flat.slots[i].index for i, s in enumerate(flat.slots)
-                               if s.offset < hi and s.end > lo), default=1 << 62)
-            bucket = GradBucket(group, lo, hi, owner if partitioned else None, pieces,
-                                pad_lo=max(0, min(hi, flat.numel) - lo), order_key=(-first_param, -lo))
-            bucket.reset()
-            buckets.append(bucket)
+            out.append((owner, lo, hi))
             hi = lo
+    return out
+
+
+def plan_buckets(flat: FlatParams, group: int, bucket_numel: int, partitioned: bool) -> list[GradBucket]:
+    """Split ``flat`` into buckets of at most ``bucket_numel`` elements, cut at partition boundaries
+    (`bucket_spans`)."""
+    spans = ([flat.partition_range(r) for r in range(flat.world_size)] if partitioned
+             else [(0, flat.padded_numel)])
+    buckets = []
+    for owner, lo, hi in bucket_spans(spans, bucket_numel):
+        pieces = [Piece(flat.params[i], max(lo, s.offset) - s.offset, min(hi, s.end) - s.offset,
+                        max(lo, s.offset) - lo)
+                  for i, s in enumerate(flat.slots) if s.offset < hi and s.end > lo]
+        first_param = min((flat.slots[i].index for i, s in enumerate(flat.slots)
+                           if s.offset < hi and s.end > lo), default=1 << 62)
+        bucket = GradBucket(group, lo, hi, owner if partitioned else None, pieces,
+                            pad_lo=max(0, min(hi, flat.numel) - lo), order_key=(-first_param, -lo))
+        bucket.reset()
+        buckets.append(bucket)
     return buckets

@@ -130,9 +130,14 @@ class Plan:
             return f"plan: {self.name} ({why})"
         where = ", ".join(f"{fmt_bytes(v)} of {side} memory" + (" per rank" if side == "device" else "")
                           for side, v in self.missing.items() if v > 0)
-        best = min((c for c in self.rows if c.estimate is not None), key=lambda c: sum(c.short.values()))
-        return (f"nothing fits: the closest config ({best.name}) is missing {where} "
-                f"(capacity with {HEADROOM:.0%} headroom: {self._cap_text()})")
+        rows = [c for c in self.rows if c.estimate is not None]
+        best = min(rows, key=lambda c: sum(c.short.values()))
+        text = f"nothing fits: the closest config ({best.name}) is missing {where}"
+        frugal = min(rows, key=lambda c: (c.estimate.need()["device"], sum(c.short.values())))
+        if frugal is not best:
+            more = ", ".join(f"{fmt_bytes(v)} of {k} memory" for k, v in frugal.short.items() if v)
+            text += f"; the one with the least on the device ({frugal.name}) is missing {more}"
+        return f"{text} (capacity with {HEADROOM:.0%} headroom: {self._cap_text()})"
 
     def _cap_text(self) -> str:
         parts = []

@@ -1,0 +1,135 @@
+"""The planner and `zero-offload estimate`: choices in order of preference, bad input named clearly, and the
+main job failing before any work when its config cannot fit."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import zero_offload
+from zero_offload.cli import main
+from zero_offload.estimate import estimate_memory, parse_bytes
+from zero_offload.flat import ALIGNMENT, padded_numel, partition_numel
+
+GiB = 2**30
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+def test_partition_arithmetic_is_the_engines():
+    assert padded_numel(1, 1) == ALIGNMENT
+    assert padded_numel(ALIGNMENT * 2 + 1, 2) == ALIGNMENT * 4
+    assert partition_numel([100, 20], 2) == padded_numel(120, 2) // 2 == ALIGNMENT
+    # Estimates use it: 16-bit parameters of one padded flat buffer, 2 ranks.
+    est = estimate_memory(10_000, {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
+                                   "zero_optimization": {"stage": 1}}, world_size=2, accelerator=True)
+    assert est.device["params"] == 2 * padded_numel(10_000, 2)
+    assert est.device["exp_avg"] == 4 * partition_numel([10_000], 2)
+
+
+def test_plan_prefers_the_lowest_stage_then_offload():
+    # gpt2 (124M) on an 80 GB GPU: plain data parallelism.
+    assert zero_offload.plan("gpt2", gpus=1, gpu_memory="80GB", host_memory="64GB").name == "stage 0"
+    # 10B on one 80 GB GPU with 256 GB of host memory: the seed's ZeRO-Offload config.
+    p = zero_offload.plan("gpt2-10b", gpus=1, gpu_memory="80GB", host_memory="256GB", seq_len=1024)
+    assert p.name == "stage 2 + offload opt"
+    assert p.config["zero_optimization"]["offload_optimizer"] == {"device": "cpu"}
+    assert "stage 0" in p.reasons["rejected"]
+    # A 24 GB GPU cannot hold the 16-bit parameters of 10B: stage 3 with parameters offloaded.
+    p = zero_offload.plan("gpt2-10b", gpus=1, gpu_memory="24GB", host_memory="256GB", seq_len=1024)
+    assert p.name == "stage 3 + offload opt+param"
+
+
+def test_plan_keeps_the_main_jobs_config_for_tiny_on_a_cpu():
+    p = zero_offload.plan("tiny", gpus=1, gpu_memory=None, host_memory="24GiB")
+    assert p.config["zero_optimization"] == {"stage": 2, "offload_optimizer": {"device": "cpu"},
+                                             "contiguous_gradients": True, "overlap_comm": True}
+
+
+def test_nothing_fits_says_how_much_is_missing_and_where():
+    p = zero_offload.plan("gpt2-10b", gpus=1, gpu_memory="80GB", host_memory="32GB", seq_len=1024)
+    assert not p.fits and p.config is None
+    assert p.missing["device"] > 80 * GiB     # closest: stage 0, short of device memory
+    message = p.message()
+    assert "stage 0) is missing" in message and "device memory" in message
+    assert "opt+param, low live) is missing 126.3 GiB of host memory" in message
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(model="gpt5"), "unknown model preset 'gpt5'"),
+    (dict(model="gpt2", host_memory="-1GB"), "host_memory must be >= 0"),
+    (dict(model="gpt2", gpu_memory="lots"), "gpu_memory: cannot read 'lots'"),
+    (dict(model=0), "at least 1 parameter"),
+    (dict(model="gpt2", gpus=0), "gpus must be an integer >= 1"),
+])
+def test_bad_plan_input(kwargs, message):
+    args = dict(gpus=1, gpu_memory="80GB", host_memory="64GB") | kwargs
+    with pytest.raises(ValueError, match=message):
+        zero_offload.plan(args.pop("model"), **args)
+
+
+def test_parse_bytes_units():
+    assert parse_bytes("80GB") == 80 * 10**9 and parse_bytes("24GiB") == 24 * GiB and parse_bytes(512) == 512
+
+
+def _cli(capsys, *argv):
+    rc = main(["estimate", "--no-deepspeed", *argv])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_cli_table_marks_the_plan_and_writes_it(tmp_path, capsys):
+    target = tmp_path / "plan.json"
+    rc, out, _ = _cli(capsys, "--model", "gpt2-10b", "--gpus", "1", "--gpu-mem", "80GB", "--host-mem", "256GB",
+                      "--seq-len", "1024", "--write-config", str(target))
+    assert rc == 0
+    planned = [line for line in out.splitlines() if line.startswith("*")]
+    assert len(planned) == 1 and "stage 2 + offload opt" in planned[0] and "yes" in planned[0]
+    for name in ("stage 0", "stage 1", "stage 3 + offload opt+param"):
+        assert name in out
+    written = json.loads(target.read_text())
+    zero_offload.Config.load(written)
+    assert written["zero_optimization"]["stage"] == 2
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--model", "gpt5"], "unknown model preset 'gpt5'"),
+    (["--hf-config", "/nonexistent/config.json"], "--hf-config /nonexistent/config.json: cannot read"),
+    (["--host-mem=-4GB"], "--host-mem must be >= 0"),
+    (["--params", "ten"], "--params: cannot read 'ten'"),
+])
+def test_cli_bad_input(capsys, argv, message):
+    rc, _, err = _cli(capsys, *argv, "--gpu-mem", "80GB")
+    assert rc == 2 and message in err
+
+
+def test_cli_model_that_fits_nowhere(capsys):
+    rc, out, _ = _cli(capsys, "--params", "1T", "--gpus", "1", "--gpu-mem", "80GB", "--host-mem", "64GB")
+    assert rc == 1 and "nothing fits" in out and "missing" in out
+
+
+def test_cli_hf_config(tmp_path, capsys):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"hidden_size": 768, "num_hidden_layers": 12, "vocab_size": 50257,
+                               "num_attention_heads": 12, "intermediate_size": 3072}))
+    rc, out, _ = _cli(capsys, "--hf-config", str(cfg), "--gpu-mem", "80GB", "--host-mem", "64GB")
+    # GPT-2 small without its position embeddings and biases: 123.6M.
+    assert rc == 0 and "123.6M parameters" in out.splitlines()[0]
+
+
+def test_train_that_cannot_fit_fails_before_any_work(tmp_path, capsys, monkeypatch):
+    import zero_offload.train.planning as planning
+    monkeypatch.setattr(planning, "_machine", lambda device: (0, 24 * GiB))   # this 24 GiB CPU box
+    out_dir = tmp_path / "run"
+    rc = main(["train", "--model", "gpt2-10b", "--config", str(CONFIGS / "ds_zero_offload.json"),
+               "--seq-len", "1024", "--out", str(out_dir)])
+    err = capsys.readouterr().err
+    assert rc == 2 and "does not fit model gpt2-10b" in err and "zero-offload estimate" in err
+    assert not out_dir.exists()          # no data prepared, nothing written
+
+
+def test_every_shipped_config_loads():
+    configs = sorted(CONFIGS.glob("*.json"))
+    assert any(p.name == "ds_zero_offload.json" for p in configs)
+    for path in configs:
+        zero_offload.Config.load(str(path))

@@ -151,6 +151,11 @@ def _zero_section(base: dict, zero: dict) -> dict:
     out = {k: v for k, v in base.get("zero_optimization", {}).items()
            if k not in ("stage", "offload_optimizer", "offload_param")}
     out.update(copy.deepcopy(zero))
+    for key in ("offload_optimizer", "offload_param"):
+        # The base config's offload settings (pin_memory, nvme_path) stay with a candidate that offloads.
+        given = base.get("zero_optimization", {}).get(key)
+        if key in out and isinstance(given, dict):
+            out[key] = {**given, **out[key]}
     if out["stage"] == 2:
         out.setdefault("contiguous_gradients", True)
         out.setdefault("overlap_comm", True)

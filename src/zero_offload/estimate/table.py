@@ -100,8 +100,8 @@ def render(result: Plan, shape: ModelShape, ds: dict | None) -> str:
         lines.append(row)
     widths = [max(len(r[i]) for r in [head] + lines) for i in range(len(head))]
     fmt = lambda r: "  ".join(x.ljust(w) for x, w in zip(r, widths)).rstrip()
-    skipped = [f"  ({c.name}: not available here: {c.error.split(':')[-1].strip()})"
-               for c in result.rows if c.estimate is None and c.error]
+    names = [c.name for c in result.rows if c.estimate is None and c.error]
+    skipped = [f"(skipped, not accepted by this build's config: {', '.join(names)})"] if names else []
     cap = result.capacity
     hw = (f"{result.ranks} rank(s)" + (f" x {fmt_bytes(cap['device'])} device" if accel else " on the host (no accelerator)")
           + f", host {fmt_bytes(cap['host'])}" + (f", NVMe {fmt_bytes(cap['nvme'])}" if cap["nvme"] else ""))
@@ -111,9 +111,9 @@ def render(result: Plan, shape: ModelShape, ds: dict | None) -> str:
                    "buffer factor, for all ranks)")
     chosen = result.chosen
     if chosen is not None:
-        out.append(result.message())
-        for kind, formula in chosen.estimate.formulas.items():
-            out.append(f"  {kind}: {formula}")
+        out.append(f"plan: {result.name}")
+        out += [f"  {k}: {v}" for k, v in result.reasons.items()]
+        out += [f"  {kind}: {formula}" for kind, formula in chosen.estimate.formulas.items()]
     else:
         out.append(result.message())
     return "\n".join(out)

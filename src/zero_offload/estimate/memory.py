@@ -303,7 +303,8 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
             est.add(side, "exp_avg_sq", p * moment_bytes)
     if rounding:
         est.add("host", "pinned_rounding", rounding)
-        est.formulas["pinned_rounding"] = "each pinned host buffer rounded up to a power of two (torch's host allocator)"
+        est.formulas["pinned_rounding"] = ("each pinned host buffer rounded up to a power of two "
+                                           "(torch's host allocator)")
     if shape.gpt is not None:
         s = seq_len or shape.gpt.block_size
         b = micro_batch or micro

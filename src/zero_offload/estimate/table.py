@@ -103,7 +103,8 @@ def render(result: Plan, shape: ModelShape, ds: dict | None) -> str:
     names = [c.name for c in result.rows if c.estimate is None and c.error]
     skipped = [f"(skipped, not accepted by this build's config: {', '.join(names)})"] if names else []
     cap = result.capacity
-    hw = (f"{result.ranks} rank(s)" + (f" x {fmt_bytes(cap['device'])} device" if accel else " on the host (no accelerator)")
+    hw = (f"{result.ranks} rank(s)"
+          + (f" x {fmt_bytes(cap['device'])} device" if accel else " on the host (no accelerator)")
           + f", host {fmt_bytes(cap['host'])}" + (f", NVMe {fmt_bytes(cap['nvme'])}" if cap["nvme"] else ""))
     out = [f"{shape.name}: {shape.n_params / 1e6:,.1f}M parameters; {hw}", fmt(head), *map(fmt, lines), *skipped]
     if ds is not None:

@@ -104,8 +104,17 @@ def train(args: TrainArgs) -> dict:
                          f"({cfg_model.block_size} tokens)")
     ctx = DistContext.create()
     # Before any work: the planner's config for this machine (no --config), or a check that --config fits.
-    choice = choose_config(cfg_model, args.model, _raw_config(args, ctx.device), args.config, ctx.world_size,
-                           ctx.device, seq_len)
+    try:
+        choice = choose_config(cfg_model, args.model, _raw_config(args, ctx.device), args.config,
+                               ctx.world_size, ctx.device, seq_len)
+    except ValueError as e:
+        choice = e
+    if ctx.distributed:   # every rank takes rank 0's choice (free memory differs a little between ranks)
+        box = [choice]
+        dist.broadcast_object_list(box, src=0)
+        choice = box[0]
+    if isinstance(choice, Exception):
+        raise choice
     _log(ctx.rank, choice.message)
     config = Config.load(choice.raw)   # a typo in the config costs no data or model work
     config.batch_sizes(ctx.world_size)

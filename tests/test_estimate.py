@@ -96,9 +96,9 @@ def _check(results):
 
 
 def test_estimate_matches_engine_and_rss_one_rank():
-    ctx = torch.multiprocessing.get_context("fork")
-    with ctx.Pool(1) as pool:                 # a fresh process: nothing else allocated in between
-        _check(pool.apply(_measure, (1,)))
+    # A fresh (forked, single-threaded) process: nothing else allocated in between.
+    for results in run_ranks(_measure, 1, 1):
+        _check(results)
 
 
 def test_estimate_matches_engine_and_rss_two_ranks():

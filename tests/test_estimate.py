@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
 
 import zero_offload
-from dist_utils import run_ranks
 from zero_offload.estimate import estimate_memory
 from zero_offload.estimate.memory import MODEL_STATE_KINDS
 from zero_offload.presets import gpt_units
@@ -95,14 +99,27 @@ def _check(results):
         assert abs(rss - total_est) <= 0.10 * total_est, (name, case, rss, total_est)
 
 
+def _in_fresh_process(world_size: int) -> list:
+    """Run `_measure` on ``world_size`` ranks forked from a fresh interpreter (no heap or thread state left
+    by earlier tests), and return each rank's results."""
+    here = Path(__file__).resolve().parent
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "results.pt"
+        code = (f"import sys, torch; sys.path.insert(0, {str(here)!r}); import test_estimate as t; "
+                f"from dist_utils import run_ranks; "
+                f"torch.save(run_ranks(t._measure, {world_size}, {world_size}), {str(out)!r})")
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([*sys.path])}
+        subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=900)
+        return torch.load(out, weights_only=False)
+
+
 def test_estimate_matches_engine_and_rss_one_rank():
-    # A fresh (forked, single-threaded) process: nothing else allocated in between.
-    for results in run_ranks(_measure, 1, 1):
+    for results in _in_fresh_process(1):
         _check(results)
 
 
 def test_estimate_matches_engine_and_rss_two_ranks():
-    for results in run_ranks(_measure, 2, 2):
+    for results in _in_fresh_process(2):
         _check(results)
 
 

@@ -27,7 +27,7 @@ import re
 import shutil
 import signal
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -35,16 +35,14 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from zero_offload.state import STATE_KINDS, CheckpointTarget
 from zero_offload.zero.layout import GroupLayout
-
-if TYPE_CHECKING:
-    from zero_offload.engine import Engine
 
 __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "read_manifest", "resolve_tag",
            "full_parameters", "tied_aliases", "MODULE_STATE"]
 
 FORMAT = "zero-offload/1"
-KINDS = ("master", "exp_avg", "exp_avg_sq")
+KINDS = STATE_KINDS
 MANIFEST = "manifest.json"
 CLIENT_STATE = "client_state.pt"
 MODULE_STATE = "module_state.safetensors"
@@ -95,8 +93,8 @@ def _fault_point(name: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _barrier(engine: "Engine") -> None:
-    if engine.ctx.distributed:
+def _barrier(engine: CheckpointTarget) -> None:
+    if engine.world_size > 1:
         dist.barrier()
 
 
@@ -134,18 +132,20 @@ def save_checkpoint(engine: "Engine", save_dir: str | os.PathLike, tag: str | No
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
     _barrier(engine)
-    zero = engine.zero
-    partitions = zero.partitions_count
+    opt = engine.optimizer_state
+    partitions = opt.partitions_count
     tensors: dict[str, torch.Tensor] = {"rng.torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         tensors["rng.cuda"] = torch.cuda.get_rng_state()
     steps = []
     if engine.rank < partitions:
-        for g in range(len(zero.adam.masters)):
-            state = zero.adam.group_state(g)
-            steps.append(state["step"])
-            for kind in KINDS:
-                tensors[f"group{g}.{kind}"] = state[kind].contiguous()
+        for g, group in enumerate(opt.layout()):
+            steps.append(opt.group_step(g))
+            whole = {kind: torch.empty(group.partition_numel, dtype=torch.float32) for kind in KINDS}
+            for lo, piece in opt.state_chunks(g):
+                for kind in KINDS:
+                    whole[kind][lo:lo + piece[kind].numel()] = piece[kind]
+            tensors.update({f"group{g}.{kind}": t for kind, t in whole.items()})
     np_state = np.random.get_state()
     metadata = {"steps": json.dumps(steps), "python_rng": json.dumps(random.getstate()),
                 "numpy_rng": json.dumps([np_state[0], np_state[1].tolist(), *map(float, np_state[2:])])}
@@ -154,7 +154,7 @@ def save_checkpoint(engine: "Engine", save_dir: str | os.PathLike, tag: str | No
     _fault_point("shard_written")
     _fsync(path)
     digests = {path.name: _sha256(path)}
-    if engine.ctx.distributed:
+    if engine.world_size > 1:
         gathered = [None] * engine.world_size
         dist.all_gather_object(gathered, digests)
         digests = {k: v for d in gathered for k, v in d.items()}
@@ -176,20 +176,17 @@ def save_checkpoint(engine: "Engine", save_dir: str | os.PathLike, tag: str | No
     return final
 
 
-def _manifest(engine: "Engine", partitions: int, digests: dict[str, str]) -> dict:
-    zero = engine.zero
-    groups = [g.to_json() for g in zero.layout()]
+def _manifest(engine: CheckpointTarget, partitions: int, digests: dict[str, str]) -> dict:
+    opt = engine.optimizer_state
+    groups = [g.to_json() for g in opt.layout()]
     return {
-        "format": FORMAT, "world_size": engine.world_size, "partitions": partitions, "stage": zero.stage,
+        "format": FORMAT, "world_size": engine.world_size, "partitions": partitions, "stage": opt.stage,
         "precision": engine.config.precision, "groups": groups, "files": digests,
         "config": engine.config.to_dict(),
         # Every model.state_dict() name in order, and each tied alias's first name (for consolidate).
         "state_dict_keys": list(engine.module.state_dict(keep_vars=True)),
         "aliases": tied_aliases(engine.module),
-        "engine": {"global_step": engine.global_step, "skipped_steps": engine.skipped_steps,
-                   "micro_steps": engine.micro_steps, "loss_scaler": engine.scaler.state_dict(),
-                   "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler else None,
-                   "lrs": engine.get_lr()},
+        "engine": engine.state_dict(),
     }
 
 
@@ -281,9 +278,9 @@ def full_parameters(directory: Path, manifest: dict, kind: str = "master"):
         handles.clear()
 
 
-def _check_same_model(engine: "Engine", manifest: dict, path: Path) -> None:
+def _check_same_model(engine: CheckpointTarget, manifest: dict, path: Path) -> None:
     saved = {p["name"]: p["shape"] for g in manifest["groups"] for p in g["params"]}
-    mine = {p.name: list(p.shape) for g in engine.zero.layout() for p in g.params}
+    mine = {p.name: list(p.shape) for g in engine.optimizer_state.layout() for p in g.params}
     missing = sorted(set(mine) - set(saved))
     extra = sorted(set(saved) - set(mine))
     if missing or extra:
@@ -295,7 +292,7 @@ def _check_same_model(engine: "Engine", manifest: dict, path: Path) -> None:
                                   f"{saved[name]} there and {shape} here")
 
 
-def load_checkpoint(engine: "Engine", load_dir: str | os.PathLike, tag: str | None = None) -> Any:
+def load_checkpoint(engine: CheckpointTarget, load_dir: str | os.PathLike, tag: str | None = None) -> Any:
     """Restore what `save_checkpoint` wrote, resharding to this engine's world size and stage.
 
     Optimizer states, master weights, the 16-bit parameters, the step counters, the loss scaler and the LR
@@ -314,32 +311,23 @@ def load_checkpoint(engine: "Engine", load_dir: str | os.PathLike, tag: str | No
     _agree_on_failure(engine, error)
     manifest, new_states, client_state, rng, module_state = staged
     # Everything is read and checked on every rank: only now change the engine.
+    opt = engine.optimizer_state
     for g, state in enumerate(new_states):
-        engine.zero.adam.load_group_state(g, **state)
+        opt.load_state_chunks(g, state["step"], [(0, {kind: state[kind] for kind in KINDS})])
     live = _module_state(engine.module)
     with torch.no_grad():
         for name, value in module_state.items():
             live[name].copy_(value)
-    engine.zero.after_load()
-    engine.zero.zero_grad()
-    engine._boundary_pending = False
-    saved = manifest["engine"]
-    engine.global_step, engine.skipped_steps = saved["global_step"], saved["skipped_steps"]
-    # Checkpoints sit on step boundaries; count micro-steps in this run's accumulation (it may differ).
-    engine.micro_steps = engine.global_step * engine.gradient_accumulation_steps
-    engine.scaler.load_state_dict(saved["loss_scaler"])
-    for group, lr in zip(engine.optimizer.param_groups, saved["lrs"]):
-        group["lr"] = lr
-    if engine.lr_scheduler is not None and saved["lr_scheduler"] is not None:
-        engine.lr_scheduler.load_state_dict(saved["lr_scheduler"])
+    opt.after_load()
+    engine.load_state_dict(manifest["engine"])
     if rng is not None:
         _restore_rng(*rng)
     return client_state
 
 
-def _agree_on_failure(engine: "Engine", error: CheckpointError | None) -> None:
+def _agree_on_failure(engine: CheckpointTarget, error: CheckpointError | None) -> None:
     """Raise on every rank if reading failed on any, so no rank goes on into a collective alone."""
-    if engine.ctx.distributed:
+    if engine.world_size > 1:
         flag = torch.tensor([0.0 if error is None else 1.0], device=engine.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if error is None and flag.item() > 0:
@@ -349,18 +337,18 @@ def _agree_on_failure(engine: "Engine", error: CheckpointError | None) -> None:
         raise error
 
 
-def _read_for_load(engine: "Engine", load_dir, tag):
+def _read_for_load(engine: CheckpointTarget, load_dir, tag):
     """Read and verify everything this rank needs; returns (manifest, partitions, client_state, rng)."""
     directory = resolve_tag(load_dir, tag)
     manifest = read_manifest(directory)
     _check_same_model(engine, manifest, directory / MANIFEST)
     same_world = manifest["world_size"] == engine.world_size
     own = [_rank_file(engine.rank)] if same_world else []
-    zero = engine.zero
-    if manifest["partitions"] == zero.partitions_count and \
-            manifest["groups"] == [g.to_json() for g in zero.layout()]:
+    opt = engine.optimizer_state
+    if manifest["partitions"] == opt.partitions_count and \
+            manifest["groups"] == [g.to_json() for g in opt.layout()]:
         # Same layout: this rank's partition is stored whole in one file; read (and verify) only that.
-        shard = _rank_file(engine.rank if zero.partitions_count > 1 else 0)
+        shard = _rank_file(engine.rank if opt.partitions_count > 1 else 0)
         read_manifest(directory, sorted({shard, *own, CLIENT_STATE}))
         new_states = _read_own_partition(directory / shard, len(manifest["groups"]))
     else:
@@ -372,7 +360,7 @@ def _read_for_load(engine: "Engine", load_dir, tag):
     return manifest, new_states, client_state, rng, _read_module_state(engine, directory, manifest)
 
 
-def _read_module_state(engine: "Engine", directory: Path, manifest: dict) -> dict[str, torch.Tensor]:
+def _read_module_state(engine: CheckpointTarget, directory: Path, manifest: dict) -> dict[str, torch.Tensor]:
     """The saved buffers and frozen parameters, checked against the model's."""
     if MODULE_STATE not in manifest["files"]:
         return {}
@@ -396,9 +384,9 @@ def _read_own_partition(path: Path, groups: int) -> list[dict]:
                 for g in range(groups)]
 
 
-def _reshard(engine: "Engine", directory: Path, manifest: dict) -> list[dict]:
+def _reshard(engine: CheckpointTarget, directory: Path, manifest: dict) -> list[dict]:
     """This rank's new partition of each group, built parameter by parameter from the saved layout."""
-    zero = engine.zero
+    zero = engine.optimizer_state
     steps = set()
     for r in range(manifest["partitions"]):
         with safe_open(str(directory / _rank_file(r)), framework="pt") as f:

@@ -12,6 +12,7 @@ from typing import Any, Iterable
 import torch
 from torch.utils._pytree import tree_map
 
+from zero_offload.checkpoint import load_checkpoint, save_checkpoint
 from zero_offload.comm import DistContext
 from zero_offload.config import AutoContext, Config
 from zero_offload.optim.lr_schedules import build_scheduler
@@ -21,6 +22,8 @@ from zero_offload.zero.stage3 import Stage3Optimizer
 from zero_offload.zero.stage3.materialize import is_meta_model
 
 __all__ = ["Engine", "initialize"]
+
+ENGINE_STATE_KEYS = ("global_step", "skipped_steps", "micro_steps", "loss_scaler", "lr_scheduler", "lrs")
 
 
 def initialize(model: torch.nn.Module, config: "Config | dict | str",
@@ -203,13 +206,50 @@ class Engine:
         """Bytes held by this rank, by kind and device (see `ZeroOptimizer.memory_breakdown`)."""
         return self.zero.memory_breakdown()
 
+    @property
+    def optimizer_state(self):
+        """This rank's optimizer partitions (`zero_offload.state.PartitionedOptimizerState`)."""
+        return self.zero
+
+    def state_dict(self) -> dict:
+        """The engine's own state, JSON-serialisable: ``global_step``, ``skipped_steps``, ``micro_steps``,
+        ``loss_scaler`` and ``lr_scheduler`` (their ``state_dict()``; None without a schedule) and ``lrs``
+        (one learning rate per param group). Optimizer partitions are in `optimizer_state`."""
+        return {"global_step": self.global_step, "skipped_steps": self.skipped_steps,
+                "micro_steps": self.micro_steps, "loss_scaler": self.scaler.state_dict(),
+                "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler else None,
+                "lrs": self.get_lr()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore `state_dict`'s output, as of a step boundary: gradients accumulated so far are dropped and
+        micro-steps are counted in this run's accumulation (it may differ from the saved one).
+
+        Raises:
+            ValueError: a missing key or a learning rate list of another length; nothing is changed then.
+        """
+        missing = [k for k in ENGINE_STATE_KEYS if k not in state]
+        if missing:
+            raise ValueError(f"engine state lacks {', '.join(missing)}")
+        if len(state["lrs"]) != len(self.optimizer.param_groups):
+            raise ValueError(f"engine state has {len(state['lrs'])} learning rates for "
+                             f"{len(self.optimizer.param_groups)} param groups")
+        self.scaler.validate_state_dict(state["loss_scaler"])
+        self.zero.zero_grad()
+        self._boundary_pending = False
+        self.global_step, self.skipped_steps = int(state["global_step"]), int(state["skipped_steps"])
+        self.micro_steps = self.global_step * self.gradient_accumulation_steps
+        self.scaler.load_state_dict(state["loss_scaler"])
+        for group, lr in zip(self.optimizer.param_groups, state["lrs"]):
+            group["lr"] = float(lr)
+        if self.lr_scheduler is not None and state["lr_scheduler"] is not None:
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+
     def save_checkpoint(self, save_dir, tag: str | None = None, client_state: Any = None):
         """Save the full training state, sharded by rank and written atomically (see `checkpoint`).
 
         A collective: every rank calls it. ``tag`` defaults to ``global_step{N}``; ``save_dir/latest`` is
         updated last. Returns the checkpoint's directory.
         """
-        from zero_offload.checkpoint import save_checkpoint
         return save_checkpoint(self, save_dir, tag, client_state)
 
     def load_checkpoint(self, load_dir, tag: str | None = None) -> Any:
@@ -220,7 +260,6 @@ class Engine:
             CheckpointError: a missing or corrupted file, an unknown tag, or another model's checkpoint;
                 the engine is left as it was.
         """
-        from zero_offload.checkpoint import load_checkpoint
         return load_checkpoint(self, load_dir, tag)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:

@@ -58,7 +58,14 @@ class LossScaler:
         return {"scale": self.scale, "hysteresis": self.hysteresis, "iteration": self.iteration,
                 "last_overflow_iteration": self.last_overflow_iteration}
 
+    def validate_state_dict(self, state) -> None:
+        """Raise ValueError unless ``state`` is a `state_dict` of this class."""
+        keys = ("scale", "hysteresis", "iteration", "last_overflow_iteration")
+        if not isinstance(state, dict) or any(not isinstance(state.get(k), (int, float)) for k in keys):
+            raise ValueError(f"loss scaler state must hold numbers {', '.join(keys)}, got {state!r}")
+
     def load_state_dict(self, state: dict) -> None:
+        self.validate_state_dict(state)
         self.scale = float(state["scale"])
         self.hysteresis = int(state["hysteresis"])
         self.iteration = int(state["iteration"])

@@ -7,6 +7,8 @@ combined 1/loss_scale x clip scale, and writes the 16-bit parameter into a host 
 """
 from __future__ import annotations
 
+from typing import Iterable, Iterator
+
 import torch
 
 from zero_offload.offload.copies import CopyEngine, host_empty
@@ -116,34 +118,100 @@ class PartitionedAdam:
                 "exp_avg": [s["exp_avg"] for s in states if "exp_avg" in s],
                 "exp_avg_sq": [s["exp_avg_sq"] for s in states if "exp_avg_sq" in s]}
 
-    # -- state for checkpoints -------------------------------------------------------------------------
-    def group_state(self, g: int) -> dict:
-        """Group ``g``'s partition state: fp32 ``master``, ``exp_avg``, ``exp_avg_sq`` (zeros before the
-        first step) as CPU tensors of shape (partition numel,), and ``step`` (int)."""
+    # -- state (the `PartitionedOptimizerState` protocol of zero_offload.state) ----------------------------
+    @property
+    def group_count(self) -> int:
+        return len(self.masters)
+
+    def group_numel(self, g: int) -> int:
+        """Elements in group ``g``'s partition on this rank."""
+        return self.masters[g].numel()
+
+    def group_step(self, g: int) -> int:
+        """Adam steps taken by group ``g`` (0 before the first)."""
+        step = self.optimizer.state.get(self.masters[g], {}).get("step", 0)
+        return int(step.item() if isinstance(step, torch.Tensor) else step)
+
+    def state_chunks(self, g: int, chunk_numel: int = 1 << 24) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
+        """Group ``g``'s partition state in pieces: yields (offset, {kind: fp32 CPU tensor of up to
+        ``chunk_numel`` elements}) for kinds ``master``, ``exp_avg``, ``exp_avg_sq`` (moments are zeros before
+        the first step), in increasing offset. Pieces may be views of live state: read them before the next
+        `step` or load."""
         master = self.masters[g]
         state = self.optimizer.state.get(master, {})
-        zeros = torch.zeros(master.numel(), dtype=torch.float32)
-        step = state.get("step", 0)
-        return {"master": master.detach().float().cpu(),
-                "exp_avg": state["exp_avg"].float().cpu() if "exp_avg" in state else zeros,
-                "exp_avg_sq": state["exp_avg_sq"].float().cpu() if "exp_avg_sq" in state else zeros.clone(),
-                "step": int(step.item() if isinstance(step, torch.Tensor) else step)}
+        n = master.numel()
+        for lo in range(0, n, max(1, chunk_numel)) if n else ():
+            hi = min(n, lo + chunk_numel)
+            piece = {"master": master[lo:hi].detach()}
+            for kind in ("exp_avg", "exp_avg_sq"):
+                piece[kind] = state[kind][lo:hi] if kind in state else torch.zeros(hi - lo)
+            yield lo, {k: v.float().cpu() for k, v in piece.items()}
 
     @torch.no_grad()
-    def load_group_state(self, g: int, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                         step: int) -> None:
-        """Replace group ``g``'s partition state (fp32 tensors of the partition's shape) and write the
-        16-bit parameters of the partition from ``master``."""
+    def load_state_chunks(self, g: int, step: int,
+                          chunks: Iterable[tuple[int, dict[str, torch.Tensor]]]) -> None:
+        """Replace group ``g``'s partition state from (offset, {kind: fp32 tensor}) pieces that together cover
+        the partition (as `state_chunks` yields them), set its step count to ``step``, and write the 16-bit
+        parameters of the partition from the new master weights.
+
+        Raises:
+            ValueError: pieces that do not exactly cover the partition (nothing is changed before the
+                first piece is checked; a gap is reported after the pieces were written).
+        """
         mine = self.masters[g]
-        mine.copy_(master)
+        n = mine.numel()
         if step > 0:
             like = self.optimizer.state.get(mine, {}).get("exp_avg")
             dtype = like.dtype if like is not None else getattr(self.optimizer, "state_dtype", torch.float32)
-            self.optimizer.state[mine] = {
-                "step": step if self.on_host else torch.tensor(float(step), device=mine.device),
-                "exp_avg": exp_avg.to(mine.device, dtype).clone(),
-                "exp_avg_sq": exp_avg_sq.to(mine.device, dtype).clone()}
+            state = self.optimizer.state.get(mine)
+            if not state or "exp_avg" not in state:
+                state = {"exp_avg": torch.zeros(n, dtype=dtype, device=mine.device),
+                         "exp_avg_sq": torch.zeros(n, dtype=dtype, device=mine.device)}
+            state["step"] = step if self.on_host else torch.tensor(float(step), device=mine.device)
+            self.optimizer.state[mine] = state
         else:
             self.optimizer.state.pop(mine, None)
+            state = {}
+        covered = 0
+        for lo, piece in chunks:
+            length = piece["master"].numel()
+            if lo != covered or lo + length > n:
+                raise ValueError(f"optimizer state piece at offset {lo} ({length} elements) does not continue "
+                                 f"group {g}'s partition of {n} elements at {covered}")
+            mine[lo:lo + length].copy_(piece["master"])
+            for kind in ("exp_avg", "exp_avg_sq"):
+                if kind in state:
+                    state[kind][lo:lo + length].copy_(piece[kind])
+            covered = lo + length
+        if covered != n:
+            raise ValueError(f"optimizer state pieces cover {covered} of group {g}'s {n} elements")
         if mine.data_ptr() != self.parts[g].data_ptr():
             self.parts[g].copy_(mine)
+
+    def state_dict(self) -> dict:
+        """{"groups": [{"step": int, "master"|"exp_avg"|"exp_avg_sq": fp32 CPU tensor (partition numel,)}]}:
+        this rank's partitions whole (fresh copies). `state_chunks` reads the same without a whole copy."""
+        groups = []
+        for g in range(self.group_count):
+            whole = {k: torch.empty(self.group_numel(g)) for k in ("master", "exp_avg", "exp_avg_sq")}
+            for lo, piece in self.state_chunks(g):
+                for k, v in piece.items():
+                    whole[k][lo:lo + v.numel()] = v
+            groups.append({"step": self.group_step(g), **whole})
+        return {"groups": groups}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what `state_dict` returned (same partition sizes).
+
+        Raises:
+            ValueError: a different number of groups or a partition of another size.
+        """
+        groups = state["groups"]
+        if len(groups) != self.group_count:
+            raise ValueError(f"optimizer state has {len(groups)} param groups, this optimizer {self.group_count}")
+        for g, s in enumerate(groups):
+            if s["master"].numel() != self.group_numel(g):
+                raise ValueError(f"optimizer state of group {g} has {s['master'].numel()} elements, this "
+                                 f"rank's partition {self.group_numel(g)}")
+        for g, s in enumerate(groups):
+            self.load_state_chunks(g, int(s["step"]), [(0, {k: s[k] for k in ("master", "exp_avg", "exp_avg_sq")})])

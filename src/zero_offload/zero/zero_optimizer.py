@@ -21,6 +21,7 @@ from zero_offload.zero.layout import GroupLayout, contiguous_layout
 from zero_offload.zero.averaging import GradAveraging
 from zero_offload.zero.partitioned_torch import partitioned_optimizer
 from zero_offload.zero.reducer import GradientReducer
+from zero_offload.zero.state import PartitionStateMixin
 
 __all__ = ["ParamGroup", "ZeroOptimizer"]
 
@@ -34,7 +35,7 @@ class ParamGroup:
     hparams: dict
 
 
-class ZeroOptimizer:
+class ZeroOptimizer(PartitionStateMixin):
     """ZeRO stage 0, 1 or 2 over the given param groups, with the optimizer on the device or the host.
 
     Raises:

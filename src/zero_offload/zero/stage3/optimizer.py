@@ -24,11 +24,12 @@ from zero_offload.zero.stage3.fetcher import ParameterFetcher, units_by_module
 from zero_offload.zero.stage3.materialize import materialize
 from zero_offload.zero.stage3.saved_params import SavedParameterGuard
 from zero_offload.zero.stage3.units import ShardedUnit
+from zero_offload.zero.state import PartitionStateMixin
 
 __all__ = ["Stage3Optimizer"]
 
 
-class Stage3Optimizer:
+class Stage3Optimizer(PartitionStateMixin):
     """ZeRO stage 3 over the given param groups, optionally with parameters and/or optimizer on the host.
 
     Args:

@@ -145,7 +145,7 @@ def test_resaving_a_tag_keeps_a_loadable_checkpoint(tmp_path):
     fresh = zero_offload.initialize(make_model(), cfg)
     fresh.load_checkpoint(tmp_path)
     assert fresh.global_step == 2
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "t"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "latest", "t"]
 
 
 def _load_expecting_error(cfg, path):

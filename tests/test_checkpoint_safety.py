@@ -1,0 +1,234 @@
+"""Checkpoints that cannot be mixed or silently wrong: one writer per directory, a manifest that proves itself,
+loads that change nothing until everything is checked, plain tag names, and write errors that name the file."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import uuid
+
+import pytest
+import torch
+
+import zero_offload
+from reference import engine_config
+from toy_model import batch, make_model
+from zero_offload.checkpoint import CheckpointError, DiskFullError
+from zero_offload.checkpoint_lock import DirectoryLock
+from zero_offload.checkpoint_manifest import manifest_digest
+
+HERE = os.path.dirname(__file__)
+CFG = engine_config(2, "cpu", 1)
+
+
+def _trained(steps=1, seed=0):
+    engine = zero_offload.initialize(make_model(seed=seed), CFG)
+    for s in range(steps):
+        x, y = batch(s, 2)
+        engine.backward(engine(x, y))
+        engine.step()
+    return engine
+
+
+def _snapshot(engine):
+    return engine.full_state_dict(), engine.state_dict()
+
+
+def _unchanged(engine, snap):
+    params, state = snap
+    now = engine.full_state_dict()
+    return all(torch.equal(now[n], params[n]) for n in params) and engine.state_dict() == state
+
+
+def _edit_manifest(directory, edit, rehash):
+    path = directory / "manifest.json"
+    manifest = json.loads(path.read_text())
+    edit(manifest)
+    data = json.dumps(manifest, indent=1).encode()
+    path.write_bytes(data)
+    if rehash:     # a consistent forgery: only the structural checks can catch it
+        (directory / "manifest.sha256").write_text(manifest_digest(data) + "\n")
+
+
+# -- one writer ----------------------------------------------------------------------------------------
+def test_a_second_writer_fails_at_once_naming_the_holder(tmp_path):
+    engine = _trained()
+    with DirectoryLock(tmp_path):                    # another process saving into the same directory
+        with pytest.raises(CheckpointError, match=rf"being saved into by another process \(pid {os.getpid()}\)"):
+            engine.save_checkpoint(tmp_path, tag="a")
+    assert not (tmp_path / "a").exists() and not (tmp_path / "latest").exists()
+    engine.save_checkpoint(tmp_path, tag="a")       # the lock is gone with its holder
+    assert (tmp_path / "latest").read_text() == "a"
+
+
+WRITER = textwrap.dedent("""
+    import sys, torch
+    sys.path.insert(0, {here!r})
+    import zero_offload
+    from zero_offload.checkpoint import CheckpointError
+    from reference import engine_config
+    from toy_model import make_model
+    engine = zero_offload.initialize(make_model(seed={seed}), engine_config(2, "cpu", 1))
+    saved = refused = 0
+    for i in range(6):
+        try:
+            engine.save_checkpoint({root!r}, tag="shared", client_state={{"writer": {seed}}})
+            saved += 1
+        except CheckpointError as e:
+            assert "another process" in str(e), e
+            refused += 1
+    torch.save(engine.full_state_dict(), {root!r} + "/../writer{seed}.pt")
+    print(saved, refused)
+""")
+
+
+def test_concurrent_writers_never_mix_a_checkpoint(tmp_path):
+    root = tmp_path / "ckpt"
+    procs = [subprocess.Popen([sys.executable, "-c", WRITER.format(here=HERE, root=str(root), seed=s)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for s in (1, 2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
+    engine = _trained(0, seed=3)
+    client = engine.load_checkpoint(root)            # every checksum and the manifest hash pass
+    writer = torch.load(tmp_path / f"writer{client['writer']}.pt")
+    loaded = engine.full_state_dict()
+    assert all(torch.equal(loaded[n], writer[n]) for n in writer), "shards of one writer, manifest of another"
+    assert [p.name for p in root.iterdir() if p.name.startswith(".tmp-")] == []
+
+
+def test_stale_temporary_folders_are_removed_by_the_next_save(tmp_path):
+    stale = tmp_path / ".tmp-global_step9-4242-deadbeef"
+    stale.mkdir(parents=True)
+    (stale / "rank00000.safetensors").write_bytes(b"partial")
+    _trained().save_checkpoint(tmp_path)
+    assert not stale.exists()
+
+
+# -- a manifest that proves itself ----------------------------------------------------------------------
+def _edit_global_step(m):
+    m["engine"]["global_step"] = 99
+
+
+def _edit_lrs(m):
+    m["engine"]["lrs"] = [1.0]
+
+
+def _edit_piece_offset(m):
+    m["groups"][0]["params"][1]["pieces"][0][1] += 1
+
+
+@pytest.mark.parametrize("edit", [_edit_global_step, _edit_lrs, _edit_piece_offset], ids=["step", "lrs", "offset"])
+def test_an_edited_manifest_is_refused_and_nothing_changes(tmp_path, edit):
+    _trained(2).save_checkpoint(tmp_path, tag="t")
+    _edit_manifest(tmp_path / "t", edit, rehash=False)
+    engine = _trained(1, seed=4)
+    snap = _snapshot(engine)
+    with pytest.raises(CheckpointError, match="modified after saving"):
+        engine.load_checkpoint(tmp_path)
+    assert _unchanged(engine, snap)
+    with pytest.raises(CheckpointError, match="modified after saving"):
+        zero_offload.consolidate(tmp_path)
+
+
+def _drop_engine(m):
+    del m["engine"]["loss_scaler"]
+
+
+def _offset_past_partition(m):
+    m["groups"][0]["params"][-1]["pieces"][-1][1] = m["groups"][0]["partition_numel"]
+
+
+def _not_a_list(m):
+    m["groups"][0]["params"] = {"a": 1}
+
+
+@pytest.mark.parametrize("edit,message", [
+    (_drop_engine, "'engine.loss_scaler' is missing"),
+    (_offset_past_partition, r"pieces\[\d+\]\[[13]\] \((part_offset|length)\)"),
+    (_not_a_list, "'groups\\[0\\].params' must be list"),
+], ids=["missing-section", "offset-outside-file", "malformed"])
+def test_a_malformed_manifest_fails_before_the_engine_changes(tmp_path, edit, message):
+    _trained(2).save_checkpoint(tmp_path, tag="t")
+    _edit_manifest(tmp_path / "t", edit, rehash=True)
+    engine = _trained(1, seed=4)
+    snap = _snapshot(engine)
+    with pytest.raises(CheckpointError, match=message):
+        engine.load_checkpoint(tmp_path)
+    assert _unchanged(engine, snap)
+
+
+def test_a_missing_manifest_hash_is_refused(tmp_path):
+    _trained().save_checkpoint(tmp_path, tag="t")
+    (tmp_path / "t" / "manifest.sha256").unlink()
+    with pytest.raises(CheckpointError, match="manifest.sha256' is missing"):
+        _trained(0).load_checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize("latest", ["..", "../t", "/etc", ".hidden", ""])
+def test_latest_must_name_a_tag_inside_the_directory(tmp_path, latest):
+    (tmp_path / "inner").mkdir()
+    _trained().save_checkpoint(tmp_path / "inner", tag="t")
+    (tmp_path / "inner" / "latest").write_text(latest)
+    with pytest.raises(CheckpointError, match="plain name"):
+        _trained(0).load_checkpoint(tmp_path / "inner")
+
+
+@pytest.mark.parametrize("tag", ["..", "../x", "a/b", ".tmp-x"])
+def test_tags_must_be_plain_names(tmp_path, tag):
+    engine = _trained()
+    with pytest.raises(CheckpointError, match="plain name"):
+        engine.save_checkpoint(tmp_path, tag=tag)
+    with pytest.raises(CheckpointError, match="plain name"):
+        engine.load_checkpoint(tmp_path, tag=tag)
+
+
+@pytest.mark.parametrize("path", ["", "  "])
+def test_an_empty_save_path_is_an_error(tmp_path, monkeypatch, path):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(CheckpointError, match="needs a directory"):
+        _trained().save_checkpoint(path)
+    assert list(tmp_path.iterdir()) == []
+
+
+# -- write errors a person can act on ------------------------------------------------------------------
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=96k", "tmpfs", str(mnt)], capture_output=True,
+                          text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {proc.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_disk_full_names_the_file_and_the_bytes_needed_and_keeps_the_previous_checkpoint(small_tmpfs):
+    engine = _trained()
+    small = zero_offload.initialize(torch.nn.Linear(4, 4), {"train_batch_size": 1, **{
+        k: v for k, v in CFG.items() if k in ("optimizer", "zero_optimization")}})
+    small.save_checkpoint(small_tmpfs, tag="small")  # fits
+    with pytest.raises(DiskFullError, match=r"rank00000.safetensors': it needs \d+ bytes .* bytes are free"):
+        engine.save_checkpoint(small_tmpfs, tag="big")   # the toy model's optimizer state does not
+    assert (small_tmpfs / "latest").read_text() == "small"
+    assert sorted(p.name for p in small_tmpfs.iterdir()) == [".lock", "latest", "small"]   # no .tmp-* left
+    fresh = zero_offload.initialize(torch.nn.Linear(4, 4), {"train_batch_size": 1, **{
+        k: v for k, v in CFG.items() if k in ("optimizer", "zero_optimization")}})
+    fresh.load_checkpoint(small_tmpfs)
+
+
+def test_a_failed_write_leaves_no_temporary_folder(tmp_path, monkeypatch):
+    import zero_offload.checkpoint_save as ckpt
+    engine = _trained()
+    engine.save_checkpoint(tmp_path, tag="good")
+
+    def fail(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(ckpt, "save_file", fail)
+    with pytest.raises(DiskFullError, match="rank00000.safetensors"):
+        engine.save_checkpoint(tmp_path, tag="bad")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "good", "latest"]

@@ -10,6 +10,7 @@ from zero_offload import Config, ConfigError
 from toy_model import make_model
 
 BASE = {"train_batch_size": 4}
+WITH_OPTIMIZER = {**BASE, "optimizer": {"type": "AdamW"}}   # initialize needs one
 
 
 def _load(**extra):
@@ -120,16 +121,16 @@ def test_model_without_trainable_parameters():
     for p in model.parameters():
         p.requires_grad_(False)
     with pytest.raises(ValueError, match="no trainable parameters"):
-        zero_offload.initialize(model, BASE)
+        zero_offload.initialize(model, WITH_OPTIMIZER)
 
 
 def test_foreign_parameter_in_groups():
     with pytest.raises(ValueError, match="not in the model"):
-        zero_offload.initialize(make_model(), BASE, model_parameters=[torch.nn.Parameter(torch.ones(3))])
+        zero_offload.initialize(make_model(), WITH_OPTIMIZER, model_parameters=[torch.nn.Parameter(torch.ones(3))])
 
 
 def test_non_scalar_loss():
-    engine = zero_offload.initialize(make_model(), BASE)
+    engine = zero_offload.initialize(make_model(), WITH_OPTIMIZER)
     with pytest.raises(ValueError, match="scalar loss"):
         engine.backward(torch.ones(3, requires_grad=True))
 

@@ -47,3 +47,21 @@ def test_no_scheduler_keeps_lr():
     engine = zero_offload.initialize(make_model(), {"train_batch_size": 2,
                                                     "optimizer": {"params": {"lr": 0.005}}})
     assert engine.get_lr() == [0.005]
+
+
+def test_warmup_lr_defaults_to_the_optimizer_lr_per_group_as_deepspeed():
+    """DeepSpeed 0.19.8's WarmupLR: warmup_max_lr=None warms each param group up to its own lr."""
+    lrs = _lrs({"type": "WarmupLR", "params": {"warmup_num_steps": 2, "warmup_type": "linear"}}, 3, lr=0.004)
+    assert lrs == pytest.approx([0.0, 0.0, 0.002, 0.004])
+    model = make_model()
+    groups = [{"params": [p for n, p in model.named_parameters() if "ln" in n], "lr": 0.01},
+              {"params": [p for n, p in model.named_parameters() if "ln" not in n]}]
+    engine = zero_offload.initialize(model, {
+        "train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 0.002}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 2, "warmup_type": "linear"}}},
+        model_parameters=groups)
+    for step in range(3):
+        x, y = batch(step, 2)
+        engine.backward(engine(x, y))
+        engine.step()
+    assert engine.get_lr() == pytest.approx([0.01, 0.002])

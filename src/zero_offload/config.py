@@ -284,7 +284,8 @@ class Config:
     seed: int | None = option(None, "Not a DeepSpeed key: seeds torch on every rank when given.")
     fp16: FP16Config = option(factory=FP16Config, help="fp16 mixed precision with loss scaling.")
     bf16: BF16Config = option(factory=BF16Config, help="bf16 mixed precision.")
-    optimizer: OptimizerConfig = option(factory=OptimizerConfig, help="The optimizer (Adam or AdamW).")
+    optimizer: OptimizerConfig | None = option(None, "The optimizer (Adam or AdamW); required: there is no "
+                                                     "default optimizer.")
     scheduler: SchedulerConfig | None = option(None, "The learning-rate schedule; none keeps lr fixed.")
     zero_optimization: ZeroConfig = option(factory=ZeroConfig, help="ZeRO stage and offload settings.")
     aio: AioConfig = option(factory=AioConfig, help="How NVMe swap files are read and written (DeepSpeed's "
@@ -335,7 +336,8 @@ class Config:
         if not self.zero_optimization.contiguous_gradients:
             out.append("config key 'zero_optimization.contiguous_gradients' = false has no effect: "
                        "gradients are always copied into contiguous buckets")
-        if self.optimizer.type in ("Adam", "AdamW") and self.optimizer.params.torch_adam:
+        if self.optimizer is not None and self.optimizer.type in ("Adam", "AdamW") and \
+                self.optimizer.params.torch_adam:
             out.append("config key 'optimizer.params.torch_adam' has no effect: the host step always "
                        "uses zero-offload's kernel")
         if self.bf16.immediate_grad_update:
@@ -355,7 +357,9 @@ class Config:
 
     def to_dict(self) -> dict:
         out = to_dict(self)
-        if self.optimizer.torch_kwargs is not None:
+        if self.optimizer is None:
+            out.pop("optimizer")
+        elif self.optimizer.torch_kwargs is not None:
             out["optimizer"]["params"] = dict(self.optimizer.torch_kwargs)
         if self.scheduler is None:
             out.pop("scheduler")

@@ -14,7 +14,7 @@ from torch.utils._pytree import tree_map
 
 from zero_offload.checkpoint import load_checkpoint, save_checkpoint
 from zero_offload.comm import DistContext
-from zero_offload.config import AutoContext, Config
+from zero_offload.config import AutoContext, Config, ConfigError
 from zero_offload.optim.lr_schedules import build_scheduler
 from zero_offload.precision import LossScaler, is_overflow, training_dtype
 from zero_offload.zero import ParamGroup, ZeroOptimizer
@@ -36,7 +36,8 @@ def initialize(model: torch.nn.Module, config: "Config | dict | str",
     model built under `init_sharded` (stage 3) as they are materialised.
 
     Raises:
-        ConfigError: an invalid config (the message names the key), or batch sizes that do not divide.
+        ConfigError: an invalid config (the message names the key), no ``optimizer`` section, or batch sizes
+            that do not divide.
         ValueError: a model with no trainable parameters, or a group naming a parameter not in the model.
     """
     return Engine(model, config, model_parameters, param_init_fn)
@@ -61,6 +62,9 @@ class Engine:
         self.ctx = DistContext.create()
         self.config = Config.load(config, auto=AutoContext(self.ctx.world_size, model, self.ctx.device,
                                                            dict(auto_values or {})))
+        if self.config.optimizer is None:   # deepspeed.initialize turns a client optimizer into this section
+            raise ConfigError("config key 'optimizer' is missing: zero-offload has no default optimizer; add e.g. "
+                              '"optimizer": {"type": "AdamW", "params": {"lr": 0.0003}}')
         self.batch = self.config.batch_sizes(self.ctx.world_size)
         if self.config.seed is not None:
             torch.manual_seed(self.config.seed)
@@ -124,14 +128,18 @@ class Engine:
         self._reset_timings_if_new_step()
         start = time.perf_counter()
         gas = self.batch.gradient_accumulation_steps
-        boundary = (self.micro_steps + 1) % gas == 0
+        # Another backward after the boundary one and before step() adds to the gradients to be stepped (as
+        # DeepSpeed's stage 3 does); it is not a new micro-step of the next accumulation.
+        extra = self._boundary_pending
+        boundary = extra or (self.micro_steps + 1) % gas == 0
         scaled = loss.float() / gas if gas > 1 else loss.float()
         if self.scaler.enabled:
             scaled = scaled * self.scaler.scale
-        self.zero.begin_micro_step(boundary, first_micro_step=self.micro_steps % gas == 0)
+        self.zero.begin_micro_step(boundary, first_micro_step=not extra and self.micro_steps % gas == 0)
         scaled.backward()
         self.zero.end_micro_step()
-        self.micro_steps += 1
+        if not extra:
+            self.micro_steps += 1
         self._boundary_pending = boundary
         self.timings["backward_s"] += time.perf_counter() - start
         return scaled

@@ -5,7 +5,12 @@ import torch
 
 from zero_offload.config import Config
 
-__all__ = ["training_dtype", "LossScaler"]
+__all__ = ["training_dtype", "LossScaler", "LossScaleError"]
+
+
+class LossScaleError(RuntimeError):
+    """fp16 gradients overflowed with the dynamic loss scale already at ``fp16.min_loss_scale``: training cannot
+    go on (DeepSpeed 0.19.8's DynamicLossScaler raises here too, with ``raise_error_at_min_scale``)."""
 
 
 def training_dtype(config: Config) -> torch.dtype:
@@ -14,13 +19,16 @@ def training_dtype(config: Config) -> torch.dtype:
 
 
 class LossScaler:
-    """fp16 loss scale: static when ``fp16.loss_scale`` > 0, else dynamic (DeepSpeed's DynamicLossScaler).
+    """fp16 loss scale: static when ``fp16.loss_scale`` > 0, else dynamic.
 
-    Dynamic rule: start at 2**initial_scale_power. On an overflow the step is skipped; the scale is halved
-    (never below ``min_loss_scale``) once ``hysteresis`` overflows have been seen, else one unit of
-    hysteresis is spent. After ``loss_scale_window`` clean steps since the last overflow the scale doubles
-    (and hysteresis is refilled). With ``consecutive_hysteresis`` every clean step refills hysteresis.
-    bf16 and fp32 use a fixed scale of 1.0 and never report overflows.
+    The dynamic rule is DeepSpeed 0.19.8's ``DynamicLossScaler.update_scale``, step for step: start at
+    2**initial_scale_power. On an overflow the step is skipped; if ``hysteresis`` is 1 or its budget is down
+    to 1 the scale is halved (never below ``min_loss_scale``; an overflow at ``min_loss_scale`` raises
+    `LossScaleError`), else one unit of hysteresis is spent. A clean step doubles the scale when the number of
+    clean steps since the last overflow, not counting the first one after it, is a positive multiple of
+    ``loss_scale_window`` (DeepSpeed PR 6976's ``stable_interval``), and refills hysteresis then; with
+    ``consecutive_hysteresis`` every clean step refills it. bf16 and fp32 use a fixed scale of 1.0 and never
+    report overflows.
     """
 
     def __init__(self, config: Config):
@@ -37,10 +45,19 @@ class LossScaler:
         self.last_overflow_iteration = -1
 
     def update(self, overflow: bool) -> None:
-        """Account one optimizer step that did (or did not) overflow."""
+        """Account one optimizer step that did (or did not) overflow.
+
+        Raises:
+            LossScaleError: an overflow with the dynamic scale already at ``min_loss_scale``.
+        """
         if self.dynamic:
             if overflow:
                 if self.delayed_shift == 1 or self.hysteresis == 1:
+                    if self.scale == self.min_scale:
+                        raise LossScaleError(
+                            f"fp16 gradients overflowed at step {self.iteration} with the loss scale already at "
+                            f"its minimum (fp16.min_loss_scale = {self.min_scale:g}): the model diverged or "
+                            f"needs bf16/fp32; lower fp16.min_loss_scale or the learning rate")
                     self.scale = max(self.scale / 2.0, self.min_scale)
                 else:
                     self.hysteresis -= 1
@@ -48,7 +65,8 @@ class LossScaler:
             else:
                 if self.consecutive_hysteresis:
                     self.hysteresis = self.delayed_shift
-                if (self.iteration - self.last_overflow_iteration) % self.window == 0:
+                stable_interval = self.iteration - self.last_overflow_iteration - 1
+                if stable_interval > 0 and stable_interval % self.window == 0:
                     if not self.consecutive_hysteresis:
                         self.hysteresis = self.delayed_shift
                     self.scale *= 2.0

@@ -48,13 +48,15 @@ class _Schedule:
 
 
 class WarmupLR(_Schedule):
-    """Warm up from ``warmup_min_lr`` to ``warmup_max_lr`` over ``warmup_num_steps`` (log or linear), then hold."""
+    """Warm up from ``warmup_min_lr`` to ``warmup_max_lr`` over ``warmup_num_steps`` (log or linear), then hold.
+
+    Without ``warmup_max_lr`` each param group warms up to its own lr, as DeepSpeed 0.19.8's WarmupLR does.
+    """
 
     def __init__(self, optimizer, p: WarmupLRParams):
         super().__init__(optimizer)
         self.min_lr = p.warmup_min_lr
-        # DeepSpeed 0.19.8: no warmup_max_lr means the optimizer's own lr.
-        self.max_lr = p.warmup_max_lr if p.warmup_max_lr is not None else optimizer.param_groups[0]["lr"]
+        self.max_lrs = [g["lr"] if p.warmup_max_lr is None else p.warmup_max_lr for g in optimizer.param_groups]
         self.warmup_steps = max(2, p.warmup_num_steps)  # log(1) would divide by zero
         self.warmup_type = p.warmup_type
         self._apply()
@@ -66,10 +68,16 @@ class WarmupLR(_Schedule):
 
     def get_lr(self) -> list[float]:
         if self.last_batch_iteration < 0:
-            lr = self.min_lr
-        else:
-            lr = self.min_lr + (self.max_lr - self.min_lr) * self._gamma()
-        return [lr for _ in self.optimizer.param_groups]
+            return [self.min_lr for _ in self.max_lrs]
+        gamma = self._gamma()
+        return [self.min_lr + (max_lr - self.min_lr) * gamma for max_lr in self.max_lrs]
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "max_lrs": list(self.max_lrs)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.max_lrs = list(state.get("max_lrs", self.max_lrs))
+        super().load_state_dict(state)
 
 
 class WarmupDecayLR(WarmupLR):

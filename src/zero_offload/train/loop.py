@@ -14,7 +14,7 @@ import torch.distributed as dist
 import zero_offload
 from zero_offload.checkpoint import CheckpointError, resolve_tag
 from zero_offload.comm import DistContext
-from zero_offload.config import Config
+from zero_offload.config import Config, ConfigError
 from zero_offload.train.data import prepare_data
 from zero_offload.train.model import GPT, count_parameters, flops_per_token, preset
 from zero_offload.train.planning import choose_config, gpt_param_init_fn, needs_sharded_init, peak_flops
@@ -77,8 +77,11 @@ def _raw_config(args: TrainArgs, device: torch.device) -> dict:
     if args.precision != "auto":
         raw["fp16"] = {**raw.get("fp16", {}), "enabled": args.precision == "fp16"}
         raw["bf16"] = {"enabled": args.precision == "bf16"}
+    if not raw.get("optimizer"):
+        raise ConfigError(f"config key 'optimizer' is missing in '{args.config}': zero-offload has no default "
+                          f"optimizer")
     if args.lr is not None:
-        raw["optimizer"]["params"]["lr"] = args.lr
+        raw["optimizer"].setdefault("params", {})["lr"] = args.lr
     Config.load(raw)     # a bad override fails here, naming the key
     return raw
 

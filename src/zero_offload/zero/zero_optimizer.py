@@ -65,6 +65,8 @@ class ZeroOptimizer(PartitionStateMixin):
         else:
             self.adam = partitioned_optimizer(config, parts, [g.hparams for g in groups], self.offload, pin,
                                               self.copies)
+        self._reduced = False              # stages 0/1: the full gradient was reduced since the last step
+        self._set_aside: list[torch.Tensor] | None = None
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -75,11 +77,28 @@ class ZeroOptimizer(PartitionStateMixin):
         """Nothing to prepare before a forward: stages 0-2 keep every parameter whole."""
 
     def begin_micro_step(self, boundary: bool, first_micro_step: bool) -> None:
-        """Stage 2 reduces every micro-step (it keeps no full gradient); stages 0/1 at the boundary only."""
+        """Stage 2 reduces every micro-step (it keeps no full gradient); stages 0/1 at the boundary only.
+
+        Stages 0/1 reduce the full gradient in place, so a second boundary backward before the step would
+        reduce already-reduced values again: the reduced partition is set aside, the full gradient cleared,
+        and the new reduction added to it in `end_micro_step`.
+        """
+        if self.stage < 2 and boundary and self._reduced:
+            for p in self.partitions:
+                p.ready()
+            self._set_aside = [p.buffer.clone() for p in self.partitions]
+            for g in self.flat_grads:
+                g.zero_()
         self.reducer.begin_micro_step(reduce=boundary or self.stage == 2, first_micro_step=first_micro_step)
+        self._reduced = self._reduced or (boundary and self.stage < 2)
 
     def end_micro_step(self) -> None:
         self.reducer.end_micro_step()
+        if self._set_aside is not None:
+            for p, kept in zip(self.partitions, self._set_aside):
+                p.ready()
+                p.buffer.add_(kept)
+            self._set_aside = None
 
     def grad_sq_norm(self) -> torch.Tensor:
         """Squared L2 norm of the whole (loss-scaled) gradient over all ranks, a 0-dim fp32 CPU tensor."""
@@ -94,6 +113,7 @@ class ZeroOptimizer(PartitionStateMixin):
 
     def zero_grad(self) -> None:
         """Clear accumulated gradients after a step (stage 2 partitions are overwritten, not cleared)."""
+        self._reduced, self._set_aside = False, None
         for g in self.flat_grads or []:
             g.zero_()
 

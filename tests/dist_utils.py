@@ -10,6 +10,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from zero_offload.comm import collective_timeout
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -21,7 +23,8 @@ def _entry(rank, world_size, port, fn, args, out_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)   # the ranks share two cores
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    # A hang fails within ZERO_OFFLOAD_TIMEOUT_S (default 10 minutes) instead of blocking CI.
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=collective_timeout())
     try:
         result = fn(*args)
         torch.save({"ok": result}, os.path.join(out_dir, f"{rank}.pt"))

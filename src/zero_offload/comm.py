@@ -6,13 +6,77 @@ collective is ever issued.
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistContext", "DoneWork"]
+__all__ = ["DistContext", "DoneWork", "CollectiveTimeoutError", "collective_timeout", "deadline"]
+
+DEFAULT_TIMEOUT_S = 600.0   # 10 minutes: long enough for a slow checkpoint, short enough to notice a stall
+
+
+class CollectiveTimeoutError(RuntimeError):
+    """A collective did not complete in time on this rank: another rank stalled, died, or issued different
+    collectives. The message names this rank and the deadline."""
+
+
+def collective_timeout() -> timedelta:
+    """The deadline of every collective: ``ZERO_OFFLOAD_TIMEOUT_S`` (seconds), else DeepSpeed's
+    ``DEEPSPEED_TIMEOUT`` (minutes), else 10 minutes. Applies to process groups that `DistContext.create`
+    creates (a group created by the caller keeps its own timeout).
+
+    Raises:
+        ValueError: a variable that is not a positive number (names it).
+    """
+    for name, unit in (("ZERO_OFFLOAD_TIMEOUT_S", 1.0), ("DEEPSPEED_TIMEOUT", 60.0)):
+        raw = os.environ.get(name, "").strip()
+        if raw:
+            try:
+                value = float(raw)
+            except ValueError:
+                value = -1.0
+            if not value > 0:
+                raise ValueError(f"environment variable {name}={raw!r} must be a positive number of "
+                                 f"{'seconds' if unit == 1.0 else 'minutes'}")
+            return timedelta(seconds=value * unit)
+    return timedelta(seconds=DEFAULT_TIMEOUT_S)
+
+
+_COMM_FAILURES = ("timed out", "timeout", "connection closed by peer", "connection reset by peer",
+                  "broken pipe", "watchdog")
+
+
+def _is_comm_failure(e: BaseException) -> bool:
+    if isinstance(e, CollectiveTimeoutError):
+        return False
+    dist_error = getattr(dist, "DistError", ())
+    text = str(e).lower()
+    return (isinstance(e, dist_error) or isinstance(e, RuntimeError)) and any(k in text for k in _COMM_FAILURES)
+
+
+def deadline(method):
+    """Decorate a method of an object with a ``ctx`` (`DistContext`): a collective that fails by timeout or a
+    lost peer inside it becomes a `CollectiveTimeoutError` naming this rank and the deadline."""
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except RuntimeError as e:
+            ctx = self.ctx
+            if not ctx.distributed or not _is_comm_failure(e):
+                raise
+            first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+            limit = f"{ctx.timeout.total_seconds():g} s" if ctx.timeout is not None else \
+                "the process group's timeout"
+            raise CollectiveTimeoutError(
+                f"rank {ctx.rank} of {ctx.world_size}: a collective in {method.__name__}() did not complete "
+                f"within {limit} (set by ZERO_OFFLOAD_TIMEOUT_S in seconds or DEEPSPEED_TIMEOUT in minutes); "
+                f"another rank is stalled, has died, or issued different collectives ({first})") from e
+    return wrapper
 
 
 class DoneWork:
@@ -32,15 +96,20 @@ class DistContext:
     world_size: int
     device: torch.device
     group: object = None  # the data-parallel process group; None means the default group
+    timeout: timedelta | None = None   # the collectives' deadline, when this process created the group
 
     @classmethod
     def create(cls) -> "DistContext":
         """Join (or create) the data-parallel group; see the module docstring.
 
+        A group created here gets the deadline of `collective_timeout`.
+
         Raises:
             RuntimeError: the torchrun environment is incomplete (names the missing variables).
+            ValueError: a bad ``ZERO_OFFLOAD_TIMEOUT_S`` or ``DEEPSPEED_TIMEOUT``.
         """
         cuda = torch.cuda.is_available()
+        timeout = None
         if not dist.is_initialized() and "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
             missing = [k for k in ("RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
             if missing:
@@ -48,7 +117,10 @@ class DistContext:
                                    f"is not: launch with torchrun or set the process-group environment")
             if cuda:
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-            dist.init_process_group("nccl" if cuda else "gloo")
+                # A timed-out NCCL collective then aborts the communicator instead of blocking forever.
+                os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+            timeout = collective_timeout()
+            dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
         if dist.is_initialized():
             rank, world = dist.get_rank(), dist.get_world_size()
             # A gloo group computes on the CPU even where CUDA exists (gloo reduces CPU tensors only).
@@ -60,7 +132,7 @@ class DistContext:
             device = torch.device("cuda", torch.cuda.current_device())
         else:
             device = torch.device("cpu")
-        return cls(rank, world, device)
+        return cls(rank, world, device, timeout=timeout)
 
     def broadcast_from_first(self, tensors) -> None:
         """Give every rank rank 0's values (the initial weights, as DeepSpeed's _broadcast_model)."""

@@ -13,7 +13,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from zero_offload.checkpoint import load_checkpoint, save_checkpoint
-from zero_offload.comm import DistContext
+from zero_offload.comm import DistContext, deadline
 from zero_offload.config import AutoContext, Config, ConfigError
 from zero_offload.optim.lr_schedules import build_scheduler
 from zero_offload.precision import LossScaler, is_overflow, training_dtype
@@ -101,6 +101,7 @@ class Engine:
     def __call__(self, *args, **kwargs):
         return self.forward(*args, **kwargs)
 
+    @deadline
     def forward(self, *args, **kwargs):
         """The wrapped model's forward. Tensor inputs on another device are moved to the engine's, as
         DDP's forward does."""
@@ -113,6 +114,7 @@ class Engine:
         self.timings["forward_s"] += time.perf_counter() - start
         return out
 
+    @deadline
     def backward(self, loss: torch.Tensor) -> torch.Tensor:
         """Backward of ``loss`` / gradient_accumulation_steps (x loss scale under fp16).
 
@@ -148,6 +150,7 @@ class Engine:
         """True when the last backward completed a full set of micro-batches."""
         return self._boundary_pending
 
+    @deadline
     def step(self) -> None:
         """At the accumulation boundary: global norm, fp16 overflow check, clipping, the partitioned
         optimizer step, the all-gather and the LR schedule; a no-op between boundaries.
@@ -252,6 +255,7 @@ class Engine:
         if self.lr_scheduler is not None and state["lr_scheduler"] is not None:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
 
+    @deadline
     def save_checkpoint(self, save_dir, tag: str | None = None, client_state: Any = None):
         """Save the full training state, sharded by rank and written atomically (see `checkpoint`).
 
@@ -260,6 +264,7 @@ class Engine:
         """
         return save_checkpoint(self, save_dir, tag, client_state)
 
+    @deadline
     def load_checkpoint(self, load_dir, tag: str | None = None) -> Any:
         """Restore a checkpoint (default: the ``latest`` one), resharding from any world size or stage,
         and return the ``client_state`` it was saved with.

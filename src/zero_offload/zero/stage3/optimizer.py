@@ -85,6 +85,11 @@ class Stage3Optimizer(PartitionStateMixin):
         self.averaging = GradAveraging.from_config(config, ctx.world_size)
         self.max_in_flight = 2
         self.in_flight: deque = deque()
+        # Reduce-scatters go out in one fixed order on every rank (last unit first, as backward mostly runs),
+        # each once its unit's gradients are ready and all units before it have gone: a module whose output
+        # reaches the loss on some ranks only then cannot make the ranks' collectives disagree.
+        self.reduce_order = sorted(self.units, key=lambda u: -u.index)
+        self.next_reduce = 0
         self.first_micro_step = True
         self.reducing = False
 
@@ -138,6 +143,7 @@ class Stage3Optimizer(PartitionStateMixin):
 
     def begin_micro_step(self, boundary: bool, first_micro_step: bool) -> None:
         self.first_micro_step, self.reducing = first_micro_step, True
+        self.next_reduce = 0
         for u in self.units:
             u.grads_pending = len(u.params)
 
@@ -146,7 +152,13 @@ class Stage3Optimizer(PartitionStateMixin):
         u = param._zero_unit
         u.grads_pending -= 1
         if u.grads_pending == 0:
-            self._reduce(u)
+            self._reduce_ready()
+
+    def _reduce_ready(self) -> None:
+        """Launch, in the fixed order, every unit whose gradients are ready and whose predecessors went."""
+        while self.next_reduce < len(self.reduce_order) and self.reduce_order[self.next_reduce].grads_pending == 0:
+            self._reduce(self.reduce_order[self.next_reduce])
+            self.next_reduce += 1
 
     def _reduce(self, u: ShardedUnit) -> None:
         """Reduce-scatter the unit's gradient so each rank keeps its shard's, and release the unit."""
@@ -177,7 +189,8 @@ class Stage3Optimizer(PartitionStateMixin):
         """After backward: units whose parameters got no gradient reduce zeros, then wait for all."""
         for u in self.units:
             if u.grads_pending > 0:
-                self._reduce(u)
+                u.grads_pending = 0
+        self._reduce_ready()
         while self.in_flight:
             self._complete(self.in_flight.popleft())
         self.saved_params.stop()

@@ -1,4 +1,5 @@
-"""Checkpoint file names and I/O: checksums, fsync, write errors that name the file and the bytes needed, and\nagreement among ranks on a failure."""
+"""Checkpoint file names and I/O: checksums, fsync, write errors that name the file and the bytes needed, and
+agreement among ranks on a failure."""
 from __future__ import annotations
 
 import errno
@@ -56,12 +57,14 @@ def _free_bytes(path: Path) -> int | None:
 
 
 @contextmanager
-def write_errors(path: Path, need_bytes: int) -> Iterator[None]:
-    """Turn a failed write of ``path`` (``need_bytes`` long) into a `CheckpointError` that a person can act on.
+def write_errors(path: Path, need_bytes: int, what: str = "checkpoint file",
+                 only_disk_full: bool = False) -> Iterator[None]:
+    """Turn a failed write of ``path`` (about ``need_bytes`` long) into an error that a person can act on.
 
     safetensors reports a full disk as ``SafetensorError`` and ``torch.save`` as ``basic_ios::clear:
-    iostream error``, neither naming the file; here a full disk becomes `DiskFullError` naming the file,
-    the bytes it needs and the bytes free, and any other write error names the file.
+    iostream error``, neither naming the file; here a full disk becomes `DiskFullError` naming ``what`` and
+    ``path``, the bytes it needs and the bytes free. Any other write error becomes a `CheckpointError` naming
+    the file, or passes unchanged with ``only_disk_full``.
     """
     try:
         yield
@@ -70,12 +73,14 @@ def write_errors(path: Path, need_bytes: int) -> Iterator[None]:
             raise
         free = _free_bytes(path)
         full = getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "No space left" in str(e) or \
-            (free is not None and free < need_bytes)
+            (not isinstance(e, FileNotFoundError) and free is not None and free < need_bytes)
         if full:
-            raise DiskFullError(f"no space left on the device to write checkpoint file '{path}': it needs "
+            raise DiskFullError(f"no space left on the device to write {what} '{path}': it needs about "
                                 f"{need_bytes} bytes ({need_bytes / 2**20:.1f} MiB), {free} bytes are free "
-                                f"there; free space or save elsewhere") from e
-        raise CheckpointError(f"could not write checkpoint file '{path}': {e}") from e
+                                f"there; free space or write elsewhere") from e
+        if only_disk_full:
+            raise
+        raise CheckpointError(f"could not write {what} '{path}': {e}") from e
 
 
 def module_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:

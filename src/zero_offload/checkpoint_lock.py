@@ -28,7 +28,7 @@ class DirectoryLock:
         LockedError: another process holds the lock (not waited for).
     """
 
-    def __init__(self, directory: str | os.PathLike, purpose: str = "written"):
+    def __init__(self, directory: str | os.PathLike, purpose: str = "in use"):
         self.directory = Path(directory)
         self.purpose = purpose
         self._fd: int | None = None
@@ -43,7 +43,7 @@ class DirectoryLock:
             holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
             os.close(fd)
             if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise LockedError(f"'{self.directory}' is being {self.purpose} by another process (pid {holder}); "
+                raise LockedError(f"'{self.directory}' is {self.purpose} by another process (pid {holder}); "
                                   f"wait for it to finish or use another directory") from None
             raise
         os.ftruncate(fd, 0)

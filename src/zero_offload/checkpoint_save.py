@@ -72,7 +72,7 @@ def save_checkpoint(engine: CheckpointTarget, save_dir: str | os.PathLike, tag: 
     lock, tmp, error = None, None, None
     if engine.rank == 0:
         try:
-            lock = DirectoryLock(root, "saved into").acquire()
+            lock = DirectoryLock(root, "being saved into").acquire()
             _remove_stale_tmp(root)
             tmp = root / f"{TMP_PREFIX}{tag}-{os.getpid()}-{secrets.token_hex(4)}"
             tmp.mkdir()
@@ -232,7 +232,7 @@ def prune_checkpoints(save_dir: str | os.PathLike, keep_last: int) -> list[str]:
         raise CheckpointError(f"keep_last must be >= 1, got {keep_last}")
     root = Path(save_dir)
     try:
-        lock = DirectoryLock(root, "saved into").acquire()
+        lock = DirectoryLock(root, "being saved into").acquire()
     except LockedError as e:
         raise CheckpointError(f"cannot prune checkpoints: {e}") from None
     try:

@@ -30,7 +30,10 @@ def _train_parser(sub) -> None:
                                                                         "always saved at the end)")
     p.add_argument("--out", default=d.out, help=f"output directory: metrics.jsonl, loss.png, sample.txt, "
                                                 f"checkpoints/, data_cache/ (default {d.out})")
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out (metrics.jsonl "
+                                                         "is cut back to the resumed step)")
+    p.add_argument("--keep-last", type=int, default=d.keep_last, help=f"checkpoints kept in --out/checkpoints, the "
+                                                                     f"newest (default {d.keep_last})")
     p.add_argument("--seed", type=int, default=d.seed, help="seed for the model and the data order")
     p.add_argument("--data", default=d.data, help="a text file or a directory of text files (default: the "
                                                   "Python standard library's source)")
@@ -67,7 +70,7 @@ def _estimate_parser(sub) -> None:
 def _run_train(ns) -> int:
     from zero_offload.train.loop import TrainArgs, train
     args = TrainArgs(**{k: v for k, v in vars(ns).items() if k in TrainArgs.__dataclass_fields__})
-    for flag in ("steps", "eval_every", "save_every"):
+    for flag in ("steps", "eval_every", "save_every", "keep_last"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     train(args)
@@ -96,7 +99,12 @@ def main(argv: list[str] | None = None) -> int:
     cons.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="tensor dtype in the file")
     ns = parser.parse_args(argv)
     from zero_offload.checkpoint import CheckpointError
+    from zero_offload.checkpoint_lock import LockedError
+    from zero_offload.comm import CollectiveTimeoutError
     from zero_offload.config import ConfigError
+    from zero_offload.precision import LossScaleError
+    # Failures a person can act on: one line and exit status 2, no traceback.
+    known = (ConfigError, CheckpointError, ValueError, OSError, LockedError, CollectiveTimeoutError, LossScaleError)
     try:
         if ns.command == "train":
             return _run_train(ns)
@@ -109,8 +117,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB)")
             return 0
         parser.error(f"unknown command {ns.command}")
-    except (ConfigError, CheckpointError, ValueError, FileNotFoundError) as e:
-        print(f"zero-offload {ns.command}: error: {e}", file=sys.stderr)
+    except known as e:
+        message = " ".join(str(e).split()) or type(e).__name__
+        print(f"zero-offload {ns.command}: error: {message}", file=sys.stderr)
         return 2
     return 0
 

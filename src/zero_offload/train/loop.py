@@ -12,7 +12,9 @@ import torch
 import torch.distributed as dist
 
 import zero_offload
-from zero_offload.checkpoint import CheckpointError, resolve_tag
+from zero_offload.checkpoint import CheckpointError, prune_checkpoints, resolve_tag
+from zero_offload.checkpoint_io import write_errors
+from zero_offload.checkpoint_lock import DirectoryLock, LockedError
 from zero_offload.comm import DistContext
 from zero_offload.config import Config, ConfigError
 from zero_offload.train.data import prepare_data
@@ -36,6 +38,7 @@ class TrainArgs:
     save_every: int = 200
     out: str = "runs/tiny"
     resume: bool = False
+    keep_last: int = 3
     seed: int = 1337
     data: str | None = None
     tokenizer: str = "bpe"
@@ -94,10 +97,15 @@ def _log(rank: int, *msg) -> None:
 def train(args: TrainArgs) -> dict:
     """Run the job; returns {"first_val_loss", "last_val_loss", "steps", "seconds"}.
 
+    Rank 0 holds ``--out/.lock`` for the whole run, so two runs never interleave their checkpoints and
+    metrics.
+
     Raises:
         ValueError: an unknown preset, ``--seq-len`` beyond the preset's context, or bad data.
         FileNotFoundError: a missing ``--data`` path.
-        CheckpointError: ``--resume`` with no checkpoint in ``--out``.
+        CheckpointError: ``--resume`` with no checkpoint in ``--out``; a failed save (`DiskFullError` names
+            the file and the bytes it needs).
+        LockedError: another run uses ``--out`` (names the directory and its pid).
     """
     t_start = time.perf_counter()
     cfg_model = preset(args.model)           # fails early on an unknown preset
@@ -122,6 +130,33 @@ def train(args: TrainArgs) -> dict:
     config = Config.load(choice.raw)   # a typo in the config costs no data or model work
     config.batch_sizes(ctx.world_size)
     out = Path(args.out)
+    lock = _lock_out(out, ctx)
+    try:
+        return _train(args, ctx, config, choice, out, t_start)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _lock_out(out: Path, ctx: DistContext) -> DirectoryLock | None:
+    """Rank 0 locks ``out`` for the run; every rank fails together when another run holds it."""
+    lock, message = None, None
+    if ctx.rank == 0:
+        try:
+            lock = DirectoryLock(out, "in use").acquire()
+        except LockedError as e:
+            message = str(e)
+    if ctx.distributed:
+        box = [message]
+        dist.broadcast_object_list(box, src=0)
+        message = box[0]
+    if message is not None:
+        raise LockedError(f"--out {message}")
+    return lock
+
+
+def _train(args: TrainArgs, ctx: DistContext, config: Config, choice, out: Path, t_start: float) -> dict:
+    seq_len = args.seq_len or preset(args.model).block_size
     ckpt_dir = out / "checkpoints"
     if args.resume:
         try:
@@ -149,7 +184,7 @@ def train(args: TrainArgs) -> dict:
     if args.resume:
         start = engine.load_checkpoint(ckpt_dir)["step"]
         _log(ctx.rank, f"resumed from step {start} ({ckpt_dir})")
-    metrics = _Metrics(out, ctx.rank, append=args.resume)
+    metrics = _Metrics(out, ctx.rank, resume_step=start if args.resume else None)
     micro, gas = engine.train_micro_batch_size_per_gpu, engine.gradient_accumulation_steps
     tokens_per_step = micro * gas * ctx.world_size * seq_len
     flops_token, peak = flops_per_token(model_cfg, seq_len), peak_flops(ctx.device)
@@ -158,44 +193,48 @@ def train(args: TrainArgs) -> dict:
         first_val = last_val = _evaluate(engine, data, micro, seq_len, ctx, args.seed)
         metrics.write({"step": 0, "val_loss": first_val})
     bar = _progress(ctx.rank, start, args.steps)
-    for step in range(start, args.steps):
-        t0 = time.perf_counter()
-        loss_sum = torch.zeros((), device=ctx.device)
-        for k in range(gas):
-            x, y = data.get_batch("train", micro, seq_len, rank=ctx.rank, world_size=ctx.world_size,
-                                  seed=args.seed, step=step * gas + k)
-            _, loss = engine(x.to(ctx.device), y.to(ctx.device))
-            engine.backward(loss)
-            engine.step()
-            loss_sum += loss.detach().float() / gas
-        loss_value = _mean_over_ranks(loss_sum, ctx)
-        dt = time.perf_counter() - t0
-        record = {"step": step + 1, "loss": loss_value, "lr": engine.get_lr()[0],
-                  "tokens_per_s": tokens_per_step / dt, "step_time_s": dt,
-                  **{k: round(v, 6) for k, v in engine.timings.items()}, **_memory(ctx.device)}
-        if ctx.device.type == "cuda":
-            # Model FLOPs (6N + attention per token, no recompute counted) per GPU, and MFU against its peak.
-            record["tflops"] = tokens_per_step / dt * flops_token / ctx.world_size / 1e12
-            if peak:
-                record["mfu"] = record["tflops"] * 1e12 / peak
-        metrics.write(record)
-        if bar is not None:
-            bar.update(1)
-            extra = {k: f"{record[k]:.1f}" if k == "tflops" else f"{record[k]:.1%}"
-                     for k in ("tflops", "mfu") if k in record}
-            bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{record['tokens_per_s']:.0f}", **extra,
-                            host_gb=f"{record['host_mem_gb']:.1f}",
-                            **({"dev_gb": f"{record['device_mem_gb']:.1f}"} if "device_mem_gb" in record else {}))
-        done = step + 1
-        if done % args.eval_every == 0 or done == args.steps:
-            last_val = _evaluate(engine, data, micro, seq_len, ctx, args.seed)
-            metrics.write({"step": done, "val_loss": last_val})
+    try:
+        for step in range(start, args.steps):
+            t0 = time.perf_counter()
+            loss_sum = torch.zeros((), device=ctx.device)
+            for k in range(gas):
+                x, y = data.get_batch("train", micro, seq_len, rank=ctx.rank, world_size=ctx.world_size,
+                                      seed=args.seed, step=step * gas + k)
+                _, loss = engine(x.to(ctx.device), y.to(ctx.device))
+                engine.backward(loss)
+                engine.step()
+                loss_sum += loss.detach().float() / gas
+            loss_value = _mean_over_ranks(loss_sum, ctx)
+            dt = time.perf_counter() - t0
+            record = {"step": step + 1, "loss": loss_value, "lr": engine.get_lr()[0],
+                      "tokens_per_s": tokens_per_step / dt, "step_time_s": dt,
+                      **{k: round(v, 6) for k, v in engine.timings.items()}, **_memory(ctx.device)}
+            if ctx.device.type == "cuda":
+                # Model FLOPs (6N + attention per token, no recompute counted) per GPU, and MFU against its peak.
+                record["tflops"] = tokens_per_step / dt * flops_token / ctx.world_size / 1e12
+                if peak:
+                    record["mfu"] = record["tflops"] * 1e12 / peak
+            metrics.write(record)
             if bar is not None:
-                bar.write(f"step {done}: train loss {loss_value:.4f}, val loss {last_val:.4f}")
-        if done % args.save_every == 0 or done == args.steps:
-            engine.save_checkpoint(ckpt_dir, client_state={"step": done})
-    if bar is not None:
-        bar.close()
+                bar.update(1)
+                extra = {k: f"{record[k]:.1f}" if k == "tflops" else f"{record[k]:.1%}"
+                         for k in ("tflops", "mfu") if k in record}
+                bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{record['tokens_per_s']:.0f}", **extra,
+                                host_gb=f"{record['host_mem_gb']:.1f}",
+                                **({"dev_gb": f"{record['device_mem_gb']:.1f}"} if "device_mem_gb" in record else {}))
+            done = step + 1
+            if done % args.eval_every == 0 or done == args.steps:
+                last_val = _evaluate(engine, data, micro, seq_len, ctx, args.seed)
+                metrics.write({"step": done, "val_loss": last_val})
+                if bar is not None:
+                    bar.write(f"step {done}: train loss {loss_value:.4f}, val loss {last_val:.4f}")
+            if done % args.save_every == 0 or done == args.steps:
+                engine.save_checkpoint(ckpt_dir, client_state={"step": done})
+                if ctx.rank == 0:
+                    prune_checkpoints(ckpt_dir, args.keep_last)
+    finally:
+        if bar is not None:   # on an error too: the message then starts on its own line
+            bar.close()
     # Every rank generates (stage 3 gathers parameters collectively); rank 0 writes and prints.
     text = write_sample(engine.module, data, out / "sample.txt" if ctx.rank == 0 else None, ctx.device,
                         seed=args.seed)
@@ -216,7 +255,8 @@ def _prepare(args: TrainArgs, ctx: DistContext, out: Path):
     cache = out / "data_cache"
     kwargs = dict(tokenizer=args.tokenizer)
     if ctx.rank == 0:
-        data = prepare_data(cache, args.data, **kwargs)
+        with write_errors(cache, _corpus_bytes(args.data), "the token cache", only_disk_full=True):
+            data = prepare_data(cache, args.data, **kwargs)
     if ctx.distributed:
         dist.barrier()
     if ctx.rank != 0:
@@ -259,16 +299,31 @@ def _progress(rank: int, start: int, total: int):
     return tqdm(total=total, initial=start, unit="step", dynamic_ncols=True, mininterval=1.0)
 
 
-class _Metrics:
-    """metrics.jsonl: one JSON line per step and per evaluation (rank 0 only)."""
+def _corpus_bytes(data: str | None) -> int:
+    """About the bytes of token cache a corpus needs (4 bytes per byte of text at worst, as int32 ids)."""
+    if data is None or not Path(data).exists():
+        return 0
+    path = Path(data)
+    files = [path] if path.is_file() else [f for f in path.rglob("*") if f.is_file()]
+    return 4 * sum(f.stat().st_size for f in files)
 
-    def __init__(self, out: Path, rank: int, append: bool):
+
+class _Metrics:
+    """metrics.jsonl: one JSON line per step and per evaluation (rank 0 only). On resume the file is cut back
+    to the resumed step, so the steps redone after it are not listed twice."""
+
+    def __init__(self, out: Path, rank: int, resume_step: int | None):
         self.path = out / "metrics.jsonl"
         self.rank = rank
         if rank == 0:
             out.mkdir(parents=True, exist_ok=True)
-            if not append:
+            if resume_step is None or not self.path.exists():
                 self.path.write_text("")
+            else:
+                kept = [line for line in self.path.read_text().splitlines() if _step_of(line) <= resume_step]
+                tmp = self.path.with_name(self.path.name + ".tmp")
+                tmp.write_text("".join(line + "\n" for line in kept))
+                tmp.replace(self.path)
 
     def write(self, record: dict) -> None:
         if self.rank == 0:
@@ -283,3 +338,11 @@ class _Metrics:
             if "val_loss" in rec:
                 return rec["val_loss"]
         return None
+
+
+def _step_of(line: str) -> float:
+    """The step of a metrics line; a torn last line (a run killed mid-write) sorts after every step."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return float("inf")

@@ -127,7 +127,7 @@ def _torch_reference(make_opt, steps=4):
      lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True)),
     ({"type": "Adagrad", "params": {"lr": 0.01}}, "cpu", lambda p: torch.optim.Adagrad(p, lr=0.01)),
 ])
-def test_torch_optimizer_on_partitions_matches_torch(optimizer, offload, make_ref):
+def test_torch_optimizer_on_partitions_matches_torch(optimizer, offload, make_ref, tmp_path):
     engine = zero_offload.initialize(make_model(), {
         "train_micro_batch_size_per_gpu": MICRO, "optimizer": optimizer,
         "zero_optimization": {"stage": 2, "offload_optimizer": {"device": offload}}})
@@ -141,7 +141,8 @@ def test_torch_optimizer_on_partitions_matches_torch(optimizer, offload, make_re
         if name in full:
             assert (full[name] - r.detach()).abs().max().item() <= 1e-5, name
     with pytest.raises(NotImplementedError, match="checkpoints of optimizer type"):
-        engine.zero.adam.group_state(0)
+        engine.save_checkpoint(tmp_path)
+    assert [p.name for p in tmp_path.iterdir()] == [".lock"]     # nothing half-written is left
 
 
 # -- schedules: DeepSpeed's own classes are the reference where installed ------------------------------------

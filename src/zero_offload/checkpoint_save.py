@@ -111,7 +111,7 @@ def _write_all(engine: CheckpointTarget, root: Path, tmp: Path, tag: str, client
     error, digests = None, {}
     try:
         digests = _write_shard(engine, tmp)
-    except CheckpointError as e:
+    except (CheckpointError, NotImplementedError) as e:   # every rank learns of it: none waits alone
         error = e
     if engine.world_size > 1:
         gathered = [None] * engine.world_size

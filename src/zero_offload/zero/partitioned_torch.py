@@ -76,11 +76,11 @@ class PartitionedTorchOptimizer(PartitionedAdam):
                     (first if name in ("exp_avg", "momentum_buffer") else rest).append(t)
         return {"master": self.masters, "exp_avg": first, "exp_avg_sq": rest}
 
-    def group_state(self, g: int) -> dict:
+    def state_chunks(self, g: int, chunk_numel: int = 1 << 24):
         raise NotImplementedError(
             f"checkpoints of optimizer type {self.type_name!r} (or amsgrad) are not built: only the fused Adam/"
             f"AdamW states are saved. Save with optimizer type Adam/AdamW, or save the model with "
             f"engine.save_16bit_model / engine.full_state_dict()")
 
-    def load_group_state(self, g: int, *args, **kwargs) -> None:
-        self.group_state(g)
+    def load_state_chunks(self, g: int, step: int, chunks) -> None:
+        self.state_chunks(g)

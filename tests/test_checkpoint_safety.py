@@ -67,7 +67,6 @@ WRITER = textwrap.dedent("""
     import zero_offload
     from zero_offload.checkpoint import CheckpointError
     from reference import engine_config
-from tmpfs_utils import small_tmpfs
     from toy_model import make_model
     engine = zero_offload.initialize(make_model(seed={seed}), engine_config(2, "cpu", 1))
     saved = refused = 0

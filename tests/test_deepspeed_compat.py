@@ -14,6 +14,7 @@ from reference import LR, MICRO, WD
 from toy_model import ToyTransformer, batch, make_model
 
 CFG = {"train_micro_batch_size_per_gpu": MICRO, "zero_optimization": {"stage": 2}}
+ADAM = {"optimizer": {"type": "Adam", "params": {"lr": 1e-3}}}   # without a client optimizer a config needs one
 
 
 def _train(engine, steps=3, ws=1, rank=0):
@@ -110,7 +111,8 @@ def test_not_a_torch_optimizer_is_refused():
 
 def test_config_from_args_and_errors(tmp_path):
     path = tmp_path / "ds.json"
-    path.write_text('{"train_micro_batch_size_per_gpu": 2, // hjson\n "zero_optimization": {"stage": 1},}')
+    path.write_text('{"train_micro_batch_size_per_gpu": 2, // hjson\n "zero_optimization": {"stage": 1},\n'
+                    ' "optimizer": {"type": "Adam"},}')
     parser = deepspeed.add_config_arguments(argparse.ArgumentParser())
     args = parser.parse_args(["--deepspeed", "--deepspeed_config", str(path)])
     engine, *_ = deepspeed.initialize(args=args, model=make_model())
@@ -121,14 +123,14 @@ def test_config_from_args_and_errors(tmp_path):
         deepspeed.initialize(model=make_model())
     with pytest.raises(ValueError, match="requires a model"):
         deepspeed.initialize(config=CFG)
-    engine, *_ = deepspeed.initialize(model=make_model(), config_params=CFG)   # the old name
+    engine, *_ = deepspeed.initialize(model=make_model(), config_params={**CFG, **ADAM})   # the old name
     assert engine.zero_optimization_stage() == 2
 
 
 def _loader_run():
     data = torch.utils.data.TensorDataset(torch.arange(10))
     engine, _, loader, _ = deepspeed.initialize(model=make_model(), training_data=data,
-                                                config={**CFG, "dataloader_drop_last": True})
+                                                config={**CFG, **ADAM, "dataloader_drop_last": True})
     return [b[0].tolist() for b in loader]
 
 
@@ -142,7 +144,7 @@ def test_dataloader_uses_a_distributed_sampler():
 def test_boundary_grad_norm_and_skipped_steps():
     engine, *_ = deepspeed.initialize(model=make_model(), config={
         "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 2, "fp16": {"enabled": True},
-        "zero_optimization": {"stage": 1}})
+        "zero_optimization": {"stage": 1}, **ADAM})
     x, y = batch(0, MICRO)
     assert not engine.is_gradient_accumulation_boundary()
     engine.backward(engine(x, y))
@@ -159,7 +161,7 @@ def test_boundary_grad_norm_and_skipped_steps():
 
 
 def test_save_16bit_model_and_load_checkpoint(tmp_path):
-    cfg = {**CFG, "zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}
+    cfg = {**CFG, **ADAM, "zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}
     engine, *_ = deepspeed.initialize(model=make_model(), config=cfg)
     _train(engine, 1)
     with warnings.catch_warnings(record=True) as w:

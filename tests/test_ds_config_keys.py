@@ -214,7 +214,8 @@ def test_warmup_lr_with_zero_steps_warns_and_clamps_as_deepspeed():
 @pytest.mark.parametrize("check", [True, False])
 def test_bf16_non_finite_gradient_skips_the_step(check):
     engine = zero_offload.initialize(make_model(), {"train_batch_size": 2, "bf16": {
-        "enabled": True, "check_grad_overflow": check}, "zero_optimization": {"stage": 1}})
+        "enabled": True, "check_grad_overflow": check}, "zero_optimization": {"stage": 1},
+        "optimizer": {"type": "Adam"}})
     before = engine.full_state_dict()
     x, y = batch(0, 2)
     engine.backward(engine(x, y) * float("inf"))

@@ -272,6 +272,24 @@ class NvmeAdam:
         self.steps[g] = int(step)
         self.parts[g].copy_(states[0])
 
+    # -- the chunked state API of zero_offload.state.PartitionedOptimizerState --------------------------------
+    def group_step(self, g: int) -> int:
+        return int(self.steps[g])
+
+    def state_chunks(self, g: int, chunk_numel: int = 1 << 24):
+        """Group ``g``'s state as one (0, {kind: fp32 CPU tensor}) piece (a streamed read per sub-group is
+        possible through the same API)."""
+        state = self.group_state(g)
+        yield 0, {kind: state[kind] for kind in KINDS}
+
+    def load_state_chunks(self, g: int, step: int, chunks) -> None:
+        """Replace group ``g``'s state from (offset, {kind: tensor}) pieces covering the partition."""
+        whole = {kind: torch.empty(self.parts[g].numel(), dtype=torch.float32) for kind in KINDS}
+        for lo, piece in chunks:
+            for kind in KINDS:
+                whole[kind][lo:lo + piece[kind].numel()] = piece[kind]
+        self.load_group_state(g, whole["master"], whole["exp_avg"], whole["exp_avg_sq"], step)
+
     def close(self) -> None:
         """Wait for outstanding I/O and delete the swap files (also done when collected and at exit)."""
         self._finalizer()

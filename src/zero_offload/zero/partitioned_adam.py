@@ -188,17 +188,27 @@ class PartitionedAdam:
         if mine.data_ptr() != self.parts[g].data_ptr():
             self.parts[g].copy_(mine)
 
+    def group_state(self, g: int) -> dict:
+        """Group ``g``'s partition state whole (the `PartitionOptimizer` role): fp32 CPU ``master``,
+        ``exp_avg``, ``exp_avg_sq`` of shape (partition numel,) (fresh copies) and ``step``."""
+        return self.state_dict_group(g)
+
+    def load_group_state(self, g: int, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                         step: int) -> None:
+        """Replace group ``g``'s state and write its parameters from ``master``."""
+        self.load_state_chunks(g, step, [(0, {"master": master, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq})])
+
+    def state_dict_group(self, g: int) -> dict:
+        whole = {k: torch.empty(self.group_numel(g)) for k in ("master", "exp_avg", "exp_avg_sq")}
+        for lo, piece in self.state_chunks(g):
+            for k, v in piece.items():
+                whole[k][lo:lo + v.numel()] = v
+        return {"step": self.group_step(g), **whole}
+
     def state_dict(self) -> dict:
         """{"groups": [{"step": int, "master"|"exp_avg"|"exp_avg_sq": fp32 CPU tensor (partition numel,)}]}:
         this rank's partitions whole (fresh copies). `state_chunks` reads the same without a whole copy."""
-        groups = []
-        for g in range(self.group_count):
-            whole = {k: torch.empty(self.group_numel(g)) for k in ("master", "exp_avg", "exp_avg_sq")}
-            for lo, piece in self.state_chunks(g):
-                for k, v in piece.items():
-                    whole[k][lo:lo + v.numel()] = v
-            groups.append({"step": self.group_step(g), **whole})
-        return {"groups": groups}
+        return {"groups": [self.state_dict_group(g) for g in range(self.group_count)]}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what `state_dict` returned (same partition sizes).

@@ -146,7 +146,7 @@ def test_sharded_build_initialises_like_gpt():
     cfg = GPTConfig(vocab_size=512, block_size=16, n_layer=2, n_head=4, n_embd=128)
     with zero_offload.init_sharded():
         model = GPT(cfg)
-    engine = zero_offload.initialize(model, {"train_micro_batch_size_per_gpu": 2,
+    engine = zero_offload.initialize(model, {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam"},
                                              "zero_optimization": {"stage": 3}},
                                      param_init_fn=gpt_param_init_fn(model, cfg.n_layer))
     state = engine.full_state_dict()

@@ -115,12 +115,16 @@ class DistContext:
             if missing:
                 raise RuntimeError(f"WORLD_SIZE={os.environ['WORLD_SIZE']} is set but {', '.join(missing)} "
                                    f"is not: launch with torchrun or set the process-group environment")
+            timeout = collective_timeout()
             if cuda:
-                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+                # Bind the group to this rank's GPU up front (eager NCCL init, no device guessing later).
+                local = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+                torch.cuda.set_device(local)
                 # A timed-out NCCL collective then aborts the communicator instead of blocking forever.
                 os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
-            timeout = collective_timeout()
-            dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
+                dist.init_process_group("nccl", device_id=local, timeout=timeout)
+            else:
+                dist.init_process_group("gloo", timeout=timeout)
         if dist.is_initialized():
             rank, world = dist.get_rank(), dist.get_world_size()
             # A gloo group computes on the CPU even where CUDA exists (gloo reduces CPU tensors only).
@@ -128,7 +132,8 @@ class DistContext:
         else:
             rank, world = 0, 1
         if cuda:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
+            # A group the user created keeps the device the user chose (torch.cuda.set_device before
+            # initialize, as with DDP); only a group made here was bound to LOCAL_RANK above.
             device = torch.device("cuda", torch.cuda.current_device())
         else:
             device = torch.device("cpu")
@@ -140,21 +145,34 @@ class DistContext:
             for t in tensors:
                 dist.broadcast(t, src=self._global(0), group=self.group)
 
+    def broadcast_from(self, tensor: torch.Tensor, rank: int) -> None:
+        """Give every rank ``rank``'s (a rank within the group) values of ``tensor``."""
+        if self.distributed:
+            dist.broadcast(tensor, src=self._global(rank), group=self.group)
+
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
 
-    def reduce(self, tensor: torch.Tensor, owner: int, async_op: bool = True):
-        """Sum ``tensor`` over ranks into ``owner``'s copy (the bucketed reduce-scatter's per-owner part)."""
+    def reduce(self, tensor: torch.Tensor, owner: int, async_op: bool = True, average: bool = False):
+        """Sum (or with ``average``, average: NCCL's ReduceOp.AVG, see `native_average`) ``tensor`` over
+        ranks into ``owner``'s copy (the bucketed reduce-scatter's per-owner part)."""
         if not self.distributed:
             return DoneWork()
-        return dist.reduce(tensor, dst=self._global(owner), group=self.group, async_op=async_op)
+        op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
+        return dist.reduce(tensor, dst=self._global(owner), op=op, group=self.group, async_op=async_op)
 
-    def all_reduce(self, tensor: torch.Tensor, async_op: bool = True):
-        """Sum ``tensor`` over ranks in place, on every rank."""
+    def all_reduce(self, tensor: torch.Tensor, async_op: bool = True, average: bool = False):
+        """Sum (or with ``average``, average) ``tensor`` over ranks in place, on every rank."""
         if not self.distributed:
             return DoneWork()
-        return dist.all_reduce(tensor, group=self.group, async_op=async_op)
+        op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
+        return dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
+
+    def native_average(self, dtype: torch.dtype) -> bool:
+        """True when the backend averages in the collective itself (NCCL's ReduceOp.AVG), so no separate
+        division kernel is needed; fp16 keeps dividing first to stay in range, and gloo has no AVG."""
+        return self.distributed and dtype != torch.float16 and dist.get_backend(self.group) == "nccl"
 
     def all_gather_partitions(self, flat: torch.Tensor, partition_numel: int, bucket_numel: int) -> None:
         """Fill every rank's partition of ``flat`` from its owner, ``bucket_numel`` elements per collective.

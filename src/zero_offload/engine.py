@@ -15,6 +15,7 @@ from torch.utils._pytree import tree_map
 from zero_offload.checkpoint import load_checkpoint, save_checkpoint
 from zero_offload.comm import DistContext, deadline
 from zero_offload.config import AutoContext, Config, ConfigError
+from zero_offload.offload.delayed_update import DelayedParamUpdate
 from zero_offload.optim.lr_schedules import build_scheduler
 from zero_offload.precision import LossScaler, is_overflow, training_dtype
 from zero_offload.zero import ParamGroup, ZeroOptimizer
@@ -87,6 +88,9 @@ class Engine:
         self.ctx.broadcast_from_first([*self.module.buffers(),
                                        *(p.data for p in self.module.parameters() if not p.requires_grad)])
         self.optimizer = self.zero.optimizer
+        offload_opt = self.config.zero_optimization.offload_optimizer
+        self._dpu = (DelayedParamUpdate(self.zero, offload_opt.dpu_warmup_steps)
+                     if offload_opt.delayed_param_update else None)
         self.scaler = LossScaler(self.config)
         self.lr_scheduler = build_scheduler(self.config.scheduler, self.optimizer)
         self.global_step = 0
@@ -162,6 +166,8 @@ class Engine:
             return
         start = time.perf_counter()
         self._boundary_pending = False
+        if self._dpu is not None:
+            self._dpu.flush()   # the delayed step of the previous boundary: its parameters go up now
         loss_scale = self.scaler.scale
         norm = self.zero.grad_sq_norm().sqrt() / loss_scale
         self.last_grad_norm = float(norm)
@@ -174,7 +180,10 @@ class Engine:
             clip = self.config.gradient_clipping
             # torch.nn.utils.clip_grad_norm_'s coefficient, folded into the one scale the kernel applies.
             coef = min(1.0, clip / (float(norm) + 1e-6)) if clip > 0 else 1.0
-            self.zero.step(grad_scale=coef / loss_scale)
+            if self._dpu is not None and self._dpu.engaged(self.global_step):
+                self._dpu.launch(grad_scale=coef / loss_scale)   # runs while the next forward/backward do
+            else:
+                self.zero.step(grad_scale=coef / loss_scale)
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
         self.scaler.update(overflow)
@@ -262,6 +271,7 @@ class Engine:
         A collective: every rank calls it. ``tag`` defaults to ``global_step{N}``; ``save_dir/latest`` is
         updated last. Returns the checkpoint's directory.
         """
+        self.flush_delayed_update()
         return save_checkpoint(self, save_dir, tag, client_state)
 
     @deadline
@@ -273,12 +283,24 @@ class Engine:
             CheckpointError: a missing or corrupted file, an unknown tag, or another model's checkpoint;
                 the engine is left as it was.
         """
+        # Finish (not drop) a delayed step first: if the load then fails, the engine stays consistent.
+        self.flush_delayed_update()
         return load_checkpoint(self, load_dir, tag)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """{name: fp32 CPU tensor} of every trainable parameter, from the fp32 master weights of all ranks
-        (a collective: every rank must call it)."""
+        (a collective: every rank must call it). Under the delayed parameter update these are the masters
+        after the last step, which the model runs on only from the step after next."""
+        if self._dpu is not None:
+            self._dpu.wait()
         return self.zero.full_master_state(self.module)
+
+    def flush_delayed_update(self) -> None:
+        """Delayed parameter update: finish the host step in flight and copy its parameters up now, so the
+        model runs on the latest parameters (done by `save_checkpoint`, so that a resumed run continues
+        exactly as the saving one does). A no-op without ``delayed_param_update``."""
+        if self._dpu is not None:
+            self._dpu.flush()
 
     # -- internals -------------------------------------------------------------------------------------
     def _to_device(self, x):

@@ -1,4 +1,4 @@
-"""Host-memory offload: pinned buffers and the copy stream that moves partitions between device and host."""
-from zero_offload.offload.copies import CopyEngine, host_empty
+"""Host-memory offload: exact-size pinned buffers, copy streams and events, the delayed parameter update."""
+from zero_offload.offload.copies import DONE, CopyEngine, CopyHandle, Copies, CudaCopies, HostCopies, host_empty
 
-__all__ = ["CopyEngine", "host_empty"]
+__all__ = ["CopyEngine", "CopyHandle", "Copies", "CudaCopies", "HostCopies", "DONE", "host_empty"]

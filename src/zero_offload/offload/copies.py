@@ -1,68 +1,143 @@
-"""Device <-> host copies on a side stream, so transfers overlap accelerator compute.
+"""Device <-> host copies, each direction on its own stream and each copy ordered by its own event.
 
-On CUDA, copies run on a dedicated stream into or out of pinned host memory and are ordered with the
-compute stream by events. On a machine without an accelerator the device *is* the host: copies are plain,
-synchronous copies between separate host buffers, and streams and pinning fall away.
+The FSDP2 way (torch.distributed.fsdp's copy-in/all-gather streams): gradient copies down run on a
+device-to-host stream, parameter copies up on a host-to-device stream, so neither queues behind the other.
+Each copy records an event when it is queued and returns it as a `CopyHandle`:
+
+- before a copy starts, its stream waits on an event recorded on the compute stream at the time of the call
+  (the data it reads -- or the buffer it overwrites -- was produced or last used there);
+- the compute stream waits only on the handle of the data it is about to use (`CopyHandle.wait_stream`),
+  never on a whole copy stream;
+- the host reads (or overwrites) a host buffer only after that buffer's handle (`CopyHandle.synchronize`);
+- the device-side tensor of each copy is ``record_stream``-ed on the copy stream, so the caching allocator
+  does not hand its memory out again before the copy has read it.
+
+On a machine without an accelerator the device is the host: `HostCopies` copies synchronously and every
+handle is complete -- the same interface (`Copies`) with streams, events and pinning fallen away.
 """
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
-__all__ = ["host_empty", "host_alloc_bytes", "CopyEngine"]
+from zero_offload.offload.pinned import host_alloc_bytes, host_empty
+
+__all__ = ["host_empty", "host_alloc_bytes", "CopyHandle", "DONE", "Copies", "CudaCopies", "HostCopies", "CopyEngine"]
 
 
-def host_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    """A 1-D host tensor of ``numel`` elements, page-locked when ``pin`` and CUDA is present."""
-    pin = pin and torch.cuda.is_available()
-    return torch.empty(numel, dtype=dtype, pin_memory=pin)
+class CopyHandle:
+    """One queued copy: an event on its copy stream (None when it completed synchronously)."""
 
+    __slots__ = ("event",)
 
-def host_alloc_bytes(numel: int, dtype: torch.dtype, pin: bool, accelerator: bool) -> int:
-    """Bytes of host memory `host_empty(numel, dtype, pin)` takes: exact when unpinned; a pinned block from
-    torch's caching host allocator is rounded up to a power of two. The memory model
-    (`zero_offload.estimate`) sizes host buffers with this, so change both together."""
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    if pin and accelerator and nbytes > 0:
-        return 1 << (nbytes - 1).bit_length()
-    return nbytes
+    def __init__(self, event=None):
+        self.event = event
 
-
-class CopyEngine:
-    """Asynchronous copies between the compute device and host memory.
-
-    ``to_host``/``to_device`` enqueue on the copy stream after everything already queued on the compute
-    stream; ``wait_for_copies`` makes the compute stream wait for them, ``synchronize`` makes the host wait.
-    """
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.cuda = device.type == "cuda"
-        self.stream = torch.cuda.Stream(device) if self.cuda else None
-
-    def to_host(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """Copy device tensor ``src`` into host tensor ``dst`` (same shape)."""
-        self._copy(dst, src)
-
-    def to_device(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """Copy host tensor ``src`` into device tensor ``dst`` (same shape)."""
-        self._copy(dst, src)
-
-    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        if not self.cuda:
-            dst.copy_(src)
-            return
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
-            dst.copy_(src, non_blocking=True)
-        # Keep the device-side tensor alive until the copy stream is done with it.
-        (src if src.is_cuda else dst).record_stream(self.stream)
-
-    def wait_for_copies(self) -> None:
-        """Order the compute stream after every copy queued so far."""
-        if self.cuda:
-            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+    def query(self) -> bool:
+        """True when the copy has finished (never blocks)."""
+        return self.event is None or self.event.query()
 
     def synchronize(self) -> None:
-        """Block the host until every queued copy has finished (before the host reads what came down)."""
-        if self.cuda:
-            self.stream.synchronize()
+        """Block the host until the copy has finished (before the host reads or rewrites its host side)."""
+        if self.event is not None:
+            self.event.synchronize()
+
+    def wait_stream(self, stream=None) -> None:
+        """Make ``stream`` (default: the current stream) wait for this copy only."""
+        if self.event is not None:
+            (stream or torch.cuda.current_stream()).wait_event(self.event)
+
+
+DONE = CopyHandle()
+
+
+class Copies(Protocol):
+    """What the optimizer and the gradient partitions need from a copy engine."""
+    device: torch.device
+    cuda: bool
+
+    def to_host(self, dst: torch.Tensor, src: torch.Tensor) -> CopyHandle: ...
+
+    def to_device(self, dst: torch.Tensor, src: torch.Tensor) -> CopyHandle: ...
+
+    def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor: ...
+
+
+class HostCopies:
+    """The compute device is the CPU: copies are plain synchronous copies between separate host buffers."""
+
+    cuda = False
+
+    def __init__(self, device: torch.device, pin: bool = False):
+        self.device = device
+
+    def to_host(self, dst: torch.Tensor, src: torch.Tensor) -> CopyHandle:
+        dst.copy_(src)
+        return DONE
+
+    def to_device(self, dst: torch.Tensor, src: torch.Tensor) -> CopyHandle:
+        dst.copy_(src)
+        return DONE
+
+    def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype)
+
+    def synchronize(self) -> None:
+        """Whole-stream wait (kept for the NVMe optimizer): nothing is in flight on the CPU."""
+
+    def wait_for_copies(self) -> None:
+        """Whole-stream wait (kept for the NVMe optimizer): nothing is in flight on the CPU."""
+
+
+class CudaCopies:
+    """Copies on two side streams (device-to-host, host-to-device), each returning its own event.
+
+    Args:
+        pin: page-lock the host buffers made by `host_empty` (``offload_*.pin_memory``); with pageable
+            buffers every ``non_blocking`` copy still blocks the host.
+    """
+
+    cuda = True
+
+    def __init__(self, device: torch.device, pin: bool = True):
+        self.device, self.pin = device, pin
+        self.d2h = torch.cuda.Stream(device)
+        self.h2d = torch.cuda.Stream(device)
+
+    def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return host_empty(numel, dtype, self.pin)
+
+    def to_host(self, dst: torch.Tensor, src: torch.Tensor) -> CopyHandle:
+        """Copy device tensor ``src`` into host tensor ``dst`` after the compute queued so far produced it."""
+        return self._copy(self.d2h, dst, src, device_side=src)
+
+    def to_device(self, dst: torch.Tensor, src: torch.Tensor) -> CopyHandle:
+        """Copy host tensor ``src`` into device tensor ``dst`` once the compute queued so far is done with
+        ``dst`` (the caller has synchronised the handle of whatever wrote ``src``)."""
+        return self._copy(self.h2d, dst, src, device_side=dst)
+
+    def synchronize(self) -> None:
+        """Block the host until every copy queued so far has finished (a whole-stream wait; the NVMe
+        optimizer uses it, the rest of the code waits on single `CopyHandle`s)."""
+        self.d2h.synchronize()
+        self.h2d.synchronize()
+
+    def wait_for_copies(self) -> None:
+        """Order the compute stream after every copy queued so far (a whole-stream wait, see `synchronize`)."""
+        current = torch.cuda.current_stream(self.device)
+        current.wait_stream(self.d2h)
+        current.wait_stream(self.h2d)
+
+    def _copy(self, stream, dst: torch.Tensor, src: torch.Tensor, device_side: torch.Tensor) -> CopyHandle:
+        stream.wait_event(torch.cuda.current_stream(self.device).record_event())
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+            event = stream.record_event()
+        device_side.record_stream(stream)
+        return CopyHandle(event)
+
+
+def CopyEngine(device: torch.device, pin: bool = True) -> Copies:
+    """The copy engine for ``device``: `CudaCopies` on CUDA, `HostCopies` elsewhere."""
+    return CudaCopies(device, pin) if device.type == "cuda" else HostCopies(device, pin)

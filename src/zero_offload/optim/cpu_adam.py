@@ -65,6 +65,7 @@ class CPUAdam(torch.optim.Optimizer):
         grad_scale: float = 1.0,
         outputs: Sequence[Sequence[torch.Tensor | None]] | None = None,
         on_chunk: Callable[[int, int, int, int], None] | None = None,
+        lrs: Sequence[float] | None = None,
     ):
         """One optimizer step over every parameter that has a gradient.
 
@@ -77,6 +78,8 @@ class CPUAdam(torch.optim.Optimizer):
                 parameter (the engine's pinned copy headed back to the device).
             on_chunk: called as ``on_chunk(group_index, param_index, start, end)`` as soon as elements
                 ``start:end`` of that parameter (and of its output) are final, in order.
+            lrs: per group, the learning rate to use instead of ``group["lr"]`` (a step running in a
+                background thread uses the rates taken when it was launched, while the schedule moves on).
         """
         loss = None
         if closure is not None:
@@ -100,7 +103,8 @@ class CPUAdam(torch.optim.Optimizer):
                 out = outputs[gi][pi] if outputs is not None else None
                 fused_adam_step(
                     p.view(-1), grad.reshape(-1), state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1),
-                    step=state["step"], lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                    step=state["step"], lr=group["lr"] if lrs is None else lrs[gi], beta1=beta1, beta2=beta2,
+                    eps=group["eps"],
                     weight_decay=group["weight_decay"], adamw_mode=group["adamw_mode"],
                     bias_correction=group["bias_correction"], grad_scale=grad_scale,
                     out=None if out is None else out.view(-1),

@@ -45,6 +45,8 @@ class GradBucket:
     filled: list[bool] = field(default_factory=list)
     pending: int = 0
     buffer: torch.Tensor | None = None
+    comm: torch.Tensor | None = None   # the buffer in communication_data_type while reduced (may be `buffer`)
+    native_average: bool = False       # the collective averages itself (NCCL ReduceOp.AVG)
     work: object = None
 
     @property

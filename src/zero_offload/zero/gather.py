@@ -2,11 +2,10 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from zero_offload.comm import DistContext
 from zero_offload.zero.grad_partition import GradPartition
-from zero_offload.zero.layout import GroupLayout, assemble
+from zero_offload.zero.layout import GroupLayout
 
 __all__ = ["global_grad_sq_norm", "gather_masters"]
 
@@ -23,16 +22,34 @@ def global_grad_sq_norm(ctx: DistContext, partitions: list[GradPartition], parti
 
 
 def gather_masters(ctx: DistContext, layouts: list[GroupLayout], masters: list[torch.Tensor],
-                   partitions: int) -> dict[str, torch.Tensor]:
-    """{name: fp32 CPU tensor} of every parameter, assembled from all ranks' master partitions
-    (a collective when ``partitions`` > 1)."""
-    out = {}
+                   partitions: int, stats: dict | None = None) -> dict[str, torch.Tensor]:
+    """{name: fp32 CPU tensor} of every parameter, assembled from all ranks' master partitions (a collective
+    when ``partitions`` > 1: every rank calls it and every rank gets the whole dict).
+
+    Gathered piece by piece: the owner of each piece of a parameter puts it on the device, one broadcast
+    brings it to every rank, and it goes to host memory before the next piece. So the device holds at most
+    one piece -- at most the largest parameter, in fp32 -- never the whole model (DeepSpeed's
+    ``_zero3_consolidated_16bit_state_dict`` gathers whole parameters the same way). ``stats``, when
+    given, receives ``peak_device_bytes``: the most bytes of device buffers held at once, counted from the
+    tensors this function allocated.
+    """
+    out, peak = {}, 0
     for layout, master in zip(layouts, masters):
-        local = master.detach().to(ctx.device, torch.float32).contiguous()
-        if partitions > 1:
-            gathered = torch.empty(partitions * local.numel(), dtype=torch.float32, device=ctx.device)
-            dist.all_gather_into_tensor(gathered, local, group=ctx.group)
-        else:
-            gathered = local
-        out.update({k: v.cpu().clone() for k, v in assemble(layout, gathered.view(partitions, -1)).items()})
+        for p in layout.params:
+            flat = torch.empty(p.numel, dtype=torch.float32)
+            for c in p.pieces:
+                src = master[c.part_offset:c.part_offset + c.length]
+                dst = flat[c.param_offset:c.param_offset + c.length]
+                if partitions == 1:
+                    dst.copy_(src)
+                    continue
+                piece = (src.to(ctx.device, torch.float32, copy=True) if c.rank == ctx.rank
+                         else torch.empty(c.length, dtype=torch.float32, device=ctx.device))
+                peak = max(peak, piece.numel() * piece.element_size())
+                ctx.broadcast_from(piece, c.rank)
+                dst.copy_(piece)
+                del piece
+            out[p.name] = flat.view(p.shape)
+    if stats is not None:
+        stats["peak_device_bytes"] = peak
     return out

@@ -11,10 +11,21 @@ from typing import Iterable, Iterator
 
 import torch
 
-from zero_offload.offload.copies import CopyEngine, host_empty
-from zero_offload.optim.cpu_adam import CPUAdam
+from typing import Sequence
 
-__all__ = ["PartitionedAdam"]
+from torch.profiler import record_function
+
+from zero_offload.offload.copies import CopyHandle, Copies
+from zero_offload.offload.staging_ring import StagingRing
+from zero_offload.optim.cpu_adam import CPUAdam
+from zero_offload.zero.grad_partition import GradSource
+
+__all__ = ["PartitionedAdam", "host_state_dtype"]
+
+
+def host_state_dtype(config) -> torch.dtype:
+    """The dtype of the host Adam moments: bf16 under ``bf16.bf16_optimizer_states``, else fp32."""
+    return torch.bfloat16 if config.bf16.bf16_optimizer_states else torch.float32
 
 
 class PartitionedAdam:
@@ -24,49 +35,63 @@ class PartitionedAdam:
     ``offload_optimizer.device = cpu``, and on a machine whose compute device is the CPU. Only with the
     states on an accelerator does torch's fused device AdamW do it.
 
+    Ordering is enforced here, not by callers: the step reads each gradient only after its partition's
+    copies have landed (`GradSource.ready`), and the kernel writes a host staging buffer only after the
+    copies up that read it at the previous step have finished.
+
     Args:
         parts: per group, this rank's 16-bit (or fp32) parameter partition, 1-D: a slice of the flat buffer
             (stages 0-2) or the concatenated unit shards (stage 3); updated in place by `step`.
         hparams: per group, dict(lr, betas, eps, weight_decay, adamw_mode, bias_correction).
         offload: keep states on the host, separate from the compute device's buffers.
-        pin: page-lock the host master/parameter buffers (``offload_optimizer.pin_memory``).
+        copies: the copy engine; its ``host_empty`` page-locks host buffers (``offload_optimizer.pin_memory``).
+        host_params: the parts are host memory themselves (stage 3 ``offload_param``).
+        deferred: the delayed parameter update: the kernel never writes the parts; `publish` copies the
+            updated parameters into them later (masters and 16-bit outputs are always separate buffers).
+        state_dtype: dtype of the host Adam moments, fp32 or bf16 (``bf16.bf16_optimizer_states``).
 
     Attributes:
         optimizer: the inner ``torch.optim.Optimizer`` whose param groups carry the live learning rates
             (the LR schedule writes into them).
         masters: per group, the fp32 master partition, shape (partition numel,).
-        outs: per group, the 16-bit tensor the host kernel writes updated parameters into (a pinned staging
-            buffer copied up chunk by chunk when offloaded; the partition itself on a CPU device), or None.
+        outs: per group, the 16-bit tensor the host kernel writes updated parameters into (the partition
+            itself on a CPU device or for host shards), or None: offloaded 16-bit parameters headed for the
+            device are rounded from the masters chunk by chunk into a small pinned `StagingRing`.
 
     Raises:
         ValueError: ``bias_correction = false`` with the states on an accelerator (torch's Adam has no
             such switch).
     """
 
-    def __init__(self, parts: list[torch.Tensor], hparams: list[dict], offload: bool, pin: bool,
-                 copies: CopyEngine, host_params: bool = False):
+    def __init__(self, parts: list[torch.Tensor], hparams: list[dict], offload: bool, copies: Copies,
+                 host_params: bool = False, deferred: bool = False, state_dtype: torch.dtype = torch.float32):
         self.parts, self.offload, self.copies = parts, offload, copies
-        self.host_params = host_params
+        self.host_params, self.deferred = host_params, deferred
         self.on_host = offload or parts[0].device.type == "cpu"
         self.masters: list[torch.Tensor] = []
         self.outs: list[torch.Tensor | None] = []
+        self.in_flight: list[CopyHandle] = []     # copies up still reading ``masters`` (fp32 runs)
+        self.ring: StagingRing | None = None      # 16-bit parameters headed to the device pass through it
         for part in parts:
             sixteen_bit = part.dtype != torch.float32
-            if offload and not (host_params and not sixteen_bit):
-                master = host_empty(part.numel(), torch.float32, pin).copy_(part)
+            if offload and (deferred or not (host_params and not sixteen_bit)):
+                # fp32 masters are only read by the kernel (and copied up in fp32 runs): pinned only then.
+                master = (copies.host_empty(part.numel(), torch.float32) if not sixteen_bit
+                          else torch.empty(part.numel(), dtype=torch.float32)).copy_(part)
                 # 16-bit parameter partitions offloaded too (stage 3): the kernel writes straight into
-                # them; otherwise into a host staging buffer that is copied up chunk by chunk.
-                out = (part if host_params else host_empty(part.numel(), part.dtype, pin)) if sixteen_bit \
-                    else None
+                # them (unless deferred); device partitions are filled through the staging ring.
+                out = part if (sixteen_bit and host_params and not deferred) else None
             elif not sixteen_bit:
                 master, out = part, None     # fp32 where the step runs: the parameters are their own master
             else:
                 master, out = part.float(), (part if self.on_host else None)
             self.masters.append(master)
             self.outs.append(out)
+        if offload and not host_params and parts[0].dtype != torch.float32:
+            self.ring = StagingRing(copies, parts[0].dtype, max(p.numel() for p in parts))
         groups = [{"params": [m], **h} for m, h in zip(self.masters, hparams)]
         if self.on_host:
-            self.optimizer = CPUAdam(groups)
+            self.optimizer = CPUAdam(groups, state_dtype=state_dtype)
         else:
             for g in groups:
                 if not g.pop("bias_correction"):
@@ -77,39 +102,73 @@ class PartitionedAdam:
             self.optimizer = (torch.optim.AdamW if adamw else torch.optim.Adam)(groups, fused=True)
 
     @torch.no_grad()
-    def step(self, grads: list[torch.Tensor], grad_scale: float) -> None:
-        """One step of every group's partition with ``grads`` (same shapes, training dtype or fp32) times
-        ``grad_scale``; the updated 16-bit partition ends up in the flat buffer."""
+    def step(self, grads: Sequence[GradSource], grad_scale: float, lrs: Sequence[float] | None = None,
+             publish: bool = True) -> None:
+        """One step of every group's partition with the gradients ``grads`` (same shapes, training dtype or
+        fp32) times ``grad_scale``; the updated 16-bit partition ends up in the flat buffer (or, deferred
+        with ``publish=False``, in ``outs``/``masters`` until `publish`). ``lrs`` overrides the groups'
+        learning rates (host step only). Safe to run in a background thread when deferred."""
+        with record_function("zero_offload.optimizer.wait_grads"):
+            ready = [g.ready() for g in grads]
         if self.on_host:
-            self._host_step(grads, grad_scale)
+            self._host_step(ready, grad_scale, lrs)
+            if self.deferred and publish:
+                self.publish()
             return
-        for master, g in zip(self.masters, grads):
-            if g.dtype != torch.float32:
-                master.grad = g.float().mul_(grad_scale)
-            else:
-                master.grad = g if grad_scale == 1.0 else g.mul(grad_scale)
-        self.optimizer.step()
-        for part, master in zip(self.parts, self.masters):
-            master.grad = None
-            if master.data_ptr() != part.data_ptr():
-                part.copy_(master)
+        with record_function("zero_offload.optimizer.device_step"):
+            for master, g in zip(self.masters, ready):
+                if g.dtype != torch.float32:
+                    master.grad = g.float().mul_(grad_scale)
+                else:
+                    master.grad = g if grad_scale == 1.0 else g.mul(grad_scale)
+            self.optimizer.step()
+            for part, master in zip(self.parts, self.masters):
+                master.grad = None
+                if master.data_ptr() != part.data_ptr():
+                    part.copy_(master)
 
-    def _host_step(self, grads: list[torch.Tensor], grad_scale: float) -> None:
+    def _copy_up(self, g: int, lo: int, hi: int) -> None:
+        if self.ring is not None:
+            self.in_flight.append(self.ring.copy_up(self.parts[g][lo:hi], self.masters[g][lo:hi]))
+        else:
+            self.in_flight.append(self.copies.to_device(self.parts[g][lo:hi], self.masters[g][lo:hi]))
+
+    def _wait_copies_up(self) -> None:
+        """The copies up of the previous step must have read the masters before the kernel rewrites them;
+        the compute stream then waits for the new ones only (never for a whole stream)."""
+        for h in self.in_flight:
+            h.synchronize()
+        self.in_flight = []
+
+    def _host_step(self, grads: list[torch.Tensor], grad_scale: float, lrs) -> None:
+        self._wait_copies_up()
         on_chunk = None   # parameters on the host (stage 3 offload_param) are written in place: no copy
-        if not self.host_params and any(p.device.type != "cpu" for p in self.parts):
+        if self.offload and not self.deferred and not self.host_params:
             # Each finished chunk starts its copy up at once, overlapping the rest of the host step
             # (ZeRO-Offload paper, Sec. 4.2's pipelining of the parameter swap-in with the CPU step).
-            def on_chunk(g: int, _param: int, lo: int, hi: int) -> None:
-                src = self.outs[g] if self.outs[g] is not None else self.masters[g]
-                self.copies.to_device(self.parts[g][lo:hi], src[lo:hi])
-        elif not self.host_params and self.offload:
-            # A CPU compute device: the copy up is a real copy into the separate parameter buffer.
-            def on_chunk(g: int, _param: int, lo: int, hi: int) -> None:
-                src = self.outs[g] if self.outs[g] is not None else self.masters[g]
-                self.parts[g][lo:hi].copy_(src[lo:hi])
-        self.optimizer.step(grads=[[g] for g in grads], grad_scale=grad_scale,
-                            outputs=[[o] for o in self.outs], on_chunk=on_chunk)
-        self.copies.wait_for_copies()
+            on_chunk = lambda g, _param, lo, hi: self._copy_up(g, lo, hi)  # noqa: E731
+        with record_function("zero_offload.optimizer.host_step"):
+            self.optimizer.step(grads=[[g] for g in grads], grad_scale=grad_scale,
+                                outputs=[[o] for o in self.outs], on_chunk=on_chunk, lrs=lrs)
+        if self.in_flight:
+            self.in_flight[-1].wait_stream()   # one copy stream: the last copy up finishes last
+
+    @torch.no_grad()
+    def publish(self) -> None:
+        """Deferred mode: copy the parameters of the last (finished) step into the parts."""
+        self._wait_copies_up()
+        with record_function("zero_offload.optimizer.publish"):
+            for g, part in enumerate(self.parts):
+                if self.host_params:
+                    part.copy_(self.masters[g])       # host shards: rounded in place
+                else:
+                    self._copy_up(g, 0, part.numel())
+            if self.in_flight:
+                self.in_flight[-1].wait_stream()
+
+    def staging_tensors(self) -> list[torch.Tensor]:
+        """Host buffers that only carry updated parameters towards the device (the ring's slots)."""
+        return self.ring.tensors() if self.ring is not None else []
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         """The tensors this optimizer holds, by kind: master, exp_avg, exp_avg_sq (one per group)."""

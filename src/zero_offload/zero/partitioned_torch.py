@@ -9,20 +9,33 @@ from __future__ import annotations
 
 import torch
 
-from zero_offload.offload.copies import CopyEngine
-from zero_offload.zero.partitioned_adam import PartitionedAdam
+from zero_offload.config_schema import ConfigError
+from zero_offload.offload.copies import Copies
+from zero_offload.zero.grad_partition import GradSource
+from zero_offload.zero.partitioned_adam import PartitionedAdam, host_state_dtype
 
 __all__ = ["PartitionedTorchOptimizer", "partitioned_optimizer"]
 
 
-def partitioned_optimizer(config, parts: list[torch.Tensor], hparams: list[dict], offload: bool, pin: bool,
-                          copies: CopyEngine, host_params: bool = False) -> PartitionedAdam:
+def partitioned_optimizer(config, parts: list[torch.Tensor], hparams: list[dict], offload: bool,
+                          copies: Copies, host_params: bool = False) -> PartitionedAdam:
     """The partitioned optimizer ``config.optimizer`` asks for: the fused Adam kernel for Adam/AdamW, a torch
-    optimizer on the partition for ``amsgrad`` and for torch.optim types."""
+    optimizer on the partition for ``amsgrad`` and for torch.optim types.
+
+    Raises:
+        ConfigError: ``offload_optimizer.delayed_param_update`` with a torch optimizer (only the fused
+            kernel's step runs in the background).
+    """
     opt = config.optimizer
+    deferred = config.zero_optimization.offload_optimizer.delayed_param_update
     if opt.torch_kwargs is None and not opt.params.amsgrad:
-        return PartitionedAdam(parts, hparams, offload, pin, copies, host_params=host_params)
-    return PartitionedTorchOptimizer(parts, hparams, offload, pin, copies, host_params=host_params,
+        return PartitionedAdam(parts, hparams, offload, copies, host_params=host_params, deferred=deferred,
+                               state_dtype=host_state_dtype(config))
+    if deferred:
+        raise ConfigError("config key 'zero_optimization.offload_optimizer.delayed_param_update' = true needs "
+                          f"optimizer type Adam/AdamW without amsgrad (got {opt.type!r}): only the fused host "
+                          "kernel's step runs in the background")
+    return PartitionedTorchOptimizer(parts, hparams, offload, copies, host_params=host_params,
                                      type_name=opt.type, torch_kwargs=opt.torch_kwargs)
 
 
@@ -36,9 +49,9 @@ class PartitionedTorchOptimizer(PartitionedAdam):
             schedule apply.
     """
 
-    def __init__(self, parts, hparams, offload, pin, copies, host_params=False, *, type_name: str,
+    def __init__(self, parts, hparams, offload, copies, host_params=False, *, type_name: str,
                  torch_kwargs: dict | None):
-        super().__init__(parts, hparams, offload, pin, copies, host_params=host_params)
+        super().__init__(parts, hparams, offload, copies, host_params=host_params)
         self.type_name = type_name
         groups = []
         for master, h in zip(self.masters, hparams):
@@ -55,11 +68,11 @@ class PartitionedTorchOptimizer(PartitionedAdam):
         self.optimizer = cls(groups)
 
     @torch.no_grad()
-    def step(self, grads: list[torch.Tensor], grad_scale: float) -> None:
-        """One torch-optimizer step of every group's master partition with ``grads`` x ``grad_scale``; the
-        updated values are copied into the 16-bit (or fp32) partition."""
+    def step(self, grads: list[GradSource], grad_scale: float, lrs=None, publish: bool = True) -> None:
+        """One torch-optimizer step of every group's master partition with ``grads`` (waited for) x
+        ``grad_scale``; the updated values are copied into the 16-bit (or fp32) partition."""
         for master, g in zip(self.masters, grads):
-            master.grad = g.to(master.device, torch.float32, copy=True).mul_(grad_scale)
+            master.grad = g.ready().to(master.device, torch.float32, copy=True).mul_(grad_scale)
         self.optimizer.step()
         for part, master in zip(self.parts, self.masters):
             master.grad = None

@@ -12,6 +12,7 @@ import time
 from collections import deque
 
 import torch
+from torch.profiler import record_function
 
 from zero_offload.comm import DistContext
 from zero_offload.flat import FlatParams
@@ -56,11 +57,13 @@ class GradientReducer:
 
     def __init__(self, ctx: DistContext, flats: list[FlatParams], partitions: list[GradPartition],
                  flat_grads: list[torch.Tensor] | None, stage: int, bucket_numel: int, overlap: bool,
-                 max_in_flight: int = 2, averaging: GradAveraging | None = None):
+                 max_in_flight: int = 2, averaging: GradAveraging | None = None,
+                 comm_dtype: torch.dtype | None = None):
         self.ctx, self.flats, self.partitions = ctx, flats, partitions
         self.averaging = averaging or GradAveraging(ctx.world_size)
         self.flat_grads = flat_grads
         self.stage, self.overlap, self.max_in_flight = stage, overlap, max_in_flight
+        self.comm_dtype = comm_dtype or flats[0].dtype     # communication_data_type
         buckets = [b for g, f in enumerate(flats) for b in plan_buckets(f, g, bucket_numel, stage >= 1)]
         self.buckets = sorted(buckets, key=lambda b: b.order_key)
         self.pieces_of: dict[int, list[tuple[GradBucket, int]]] = {}
@@ -148,11 +151,19 @@ class GradientReducer:
 
     def _launch(self, b: GradBucket) -> None:
         buf = self._buffer(b)
-        # Average over ranks. An all-reduce divides first (every rank keeps the result); fp16 divides
-        # first to keep the sum in range; otherwise only the owner divides its result, in `_complete`.
-        self.averaging.before_sum(buf, divide_first=b.owner is None or buf.dtype == torch.float16)
+        comm = buf if buf.dtype == self.comm_dtype else buf.to(self.comm_dtype)
+        b.comm = comm
+        # NCCL averages inside the collective (ReduceOp.AVG) unless prescale/predivide ask for another place.
+        b.native_average = (not self.averaging.prescale and self.averaging.predivide == 1.0
+                            and self.ctx.native_average(comm.dtype))
+        if not b.native_average:
+            # Average over ranks. An all-reduce divides first (every rank keeps the result); fp16 divides
+            # first to keep the sum in range; otherwise only the owner divides its result, in `_complete`.
+            self.averaging.before_sum(comm, divide_first=b.owner is None or comm.dtype == torch.float16)
         self.launch_times.append(time.perf_counter())
-        b.work = (self.ctx.all_reduce(buf) if b.owner is None else self.ctx.reduce(buf, b.owner))
+        with record_function("zero_offload.reduce_bucket"):
+            b.work = (self.ctx.all_reduce(comm, average=b.native_average) if b.owner is None
+                      else self.ctx.reduce(comm, b.owner, average=b.native_average))
         self.in_flight.append(b)
         if not self.overlap:
             self._complete(self.in_flight.pop())
@@ -161,8 +172,12 @@ class GradientReducer:
 
     def _complete(self, b: GradBucket) -> None:
         b.work.wait()
+        comm, b.comm = b.comm, None
         if b.owner is None or b.owner == self.ctx.rank:
-            self.averaging.after_sum(b.buffer, divide_first=b.owner is None or b.buffer.dtype == torch.float16)
+            if not b.native_average:
+                self.averaging.after_sum(comm, divide_first=b.owner is None or comm.dtype == torch.float16)
+            if comm is not b.buffer:
+                b.buffer.copy_(comm)
             self.partitions[b.group].consume(b, b.buffer, self.first_micro_step)
         if self.flat_grads is None:
             self.pool.release(b.buffer)

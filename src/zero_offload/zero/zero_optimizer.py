@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.profiler import record_function
 
 from zero_offload.comm import DistContext
 from zero_offload.config import Config
@@ -16,14 +17,22 @@ from zero_offload.flat import FlatParams
 from zero_offload.nvme.setup import build_nvme_adam
 from zero_offload.offload.copies import CopyEngine
 from zero_offload.zero.gather import gather_masters, global_grad_sq_norm
-from zero_offload.zero.grad_partition import GradPartition
+from zero_offload.zero.grad_partition import GradPartition, ReadyGrad
 from zero_offload.zero.layout import GroupLayout, contiguous_layout
 from zero_offload.zero.averaging import GradAveraging
+from zero_offload.zero.partitioned_adam import PartitionedAdam
 from zero_offload.zero.partitioned_torch import partitioned_optimizer
 from zero_offload.zero.reducer import GradientReducer
 from zero_offload.zero.state import PartitionStateMixin
 
-__all__ = ["ParamGroup", "ZeroOptimizer"]
+__all__ = ["ParamGroup", "ZeroOptimizer", "communication_dtype"]
+
+_COMM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def communication_dtype(config: Config) -> torch.dtype | None:
+    """The dtype gradients are reduced in (``communication_data_type``); None: the training dtype."""
+    return _COMM_DTYPES.get(config.communication_data_type)
 
 
 @dataclass
@@ -47,23 +56,23 @@ class ZeroOptimizer(PartitionStateMixin):
         self.ctx, self.stage = ctx, zc.stage
         self.offload = zc.offload_optimizer.device in ("cpu", "nvme")
         self.allgather_bucket_numel = zc.allgather_bucket_size
-        self.copies = CopyEngine(ctx.device)
         self.flats = [FlatParams(g.params, g.indices, g.names, ctx.world_size) for g in groups]
         ctx.broadcast_from_first(f.buffer for f in self.flats)   # every replica starts from rank 0's weights
         self.flat_grads = [torch.zeros_like(f.buffer) for f in self.flats] if self.stage < 2 else None
-        pin = zc.offload_optimizer.pin_memory
+        self.copies = CopyEngine(ctx.device, zc.offload_optimizer.pin_memory)
         rank = ctx.rank if self.stage >= 1 else 0
         self.partitions = [GradPartition.for_flat(f, rank, self.stage, self.flat_grads[i] if self.flat_grads else None,
-                                         self.offload, gradient_accumulation > 1, pin, self.copies)
+                                                  self.offload, gradient_accumulation > 1, self.copies)
                            for i, f in enumerate(self.flats)]
         self.reducer = GradientReducer(ctx, self.flats, self.partitions, self.flat_grads, self.stage,
                                        zc.reduce_bucket_size, zc.overlap_comm,
-                                       averaging=GradAveraging.from_config(config, ctx.world_size))
+                                       averaging=GradAveraging.from_config(config, ctx.world_size),
+                                       comm_dtype=communication_dtype(config))
         parts = [f.buffer[p.lo:p.hi] for f, p in zip(self.flats, self.partitions)]
         if zc.offload_optimizer.device == "nvme":
             self.adam = build_nvme_adam(parts, [g.hparams for g in groups], self.copies, config, ctx.rank)
         else:
-            self.adam = partitioned_optimizer(config, parts, [g.hparams for g in groups], self.offload, pin,
+            self.adam = partitioned_optimizer(config, parts, [g.hparams for g in groups], self.offload,
                                               self.copies)
         self._reduced = False              # stages 0/1: the full gradient was reduced since the last step
         self._set_aside: list[torch.Tensor] | None = None
@@ -106,10 +115,32 @@ class ZeroOptimizer(PartitionStateMixin):
 
     def step(self, grad_scale: float) -> None:
         """Update this rank's partitions with gradients x ``grad_scale``, then all-gather (stage >= 1)."""
-        self.adam.step([p.buffer for p in self.partitions], grad_scale)
+        self.adam.step(self._grads(), grad_scale)
+        self._all_gather()
+
+    def _all_gather(self) -> None:
         if self.stage >= 1:
-            for f in self.flats:
-                self.ctx.all_gather_partitions(f.buffer, f.partition_numel, self.allgather_bucket_numel)
+            with record_function("zero_offload.all_gather_params"):
+                for f in self.flats:
+                    self.ctx.all_gather_partitions(f.buffer, f.partition_numel, self.allgather_bucket_numel)
+
+    # -- the delayed parameter update (see zero_offload.offload.delayed_update) ----------------------------
+    def _grads(self) -> list:
+        # The fused-kernel optimizers wait on each partition themselves; the NVMe one takes ready tensors.
+        return self.partitions if isinstance(self.adam, PartitionedAdam) else [p.ready() for p in self.partitions]
+
+    def take_grads(self) -> list[ReadyGrad]:
+        """This step's gradient partitions, handed over whole; the next backward fills other buffers."""
+        return [p.take() for p in self.partitions]
+
+    def detached_step(self, grads: list[ReadyGrad], grad_scale: float, lrs: list[float]) -> None:
+        """The host step on handed-over gradients, touching no parameter the model reads (any thread)."""
+        self.adam.step(grads, grad_scale, lrs, publish=False)
+
+    def publish(self) -> None:
+        """Copy the parameters of the last detached step up and all-gather them."""
+        self.adam.publish()
+        self._all_gather()
 
     def zero_grad(self) -> None:
         """Clear accumulated gradients after a step (stage 2 partitions are overwritten, not cleared)."""
@@ -132,9 +163,10 @@ class ZeroOptimizer(PartitionStateMixin):
             "params": ("device", [f.buffer for f in self.flats]),
             "grads": ("device", list(self.flat_grads or [])),
             "buckets": ("device", self.reducer.pool.buffers()),
-            "grad_partition": (state_side, [p.buffer for p in self.partitions if not p.in_place]),
+            "grad_partition": (state_side, [t for p in self.partitions for t in p.state_tensors()]),
             **{k: (state_side, v) for k, v in self.adam.state_tensors().items()},
-            "param_staging": ("host", [o for o in self.adam.outs if o is not None and self.offload]),
+            "param_staging": ("host", self.adam.staging_tensors() if hasattr(self.adam, "staging_tensors")
+                              else [o for o in getattr(self.adam, "outs", []) if o is not None and self.offload]),
         }
         seen: set[int] = set()
         out = {}
@@ -166,4 +198,6 @@ class ZeroOptimizer(PartitionStateMixin):
     def full_master_state(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
         """{name: fp32 CPU tensor} for every flattened parameter, gathered from all ranks' master
         partitions (a collective at stage >= 1)."""
-        return gather_masters(self.ctx, self.layout(), self.adam.masters, self.partitions_count)
+        self.export_stats: dict = {}
+        return gather_masters(self.ctx, self.layout(), self.adam.masters, self.partitions_count,
+                              self.export_stats)

@@ -14,10 +14,11 @@ import warnings
 from collections import defaultdict
 
 import torch
+from torch.profiler import record_function
 from torch.utils._pytree import tree_flatten
 
 from zero_offload.comm import DistContext
-from zero_offload.offload.copies import CopyEngine
+from zero_offload.offload.copies import Copies
 from zero_offload.zero.stage3.units import ShardedUnit
 
 __all__ = ["ParameterFetcher"]
@@ -41,7 +42,7 @@ class ParameterFetcher:
         reuse_distance: keep a unit gathered if the trace uses it again within this many elements.
     """
 
-    def __init__(self, ctx: DistContext, copies: CopyEngine, units: list[ShardedUnit],
+    def __init__(self, ctx: DistContext, copies: Copies, units: list[ShardedUnit],
                  module_units: dict[torch.nn.Module, list[ShardedUnit]], prefetch_numel: int,
                  max_live_numel: int, reuse_distance: int):
         self.ctx, self.copies, self.units = ctx, copies, units
@@ -53,7 +54,11 @@ class ParameterFetcher:
         self.position = 0
         self.next_use: list[int] = []          # per trace position: elements fetched until the unit recurs
         self.last_position: dict[int, int] = {}   # unit index -> its latest position in the trace
+        self.eval_mode, self.eval_trace, self.eval_position = RECORDING, [], 0   # no-autograd forwards
         self.live_numel = sum(u.padded_numel for u in units if u.gathered)   # the persistent ones
+        self._live_bytes = sum(u.nbytes for u in units if u.gathered)
+        # CUDA: all-gathers run on their own stream, so a prefetch never queues behind compute (FSDP2's way).
+        self.gather_stream = torch.cuda.Stream(ctx.device) if ctx.device.type == "cuda" else None
         self.peak_live_bytes = 0               # the most gathered bytes at once, measured
         self.fetch_count = 0
         self.hooks = []
@@ -90,6 +95,7 @@ class ParameterFetcher:
         for u in self.units:
             if u.gathered:
                 self.release(u)
+            u.shard_readable()
 
     # -- hooks -----------------------------------------------------------------------------------------
     def _pre_forward(self, module, args):
@@ -119,12 +125,32 @@ class ParameterFetcher:
         for u in units:
             if training:
                 self._follow_trace(u)
+            else:
+                self._follow_eval_trace(u)
             if u.gathered:
                 u.wait()
                 continue
             self._gather(u, async_op=False)
         if training and self.mode == REPLAYING:
-            self._prefetch()
+            self._prefetch(self.trace, self.position)
+        elif not training and self.eval_mode == REPLAYING:
+            self._prefetch(self.eval_trace, self.eval_position)
+
+    def begin_eval_forward(self) -> None:
+        """A forward without autograd starts at the root module (evaluation, each token of ``generate()``):
+        the first one is recorded, later ones replay its order so that they prefetch too."""
+        if self.eval_mode == RECORDING and self.eval_trace:
+            self.eval_mode = REPLAYING
+        self.eval_position = 0
+
+    def _follow_eval_trace(self, u: ShardedUnit) -> None:
+        if self.eval_mode == RECORDING:
+            self.eval_trace.append(u.index)
+        elif self.eval_mode == REPLAYING:
+            if self.eval_position < len(self.eval_trace) and self.eval_trace[self.eval_position] == u.index:
+                self.eval_position += 1
+            else:
+                self.eval_mode = ON_DEMAND     # the order changed: fetch on demand, exact as ever
 
     def _follow_trace(self, u: ShardedUnit) -> None:
         if self.mode == RECORDING:
@@ -139,9 +165,9 @@ class ParameterFetcher:
                               "fetched on demand from now on", stacklevel=4)
                 self.mode = ON_DEMAND
 
-    def _prefetch(self) -> None:
+    def _prefetch(self, trace: list[int], position: int) -> None:
         ahead = 0
-        for idx in self.trace[self.position:]:
+        for idx in trace[position:]:
             u = self.units[idx]
             if ahead >= self.prefetch_numel:
                 break
@@ -153,18 +179,21 @@ class ParameterFetcher:
             self._gather(u, async_op=True)
 
     def _gather(self, u: ShardedUnit, async_op: bool) -> None:
-        u.gather(self.ctx, self.copies, async_op)
+        with record_function("zero_offload.stage3.gather"):
+            u.gather(self.ctx, self.copies, async_op, self.gather_stream)
         self.fetch_count += 1
         self.live_numel += u.padded_numel
+        self._live_bytes += u.nbytes
         self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes())
 
     def release(self, u: ShardedUnit) -> None:
         u.release()
         self.live_numel -= u.padded_numel
+        self._live_bytes -= u.nbytes
 
     def live_bytes(self) -> int:
-        """Bytes of full buffers gathered right now, measured from their storages."""
-        return sum(u.full.untyped_storage().nbytes() for u in self.units)
+        """Bytes of full buffers gathered right now (kept as a running count: O(1))."""
+        return self._live_bytes
 
     # -- reuse distance --------------------------------------------------------------------------------
     def _index_trace(self) -> None:

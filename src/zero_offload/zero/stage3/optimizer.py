@@ -11,20 +11,24 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
+from torch.profiler import record_function
+
 from zero_offload.comm import DistContext
 from zero_offload.config import Config
 from zero_offload.nvme.setup import build_nvme_adam
-from zero_offload.offload.copies import CopyEngine, host_empty
+from zero_offload.offload.copies import CopyEngine
 from zero_offload.zero.gather import gather_masters, global_grad_sq_norm
-from zero_offload.zero.grad_partition import GradPartition
+from zero_offload.zero.grad_partition import GradPartition, ReadyGrad
 from zero_offload.zero.layout import GroupLayout, ParamPlacement, Piece
 from zero_offload.zero.averaging import GradAveraging
+from zero_offload.zero.partitioned_adam import PartitionedAdam
 from zero_offload.zero.partitioned_torch import partitioned_optimizer
 from zero_offload.zero.stage3.fetcher import ParameterFetcher, units_by_module
 from zero_offload.zero.stage3.materialize import materialize
 from zero_offload.zero.stage3.saved_params import SavedParameterGuard
 from zero_offload.zero.stage3.units import ShardedUnit
 from zero_offload.zero.state import PartitionStateMixin
+from zero_offload.zero.zero_optimizer import communication_dtype
 
 __all__ = ["Stage3Optimizer"]
 
@@ -47,7 +51,7 @@ class Stage3Optimizer(PartitionStateMixin):
         self.offload = zc.offload_optimizer.device in ("cpu", "nvme")
         self.offload_param = zc.offload_param.device == "cpu"
         pin = zc.offload_optimizer.pin_memory or zc.offload_param.pin_memory
-        self.copies = CopyEngine(ctx.device)
+        self.copies = CopyEngine(ctx.device, pin)
         self.units: list[ShardedUnit] = []
         for g, group in enumerate(groups):
             self.units += self._build_units(model, g, group, dtype, zc.stage3_param_persistence_threshold)
@@ -58,7 +62,7 @@ class Stage3Optimizer(PartitionStateMixin):
             numel = 0
             for u in units:
                 u.partition_offset, numel = numel, numel + u.shard_numel
-            self.parts.append(host_empty(numel, dtype, pin) if self.offload_param
+            self.parts.append(self.copies.host_empty(numel, dtype) if self.offload_param
                               else torch.empty(numel, dtype=dtype, device=ctx.device))
         module_units = units_by_module(model, self.units)
         self.peak_materialize_bytes = materialize(model, self.units, module_units, self._bind, ctx.device, dtype,
@@ -67,6 +71,7 @@ class Stage3Optimizer(PartitionStateMixin):
                                         zc.stage3_prefetch_bucket_size, zc.stage3_max_live_parameters,
                                         zc.stage3_max_reuse_distance)
         self.saved_params = SavedParameterGuard(self.units)
+        model.register_forward_pre_hook(self._root_pre_forward)
         for u in self.units:
             for p in u.params:
                 p._zero_unit = u                      # for `gathered_parameters`
@@ -76,14 +81,15 @@ class Stage3Optimizer(PartitionStateMixin):
         # The step runs where the states are; with parameters on the host it runs there too.
         host_step = self.offload or self.offload_param
         self.partitions = [GradPartition(p.numel(), dtype, ctx.device, 3, host_step,
-                                         gradient_accumulation > 1, pin, self.copies) for p in self.parts]
+                                         gradient_accumulation > 1, self.copies) for p in self.parts]
         if zc.offload_optimizer.device == "nvme":
             self.adam = build_nvme_adam(self.parts, [g.hparams for g in groups], self.copies, config, ctx.rank)
         else:
-            self.adam = partitioned_optimizer(config, self.parts, [g.hparams for g in groups], host_step, pin,
+            self.adam = partitioned_optimizer(config, self.parts, [g.hparams for g in groups], host_step,
                                               self.copies, host_params=self.offload_param)
         self.averaging = GradAveraging.from_config(config, ctx.world_size)
         self.max_in_flight = 2
+        self.comm_dtype = communication_dtype(config)
         self.in_flight: deque = deque()
         # Reduce-scatters go out in one fixed order on every rank (last unit first, as backward mostly runs),
         # each once its unit's gradients are ready and all units before it have gone: a module whose output
@@ -141,6 +147,10 @@ class Stage3Optimizer(PartitionStateMixin):
         self.fetcher.begin_micro_step()
         self.saved_params.start()
 
+    def _root_pre_forward(self, module, args) -> None:
+        if not torch.is_grad_enabled():
+            self.fetcher.begin_eval_forward()
+
     def begin_micro_step(self, boundary: bool, first_micro_step: bool) -> None:
         self.first_micro_step, self.reducing = first_micro_step, True
         self.next_reduce = 0
@@ -167,22 +177,30 @@ class Stage3Optimizer(PartitionStateMixin):
         if not u.persistent and u.gathered:
             self.fetcher.release(u)
         if self.ctx.world_size == 1:
-            out, work = flat, None
+            out, work, average = flat, None, False
         else:
-            # fp16: average before summing, to stay in range
-            self.averaging.before_sum(flat, divide_first=flat.dtype == torch.float16)
+            if self.comm_dtype is not None and flat.dtype != self.comm_dtype:
+                flat = flat.to(self.comm_dtype)
+            # NCCL averages inside the collective unless prescale/predivide ask for another place.
+            average = (not self.averaging.prescale and self.averaging.predivide == 1.0
+                       and self.ctx.native_average(flat.dtype))
+            if not average:
+                # fp16: average before summing, to stay in range
+                self.averaging.before_sum(flat, divide_first=flat.dtype == torch.float16)
             out = torch.empty(u.shard_numel, dtype=flat.dtype, device=flat.device)
-            work = dist.reduce_scatter_tensor(out, flat, group=self.ctx.group, async_op=True)
-        self.in_flight.append((u, out, work, flat))
+            op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
+            with record_function("zero_offload.stage3.reduce_scatter"):
+                work = dist.reduce_scatter_tensor(out, flat, op=op, group=self.ctx.group, async_op=True)
+        self.in_flight.append((u, out, work, flat, average))
         while len(self.in_flight) > self.max_in_flight:
             self._complete(self.in_flight.popleft())
 
     def _complete(self, item) -> None:
-        u, out, work, _flat = item
+        u, out, work, _flat, average = item
         if work is not None:
             work.wait()
-            # average the 1/N shard, not the whole gradient
-            self.averaging.after_sum(out, divide_first=out.dtype == torch.float16)
+            if not average:    # average the 1/N shard, not the whole gradient
+                self.averaging.after_sum(out, divide_first=out.dtype == torch.float16)
         self.partitions[u.group].accumulate(u.partition_offset, out, self.first_micro_step)
 
     def end_micro_step(self) -> None:
@@ -201,8 +219,27 @@ class Stage3Optimizer(PartitionStateMixin):
         return global_grad_sq_norm(self.ctx, self.partitions, partitioned=True)
 
     def step(self, grad_scale: float) -> None:
-        self.adam.step([p.buffer for p in self.partitions], grad_scale)
+        # Gathered copies go stale, and the host must not rewrite a host shard a copy up still reads.
         self.fetcher.invalidate()
+        self.adam.step(self._grads(), grad_scale)
+
+    # -- the delayed parameter update (see zero_offload.offload.delayed_update) ----------------------------
+    def _grads(self) -> list:
+        # The fused-kernel optimizers wait on each partition themselves; the NVMe one takes ready tensors.
+        return self.partitions if isinstance(self.adam, PartitionedAdam) else [p.ready() for p in self.partitions]
+
+    def take_grads(self) -> list[ReadyGrad]:
+        """This step's gradient partitions, handed over whole; the next backward fills other buffers."""
+        return [p.take() for p in self.partitions]
+
+    def detached_step(self, grads: list[ReadyGrad], grad_scale: float, lrs: list[float]) -> None:
+        """The host step on handed-over gradients, touching no shard the model reads (any thread)."""
+        self.adam.step(grads, grad_scale, lrs, publish=False)
+
+    def publish(self) -> None:
+        """Write the parameters of the last detached step into the shards; the next forward gathers them."""
+        self.fetcher.invalidate()
+        self.adam.publish()
 
     def zero_grad(self) -> None:
         pass   # partitions are overwritten by the first micro-step of the next accumulation
@@ -227,7 +264,9 @@ class Stage3Optimizer(PartitionStateMixin):
         return out
 
     def full_master_state(self, module) -> dict[str, torch.Tensor]:
-        return gather_masters(self.ctx, self.layout(), self.adam.masters, self.partitions_count)
+        self.export_stats: dict = {}
+        return gather_masters(self.ctx, self.layout(), self.adam.masters, self.partitions_count,
+                              self.export_stats)
 
     def memory_breakdown(self) -> dict[str, dict]:
         """Bytes this rank holds, by kind (see `ZeroOptimizer.memory_breakdown`); ``params`` are this rank's
@@ -242,10 +281,10 @@ class Stage3Optimizer(PartitionStateMixin):
             "params": entry(self.parts, "host" if self.offload_param else "device"),
             "gathered": {"bytes": self.fetcher.live_bytes(), "numel": self.fetcher.live_numel, "side": "device"},
             "peak_gathered": {"bytes": self.fetcher.peak_live_bytes, "numel": 0, "side": "device"},
-            "grad_partition": entry([p.buffer for p in self.partitions], state_side),
+            "grad_partition": entry([t for p in self.partitions for t in p.state_tensors()], state_side),
             "master": entry([m for m in states["master"] if m.data_ptr() not in aliased], state_side),
             "exp_avg": entry(states["exp_avg"], state_side),
             "exp_avg_sq": entry(states["exp_avg_sq"], state_side),
-            "param_staging": entry([o for o in self.adam.outs if o is not None and o.data_ptr() not in aliased],
+            "param_staging": entry(self.adam.staging_tensors() if hasattr(self.adam, "staging_tensors") else [],
                                    "host"),
         }

@@ -17,19 +17,25 @@ import torch.distributed as dist
 
 from zero_offload.comm import DistContext
 from zero_offload.flat import pack, partition_numel
-from zero_offload.offload.copies import CopyEngine
+from zero_offload.offload.copies import CopyHandle, Copies
 
 __all__ = ["ShardedUnit", "GatherHandle"]
 
 
 @dataclass
 class GatherHandle:
-    """An all-gather in flight: wait() before the unit's parameters are read."""
+    """An all-gather in flight: wait() before the unit's parameters are read.
+
+    On CUDA the gather ran on the all-gather stream and ``event`` marks its end: waiting makes only the
+    current (compute) stream wait for it. Elsewhere ``work`` is the collective's async handle."""
     work: object
     staging: torch.Tensor | None   # the device copy of a host shard, kept alive until the gather is done
+    event: object = None
 
     def wait(self) -> None:
-        if self.work is not None:
+        if self.event is not None:
+            torch.cuda.current_stream().wait_event(self.event)
+        elif self.work is not None:
             self.work.wait()
 
 
@@ -62,6 +68,7 @@ class ShardedUnit:
         self.shard: torch.Tensor | None = None
         self.partition_offset = 0     # where `shard` starts in the group's partition
         self.grads_pending = 0
+        self.copy_handle: CopyHandle | None = None   # the last copy up of a host shard
 
     def open(self) -> None:
         """Allocate ``full`` (zeroed) to materialise the unit: one unit at a time holds memory."""
@@ -93,24 +100,50 @@ class ShardedUnit:
         for p, s in zip(self.params, self.slots):
             p.data = self.full[s.offset:s.end].view(s.shape) if at_full else self._empty
 
-    def gather(self, ctx: DistContext, copies: CopyEngine, async_op: bool) -> GatherHandle:
-        """Refill ``full`` from every rank's shard (a host shard is copied up first)."""
+    def gather(self, ctx: DistContext, copies: Copies, async_op: bool, stream=None) -> GatherHandle | None:
+        """Refill ``full`` from every rank's shard (a host shard is copied up first, on the copy stream).
+
+        With ``stream`` (CUDA's all-gather stream) the gather is queued there after the shard's copy
+        event and the handle holds an event; the compute stream waits on it only in `wait`.
+        """
         self.full.untyped_storage().resize_(self.nbytes)
         self._point_params(True)
-        src = self.shard
+        src, copy = self.shard, None
         if src.device != self.full.device:
             staging = torch.empty(self.shard_numel, dtype=src.dtype, device=self.full.device)
-            copies.to_device(staging, src)
-            copies.wait_for_copies()
+            copy = self.copy_handle = copies.to_device(staging, src)
             src = staging
+        self.gathered = True
+        if stream is not None:
+            stream.wait_event(torch.cuda.current_stream().record_event())   # ``full`` is free to write
+            if copy is not None:
+                copy.wait_stream(stream)
+            with torch.cuda.stream(stream):
+                if ctx.world_size == 1:
+                    self.full.copy_(src)
+                else:
+                    dist.all_gather_into_tensor(self.full, src, group=ctx.group)
+                event = stream.record_event()
+            src.record_stream(stream)
+            self.handle = GatherHandle(None, src, event)
+            if not async_op:
+                self.wait()
+            return self.handle
+        if copy is not None:
+            copy.wait_stream()
         if ctx.world_size == 1:
             self.full.copy_(src)
             work = None
         else:
             work = dist.all_gather_into_tensor(self.full, src, group=ctx.group, async_op=async_op)
-        self.gathered = True
         self.handle = GatherHandle(work, src) if async_op else None
         return self.handle
+
+    def shard_readable(self) -> None:
+        """Block until no copy up reads the host shard any more (before the host rewrites it)."""
+        if self.copy_handle is not None:
+            self.copy_handle.synchronize()
+            self.copy_handle = None
 
     def wait(self) -> None:
         if self.handle is not None:

@@ -1,0 +1,104 @@
+"""The delayed parameter update (DPU) of ZeRO-Offload (Ren et al. 2021, arXiv 2101.06840, Sec. 5.2).
+
+After ``dpu_warmup_steps`` synchronous optimizer steps, the host step of step t runs in a background
+thread while the forward and backward of step t+1 run on the parameters of step t-1. At the next
+boundary the thread is joined and step t's parameters are copied up (and all-gathered / re-sharded)
+before step t+1's host step is launched, so step t+2's forward sees them. The gradient of step t+1 is
+therefore taken at the parameters of step t-1: one step of staleness, which the paper shows does not
+hurt convergence after a warm-up.
+
+The thread touches only what no forward or backward reads: the handed-over gradient partitions (the next
+backward fills a second set), the fp32 masters, the Adam moments and the 16-bit staging outputs. The
+learning rates are taken when the step is launched. The host kernel releases the GIL, so the step runs
+in parallel with the Python of the next forward.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Protocol
+
+import torch
+
+__all__ = ["DelayedParamUpdate", "DeferrableOptimizer"]
+
+
+class DeferrableOptimizer(Protocol):
+    """What `DelayedParamUpdate` needs from a ZeRO optimizer (`ZeroOptimizer`, `Stage3Optimizer`)."""
+    optimizer: torch.optim.Optimizer
+
+    def take_grads(self) -> list: ...
+
+    def detached_step(self, grads: list, grad_scale: float, lrs: list[float]) -> None: ...
+
+    def publish(self) -> None: ...
+
+
+class DelayedParamUpdate:
+    """Runs the host step of a ZeRO optimizer one step behind, in a background thread.
+
+    Life cycle per boundary: `flush` (join the step in flight, copy its parameters up), then either
+    `launch` (after the warm-up) or a synchronous step by the caller.
+
+    Args:
+        zero: the ZeRO optimizer whose host step is delayed.
+        warmup_steps: optimizer steps (``global_step`` values below it) that run synchronously.
+    """
+
+    def __init__(self, zero: DeferrableOptimizer, warmup_steps: int):
+        self.zero, self.warmup_steps = zero, warmup_steps
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+        self.unpublished = False     # a finished step whose parameters the model does not run on yet
+
+    def engaged(self, global_step: int) -> bool:
+        """True when the step numbered ``global_step`` (0-based) runs delayed."""
+        return global_step >= self.warmup_steps
+
+    @property
+    def pending(self) -> bool:
+        """A step is running or finished but not yet copied up."""
+        return self.thread is not None or self.unpublished
+
+    def launch(self, grad_scale: float) -> None:
+        """Start this step's host step in the background on the gradients as they are now."""
+        self.flush()
+        grads = self.zero.take_grads()
+        lrs = [g["lr"] for g in self.zero.optimizer.param_groups]
+        self.error = None
+
+        def run() -> None:
+            try:
+                self.zero.detached_step(grads, grad_scale, lrs)
+            except BaseException as e:   # re-raised in the training thread by `wait`
+                self.error = e
+
+        self.thread = threading.Thread(target=run, name="zero_offload-dpu-host-step", daemon=True)
+        self.unpublished = True
+        self.thread.start()
+
+    def wait(self) -> None:
+        """Join the step in flight (masters and moments are then final); parameters stay as they are.
+
+        Raises:
+            RuntimeError: the background step failed (chained to its exception).
+        """
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        if self.error is not None:
+            error, self.error, self.unpublished = self.error, None, False
+            raise RuntimeError("the delayed host optimizer step failed in its background thread") from error
+
+    def flush(self) -> None:
+        """Join the step in flight and copy its parameters up: afterwards the model runs on them."""
+        self.wait()
+        if self.unpublished:
+            self.unpublished = False
+            self.zero.publish()
+
+    def discard(self) -> None:
+        """Join the step in flight and forget its parameters (before a checkpoint load replaces them)."""
+        try:
+            self.wait()
+        finally:
+            self.unpublished = False

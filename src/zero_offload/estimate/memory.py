@@ -18,6 +18,7 @@ import torch
 from zero_offload.config import Config
 from zero_offload.flat import padded_numel, partition_numel
 from zero_offload.offload.copies import host_alloc_bytes
+from zero_offload.offload.staging_ring import ring_shape
 from zero_offload.precision import training_dtype
 from zero_offload.presets import GPTConfig, gpt_units, preset
 from zero_offload.zero.buckets import bucket_spans
@@ -224,7 +225,6 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
     except Exception:                       # batch keys that do not divide: the engine reports it itself
         gas, micro = cfg.gradient_accumulation_steps or 1, cfg.train_micro_batch_size_per_gpu or 1
     grad_dtype_bytes = 4 if gas > 1 else d   # stage 2/3 partitions accumulate in fp32 under accumulation
-    moment_bytes = 4
     est = MemoryEstimate(accelerator=accelerator)
     offload_opt = zc.offload_optimizer.device in ("cpu", "nvme")
     offload_param = zc.stage == 3 and zc.offload_param.device in ("cpu", "nvme")
@@ -232,6 +232,8 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
     # staging (the I/O buffers' own size is the NVMe layer's to state).
     state_nvme = zc.offload_optimizer.device == "nvme"
     param_nvme = offload_param and zc.offload_param.device == "nvme"
+    # bf16.bf16_optimizer_states: the host kernel keeps both moments in bf16 (`host_state_dtype`).
+    moment_bytes = 2 if cfg.bf16.bf16_optimizer_states and (offload_opt or not accelerator) else 4
     pin = zc.offload_optimizer.pin_memory or (zc.stage == 3 and zc.offload_param.pin_memory)
     rounding = 0
 
@@ -260,8 +262,6 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
             if offload_opt:
                 host("grad_partition", p, grad_dtype if zc.stage == 2 else dtype)
                 host("master", p, torch.float32)
-                if d < 4:
-                    host("param_staging", p, dtype)
             else:
                 if zc.stage == 2:
                     est.add("device", "grad_partition", p * grad_dtype_bytes)
@@ -292,8 +292,6 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
                 host("grad_partition", p, grad_dtype)
                 if not (offload_param and d == 4):
                     host("master", p, torch.float32)
-                if d < 4 and not offload_param:
-                    host("param_staging", p, dtype)
             else:
                 est.add("device", "grad_partition", p * grad_dtype_bytes)
                 if d < 4:
@@ -301,6 +299,12 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
             side = ("nvme" if state_nvme else "host") if host_step else "device"
             est.add(side, "exp_avg", p * moment_bytes)
             est.add(side, "exp_avg_sq", p * moment_bytes)
+    ring_used = offload_opt and not offload_param   # a 16-bit partition on the device is filled through it
+    if ring_used and d < 4 and not state_nvme and parts:
+        # Updated 16-bit parameters go up through a small pinned ring, not a partition-sized copy.
+        slots, slot_numel = ring_shape(max(parts))
+        host("param_staging", slots * slot_numel, dtype)
+        est.formulas["param_staging"] = "min(4, ceil(P / 2^21)) slots x min(2^21, P) elements x d"
     if rounding:
         est.add("host", "pinned_rounding", rounding)
         est.formulas["pinned_rounding"] = ("each pinned host buffer rounded up to a power of two "

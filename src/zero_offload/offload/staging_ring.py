@@ -13,7 +13,16 @@ import torch
 
 from zero_offload.offload.copies import DONE, CopyHandle, Copies
 
-__all__ = ["StagingRing"]
+__all__ = ["StagingRing", "ring_shape"]
+
+SLOT_NUMEL, SLOTS = 1 << 21, 4
+
+
+def ring_shape(largest: int, slot_numel: int = SLOT_NUMEL, slots: int = SLOTS) -> tuple[int, int]:
+    """(slot count, elements per slot) of the ring for tensors of at most ``largest`` elements; the memory
+    model (`zero_offload.estimate`) sizes the ring with this too."""
+    slot_numel = max(1, min(slot_numel, largest))
+    return max(1, min(slots, math.ceil(largest / slot_numel))), slot_numel
 
 
 class StagingRing:
@@ -24,11 +33,10 @@ class StagingRing:
         largest: elements of the largest tensor that will pass through (caps the slot size).
     """
 
-    def __init__(self, copies: Copies, dtype: torch.dtype, largest: int, slot_numel: int = 1 << 21,
-                 slots: int = 4):
+    def __init__(self, copies: Copies, dtype: torch.dtype, largest: int, slot_numel: int = SLOT_NUMEL,
+                 slots: int = SLOTS):
         self.copies = copies
-        self.slot_numel = max(1, min(slot_numel, largest))
-        count = max(1, min(slots, math.ceil(largest / self.slot_numel)))
+        count, self.slot_numel = ring_shape(largest, slot_numel, slots)
         self.slots = [copies.host_empty(self.slot_numel, dtype) for _ in range(count)]
         self.handles: list[CopyHandle] = [DONE] * count
         self.next = 0

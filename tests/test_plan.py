@@ -41,6 +41,23 @@ def test_plan_prefers_the_lowest_stage_then_offload():
     assert p.name == "stage 3 + offload opt+param"
 
 
+def test_the_seeds_10b_model_fits_a_128gb_host_with_bf16_moments():
+    # 14 host bytes/param (fp32 moments) is 134 GiB at 10.3B parameters: too much for 128 GB with headroom;
+    # bf16 moments (10 B/param) fit, and the engine's estimate of them is what the plan reports.
+    p = zero_offload.plan("gpt2-10b", gpus=1, gpu_memory="80GB", host_memory="128GB", seq_len=1024)
+    assert p.name == "stage 2 + offload opt, bf16 moments"
+    assert "stage 2 + offload opt" in p.reasons["rejected"]
+    assert p.config["bf16"] == {"enabled": True, "bf16_optimizer_states": True}
+    assert p.config["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    est = zero_offload.estimate_memory("gpt2-10b", p.config, 1, seq_len=1024, accelerator=True)
+    assert 2 * est.host["exp_avg"] == 2 * est.host["exp_avg_sq"] == est.host["master"]   # bf16 vs fp32
+    # Training in fp16 the bf16-moment rung is not offered.
+    fp16 = {"train_micro_batch_size_per_gpu": 1, "fp16": {"enabled": True},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
+    p = zero_offload.plan("gpt2-10b", gpus=1, gpu_memory="80GB", host_memory="128GB", seq_len=1024, config=fp16)
+    assert "bf16 moments" not in (p.name or "")
+
+
 def test_plan_keeps_the_main_jobs_config_for_tiny_on_a_cpu():
     p = zero_offload.plan("tiny", gpus=1, gpu_memory=None, host_memory="24GiB")
     assert p.config["zero_optimization"] == {"stage": 2, "offload_optimizer": {"device": "cpu"},
@@ -50,9 +67,10 @@ def test_plan_keeps_the_main_jobs_config_for_tiny_on_a_cpu():
 def test_nothing_fits_says_how_much_is_missing_and_where():
     p = zero_offload.plan("gpt2-10b", gpus=1, gpu_memory="80GB", host_memory="32GB", seq_len=1024)
     assert not p.fits and p.config is None
-    assert p.missing["device"] > 80 * GiB     # closest: stage 0, short of device memory
+    # closest: ZeRO-Offload with bf16 moments (95.7 GiB of host), short of host memory only
+    assert set(p.missing) == {"host"} and p.missing["host"] > 60 * GiB
     message = p.message()
-    assert "stage 0) is missing" in message and "device memory" in message
+    assert "(stage 2 + offload opt, bf16 moments) is missing" in message and "host memory" in message
     assert re.search(r"opt\+param, low live\) is missing [0-9.]+ GiB of host memory", message)
 
 

@@ -34,7 +34,7 @@ def test_plan_prefers_the_lowest_stage_then_offload():
     # 10B on one 80 GB GPU with 384 GB of host memory: the seed's ZeRO-Offload config.
     p = zero_offload.plan("gpt2-10b", gpus=1, gpu_memory="80GB", host_memory="384GB", seq_len=1024)
     assert p.name == "stage 2 + offload opt"
-    assert p.config["zero_optimization"]["offload_optimizer"] == {"device": "cpu"}
+    assert p.config["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
     assert "stage 0" in p.reasons["rejected"]
     # A 24 GB GPU cannot hold the 16-bit parameters of 10B: stage 3 with parameters offloaded.
     p = zero_offload.plan("gpt2-10b", gpus=1, gpu_memory="24GB", host_memory="384GB", seq_len=1024)
@@ -56,6 +56,25 @@ def test_the_seeds_10b_model_fits_a_128gb_host_with_bf16_moments():
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
     p = zero_offload.plan("gpt2-10b", gpus=1, gpu_memory="80GB", host_memory="128GB", seq_len=1024, config=fp16)
     assert "bf16 moments" not in (p.name or "")
+
+
+def test_delayed_update_when_the_host_step_would_be_exposed():
+    from zero_offload.estimate.dpu import device_step_seconds, host_step_seconds
+    kw = dict(gpus=1, gpu_memory="80GB", host_memory="128GB", seq_len=1024, gpu_flops=4e14)
+    # 10B with bf16 moments: 10.3e9 x 20 B at 20 GB/s is ~10 s of host step against ~1.6 s of device compute.
+    p = zero_offload.plan("gpt2-10b", host_bandwidth=20e9, **kw)
+    assert p.config["zero_optimization"]["offload_optimizer"]["delayed_param_update"] is True
+    assert "host step" in p.reasons["delayed_param_update"]
+    zero_offload.Config.load(p.config)        # the engine accepts the planned DPU config
+    host_s = host_step_seconds(10_279_000_000, 2, 2, 20e9)
+    assert host_s > 0.1 * device_step_seconds(10_279_000_000, 1024, 4e14, checkpointing=True)
+    # A host fast enough that the step would hide in 10 % of the compute: no DPU.
+    p = zero_offload.plan("gpt2-10b", host_bandwidth=1e15, **kw)
+    assert "delayed_param_update" not in p.config["zero_optimization"]["offload_optimizer"]
+    assert "delayed_param_update" not in p.reasons
+    # Nothing offloaded (gpt2 fits the device): no DPU either.
+    p = zero_offload.plan("gpt2", host_bandwidth=1e6, **kw)
+    assert "offload_optimizer" not in p.config["zero_optimization"]
 
 
 def test_without_an_accelerator_the_lowest_stage_that_fits_wins():

@@ -14,6 +14,8 @@ import re
 from dataclasses import dataclass, field
 
 from zero_offload.config import Config, ConfigError
+from zero_offload.estimate.dpu import (DEFAULT_GPU_FLOPS, EXPOSED_FRACTION, device_step_seconds, host_step_seconds,
+                                       measure_host_bandwidth)
 from zero_offload.estimate.memory import MemoryEstimate, ModelShape, default_plan_config, estimate_memory, model_shape
 
 __all__ = ["Candidate", "Plan", "plan", "candidates", "parse_bytes", "fmt_bytes", "HEADROOM"]
@@ -163,7 +165,8 @@ def _zero_section(base: dict, zero: dict) -> dict:
 
 def plan(model, gpus: int = 1, gpu_memory=None, host_memory=None, nvme=None, micro_batch: int | None = None,
          seq_len: int | None = None, config: "dict | str | Config | None" = None,
-         headroom: float = HEADROOM) -> Plan:
+         headroom: float = HEADROOM, host_bandwidth: float | None = None,
+         gpu_flops: float = DEFAULT_GPU_FLOPS) -> Plan:
     """The fastest config for ``model`` on ``gpus`` ranks of one machine that fits with ``headroom`` free.
 
     Args:
@@ -176,6 +179,9 @@ def plan(model, gpus: int = 1, gpu_memory=None, host_memory=None, nvme=None, mic
         micro_batch, seq_len: size the activations (default: the config's micro-batch, the model's context).
         config: the base config whose batch sizes, precision and optimizer the plan keeps (default: the
             seed's, bf16); the planner chooses its ``zero_optimization`` stage and offload keys.
+        host_bandwidth: host memory bandwidth in bytes/s for the delayed-parameter-update rule (default:
+            measured on this machine, `estimate.dpu.measure_host_bandwidth`).
+        gpu_flops: sustained FLOP/s of one accelerator for that rule (default `DEFAULT_GPU_FLOPS`).
 
     Returns:
         A `Plan`: ``plan.config`` is the chosen DeepSpeed-style dict, ``plan.reasons`` says why; when nothing
@@ -242,4 +248,33 @@ def plan(model, gpus: int = 1, gpu_memory=None, host_memory=None, nvme=None, mic
     need = cand.estimate.need()
     reasons["memory"] = (f"per rank {fmt_bytes(need['device'])} device, {fmt_bytes(need['host'])} host"
                          + (f", {fmt_bytes(need['nvme'])} NVMe" if need["nvme"] else ""))
+    if accelerator:
+        _delayed_update_if_exposed(raw, reasons, shape, gpus, seq_len, host_bandwidth, gpu_flops)
     return Plan(raw, cand.name, reasons, rows, {}, gpus, capacity)
+
+
+def _delayed_update_if_exposed(raw: dict, reasons: dict, shape: ModelShape, gpus: int, seq_len: int | None,
+                               host_bandwidth: float | None, gpu_flops: float) -> None:
+    """Turn on ``offload_optimizer.delayed_param_update`` in ``raw`` when the host step would be exposed
+    (see `zero_offload.estimate.dpu`); DPU needs the optimizer on the CPU and the parameters on the device."""
+    zero = raw["zero_optimization"]
+    if zero.get("offload_optimizer", {}).get("device") != "cpu" or "offload_param" in zero:
+        return
+    seq = seq_len or (shape.gpt.block_size if shape.gpt is not None else None)
+    if seq is None:
+        return     # tokens per step unknown: no basis for the rule
+    cfg = Config.load(raw)
+    batch = cfg.batch_sizes(gpus)
+    tokens = batch.micro_batch_per_gpu * batch.gradient_accumulation_steps * seq
+    param_bytes = 4 if cfg.precision == "fp32" else 2
+    moment_bytes = 2 if cfg.bf16.bf16_optimizer_states else 4
+    bandwidth = host_bandwidth or measure_host_bandwidth()
+    host_s = host_step_seconds(-(-shape.n_params // gpus), moment_bytes, param_bytes, bandwidth)
+    device_s = device_step_seconds(shape.n_params, tokens, gpu_flops, checkpointing=True)
+    if host_s > EXPOSED_FRACTION * device_s:
+        zero["offload_optimizer"] = {**zero["offload_optimizer"], "delayed_param_update": True}
+        reasons["delayed_param_update"] = (
+            f"the host step (~{host_s:.2f} s at {bandwidth / 1e9:.0f} GB/s) exceeds {EXPOSED_FRACTION:.0%} of "
+            f"the device compute (~{device_s:.2f} s at {gpu_flops / 1e12:.0f} TFLOP/s): it runs one step "
+            f"behind, overlapped with the next forward and backward, after "
+            f"{cfg.zero_optimization.offload_optimizer.dpu_warmup_steps} synchronous warm-up steps")

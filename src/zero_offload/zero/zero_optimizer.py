@@ -17,12 +17,12 @@ from zero_offload.flat import FlatParams
 from zero_offload.nvme.setup import build_nvme_adam
 from zero_offload.offload.copies import CopyEngine
 from zero_offload.zero.gather import gather_masters, global_grad_sq_norm
-from zero_offload.zero.grad_partition import GradPartition, ReadyGrad
+from zero_offload.zero.grad_partition import GradPartition
 from zero_offload.zero.layout import GroupLayout, contiguous_layout
 from zero_offload.zero.averaging import GradAveraging
-from zero_offload.zero.partitioned_adam import PartitionedAdam
 from zero_offload.zero.partitioned_torch import partitioned_optimizer
 from zero_offload.zero.reducer import GradientReducer
+from zero_offload.zero.deferrable import DeferrableStepMixin
 from zero_offload.zero.state import PartitionStateMixin
 
 __all__ = ["ParamGroup", "ZeroOptimizer", "communication_dtype"]
@@ -44,7 +44,7 @@ class ParamGroup:
     hparams: dict
 
 
-class ZeroOptimizer(PartitionStateMixin):
+class ZeroOptimizer(PartitionStateMixin, DeferrableStepMixin):
     """ZeRO stage 0, 1 or 2 over the given param groups, with the optimizer on the device or the host.
 
     Raises:
@@ -125,18 +125,6 @@ class ZeroOptimizer(PartitionStateMixin):
                     self.ctx.all_gather_partitions(f.buffer, f.partition_numel, self.allgather_bucket_numel)
 
     # -- the delayed parameter update (see zero_offload.offload.delayed_update) ----------------------------
-    def _grads(self) -> list:
-        # The fused-kernel optimizers wait on each partition themselves; the NVMe one takes ready tensors.
-        return self.partitions if isinstance(self.adam, PartitionedAdam) else [p.ready() for p in self.partitions]
-
-    def take_grads(self) -> list[ReadyGrad]:
-        """This step's gradient partitions, handed over whole; the next backward fills other buffers."""
-        return [p.take() for p in self.partitions]
-
-    def detached_step(self, grads: list[ReadyGrad], grad_scale: float, lrs: list[float]) -> None:
-        """The host step on handed-over gradients, touching no parameter the model reads (any thread)."""
-        self.adam.step(grads, grad_scale, lrs, publish=False)
-
     def publish(self) -> None:
         """Copy the parameters of the last detached step up and all-gather them."""
         self.adam.publish()

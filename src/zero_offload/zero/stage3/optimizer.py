@@ -18,22 +18,22 @@ from zero_offload.config import Config
 from zero_offload.nvme.setup import build_nvme_adam
 from zero_offload.offload.copies import CopyEngine
 from zero_offload.zero.gather import gather_masters, global_grad_sq_norm
-from zero_offload.zero.grad_partition import GradPartition, ReadyGrad
+from zero_offload.zero.grad_partition import GradPartition
 from zero_offload.zero.layout import GroupLayout, ParamPlacement, Piece
 from zero_offload.zero.averaging import GradAveraging
-from zero_offload.zero.partitioned_adam import PartitionedAdam
 from zero_offload.zero.partitioned_torch import partitioned_optimizer
 from zero_offload.zero.stage3.fetcher import ParameterFetcher, units_by_module
 from zero_offload.zero.stage3.materialize import materialize
 from zero_offload.zero.stage3.saved_params import SavedParameterGuard
 from zero_offload.zero.stage3.units import ShardedUnit
+from zero_offload.zero.deferrable import DeferrableStepMixin
 from zero_offload.zero.state import PartitionStateMixin
 from zero_offload.zero.zero_optimizer import communication_dtype
 
 __all__ = ["Stage3Optimizer"]
 
 
-class Stage3Optimizer(PartitionStateMixin):
+class Stage3Optimizer(PartitionStateMixin, DeferrableStepMixin):
     """ZeRO stage 3 over the given param groups, optionally with parameters and/or optimizer on the host.
 
     Args:
@@ -224,18 +224,6 @@ class Stage3Optimizer(PartitionStateMixin):
         self.adam.step(self._grads(), grad_scale)
 
     # -- the delayed parameter update (see zero_offload.offload.delayed_update) ----------------------------
-    def _grads(self) -> list:
-        # The fused-kernel optimizers wait on each partition themselves; the NVMe one takes ready tensors.
-        return self.partitions if isinstance(self.adam, PartitionedAdam) else [p.ready() for p in self.partitions]
-
-    def take_grads(self) -> list[ReadyGrad]:
-        """This step's gradient partitions, handed over whole; the next backward fills other buffers."""
-        return [p.take() for p in self.partitions]
-
-    def detached_step(self, grads: list[ReadyGrad], grad_scale: float, lrs: list[float]) -> None:
-        """The host step on handed-over gradients, touching no shard the model reads (any thread)."""
-        self.adam.step(grads, grad_scale, lrs, publish=False)
-
     def publish(self) -> None:
         """Write the parameters of the last detached step into the shards; the next forward gathers them."""
         self.fetcher.invalidate()

@@ -246,6 +246,12 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
         est.add("host", kind, nbytes)
         rounding += host_alloc_bytes(numel, dtype_, pin, accelerator) - nbytes
 
+    def moments(numel: int, on_host: bool) -> None:
+        # Both Adam moments of a partition: on the device, or where the host step keeps them (memory or NVMe).
+        side = ("nvme" if state_nvme else "host") if on_host else "device"
+        est.add(side, "exp_avg", numel * moment_bytes)
+        est.add(side, "exp_avg_sq", numel * moment_bytes)
+
     grad_dtype = torch.float32 if grad_dtype_bytes == 4 else dtype
     groups = shape.group_numels()
     if zc.stage < 3:
@@ -267,9 +273,7 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
                     est.add("device", "grad_partition", p * grad_dtype_bytes)
                 if d < 4:
                     est.add("device", "master", p * 4)
-            side = ("nvme" if state_nvme else "host") if offload_opt else "device"
-            est.add(side, "exp_avg", p * moment_bytes)
-            est.add(side, "exp_avg_sq", p * moment_bytes)
+            moments(p, on_host=offload_opt)
     else:
         host_step = offload_opt or offload_param
         parts = []
@@ -296,9 +300,7 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
                 est.add("device", "grad_partition", p * grad_dtype_bytes)
                 if d < 4:
                     est.add("device", "master", p * 4)
-            side = ("nvme" if state_nvme else "host") if host_step else "device"
-            est.add(side, "exp_avg", p * moment_bytes)
-            est.add(side, "exp_avg_sq", p * moment_bytes)
+            moments(p, on_host=host_step)
     ring_used = offload_opt and not offload_param   # a 16-bit partition on the device is filled through it
     if ring_used and d < 4 and not state_nvme and parts:
         # Updated 16-bit parameters go up through a small pinned ring, not a partition-sized copy.

@@ -1,9 +1,11 @@
 """The ZeRO-Infinity demo: a GPT whose fp32 optimizer states exceed this machine's RAM, trained on the CPU
-with ZeRO stage 3, the optimizer states on NVMe (swap files), the 16-bit parameters in host memory, bf16
-and activation checkpointing.
+with ZeRO stage 3, the optimizer states on NVMe (swap files), the parameters in host memory, bf16 (fp32 on
+a CPU without a fast bf16 GEMM, see ``--precision``) and activation checkpointing.
 
-Default: a 2.02B-parameter GPT (24 layers, n_embd 2560, GPT-2 vocabulary): 24.3 GB of fp32 masters and
-Adam moments on disk, ~4 GB of bf16 parameters and ~4 GB of bf16 gradient partition in host memory.
+Default: a 2.02B-parameter GPT (24 layers, n_embd 2560, GPT-2 vocabulary), 24.2 GB of fp32 optimizer states.
+In bf16 all of them (masters and both Adam moments) are on disk and the host holds ~4 GB of bf16 parameters
+and ~4 GB of bf16 gradient partition. In fp32 the parameters are their own masters: 8 GB of fp32 parameters
+and 8 GB of gradient partition in host memory, the two moments (16 GB) on disk.
 
     python benchmarks/nvme_demo.py --nvme-path /work/nvme_scratch --steps 4          # the full demo
     python benchmarks/nvme_demo.py --nvme-path /work/nvme_scratch --n-layer 2 --n-embd 128 --steps 4  # a check
@@ -82,7 +84,7 @@ def gpt2_init(module: torch.nn.Module) -> None:
 def ds_config(args) -> dict:
     return {
         "train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
-        "bf16": {"enabled": True}, "gradient_clipping": 1.0,
+        "bf16": {"enabled": args.precision == "bf16"}, "gradient_clipping": 1.0,
         "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": 0.0}},
         "zero_optimization": {
             "stage": 3, "sub_group_size": args.sub_group_size, "overlap_comm": True,
@@ -167,14 +169,21 @@ def main(argv=None) -> dict:
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--sub-group-size", type=int, default=50_000_000, help="elements per NVMe sub-group")
     ap.add_argument("--io-threads", type=int, default=2)
+    ap.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
+                    help="auto: bf16 where torch has a fast bf16 CPU GEMM (oneDNN on AVX512-BF16/AMX), else fp32")
     ap.add_argument("--deepspeed", action="store_true", help="run DeepSpeed with the same config instead")
     args = ap.parse_args(argv)
+    if args.precision == "auto":
+        # Without oneDNN's bf16 path torch multiplies bf16 matrices with a scalar loop, ~100x slower than
+        # fp32 on an AVX2 host: a 2B-parameter step would take hours (BENCHMARKS.md, NVMe demo).
+        args.precision = "bf16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "fp32"
     Path(args.nvme_path).mkdir(parents=True, exist_ok=True)
     gpt = GPTConfig(vocab_size=args.vocab_size, block_size=args.seq_len, n_layer=args.n_layer,
                     n_head=args.n_head, n_embd=args.n_embd, activation_checkpointing=True)
     n = count_parameters(gpt).total
     head = {"params": n, "fp32_optimizer_state_bytes": 12 * n, "machine_ram_bytes":
-            os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "torch_threads": torch.get_num_threads()}
+            os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "torch_threads": torch.get_num_threads(),
+            "precision": args.precision}
     print(json.dumps(head), flush=True)
     result = {**head, **(run_deepspeed(args, gpt) if args.deepspeed else run_zero_offload(args, gpt))}
     print(json.dumps(result), flush=True)

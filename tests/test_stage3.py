@@ -145,7 +145,7 @@ def _reference_variant(cls, ws, steps=5):
             if p.requires_grad and p.grad is None:
                 p.grad = torch.zeros_like(p)
         opt.step()
-    return {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+    return {n: p.detach() for n, p in model.named_parameters()}   # frozen ones too: full_state_dict has them
 
 
 @pytest.mark.parametrize("ws", (1, 2))

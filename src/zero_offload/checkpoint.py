@@ -180,9 +180,12 @@ def load_checkpoint(engine: CheckpointTarget, load_dir: str | os.PathLike, tag: 
     for g, state in enumerate(new_states):
         opt.load_state_chunks(g, state["step"], [(0, {kind: state[kind] for kind in KINDS})])
     live = module_state(engine.module)
+    sharded = opt.frozen_shapes()            # stage-3 frozen parameters: each rank writes its shard
     with torch.no_grad():
         for name, value in saved_module_state.items():
-            live[name].copy_(value)
+            if name not in sharded:
+                live[name].copy_(value)
+    opt.load_frozen_state({k: v for k, v in saved_module_state.items() if k in sharded})
     opt.after_load()
     engine.load_state_dict(manifest["engine"])
     if rng is not None:
@@ -220,12 +223,13 @@ def _read_module_state(engine: CheckpointTarget, directory: Path, manifest: dict
     read_manifest(directory, [MODULE_STATE])
     from safetensors.torch import load_file
     saved = load_file(str(directory / MODULE_STATE))
-    live = module_state(engine.module)
+    live = {k: tuple(v.shape) for k, v in module_state(engine.module).items()}
+    live.update(engine.optimizer_state.frozen_shapes())
     for name, value in saved.items():
-        if name not in live or tuple(live[name].shape) != tuple(value.shape):
+        if name not in live or live[name] != tuple(value.shape):
             raise CheckpointError(f"checkpoint file '{directory / MODULE_STATE}' holds buffer or frozen "
                                   f"parameter '{name}' {tuple(value.shape)} that this model "
-                                  f"{'lacks' if name not in live else f'has as {tuple(live[name].shape)}'}")
+                                  f"{'lacks' if name not in live else f'has as {live[name]}'}")
     return saved
 
 

@@ -109,6 +109,9 @@ def _remove_stale_tmp(root: Path) -> None:
 
 def _write_all(engine: CheckpointTarget, root: Path, tmp: Path, tag: str, client_state: Any) -> None:
     error, digests = None, {}
+    # Stage 3 holds frozen parameters sharded: gathered (a collective) into rank 0's module state file, whole,
+    # so that any world size and stage reads them back.
+    frozen = engine.optimizer_state.frozen_state(every_rank=False)
     try:
         digests = _write_shard(engine, tmp)
     except (CheckpointError, NotImplementedError) as e:   # every rank learns of it: none waits alone
@@ -121,7 +124,7 @@ def _write_all(engine: CheckpointTarget, root: Path, tmp: Path, tag: str, client
     error = None
     if engine.rank == 0:
         try:
-            _write_rank0_files(engine, root, tmp, tag, client_state, digests)
+            _write_rank0_files(engine, root, tmp, tag, client_state, digests, frozen)
         except CheckpointError as e:
             error = e
     agree(engine, error, f"writing checkpoint '{tag}'")
@@ -157,13 +160,18 @@ def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
 
 
 def _write_rank0_files(engine: CheckpointTarget, root: Path, tmp: Path, tag: str, client_state: Any,
-                       digests: dict[str, str]) -> None:
+                       digests: dict[str, str], frozen: dict[str, torch.Tensor]) -> None:
     path = tmp / CLIENT_STATE
     with write_errors(path, 1 << 16):
         torch.save(client_state, path)
         fsync_path(path)
     digests[CLIENT_STATE] = sha256_file(path)
-    buffers = {k: v.detach().cpu().contiguous().clone() for k, v in module_state(engine.module).items()}
+    buffers = {k: v.detach().cpu().contiguous().clone() for k, v in module_state(engine.module).items()
+               if k not in frozen}
+    seen: set[int] = set()
+    for k, v in frozen.items():            # a tied alias is its own copy, as module_state's names are above
+        buffers[k] = v.clone() if id(v) in seen else v.contiguous()
+        seen.add(id(v))
     path = tmp / MODULE_STATE
     with write_errors(path, _nbytes(buffers) + 4096):
         save_file(buffers, str(path))

@@ -85,8 +85,10 @@ class Engine:
         self.zero = (Stage3Optimizer(self.ctx, self.config, self.module, groups, gas, self.dtype, param_init_fn)
                      if stage3 else ZeroOptimizer(self.ctx, self.config, groups, gas))
         # Buffers and frozen parameters start from rank 0's values too (trainable ones were broadcast above).
+        # (Stage 3 shards frozen parameters too, from rank 0's values.)
         self.ctx.broadcast_from_first([*self.module.buffers(),
-                                       *(p.data for p in self.module.parameters() if not p.requires_grad)])
+                                       *(p.data for p in self.module.parameters()
+                                         if not p.requires_grad and not hasattr(p, "_zero_unit"))])
         self.optimizer = self.zero.optimizer
         offload_opt = self.config.zero_optimization.offload_optimizer
         self._dpu = (DelayedParamUpdate(self.zero, offload_opt.dpu_warmup_steps)
@@ -288,12 +290,19 @@ class Engine:
         return load_checkpoint(self, load_dir, tag)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """{name: fp32 CPU tensor} of every trainable parameter, from the fp32 master weights of all ranks
-        (a collective: every rank must call it). Under the delayed parameter update these are the masters
-        after the last step, which the model runs on only from the step after next."""
+        """{name: fp32 CPU tensor} of every parameter (first name of each; floating frozen ones in fp32): the
+        trainable ones from the fp32 master weights of all ranks, the frozen ones from their values (gathered
+        at stage 3). A collective: every rank must call it. Under the delayed parameter update these are the
+        masters after the last step, which the model runs on only from the step after next."""
         if self._dpu is not None:
             self._dpu.wait()
-        return self.zero.full_master_state(self.module)
+        out = self.zero.full_master_state(self.module)
+        sharded = self.zero.frozen_state(every_rank=True)
+        for name, p in self.module.named_parameters():
+            if not p.requires_grad:
+                t = sharded[name] if name in sharded else p.detach().cpu()
+                out[name] = t.to(torch.float32 if t.is_floating_point() else t.dtype, copy=True)
+        return out
 
     def flush_delayed_update(self) -> None:
         """Delayed parameter update: finish the host step in flight and copy its parameters up now, so the

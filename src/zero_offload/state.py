@@ -52,6 +52,19 @@ class PartitionedOptimizerState(Protocol):
     def load_state_chunks(self, g: int, step: int, chunks: Iterable[StateChunk]) -> None:
         """Replace group ``g``'s partition from pieces covering it, with step count ``step``."""
 
+    def frozen_shapes(self) -> dict[str, tuple[int, ...]]:
+        """{name: full shape} of the frozen (``requires_grad=False``) parameters held sharded (stage 3), under
+        every name `checkpoint_io.module_state` lists them; {} where frozen parameters are whole in the
+        module."""
+
+    def frozen_state(self, every_rank: bool = True) -> dict[str, torch.Tensor]:
+        """{name: full CPU tensor} for `frozen_shapes`' names: a collective (every rank calls it); with
+        ``every_rank=False`` only rank 0 gets the tensors, the others {}."""
+
+    def load_frozen_state(self, values: dict[str, torch.Tensor]) -> None:
+        """Write the named frozen parameters' full values (as `frozen_state` gave them) into this rank's
+        shards; not a collective."""
+
     def after_load(self) -> None:
         """Bring the 16-bit parameters every rank uses up to date after partitions were replaced (a
         collective at stage >= 1)."""

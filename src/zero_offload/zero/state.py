@@ -23,6 +23,16 @@ class PartitionStateMixin:
     def load_state_chunks(self, g: int, step: int, chunks: Iterable[StateChunk]) -> None:
         self.adam.load_state_chunks(g, step, chunks)
 
+    # Frozen parameters: stage 0-2 hold them whole in the module, where checkpoints read them directly.
+    def frozen_shapes(self) -> dict:
+        return {}
+
+    def frozen_state(self, every_rank: bool = True) -> dict:
+        return {}
+
+    def load_frozen_state(self, values: dict) -> None:
+        pass
+
     def state_dict(self) -> dict:
         """{"partitions": int, "layout": [GroupLayout JSON], "groups": `PartitionedAdam.state_dict` groups}:
         this rank's partitions, loadable by an optimizer of the same layout (checkpoints reshard others)."""

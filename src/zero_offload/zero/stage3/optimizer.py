@@ -23,6 +23,7 @@ from zero_offload.zero.layout import GroupLayout, ParamPlacement, Piece
 from zero_offload.zero.averaging import GradAveraging
 from zero_offload.zero.partitioned_torch import partitioned_optimizer
 from zero_offload.zero.stage3.fetcher import ParameterFetcher, units_by_module
+from zero_offload.zero.stage3.frozen import FrozenRelease, build_frozen_units, frozen_names
 from zero_offload.zero.stage3.materialize import materialize
 from zero_offload.zero.stage3.saved_params import SavedParameterGuard
 from zero_offload.zero.stage3.units import ShardedUnit
@@ -38,6 +39,8 @@ class Stage3Optimizer(PartitionStateMixin, DeferrableStepMixin):
 
     Args:
         groups: `ParamGroup`s of trainable parameters (on the CPU or meta device, in the training dtype).
+            The model's frozen parameters (``requires_grad=False``) are sharded too, in frozen units
+            (`zero_offload.zero.stage3.frozen`): gathered for forward and backward, never optimized.
         param_init_fn: for a model built under `init_sharded`: called as ``param_init_fn(module)`` to
             initialise each module's materialised parameters (default: ``module.reset_parameters()``).
     """
@@ -56,14 +59,22 @@ class Stage3Optimizer(PartitionStateMixin, DeferrableStepMixin):
         for g, group in enumerate(groups):
             self.units += self._build_units(model, g, group, dtype, zc.stage3_param_persistence_threshold)
         self.group_units = [[u for u in self.units if u.group == g] for g in range(len(groups))]
+        self.trainable_units = list(self.units)
+        self.frozen_units = build_frozen_units(model, len(self.units), ctx.world_size, ctx.device, dtype,
+                                               zc.stage3_param_persistence_threshold)
+        self.units += self.frozen_units
         # The rank's partition of each group: its shards of every unit, back to back.
         self.parts = []
         for units in self.group_units:
             numel = 0
             for u in units:
                 u.partition_offset, numel = numel, numel + u.shard_numel
-            self.parts.append(self.copies.host_empty(numel, dtype) if self.offload_param
-                              else torch.empty(numel, dtype=dtype, device=ctx.device))
+            self.parts.append(self._param_storage(numel, dtype))
+        numel = 0
+        for u in self.frozen_units:
+            u.partition_offset, numel = numel, numel + u.shard_numel
+        self.frozen_part = self._param_storage(numel, dtype)    # the frozen units' shards, back to back
+        self.frozen_by_name = frozen_names(model, self.frozen_units)
         module_units = units_by_module(model, self.units)
         self.peak_materialize_bytes = materialize(model, self.units, module_units, self._bind, ctx.device, dtype,
                                                   param_init_fn)
@@ -71,8 +82,13 @@ class Stage3Optimizer(PartitionStateMixin, DeferrableStepMixin):
                                         zc.stage3_prefetch_bucket_size, zc.stage3_max_live_parameters,
                                         zc.stage3_max_reuse_distance)
         self.saved_params = SavedParameterGuard(self.units)
+        self.frozen_release = FrozenRelease(self.fetcher, module_units)
         model.register_forward_pre_hook(self._root_pre_forward)
-        for u in self.units:
+        for u in self.frozen_units:
+            for p in u.params:
+                p._zero_unit = u
+            u.fetcher, u.owner = self.fetcher, self
+        for u in self.trainable_units:
             for p in u.params:
                 p._zero_unit = u                      # for `gathered_parameters`
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
@@ -94,7 +110,7 @@ class Stage3Optimizer(PartitionStateMixin, DeferrableStepMixin):
         # Reduce-scatters go out in one fixed order on every rank (last unit first, as backward mostly runs),
         # each once its unit's gradients are ready and all units before it have gone: a module whose output
         # reaches the loss on some ranks only then cannot make the ranks' collectives disagree.
-        self.reduce_order = sorted(self.units, key=lambda u: -u.index)
+        self.reduce_order = sorted(self.trainable_units, key=lambda u: -u.index)
         self.next_reduce = 0
         self.first_micro_step = True
         self.reducing = False
@@ -114,11 +130,16 @@ class Stage3Optimizer(PartitionStateMixin, DeferrableStepMixin):
                                      self.ctx.world_size, self.ctx.device, dtype, threshold))
         return units
 
+    def _param_storage(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return (self.copies.host_empty(numel, dtype) if self.offload_param
+                else torch.empty(numel, dtype=dtype, device=self.ctx.device))
+
     def _bind(self, u: ShardedUnit) -> None:
         """Give unit ``u`` its slice of the group partition, filled from its full (materialised) buffer."""
         lo = u.partition_offset
         self.ctx.broadcast_from_first([u.full])   # every rank shards rank 0's initial weights
-        u.bind(self.parts[u.group][lo:lo + u.shard_numel], lo, self.ctx.rank)
+        part = self.frozen_part if u.frozen else self.parts[u.group]
+        u.bind(part[lo:lo + u.shard_numel], lo, self.ctx.rank)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -133,6 +154,8 @@ class Stage3Optimizer(PartitionStateMixin, DeferrableStepMixin):
             dist.broadcast(u.full, src=self.ctx._global(src_rank), group=self.ctx.group)
         mine = u.full[self.ctx.rank * u.shard_numel:(self.ctx.rank + 1) * u.shard_numel]
         u.shard.copy_(mine)
+        if u.frozen:
+            return            # no master weights
         master = self.adam.masters[u.group]
         if master.data_ptr() != self.parts[u.group].data_ptr():
             master[u.partition_offset:u.partition_offset + u.shard_numel].copy_(mine)
@@ -154,7 +177,7 @@ class Stage3Optimizer(PartitionStateMixin, DeferrableStepMixin):
     def begin_micro_step(self, boundary: bool, first_micro_step: bool) -> None:
         self.first_micro_step, self.reducing = first_micro_step, True
         self.next_reduce = 0
-        for u in self.units:
+        for u in self.trainable_units:
             u.grads_pending = len(u.params)
 
     @torch.no_grad()
@@ -205,7 +228,7 @@ class Stage3Optimizer(PartitionStateMixin, DeferrableStepMixin):
 
     def end_micro_step(self) -> None:
         """After backward: units whose parameters got no gradient reduce zeros, then wait for all."""
-        for u in self.units:
+        for u in self.trainable_units:
             if u.grads_pending > 0:
                 u.grads_pending = 0
         self._reduce_ready()
@@ -235,6 +258,46 @@ class Stage3Optimizer(PartitionStateMixin, DeferrableStepMixin):
     def after_load(self) -> None:
         self.fetcher.invalidate()
 
+    # -- frozen parameters (zero_offload.state.PartitionedOptimizerState) ----------------------------------
+    def frozen_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {name: tuple(u.slots[i].shape) for name, (u, i) in self.frozen_by_name.items()}
+
+    @torch.no_grad()
+    def frozen_state(self, every_rank: bool = True) -> dict[str, torch.Tensor]:
+        """{name: CPU tensor in the training dtype} of every frozen parameter, tied aliases included: a
+        collective that gathers one frozen unit at a time (the device holds one unit beyond the shards). With
+        ``every_rank=False`` only rank 0 copies to the host and the other ranks return {}."""
+        host = {}
+        keep = every_rank or self.ctx.rank == 0
+        for u in self.frozen_units:
+            opened = not u.gathered
+            if opened:
+                self.fetcher._gather(u, async_op=False)
+            else:
+                u.wait()
+            if keep:
+                for i, s in enumerate(u.slots):
+                    host[u.index, i] = u.full[s.offset:s.end].view(s.shape).to("cpu", copy=True)
+            if opened:
+                self.fetcher.release(u)
+        return {name: host[u.index, i] for name, (u, i) in self.frozen_by_name.items() if (u.index, i) in host}
+
+    @torch.no_grad()
+    def load_frozen_state(self, values: dict[str, torch.Tensor]) -> None:
+        """Write this rank's shard of each frozen parameter named in ``values`` (full tensors, any float dtype);
+        frozen parameters not named keep their values. Local: every rank reads the same full values."""
+        self.fetcher.invalidate()
+        lo_of = lambda u: self.ctx.rank * u.shard_numel   # noqa: E731
+        for u in self.frozen_units:
+            if not any(s.name in values for s in u.slots):
+                continue
+            flat = torch.zeros(u.padded_numel, dtype=u.shard.dtype)
+            flat[lo_of(u):lo_of(u) + u.shard_numel] = u.shard.cpu()
+            for s in u.slots:
+                if s.name in values:
+                    flat[s.offset:s.end] = values[s.name].reshape(-1)
+            u.shard.copy_(flat[lo_of(u):lo_of(u) + u.shard_numel])
+
     # -- introspection ---------------------------------------------------------------------------------
     def layout(self) -> list[GroupLayout]:
         out = []
@@ -258,7 +321,8 @@ class Stage3Optimizer(PartitionStateMixin, DeferrableStepMixin):
 
     def memory_breakdown(self) -> dict[str, dict]:
         """Bytes this rank holds, by kind (see `ZeroOptimizer.memory_breakdown`); ``params`` are this rank's
-        shards, ``gathered`` the full buffers gathered right now and ``peak_gathered`` the most at once."""
+        shards, ``gathered`` the full buffers gathered right now and ``peak_gathered`` the most at once,
+        ``frozen_params`` this rank's shards of the frozen (``requires_grad=False``) parameters."""
         state_side = "host" if self.adam.on_host and self.offload else "device"
         def entry(tensors, side):
             return {"bytes": sum(t.numel() * t.element_size() for t in tensors),
@@ -273,6 +337,7 @@ class Stage3Optimizer(PartitionStateMixin, DeferrableStepMixin):
             "master": entry([m for m in states["master"] if m.data_ptr() not in aliased], state_side),
             "exp_avg": entry(states["exp_avg"], state_side),
             "exp_avg_sq": entry(states["exp_avg_sq"], state_side),
+            "frozen_params": entry([self.frozen_part], "host" if self.offload_param else "device"),
             "param_staging": entry(self.adam.staging_tensors() if hasattr(self.adam, "staging_tensors") else [],
                                    "host"),
         }

@@ -48,7 +48,10 @@ class ShardedUnit:
         shard: (shard_numel,) this rank's shard, a view into the group's partition (device memory, or host
             memory with ``offload_param``); bound by `bind`.
         persistent: numel <= ``stage3_param_persistence_threshold``: gathered once per step and kept.
+        frozen: the parameters have ``requires_grad=False``: gathered for forward and backward, never reduced.
     """
+
+    frozen = False
 
     def __init__(self, index: int, group: int, module_name: str, params: list[torch.nn.Parameter],
                  names: list[str], indices: list[int], world_size: int, device: torch.device,

@@ -140,9 +140,10 @@ def test_torch_optimizer_on_partitions_matches_torch(optimizer, offload, make_re
     for name, r in ref.items():
         if name in full:
             assert (full[name] - r.detach()).abs().max().item() <= 1e-5, name
-    with pytest.raises(NotImplementedError, match="checkpoints of optimizer type"):
-        engine.save_checkpoint(tmp_path)
-    assert [p.name for p in tmp_path.iterdir()] == [".lock"]     # nothing half-written is left
+    if optimizer["params"].get("amsgrad"):    # max_exp_avg_sq has no place in the format (other optimizers
+        with pytest.raises(NotImplementedError, match="checkpoints of optimizer type"):   # save:
+            engine.save_checkpoint(tmp_path)            # test_torch_optimizer_checkpoint)
+        assert [p.name for p in tmp_path.iterdir()] == [".lock"]     # nothing half-written is left
 
 
 # -- schedules: DeepSpeed's own classes are the reference where installed ------------------------------------

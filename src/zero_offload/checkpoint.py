@@ -207,6 +207,8 @@ def _read_for_load(engine: CheckpointTarget, load_dir, tag):
         shard = rank_file(engine.rank if opt.partitions_count > 1 else 0)
         read_manifest(directory, sorted({shard, *own, CLIENT_STATE}))
         new_states = _read_own_partition(directory / shard, manifest["groups"])
+        with safe_open(str(directory / shard), framework="pt") as f:
+            _check_state_format(f, directory / shard, engine)
     else:
         shards = [rank_file(r) for r in range(manifest["partitions"])]
         read_manifest(directory, sorted(set(shards + own + [CLIENT_STATE])))
@@ -242,6 +244,16 @@ def _read_own_partition(path: Path, groups: list[dict]) -> list[dict]:
                  "step": steps[g]} for g, group in enumerate(groups)]
 
 
+def _check_state_format(handle, path: Path, engine: CheckpointTarget) -> None:
+    """The moment slots must mean the same here as when saved (Adam's moments vs SGD's momentum, ...)."""
+    saved = (handle.metadata() or {}).get("state_format", "adam")
+    mine = engine.optimizer_state.state_format()
+    if saved != mine:
+        raise CheckpointError(f"checkpoint file '{path}' holds optimizer states of the form {saved!r}, this "
+                              f"engine's optimizer keeps {mine!r}: load it with the optimizer type it was saved "
+                              f"with")
+
+
 def _steps(handle, path: Path, groups: int) -> list[int]:
     try:
         steps = json.loads((handle.metadata() or {})["steps"])
@@ -259,6 +271,7 @@ def _reshard(engine: CheckpointTarget, directory: Path, manifest: dict) -> list[
     steps = set()
     for r in range(manifest["partitions"]):
         with safe_open(str(directory / rank_file(r)), framework="pt") as f:
+            _check_state_format(f, directory / rank_file(r), engine)
             steps.update(_steps(f, directory / rank_file(r), len(manifest["groups"])))
     if len(steps) > 1:
         raise CheckpointError(f"checkpoint '{directory}' holds different optimizer step counts {sorted(steps)}")

@@ -65,6 +65,10 @@ class PartitionedOptimizerState(Protocol):
         """Write the named frozen parameters' full values (as `frozen_state` gave them) into this rank's
         shards; not a collective."""
 
+    def state_format(self) -> str:
+        """What the ``exp_avg``/``exp_avg_sq`` kinds hold: ``adam`` (Adam's moments) or ``torch.<type>:<state
+        names>`` for a torch optimizer on the partitions; a checkpoint loads only into the same format."""
+
     def after_load(self) -> None:
         """Bring the 16-bit parameters every rank uses up to date after partitions were replaced (a
         collective at stage >= 1)."""

@@ -65,7 +65,12 @@ class PartitionedTorchOptimizer(PartitionedAdam):
                 if "weight_decay" in torch_kwargs or h["weight_decay"]:
                     group["weight_decay"] = h["weight_decay"]
                 groups.append(group)
-        self.optimizer = cls(groups)
+        # The config's params as constructor defaults too: some optimizers read them only from there when they
+        # set up state (Adagrad's initial_accumulator_value).
+        self.optimizer = cls(groups, **(torch_kwargs or {}))
+        self.amsgrad = torch_kwargs is None
+        self.steps = [0] * len(self.masters)         # optimizer steps taken, per group (SGD keeps no count)
+        self._probe_state(cls, groups[0])
 
     @torch.no_grad()
     def step(self, grads: list[GradSource], grad_scale: float, lrs=None, publish: bool = True) -> None:
@@ -74,6 +79,7 @@ class PartitionedTorchOptimizer(PartitionedAdam):
         for master, g in zip(self.masters, grads):
             master.grad = g.ready().to(master.device, torch.float32, copy=True).mul_(grad_scale)
         self.optimizer.step()
+        self.steps = [s + 1 for s in self.steps]
         for part, master in zip(self.parts, self.masters):
             master.grad = None
             if master.data_ptr() != part.data_ptr():
@@ -89,11 +95,100 @@ class PartitionedTorchOptimizer(PartitionedAdam):
                     (first if name in ("exp_avg", "momentum_buffer") else rest).append(t)
         return {"master": self.masters, "exp_avg": first, "exp_avg_sq": rest}
 
-    def state_chunks(self, g: int, chunk_numel: int = 1 << 24):
-        raise NotImplementedError(
-            f"checkpoints of optimizer type {self.type_name!r} (or amsgrad) are not built: only the fused Adam/"
-            f"AdamW states are saved. Save with optimizer type Adam/AdamW, or save the model with "
-            f"engine.save_16bit_model / engine.full_state_dict()")
+    # -- checkpoints: the per-element states in the two moment slots of the checkpoint format --------------
+    def _probe_state(self, cls, group: dict) -> None:
+        """Step a one-element copy of the optimizer once to learn its state's names: per-element tensors go to
+        the checkpoint's ``exp_avg``/``exp_avg_sq`` slots in that order, ``step`` is the shared step count,
+        anything else cannot be saved here (`checkpoint_refusal` names it)."""
+        probe = torch.zeros(2, requires_grad=True)     # two elements: per-element states vs scalars
+        opt = cls([dict(group, params=[probe])])
+        probe.grad = torch.ones(2)
+        opt.step()
+        state = opt.state[probe]
+        self.slot_names = tuple(k for k, v in state.items() if isinstance(v, torch.Tensor) and v.numel() == 2
+                                and k != "step")
+        self.step_like = state.get("step")
+        self.checkpoint_refusal = None
+        others = [k for k, v in state.items() if k != "step" and k not in self.slot_names and v is not None]
+        if len(self.slot_names) > 2 or others:
+            key = (others + list(self.slot_names[2:]))[0]
+            self.checkpoint_refusal = (
+                f"checkpoints of optimizer type {self.type_name!r}{' with amsgrad' if self.amsgrad else ''} are "
+                f"not built: its state {key!r} has no place in the checkpoint format (master, exp_avg, "
+                f"exp_avg_sq per element, one step count) and could not be resharded. Save with another "
+                f"optimizer type, or save the model with engine.save_16bit_model / engine.full_state_dict()")
+        self.initial_state = [{k: v.clone() if isinstance(v, torch.Tensor) else v
+                               for k, v in self.optimizer.state.get(m, {}).items()} for m in self.masters]
 
+    def state_format(self) -> str:
+        """What the checkpoint's moment slots hold: ``torch.<type>:<slot names>``."""
+        return f"torch.{self.type_name}{'+amsgrad' if self.amsgrad else ''}:{','.join(self.slot_names)}"
+
+    def group_step(self, g: int) -> int:
+        return self.steps[g]
+
+    def state_chunks(self, g: int, chunk_numel: int = 1 << 24):
+        """Group ``g``'s partition in pieces (see `PartitionedAdam.state_chunks`): the master weights, and the
+        optimizer's per-element states under ``exp_avg`` and ``exp_avg_sq`` (e.g. SGD's momentum_buffer,
+        Adagrad's sum; zeros where absent).
+
+        Raises:
+            NotImplementedError: the optimizer keeps a state the format cannot hold (amsgrad's
+                max_exp_avg_sq, NAdam's mu_product, ...), naming the type and the state key.
+        """
+        if self.checkpoint_refusal:
+            raise NotImplementedError(self.checkpoint_refusal)
+        master = self.masters[g]
+        state = self.optimizer.state.get(master, {})
+        n = master.numel()
+        for lo in range(0, n, max(1, chunk_numel)) if n else ():
+            hi = min(n, lo + chunk_numel)
+            piece = {"master": master[lo:hi].detach()}
+            for kind, name in zip(("exp_avg", "exp_avg_sq"), (*self.slot_names, None, None)):
+                t = state.get(name) if name else None
+                piece[kind] = t[lo:hi] if t is not None else torch.zeros(hi - lo)
+            yield lo, {k: v.float().cpu() for k, v in piece.items()}
+
+    @torch.no_grad()
     def load_state_chunks(self, g: int, step: int, chunks) -> None:
-        self.state_chunks(g)
+        """Replace group ``g``'s partition from `state_chunks`' pieces, with ``step`` steps taken; at step 0
+        the optimizer's state is its fresh one (as after construction).
+
+        Raises:
+            NotImplementedError: as `state_chunks`. ValueError: pieces that do not cover the partition.
+        """
+        if self.checkpoint_refusal:
+            raise NotImplementedError(self.checkpoint_refusal)
+        mine = self.masters[g]
+        n = mine.numel()
+        if step == 0:
+            fresh = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in self.initial_state[g].items()}
+            self.optimizer.state.pop(mine, None)
+            if fresh:
+                self.optimizer.state[mine] = fresh
+            slots = {}
+        else:
+            state = self.optimizer.state.get(mine) or {}
+            for name in self.slot_names:
+                if not isinstance(state.get(name), torch.Tensor):
+                    state[name] = torch.zeros_like(mine)
+            if self.step_like is not None:
+                state["step"] = (torch.tensor(float(step), dtype=self.step_like.dtype)
+                                 if isinstance(self.step_like, torch.Tensor) else step)
+            self.optimizer.state[mine] = state
+            slots = dict(zip(("exp_avg", "exp_avg_sq"), (state[k] for k in self.slot_names)))
+        covered = 0
+        for lo, piece in chunks:
+            length = piece["master"].numel()
+            if lo != covered or lo + length > n:
+                raise ValueError(f"optimizer state piece at offset {lo} ({length} elements) does not continue "
+                                 f"group {g}'s partition of {n} elements at {covered}")
+            mine[lo:lo + length].copy_(piece["master"])
+            for kind, t in slots.items():
+                t[lo:lo + length].copy_(piece[kind])
+            covered = lo + length
+        if covered != n:
+            raise ValueError(f"optimizer state pieces cover {covered} of group {g}'s {n} elements")
+        self.steps[g] = step
+        if mine.data_ptr() != self.parts[g].data_ptr():
+            self.parts[g].copy_(mine)

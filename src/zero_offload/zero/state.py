@@ -33,6 +33,9 @@ class PartitionStateMixin:
     def load_frozen_state(self, values: dict) -> None:
         pass
 
+    def state_format(self) -> str:
+        return getattr(self.adam, "state_format", lambda: "adam")()
+
     def state_dict(self) -> dict:
         """{"partitions": int, "layout": [GroupLayout JSON], "groups": `PartitionedAdam.state_dict` groups}:
         this rank's partitions, loadable by an optimizer of the same layout (checkpoints reshard others)."""

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from zero_offload.compat import zero
 from zero_offload.compat.engine import DeepSpeedEngine
+from zero_offload.compat.mpu import check_mpu
 from zero_offload.compat.optimizer import ClientScheduler, client_optimizer_config
 from zero_offload.config import Config, ConfigError
 from zero_offload.config_io import decode_config_string, read_config_file
@@ -75,16 +76,19 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
 
     Raises:
         ConfigError: no config or two configs, or an invalid config (the key is named).
-        ValueError: ``model`` is None, ``mpu``/``mesh_param`` given (no model parallelism), or an optimizer
-            that is not a ``torch.optim`` one.
+        ValueError: ``model`` is None, ``mesh_param`` given or an ``mpu`` with model, pipeline or sequence
+            parallelism (`compat.mpu.check_mpu`; an ``mpu`` of plain data parallelism is accepted), or an
+            optimizer that is not a ``torch.optim`` one.
     """
     if model is None:
         raise ValueError("deepspeed.initialize requires a model")
-    if mpu is not None or mesh_param is not None:
-        raise ValueError("deepspeed.initialize(mpu=..., mesh_param=...): model and sequence parallelism are "
-                         "not built in zero-offload (data parallel only)")
+    if mesh_param is not None:
+        raise ValueError("deepspeed.initialize(mesh_param=...): model and sequence parallelism are not built in "
+                         "zero-offload (data parallel only)")
     raw = _raw_config(args, config, config_params)
     init_distributed(dist_init_required=dist_init_required, distributed_port=distributed_port)
+    if mpu is not None:
+        check_mpu(mpu)
     auto_values: dict = {}
     if optimizer is not None:
         if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):

@@ -121,11 +121,13 @@ class Engine:
         return out
 
     @deadline
-    def backward(self, loss: torch.Tensor) -> torch.Tensor:
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
         """Backward of ``loss`` / gradient_accumulation_steps (x loss scale under fp16).
 
         Gradients are reduced across ranks while backward runs (stage 2: every micro-step; stages 0/1:
-        on the boundary micro-step). Returns the scaled loss that was back-propagated.
+        on the boundary micro-step). Returns the scaled loss that was back-propagated. ``retain_graph`` is
+        torch's: the graph stays for another backward through it (at stage 3 the parameters it saved are
+        gathered again when that backward reads them).
 
         Raises:
             ValueError: ``loss`` is not a scalar tensor.
@@ -144,7 +146,7 @@ class Engine:
         if self.scaler.enabled:
             scaled = scaled * self.scaler.scale
         self.zero.begin_micro_step(boundary, first_micro_step=not extra and self.micro_steps % gas == 0)
-        scaled.backward()
+        scaled.backward(retain_graph=retain_graph)
         self.zero.end_micro_step()
         if not extra:
             self.micro_steps += 1
@@ -155,6 +157,17 @@ class Engine:
     def is_gradient_accumulation_boundary(self) -> bool:
         """True when the last backward completed a full set of micro-batches."""
         return self._boundary_pending
+
+    def discard_accumulated_gradients(self) -> bool:
+        """Drop the gradients accumulated since the last step where they are still the rank's own, unreduced:
+        at stages 0/1 before the boundary backward (the micro-step count goes on). Returns whether anything
+        was dropped. Stage 2/3 gradients, and stage 0/1 ones once reduced, are kept: DeepSpeed's
+        ``engine.zero_grad()`` clears only ``param.grad``, which holds the accumulation at exactly those
+        stages and moments (stage_1_and_2.py reduces stage 1 at the boundary and stage 2 every micro-step)."""
+        if self.config.zero_optimization.stage >= 2 or self._boundary_pending:
+            return False
+        self.zero.zero_grad()
+        return True
 
     @deadline
     def step(self) -> None:

@@ -51,18 +51,18 @@ class DeepSpeedEngine(torch.nn.Module):
         return self.engine.forward(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
-        """``engine.backward(loss)``: loss / gradient_accumulation_steps (x the fp16 loss scale).
+        """``engine.backward(loss, retain_graph=False)``: loss / gradient_accumulation_steps (x the fp16 loss
+        scale); ``retain_graph`` keeps the graph for another backward, as torch's.
 
         Raises:
-            ValueError: ``retain_graph`` or ``scale_wrt_gas=False`` (not built: every backward is scaled and
-                reduces its gradients).
+            ValueError: ``scale_wrt_gas=False`` (not built: every backward is scaled by the accumulation).
         """
-        if retain_graph or not scale_wrt_gas:
-            raise ValueError("engine.backward(retain_graph=True / scale_wrt_gas=False) is not built in "
-                             "zero-offload")
+        if not scale_wrt_gas:
+            raise ValueError("engine.backward(scale_wrt_gas=False) is not built in zero-offload: every "
+                             "backward is divided by gradient_accumulation_steps")
         if self._boundary_override is not None:
             self._force_boundary(self._boundary_override)
-        self.engine.backward(loss)
+        self.engine.backward(loss, retain_graph=retain_graph)
         return loss
 
     def _force_boundary(self, boundary: bool) -> None:
@@ -89,8 +89,15 @@ class DeepSpeedEngine(torch.nn.Module):
         self._ds_micro_steps += 1
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """A no-op: the partitioned gradients are cleared by every boundary ``step()`` (ZeRO owns them, as in
-        DeepSpeed, where the ZeRO optimizer clears its own partitions)."""
+        """DeepSpeed 0.19.8's ``engine.zero_grad()`` sets every parameter's ``.grad`` to None. That discards
+        the gradients accumulated since the last step where its ZeRO stage keeps them in ``.grad``: stages
+        0 and 1 before the boundary backward (with the default ``data_types.grad_accum_dtype``). At stages 2
+        and 3 (reduced into partitions every micro-step) and after a stage-1 boundary backward it changes
+        nothing. The same here (`Engine.discard_accumulated_gradients`). Not mirrored: at stage 0 after the
+        boundary backward DeepSpeed's next step then updates nothing; here the reduced gradients are kept."""
+        for p in self.module.parameters():
+            p.grad = None
+        self.engine.discard_accumulated_gradients()
 
     def is_gradient_accumulation_boundary(self) -> bool:
         if self._boundary_override is not None:

@@ -6,6 +6,7 @@ import contextlib
 import torch
 
 from zero_offload.zero.stage3.gather import gathered_parameters, init_sharded, register_external_parameter
+from zero_offload.zero.stage3.sharded_init import shard_in_place
 
 __all__ = ["Init", "GatheredParameters", "register_external_parameter"]
 
@@ -15,12 +16,15 @@ def Init(module=None, data_parallel_group=None, mem_efficient_linear=True, remot
          zero_param_parallel_group=None, zero_quantized_weights=False, zero_quantized_nontrainable_weights=False,
          sequence_data_parallel_group=None, param_swapper=None):
     """DeepSpeed's ``zero.Init``: build the model inside it and ranks keep only their shards
-    (`zero_offload.init_sharded`). ``enabled=False`` builds normally."""
-    if module is not None:
-        raise ValueError("zero.Init(module=...) (partitioning an existing model) is not built: build the model "
-                         "inside `with zero.Init():`, or pass it to initialize() as it is")
+    (`zero_offload.init_sharded`). ``enabled=False`` builds normally. With ``module``, that already-built model
+    is partitioned in place at once (rank 0's values, each rank keeping its slice; a collective), as
+    DeepSpeed's ``zero.Init(module=model)`` does; the returned context can still be entered."""
     if not enabled:
         return contextlib.nullcontext()
+    if module is not None:
+        if not isinstance(module, torch.nn.Module):
+            raise ValueError(f"zero.Init(module=...) needs an nn.Module, got {type(module).__name__}")
+        shard_in_place(module)
     return init_sharded(config_dict_or_path or config)
 
 

@@ -17,7 +17,7 @@ import math
 import torch
 import torch.distributed as dist
 
-__all__ = ["ShardedInit", "has_slice", "pop_slices", "fill_view", "open_full", "close_full"]
+__all__ = ["ShardedInit", "has_slice", "pop_slices", "fill_view", "open_full", "close_full", "shard_in_place"]
 
 _SLICE = "_zero_init_slice"
 
@@ -50,6 +50,22 @@ def _shard_own(module: torch.nn.Module, rank: int, world: int) -> None:
     for p in module._parameters.values():
         if p is not None and not p.is_meta and not has_slice(p):
             _keep_slice(p, p.data, rank, world)
+
+
+@torch.no_grad()
+def shard_in_place(model: torch.nn.Module) -> None:
+    """Turn an already-built model into one built under `ShardedInit` (DeepSpeed's ``zero.Init(module=...)``):
+    parameter by parameter, rank 0's values are broadcast (a collective, as DeepSpeed's ``_zero_init_param``)
+    and each rank keeps its 1/N slice; the parameter becomes meta, so its full memory is freed at once."""
+    rank, world = _rank_world()
+    for module in model.modules():
+        for p in module._parameters.values():
+            if p is not None and not p.is_meta and not has_slice(p):
+                full = p.data
+                if world > 1:
+                    full = full.detach().contiguous().cpu()
+                    dist.broadcast(full, src=0)
+                _keep_slice(p, full, rank, world)
 
 
 def _gather(state, shape, numel) -> torch.Tensor:

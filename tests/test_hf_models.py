@@ -1,9 +1,11 @@
 """Hugging Face GPT-2, Llama, BERT and T5 (tiny configs, random init, no download) train like AdamW, and
 their consolidated checkpoints load with strict=True.
 
-Matrix (one run each, chosen to cover every stage and offload once rather than the full cross product):
-GPT-2 at stage 3 with optimizer and parameters offloaded (tied lm_head), Llama at stage 2 with the
-optimizer offloaded, BERT at stage 1, T5 at stage 0 (encoder-decoder, tied embeddings); plus GPT-2 built
+Matrix (one run each, chosen so that every model runs at stage 3 and every stage runs with and without
+offload, rather than the full cross product): with export checks GPT-2 at stage 3 with optimizer and
+parameters offloaded (tied lm_head), Llama at stage 2 with the optimizer offloaded, BERT at stage 1, T5 at
+stage 0 (encoder-decoder, tied embeddings); against AdamW only (`MORE`) Llama/BERT/T5 at stage 3, GPT-2 and
+Llama at stage 1, BERT, T5 and GPT-2 at stage 2; GPT-2 and Llama at stage 3 with a frozen base; plus GPT-2 built
 under ``deepspeed.zero.Init`` with HF's weight init run under ``GatheredParameters(modifier_rank=0)``, and
 ``save_pretrained`` of a stage-3 model.
 """
@@ -61,6 +63,52 @@ def test_hf_model_matches_adamw_and_exports_strictly(tmp_path, kind, stage, offl
         loaded = type(ref).from_pretrained(tmp_path / "hf")
         for name, p in ref.state_dict().items():
             assert (loaded.state_dict()[name] - p).abs().max().item() <= 2e-5, name
+
+
+# Each model at stage 3 too (the stage that rewrites a model the most), and the other stages x offloads once more.
+MORE = [("llama", 3, "none", "none"), ("bert", 3, "cpu", "cpu"), ("t5", 3, "cpu", "none"), ("gpt2", 1, "none", "none"),
+        ("llama", 1, "cpu", "none"), ("bert", 2, "none", "none"), ("t5", 2, "cpu", "none"), ("gpt2", 2, "none", "none")]
+
+
+@pytest.mark.parametrize("kind,stage,offload,offload_param", MORE)
+def test_hf_model_matches_adamw_at_more_stages(kind, stage, offload, offload_param):
+    engine, *_ = deepspeed.initialize(model=build(kind), config=_config(stage, offload, offload_param))
+    for step in range(STEPS):
+        engine.backward(engine(**batch(kind, step, MICRO)).loss)
+        engine.step()
+    full = engine.full_state_dict()
+    for name, p in _reference(kind).named_parameters():
+        assert (full[name] - p.detach()).abs().max().item() <= 2e-5, name
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_hf_model_with_a_frozen_base_at_stage_3(tmp_path, kind):
+    """LoRA-style fine-tuning of a Hugging Face model: everything but the attention projections frozen; the
+    frozen base is sharded, untouched by the step, and exported."""
+    def freeze(model):
+        for n, p in model.named_parameters():
+            p.requires_grad_("attn" in n)
+        return model
+    engine, *_ = deepspeed.initialize(model=freeze(build(kind)), config=_config(3, "cpu", "cpu"))
+    assert engine.memory_breakdown()["frozen_params"]["bytes"] > 0
+    for step in range(STEPS):
+        engine.backward(engine(**batch(kind, step, MICRO)).loss)
+        engine.step()
+    ref = freeze(build(kind))
+    opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=LR, weight_decay=WD)
+    for step in range(STEPS):
+        opt.zero_grad()
+        ref(**batch(kind, step, MICRO)).loss.backward()
+        opt.step()
+    full = engine.full_state_dict()
+    assert full.keys() == dict(ref.named_parameters()).keys()
+    for name, p in ref.named_parameters():
+        assert (full[name] - p.detach()).abs().max().item() <= 2e-5, name
+    engine.save_checkpoint(tmp_path)
+    sd = zero_offload.consolidate(tmp_path)
+    build(kind, seed=1).load_state_dict(sd, strict=True)
+    for name, p in ref.state_dict().items():
+        assert (sd[name].to(p.dtype) - p).abs().max().item() <= 2e-5, name
 
 
 def test_hf_model_under_zero_init_gets_hf_init_under_gathered_parameters():

@@ -145,7 +145,8 @@ def _write_shard(engine: CheckpointTarget, tmp: Path) -> dict[str, str]:
                     whole[kind][lo:lo + piece[kind].numel()] = piece[kind]
             tensors.update({f"group{g}.{kind}": t for kind, t in whole.items()})
     np_state = np.random.get_state()
-    metadata = {"steps": json.dumps(steps), "state_format": opt.state_format(), "python_rng": json.dumps(random.getstate()),
+    metadata = {"steps": json.dumps(steps), "state_format": opt.state_format(),
+                "python_rng": json.dumps(random.getstate()),
                 "numpy_rng": json.dumps([np_state[0], np_state[1].tolist(), *map(float, np_state[2:])])}
     path = tmp / rank_file(engine.rank)
     with write_errors(path, _nbytes(tensors) + 4096):

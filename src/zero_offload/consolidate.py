@@ -67,9 +67,14 @@ def consolidate(checkpoint_dir: str | os.PathLike, tag: str | None = None) -> di
     """
     directory, manifest = _open(checkpoint_dir, tag)
     out: dict[str, torch.Tensor] = {}
-    clones: dict[int, torch.Tensor] = {}
+    aliases = set(manifest.get("aliases", {}))
+    last = last_clone = None      # an alias comes right after its first name, as the same tensor object
     for name, t in _all_tensors(directory, manifest):
-        out[name] = clones.setdefault(id(t), t.clone())
+        if name in out and name in aliases:
+            continue              # a frozen alias, also in the module state under its own name: keep it shared
+        if t is not last:         # (not id(): a freed tensor's id is reused by the next one)
+            last, last_clone = t, t.clone()
+        out[name] = last_clone
     order = manifest.get("state_dict_keys")
     return {k: out[k] for k in order if k in out} | out if order else out
 

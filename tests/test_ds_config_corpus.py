@@ -20,7 +20,6 @@ FILES = sorted(p.name for p in CORPUS.iterdir())
 REFUSED = {
     "dse_bing_bert_lamb.json": "'Lamb' is accepted by DeepSpeed but not implemented",
     "ds_docs_onebit_adam.json": "'OneBitAdam' is accepted by DeepSpeed but not implemented",
-    "ds_docs_zero_infinity_nvme.json": "'nvme'",
     "ds_removed_sparse_attention.json": "as DeepSpeed 0.19.8 refuses it",
     "ds_megatron_gpt2_zero2.json": "max_grad_norm' is not an optimizer parameter (DeepSpeed refuses it too)",
 }

@@ -174,12 +174,14 @@ class OffloadOptimizerConfig(OffloadConfig):
 class OffloadParamConfig(OffloadConfig):
     IGNORED: ClassVar[dict[str, str]] = IGNORED_OFFLOAD_PARAM
     device: Literal["none", "cpu", "nvme"] = option(
-        "none", "Where the 16-bit parameter partitions live: the accelerator (none) or host memory (cpu).",
-        not_implemented={"nvme": "stage-3 parameters on NVMe are not built yet; use 'cpu' (the optimizer "
-                                 "states can go to NVMe with offload_optimizer.device = 'nvme')"})
-    buffer_count: int = option(5, "NVMe: buffers in the parameter pool (DeepSpeed's default).", min=0)
-    buffer_size: int = option(100_000_000, "NVMe: elements per parameter buffer (DeepSpeed's default).", min=0)
-    max_in_cpu: int = option(1_000_000_000, "NVMe: parameter elements kept in host memory.", min=0)
+        "none", "Where the 16-bit parameter partitions live: the accelerator (none), host memory (cpu) or swap "
+                "files under nvme_path, read ahead into a small host pool (nvme, ZeRO-Infinity).")
+    buffer_count: int = option(5, "NVMe: buffers in the parameter pool, each holding one unit's partition "
+                                  "(DeepSpeed's default).", min=0)
+    buffer_size: int = option(100_000_000, "NVMe: most elements per parameter buffer; every unit's partition "
+                                           "must fit (DeepSpeed's default). The pool allocates the largest "
+                                           "unit partition per buffer, at most this.", min=0)
+    max_in_cpu: int = option(1_000_000_000, "NVMe: most parameter elements read ahead into host memory.", min=0)
 
 
 @dataclass
@@ -251,6 +253,9 @@ class ZeroConfig:
             raise ConfigError(f"config key '{path}.offload_optimizer.delayed_param_update' = true needs "
                               f"'{path}.offload_optimizer.device' = 'cpu' (got "
                               f"{self.offload_optimizer.device!r}): the delayed update overlaps the host step")
+        if self.offload_optimizer.delayed_param_update and self.offload_param.device == "nvme":
+            raise ConfigError(f"config key '{path}.offload_optimizer.delayed_param_update' = true needs the "
+                              f"parameters in memory; '{path}.offload_param.device' is 'nvme'")
         if self.offload_optimizer.device != "none" and self.stage < 1:
             raise ConfigError(f"config key '{path}.offload_optimizer.device' = "
                               f"{self.offload_optimizer.device!r} needs '{path}.stage' >= 1 (got 0)")

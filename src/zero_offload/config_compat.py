@@ -56,7 +56,6 @@ UNBUILT = {
     "weight_quantization": "no quantized weights",
     "optimizer.type Lamb, OneBitAdam, OneBitLamb, ZeroOneAdam, Lion, Muon, MuAdam, MuAdamW, MuSGD":
         "use Adam/AdamW or a torch.optim name (SGD, Adagrad, RMSprop, ...)",
-    "offload_param.device = 'nvme'": "stage-3 parameters on NVMe; use 'cpu' (optimizer states can go to NVMe)",
 }
 
 

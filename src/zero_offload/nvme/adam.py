@@ -14,7 +14,6 @@ reclaimed at the next start; the files are removed by `close`, when the optimize
 from __future__ import annotations
 
 import os
-import shutil
 import weakref
 from pathlib import Path
 
@@ -67,6 +66,10 @@ class NvmeAdam:
         buffer_count: sub-group buffers in the pool, each 12 bytes x sub-group elements.
         pipeline_read / pipeline_write: overlap the read of i+1 / the write of i-1 with the step of i.
         block_size / thread_count: the swapper's request piece (bytes) and I/O threads.
+        param_io: the parameters live in swap files themselves (stage 3 ``offload_param.device = nvme``):
+            ``parts`` are then meta tensors giving only shapes and dtypes, the initial masters are read with
+            ``param_io.read_range(g, lo, hi)`` and each sub-group's updated parameters are written with
+            ``param_io.write_range(g, lo, values)`` (a `zero_offload.nvme.param_store.NvmeParamStore`).
 
     Raises:
         NvmeIOError: a failed read or write (naming the file). After one, every later `step` and state read
@@ -77,13 +80,16 @@ class NvmeAdam:
 
     def __init__(self, parts: list[torch.Tensor], hparams: list[dict], copies: CopyEngine, directory: Path,
                  sub_group_size: int, buffer_count: int, pipeline_read: bool = False, pipeline_write: bool = False,
-                 block_size: int = 1 << 20, thread_count: int = 1):
-        self.parts, self.copies = parts, copies
+                 block_size: int = 1 << 20, thread_count: int = 1, param_io=None):
+        self.parts, self.copies, self.param_io = parts, copies, param_io
         self.pipeline_read, self.pipeline_write = pipeline_read, pipeline_write
         self.sub = self.sub_group_numel([p.numel() for p in parts], sub_group_size)
         self.units = [(g, i, lo, min(p.numel(), lo + self.sub))
                       for g, p in enumerate(parts) for i, lo in enumerate(range(0, p.numel(), self.sub))]
-        shutil.rmtree(directory, ignore_errors=True)     # a killed run's files: reclaimed
+        directory.mkdir(parents=True, exist_ok=True)
+        for stale in directory.iterdir():                # a killed run's state files: reclaimed
+            if stale.name.endswith(tuple(f".{kind}.swp" for kind in KINDS)):
+                stale.unlink(missing_ok=True)
         self.swapper = Swapper(directory, block_size=block_size, thread_count=thread_count)
         self._finalizer = weakref.finalize(self, self.swapper.close)
         for g, p in enumerate(parts):
@@ -189,13 +195,17 @@ class NvmeAdam:
             part = self.parts[g][lo:hi]
             sixteen_bit = part.dtype != torch.float32
             out = None
-            if sixteen_bit:
+            if self.param_io is not None:
+                out = self._staging(slot, part.dtype)[:hi - lo] if sixteen_bit else None
+            elif sixteen_bit:
                 out = part if part.device.type == "cpu" else self._staging(slot, part.dtype)[:hi - lo]
             fused_adam_step(master, grads[g][lo:hi], exp_avg, exp_avg_sq, step=self.steps[g], lr=h["lr"],
                             beta1=h["betas"][0], beta2=h["betas"][1], eps=h["eps"],
                             weight_decay=h["weight_decay"], adamw_mode=h["adamw_mode"],
                             bias_correction=h["bias_correction"], grad_scale=grad_scale, out=out)
-            if part.device.type != "cpu":
+            if self.param_io is not None:       # the updated parameters go to their swap file
+                self.param_io.write_range(g, lo, out if sixteen_bit else master)
+            elif part.device.type != "cpu":
                 self.copies.to_device(part, out if sixteen_bit else master)   # up while the next one steps
             elif not sixteen_bit:
                 part.copy_(master)
@@ -229,7 +239,8 @@ class NvmeAdam:
         for k, (g, i, lo, hi) in enumerate(self.units):
             slot = k % nslots
             self._free_slot(slot)
-            self._views(slot, hi - lo)[0].copy_(self.parts[g][lo:hi])
+            src = self.parts[g][lo:hi] if self.param_io is None else self.param_io.read_range(g, lo, hi)
+            self._views(slot, hi - lo)[0].copy_(src)
             self._writes[slot] = self._io(slot, g, i, hi - lo, write=True, kinds=("master",))
         self.swapper.flush()
         self._writes = [None] * nslots
@@ -270,7 +281,10 @@ class NvmeAdam:
                 view.copy_(src[lo:hi])
             self._wait(self._io(0, g, i, hi - lo, write=True))
         self.steps[g] = int(step)
-        self.parts[g].copy_(states[0])
+        if self.param_io is not None:
+            self.param_io.write_range(g, 0, states[0])
+        else:
+            self.parts[g].copy_(states[0])
 
     # -- the chunked state API of zero_offload.state.PartitionedOptimizerState --------------------------------
     def group_step(self, g: int) -> int:

@@ -13,20 +13,25 @@ from pathlib import Path
 import torch
 
 from zero_offload.config import Config, ConfigError
-from zero_offload.nvme.adam import NvmeAdam, swap_directory
+from zero_offload.nvme.adam import KINDS, NvmeAdam, swap_directory
+from zero_offload.nvme.param_store import PARAM_SUFFIX, NvmeParamStore
 from zero_offload.offload.copies import CopyEngine
 
-__all__ = ["check_swap_directory", "build_nvme_adam"]
+__all__ = ["check_swap_directory", "build_nvme_adam", "build_param_store"]
 
 KEY = "zero_optimization.offload_optimizer.nvme_path"
 
 
-def check_swap_directory(nvme_path: str, rank: int, need_bytes: int, key: str = KEY) -> Path:
+def check_swap_directory(nvme_path: str, rank: int, need_bytes: int, key: str = KEY, what: str = "",
+                         reclaimable: tuple[str, ...] = ("",)) -> Path:
     """This rank's swap directory under ``nvme_path``, created and checked.
+
+    ``what`` says what the bytes are for (default: the optimizer states); files of this rank whose names end
+    with one of ``reclaimable`` are stale (a killed run's, deleted at start) and count as free.
 
     Raises:
         ConfigError: naming ``key`` and the path: missing, not a directory, not writable, or less free space
-            than ``need_bytes`` (bytes this rank will write; stale files of this rank count as free).
+            than ``need_bytes`` (bytes this rank will write).
     """
     root = Path(nvme_path)
     if not root.exists():
@@ -41,18 +46,19 @@ def check_swap_directory(nvme_path: str, rank: int, need_bytes: int, key: str = 
         probe.unlink()
     except OSError as e:
         raise ConfigError(f"config key '{key}' = '{nvme_path}': not writable ({e.strerror or e})") from e
-    stale = sum(f.stat().st_blocks * 512 for f in directory.iterdir() if f.is_file())
+    stale = sum(f.stat().st_blocks * 512 for f in directory.iterdir()
+                if f.is_file() and f.name.endswith(reclaimable))
     free = shutil.disk_usage(directory).free + stale
     if free < need_bytes:
         raise ConfigError(f"config key '{key}' = '{nvme_path}': rank {rank} needs {need_bytes:,} bytes of swap "
-                          f"files for its optimizer states, but only {free:,} bytes are free there")
+                          f"files for {what or 'its optimizer states'}, but only {free:,} bytes are free there")
     return directory
 
 
 def build_nvme_adam(parts: list[torch.Tensor], hparams: list[dict], copies: CopyEngine, config: Config,
-                    rank: int) -> NvmeAdam:
+                    rank: int, param_io=None) -> NvmeAdam:
     """The NVMe optimizer for this rank's ``parts`` as ``config`` (offload_optimizer, aio, sub_group_size)
-    asks; see `check_swap_directory` for the errors."""
+    asks (``param_io``: see `NvmeAdam`); see `check_swap_directory` for the errors."""
     zc = config.zero_optimization
     oo = zc.offload_optimizer
     if config.optimizer.torch_kwargs is not None or config.optimizer.params.amsgrad:
@@ -60,6 +66,34 @@ def build_nvme_adam(parts: list[torch.Tensor], hparams: list[dict], copies: Copy
                           f"states through its buffers; optimizer.type = {config.optimizer.type!r}"
                           f"{' with amsgrad' if config.optimizer.params.amsgrad else ''} needs device 'cpu'")
     need = NvmeAdam.bytes_needed([p.numel() for p in parts], zc.sub_group_size)
-    directory = check_swap_directory(oo.nvme_path, rank, need)
+    directory = check_swap_directory(oo.nvme_path, rank, need, reclaimable=tuple(f".{k}.swp" for k in KINDS))
     return NvmeAdam(parts, hparams, copies, directory, zc.sub_group_size, oo.buffer_count, oo.pipeline_read,
-                    oo.pipeline_write, block_size=config.aio.block_size, thread_count=config.aio.threads)
+                    oo.pipeline_write, block_size=config.aio.block_size, thread_count=config.aio.threads,
+                    param_io=param_io)
+
+
+def build_param_store(units: list, numels: list[int], dtype: torch.dtype, config: Config, rank: int) -> NvmeParamStore:
+    """The stage-3 parameter store for ``offload_param.device = nvme``. The free-space check counts the
+    parameter files and, when ``offload_optimizer`` swaps to the same ``nvme_path``, its state files too.
+
+    Raises:
+        ConfigError: as `check_swap_directory` (key ``offload_param.nvme_path``), or a ``buffer_count`` /
+            ``buffer_size`` that cannot hold a unit's shard (naming the key and the size needed).
+    """
+    zc = config.zero_optimization
+    op, oo = zc.offload_param, zc.offload_optimizer
+    param_bytes = NvmeParamStore.bytes_needed(numels, dtype)
+    need, what = param_bytes, f"its 16-bit parameters ({param_bytes:,} bytes)"
+    reclaimable: tuple[str, ...] = (PARAM_SUFFIX,)
+    if oo.device == "nvme" and Path(oo.nvme_path).resolve() == Path(op.nvme_path).resolve():
+        state_bytes = NvmeAdam.bytes_needed(numels, zc.sub_group_size)
+        need += state_bytes
+        what += f" and optimizer states ({state_bytes:,} bytes)"
+        reclaimable += tuple(f".{k}.swp" for k in KINDS)
+    directory = check_swap_directory(op.nvme_path, rank, need, "zero_optimization.offload_param.nvme_path", what,
+                                     reclaimable)
+    try:
+        return NvmeParamStore(numels, units, dtype, directory, op.buffer_count, op.buffer_size, op.max_in_cpu,
+                              block_size=config.aio.block_size, thread_count=config.aio.threads)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e

@@ -19,6 +19,7 @@ from torch.utils._pytree import tree_flatten
 
 from zero_offload.comm import DistContext
 from zero_offload.offload.copies import Copies
+from zero_offload.zero.stage3.partition_store import PartitionStore, ResidentStore
 from zero_offload.zero.stage3.units import ShardedUnit
 
 __all__ = ["ParameterFetcher"]
@@ -40,12 +41,15 @@ class ParameterFetcher:
         prefetch_numel: elements gathered ahead of use (``stage3_prefetch_bucket_size``).
         max_live_numel: most elements gathered at once by prefetching (``stage3_max_live_parameters``).
         reuse_distance: keep a unit gathered if the trace uses it again within this many elements.
+        store: where the shards live between gathers (default: resident in memory); a store that is not
+            resident (NVMe) is read ahead in the recorded order and its buffer is taken back after each gather.
     """
 
     def __init__(self, ctx: DistContext, copies: Copies, units: list[ShardedUnit],
                  module_units: dict[torch.nn.Module, list[ShardedUnit]], prefetch_numel: int,
-                 max_live_numel: int, reuse_distance: int):
+                 max_live_numel: int, reuse_distance: int, store: PartitionStore | None = None):
         self.ctx, self.copies, self.units = ctx, copies, units
+        self.store = store if store is not None else ResidentStore()
         self.module_units = module_units
         self.prefetch_numel, self.max_live_numel = prefetch_numel, max_live_numel
         self.reuse_distance = reuse_distance
@@ -132,8 +136,10 @@ class ParameterFetcher:
                 continue
             self._gather(u, async_op=False)
         if training and self.mode == REPLAYING:
+            self._read_ahead(self.trace, self.position)
             self._prefetch(self.trace, self.position)
         elif not training and self.eval_mode == REPLAYING:
+            self._read_ahead(self.eval_trace, self.eval_position)
             self._prefetch(self.eval_trace, self.eval_position)
 
     def begin_eval_forward(self) -> None:
@@ -178,9 +184,26 @@ class ParameterFetcher:
                 break
             self._gather(u, async_op=True)
 
+    def _read_ahead(self, trace: list[int], position: int) -> None:
+        """A store that is not resident starts reading the next shards in the trace while buffers are free."""
+        if self.store.resident:
+            return
+        for idx in trace[position:]:
+            u = self.units[idx]
+            if not u.gathered and not self.store.prefetch(u):
+                break
+
     def _gather(self, u: ShardedUnit, async_op: bool) -> None:
+        swapped = not self.store.resident
+        if swapped:
+            kept, u.shard = u.shard, self.store.acquire(u)
         with record_function("zero_offload.stage3.gather"):
-            u.gather(self.ctx, self.copies, async_op, self.gather_stream)
+            # A swapped shard's buffer goes back to the store right after: its gather cannot stay in flight.
+            u.gather(self.ctx, self.copies, async_op and not swapped, self.gather_stream)
+        if swapped:
+            u.shard_readable()
+            self.store.release(u)
+            u.shard = kept
         self.fetch_count += 1
         self.live_numel += u.padded_numel
         self._live_bytes += u.nbytes

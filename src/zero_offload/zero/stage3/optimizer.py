@@ -15,7 +15,8 @@ from torch.profiler import record_function
 
 from zero_offload.comm import DistContext
 from zero_offload.config import Config
-from zero_offload.nvme.setup import build_nvme_adam
+from zero_offload.nvme.setup import build_nvme_adam, build_param_store
+from zero_offload.nvme.param_writeback import WriteBackOptimizer
 from zero_offload.offload.copies import CopyEngine
 from zero_offload.zero.gather import gather_masters, global_grad_sq_norm
 from zero_offload.zero.grad_partition import GradPartition
@@ -25,6 +26,7 @@ from zero_offload.zero.partitioned_torch import partitioned_optimizer
 from zero_offload.zero.stage3.fetcher import ParameterFetcher, units_by_module
 from zero_offload.zero.stage3.frozen import FrozenRelease, build_frozen_units, frozen_names
 from zero_offload.zero.stage3.materialize import materialize
+from zero_offload.zero.stage3.partition_store import ResidentStore
 from zero_offload.zero.stage3.saved_params import SavedParameterGuard
 from zero_offload.zero.stage3.units import ShardedUnit
 from zero_offload.zero.deferrable import DeferrableStepMixin
@@ -52,7 +54,8 @@ class Stage3Optimizer(PartitionStateMixin, DeferrableStepMixin):
         zc = config.zero_optimization
         self.ctx = ctx
         self.offload = zc.offload_optimizer.device in ("cpu", "nvme")
-        self.offload_param = zc.offload_param.device == "cpu"
+        self.offload_param = zc.offload_param.device in ("cpu", "nvme")
+        self.param_nvme = zc.offload_param.device == "nvme"
         pin = zc.offload_optimizer.pin_memory or zc.offload_param.pin_memory
         self.copies = CopyEngine(ctx.device, pin)
         self.units: list[ShardedUnit] = []
@@ -64,23 +67,29 @@ class Stage3Optimizer(PartitionStateMixin, DeferrableStepMixin):
                                                zc.stage3_param_persistence_threshold)
         self.units += self.frozen_units
         # The rank's partition of each group: its shards of every unit, back to back.
+        # With offload_param nvme the partitions live in swap files (the store) and ``parts`` only carry their
+        # shapes and dtype (meta tensors).
         self.parts = []
         for units in self.group_units:
             numel = 0
             for u in units:
                 u.partition_offset, numel = numel, numel + u.shard_numel
-            self.parts.append(self._param_storage(numel, dtype))
+            self.parts.append(torch.empty(numel, dtype=dtype, device="meta") if self.param_nvme
+                              else self._param_storage(numel, dtype))
         numel = 0
         for u in self.frozen_units:
             u.partition_offset, numel = numel, numel + u.shard_numel
         self.frozen_part = self._param_storage(numel, dtype)    # the frozen units' shards, back to back
         self.frozen_by_name = frozen_names(model, self.frozen_units)
+        # Frozen units stay in memory (host memory with offload_param nvme); the trainable ones go to the store.
+        self.store = (build_param_store(self.trainable_units, [p.numel() for p in self.parts], dtype, config,
+                                        ctx.rank) if self.param_nvme else ResidentStore())
         module_units = units_by_module(model, self.units)
         self.peak_materialize_bytes = materialize(model, self.units, module_units, self._bind, ctx.device, dtype,
                                                   param_init_fn)
         self.fetcher = ParameterFetcher(ctx, self.copies, self.units, module_units,
                                         zc.stage3_prefetch_bucket_size, zc.stage3_max_live_parameters,
-                                        zc.stage3_max_reuse_distance)
+                                        zc.stage3_max_reuse_distance, self.store)
         self.saved_params = SavedParameterGuard(self.units)
         self.frozen_release = FrozenRelease(self.fetcher, module_units)
         model.register_forward_pre_hook(self._root_pre_forward)
@@ -99,7 +108,14 @@ class Stage3Optimizer(PartitionStateMixin, DeferrableStepMixin):
         self.partitions = [GradPartition(p.numel(), dtype, ctx.device, 3, host_step,
                                          gradient_accumulation > 1, self.copies) for p in self.parts]
         if zc.offload_optimizer.device == "nvme":
-            self.adam = build_nvme_adam(self.parts, [g.hparams for g in groups], self.copies, config, ctx.rank)
+            self.adam = build_nvme_adam(self.parts, [g.hparams for g in groups], self.copies, config, ctx.rank,
+                                        param_io=self.store if self.param_nvme else None)
+        elif self.param_nvme:
+            # fp32 masters read from the files are the inner optimizer's parameters; the 16-bit ones are
+            # written back to the files after each step.
+            masters = [self.store.read_range(g, 0, p.numel()).float() for g, p in enumerate(self.parts)]
+            self.adam = WriteBackOptimizer(partitioned_optimizer(config, masters, [g.hparams for g in groups],
+                                                                 True, self.copies, host_params=True), self.store)
         else:
             self.adam = partitioned_optimizer(config, self.parts, [g.hparams for g in groups], host_step,
                                               self.copies, host_params=self.offload_param)
@@ -138,8 +154,11 @@ class Stage3Optimizer(PartitionStateMixin, DeferrableStepMixin):
         """Give unit ``u`` its slice of the group partition, filled from its full (materialised) buffer."""
         lo = u.partition_offset
         self.ctx.broadcast_from_first([u.full])   # every rank shards rank 0's initial weights
-        part = self.frozen_part if u.frozen else self.parts[u.group]
-        u.bind(part[lo:lo + u.shard_numel], lo, self.ctx.rank)
+        if self.param_nvme and not u.frozen:
+            self.store.write_shard(u, u.full[self.ctx.rank * u.shard_numel:(self.ctx.rank + 1) * u.shard_numel])
+        else:
+            part = self.frozen_part if u.frozen else self.parts[u.group]
+            u.bind(part[lo:lo + u.shard_numel], lo, self.ctx.rank)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -153,9 +172,10 @@ class Stage3Optimizer(PartitionStateMixin, DeferrableStepMixin):
         if self.ctx.distributed:
             dist.broadcast(u.full, src=self.ctx._global(src_rank), group=self.ctx.group)
         mine = u.full[self.ctx.rank * u.shard_numel:(self.ctx.rank + 1) * u.shard_numel]
-        u.shard.copy_(mine)
         if u.frozen:
+            u.shard.copy_(mine)
             return            # no master weights
+        self.store.write_shard(u, mine)
         master = self.adam.masters[u.group]
         if master.data_ptr() != self.parts[u.group].data_ptr():
             master[u.partition_offset:u.partition_offset + u.shard_numel].copy_(mine)

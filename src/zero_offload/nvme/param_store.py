@@ -1,0 +1,262 @@
+"""`NvmeParamStore`: stage-3 16-bit parameter partitions in swap files (``offload_param.device = nvme``).
+
+ZeRO-Infinity's parameter offload (arXiv 2104.07857, Sec. 5; DeepSpeed's
+``AsyncPartitionedParameterSwapper``): each param group's partition of this rank is one file,
+``{nvme_path}/zero_offload/rank{r}/group{g}.param.swp``, element ``i`` at byte ``i x itemsize``. A unit's
+shard is read into one of ``buffer_count`` aligned host buffers just before its all-gather -- ahead of
+time, in the recorded fetch order, through `prefetch` -- and the buffer is taken back as soon as the
+gather has read it (`release`). The host memory of parameters is then the pool, ``buffer_count`` buffers
+of the largest unit shard, and at most ``max_in_cpu`` elements are read ahead. Updated partitions are
+written back after the optimizer step (`write_range`), through a small aligned window; a write that
+starts or ends inside a 4096-byte block reads that block first (O_DIRECT moves whole blocks).
+
+Files left by a killed run are reclaimed at the next start; `close` (or exit) removes them. After an I/O
+error every later access raises: the files may hold half a step, only the last checkpoint is sound.
+"""
+from __future__ import annotations
+
+import weakref
+from collections import OrderedDict
+from pathlib import Path
+
+import torch
+
+from zero_offload.nvme.buffers import ALIGNMENT, AlignedBuffer, align_up
+from zero_offload.nvme.swapper import Pending, Swapper
+
+__all__ = ["NvmeParamStore", "PARAM_SUFFIX"]
+
+PARAM_SUFFIX = ".param.swp"
+_WINDOW = 4 << 20     # bytes of the aligned window partial writes and whole-range reads go through
+
+
+def _align_down(n: int) -> int:
+    return n - n % ALIGNMENT
+
+
+class NvmeParamStore:
+    """A rank's stage-3 parameter partitions on NVMe (the `PartitionStore` role, not resident).
+
+    Args:
+        numels: per group, elements of this rank's partition.
+        units: the stage-3 units whose shards it holds (``index``, ``group``, ``partition_offset``,
+            ``shard_numel`` are read); any other unit (frozen parameters) keeps its shard in memory and is
+            passed through.
+        dtype: the training dtype of the parameters.
+        directory: this rank's swap directory (stale ``*.param.swp`` files there are deleted first).
+        buffer_count: host buffers in the pool (``offload_param.buffer_count``), >= 1.
+        buffer_size: most elements of one buffer (``offload_param.buffer_size``); every unit's shard must
+            fit (DeepSpeed asserts the same: "More elements than buffer size").
+        max_in_cpu: most parameter elements held in the pool at once by read-ahead
+            (``offload_param.max_in_cpu``); the shard being gathered is always allowed.
+        block_size / thread_count: the swapper's request piece (bytes) and I/O threads (``aio``).
+
+    Raises:
+        ValueError: ``buffer_count`` < 1 or a unit shard larger than ``buffer_size`` (naming the key and the
+            size needed).
+        NvmeIOError: a failed read or write, naming the file.
+    """
+
+    resident = False
+
+    def __init__(self, numels: list[int], units: list, dtype: torch.dtype, directory: Path, buffer_count: int,
+                 buffer_size: int, max_in_cpu: int, block_size: int = 1 << 20, thread_count: int = 1):
+        largest = max((u.shard_numel for u in units), default=0)
+        if buffer_count < 1:
+            raise ValueError(f"config key 'zero_optimization.offload_param.buffer_count' = {buffer_count}: the "
+                             "parameter pool needs at least 1 buffer")
+        if largest > buffer_size:
+            raise ValueError(f"config key 'zero_optimization.offload_param.buffer_size' = {buffer_size}: the "
+                             f"largest unit partition has {largest} elements; set buffer_size >= {largest}")
+        self.dtype, self.itemsize = dtype, torch.empty(0, dtype=dtype).element_size()
+        self.numels, self.max_in_cpu = list(numels), max_in_cpu
+        self.units = {u.index: u for u in units}
+        directory.mkdir(parents=True, exist_ok=True)
+        for stale in directory.glob(f"*{PARAM_SUFFIX}"):
+            stale.unlink(missing_ok=True)                 # a killed run's files: reclaimed
+        self.swapper = Swapper(directory, block_size=block_size, thread_count=thread_count)
+        self._finalizer = weakref.finalize(self, self.swapper.close)
+        for g, n in enumerate(numels):
+            self.swapper.open(self._name(g), align_up(max(n, 1) * self.itemsize))
+        # A shard's aligned enclosing range: its bytes plus at most one block on each side.
+        self.buffers = [AlignedBuffer(align_up(largest * self.itemsize) + ALIGNMENT) for _ in range(buffer_count)]
+        self.window = AlignedBuffer(_WINDOW)
+        self.slot_of: OrderedDict[int, tuple[int, Pending | None]] = OrderedDict()   # unit -> (slot, read)
+        self.in_use: set[int] = set()
+        self.broken: BaseException | None = None
+        self.shards_read_ahead = self.shards_read_on_demand = 0   # how gathers found their shard
+        self.peak_resident_numel = 0
+
+    # -- layout ----------------------------------------------------------------------------------------
+    @staticmethod
+    def _name(g: int) -> str:
+        return f"group{g}{PARAM_SUFFIX}"
+
+    def _extent(self, u) -> tuple[int, int, int]:
+        """(aligned start byte, aligned length, byte offset of the shard inside it)."""
+        lo = u.partition_offset * self.itemsize
+        hi = lo + u.shard_numel * self.itemsize
+        start = _align_down(lo)
+        return start, max(align_up(hi) - start, ALIGNMENT), lo - start
+
+    @classmethod
+    def bytes_needed(cls, numels: list[int], dtype: torch.dtype) -> int:
+        """Bytes of parameter swap files for partitions of ``numels`` elements of ``dtype``."""
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        return sum(align_up(max(n, 1) * itemsize) for n in numels)
+
+    @property
+    def bytes_on_disk(self) -> int:
+        return sum(f.nbytes for f in self.swapper.files.values())
+
+    def resident_numel(self) -> int:
+        """Parameter elements held in the pool now (read ahead or being gathered)."""
+        return sum(self.units[i].shard_numel for i in self.slot_of)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The host memory this store holds: the pool and the write window."""
+        return [b.raw for b in self.buffers] + [self.window.raw]
+
+    # -- the PartitionStore role -----------------------------------------------------------------------
+    def _guard(self, fn, *args):
+        if self.broken is not None:
+            raise RuntimeError(f"NVMe parameter files are unusable after an earlier I/O error ({self.broken}); "
+                               "restart from the last checkpoint") from self.broken
+        try:
+            return fn(*args)
+        except BaseException as e:
+            self.broken = e
+            raise
+
+    def _view(self, slot: int, u) -> torch.Tensor:
+        _start, _length, skip = self._extent(u)
+        nbytes = u.shard_numel * self.itemsize
+        return self.buffers[slot].raw[skip:skip + nbytes].view(self.dtype)
+
+    def _start_read(self, u, slot: int) -> None:
+        start, length, _ = self._extent(u)
+        buf = self.buffers[slot].raw[:length]
+        self.slot_of[u.index] = (slot, self.swapper.read(self._name(u.group), buf, start))
+
+    def _free_slot(self, evict: bool) -> int | None:
+        """A buffer no unit holds; with ``evict`` the oldest read-ahead not being gathered is dropped."""
+        taken = {slot for slot, _ in self.slot_of.values()}
+        for slot in range(len(self.buffers)):
+            if slot not in taken:
+                return slot
+        if not evict:
+            return None
+        for index, (slot, pending) in self.slot_of.items():
+            if index not in self.in_use:
+                self.swapper.wait(pending)
+                del self.slot_of[index]
+                return slot
+        raise RuntimeError(f"config key 'zero_optimization.offload_param.buffer_count' = {len(self.buffers)}: "
+                           "every parameter buffer is held by a gather; raise buffer_count")
+
+    def acquire(self, u) -> torch.Tensor:
+        if u.index not in self.units:       # a unit kept in memory (frozen parameters): its own shard
+            return u.shard
+        return self._guard(self._acquire, u)
+
+    def _acquire(self, u) -> torch.Tensor:
+        if u.index not in self.slot_of:
+            self._start_read(u, self._free_slot(evict=True))
+            self.shards_read_on_demand += 1
+        else:
+            self.shards_read_ahead += 1
+        self.peak_resident_numel = max(self.peak_resident_numel, self.resident_numel())
+        slot, pending = self.slot_of[u.index]
+        if pending is not None:
+            self.swapper.wait(pending)
+            self.slot_of[u.index] = (slot, None)
+        self.in_use.add(u.index)
+        return self._view(slot, u)
+
+    def release(self, u) -> None:
+        self.in_use.discard(u.index)
+        self.slot_of.pop(u.index, None)
+
+    def prefetch(self, u) -> bool:
+        if u.index not in self.units:
+            return True
+        return self._guard(self._prefetch, u)
+
+    def _prefetch(self, u) -> bool:
+        if u.index in self.slot_of:
+            return True
+        if self.resident_numel() + u.shard_numel > self.max_in_cpu:
+            return False
+        slot = self._free_slot(evict=False)
+        if slot is None:
+            return False
+        self._start_read(u, slot)
+        return True
+
+    def write_shard(self, u, values: torch.Tensor) -> None:
+        if u.index not in self.units:
+            u.shard.copy_(values)
+        else:
+            self.write_range(u.group, u.partition_offset, values)
+
+    # -- whole ranges (materialisation, the optimizer's output, checkpoints) ---------------------------
+    def _drop_reads(self) -> None:
+        """Before a write: no read-ahead may hold values the write replaces (or read while it writes)."""
+        for index in list(self.slot_of):
+            slot, pending = self.slot_of[index]
+            self.swapper.wait(pending)
+            if index in self.in_use:
+                self.slot_of[index] = (slot, None)
+            else:
+                del self.slot_of[index]
+
+    @torch.no_grad()
+    def write_range(self, g: int, offset: int, values: torch.Tensor) -> None:
+        """Write ``values`` (1-D, converted to the training dtype) at element ``offset`` of group ``g``'s
+        partition file, synchronously, through the aligned window."""
+        self._guard(self._write_range, g, offset, values)
+
+    def _write_range(self, g: int, offset: int, values: torch.Tensor) -> None:
+        self._drop_reads()
+        data = values.detach().reshape(-1).to(dtype=self.dtype, device="cpu").contiguous().view(torch.uint8)
+        name = self._name(g)
+        lo = offset * self.itemsize
+        hi = lo + data.numel()
+        pos = lo
+        while pos < hi:
+            start = _align_down(pos)
+            stop = min(align_up(hi), start + _WINDOW)
+            end = min(hi, stop)
+            win = self.window.raw[:stop - start]
+            if pos > start:          # the head block is shared with bytes before the range
+                self.swapper.wait(self.swapper.read(name, win[:ALIGNMENT], start))
+            if end < stop:           # so is the tail block, with bytes after it
+                self.swapper.wait(self.swapper.read(name, win[-ALIGNMENT:], stop - ALIGNMENT))
+            win[pos - start:end - start].copy_(data[pos - lo:end - lo])
+            self.swapper.wait(self.swapper.write(name, win, start))
+            pos = end
+
+    @torch.no_grad()
+    def read_range(self, g: int, lo: int, hi: int) -> torch.Tensor:
+        """Elements [lo, hi) of group ``g``'s partition as a new CPU tensor of the training dtype."""
+        return self._guard(self._read_range, g, lo, hi)
+
+    def _read_range(self, g: int, lo: int, hi: int) -> torch.Tensor:
+        out = torch.empty(hi - lo, dtype=self.dtype)
+        flat = out.view(torch.uint8)
+        name = self._name(g)
+        b_lo, b_hi = lo * self.itemsize, hi * self.itemsize
+        pos = b_lo
+        while pos < b_hi:
+            start = _align_down(pos)
+            stop = min(align_up(b_hi), start + _WINDOW)
+            end = min(b_hi, stop)
+            win = self.window.raw[:stop - start]
+            self.swapper.wait(self.swapper.read(name, win, start))
+            flat[pos - b_lo:end - b_lo].copy_(win[pos - start:end - start])
+            pos = end
+        return out
+
+    def close(self) -> None:
+        """Wait for outstanding I/O and delete the files (also at collection and at exit)."""
+        self._finalizer()

@@ -1,0 +1,70 @@
+"""`WriteBackOptimizer`: a host optimizer with fp32 masters in memory over parameters kept on NVMe.
+
+Stage 3 with ``offload_param.device = nvme`` and the optimizer states in host memory
+(``offload_optimizer.device = cpu``): the wrapped `PartitionOptimizer` steps its fp32 master partitions
+(which are its parameters: no 16-bit partition is held in memory), and after every step or state load the
+16-bit parameters are rounded from the masters chunk by chunk and written to the parameter swap files
+(DeepSpeed's ``_optimizer_states_and_gradient_swap_out`` / fp16 param swap-out after the step).
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+from zero_offload.nvme.param_store import NvmeParamStore
+
+__all__ = ["WriteBackOptimizer"]
+
+_CHUNK = 1 << 22     # elements rounded and written at a time
+
+
+class WriteBackOptimizer:
+    """Wraps ``inner`` (built over fp32 masters read from ``store``) so that every change of the masters is
+    written back to the parameter files. Same role as ``inner`` (`PartitionOptimizer` and the chunked state
+    API); everything else is delegated."""
+
+    def __init__(self, inner, store: NvmeParamStore):
+        self.inner, self.store = inner, store
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    @torch.no_grad()
+    def write_back(self, groups: Iterable[int] | None = None) -> None:
+        """Round group(s) ``groups`` (default all) of the masters to the training dtype into the files."""
+        for g in range(len(self.inner.masters)) if groups is None else groups:
+            master = self.inner.masters[g]
+            for lo in range(0, master.numel(), _CHUNK):
+                self.store.write_range(g, lo, master[lo:lo + _CHUNK])
+
+    def step(self, grads, grad_scale: float, *args, **kwargs) -> None:
+        # The stage-3 optimizer hands a non-`PartitionedAdam` ready tensors; the inner one wants sources.
+        grads = [_Ready(g) if isinstance(g, torch.Tensor) else g for g in grads]
+        self.inner.step(grads, grad_scale, *args, **kwargs)
+        self.write_back()
+
+    def load_state_chunks(self, g: int, step: int, chunks) -> None:
+        self.inner.load_state_chunks(g, step, chunks)
+        self.write_back([g])
+
+    def load_group_state(self, g: int, master, exp_avg, exp_avg_sq, step: int) -> None:
+        self.inner.load_group_state(g, master, exp_avg, exp_avg_sq, step)
+        self.write_back([g])
+
+    def load_state_dict(self, state: dict) -> None:
+        self.inner.load_state_dict(state)
+        self.write_back()
+
+    def staging_tensors(self) -> list[torch.Tensor]:
+        return self.inner.staging_tensors()
+
+
+class _Ready:
+    """A gradient already in place, in the `GradSource` form (``ready()`` returns it)."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+    def ready(self) -> torch.Tensor:
+        return self.tensor

@@ -263,6 +263,10 @@ class NvmeAdam:
         """Host memory this optimizer holds for its states: the pool (counted under ``master``)."""
         return {"master": [b.raw for b in self.pool.buffers], "exp_avg": [], "exp_avg_sq": []}
 
+    def staging_tensors(self) -> list[torch.Tensor]:
+        """Host buffers the 16-bit outputs of a sub-group pass through (to the device or a parameter file)."""
+        return [t for t in self.staging if t is not None]
+
     def group_state(self, g: int) -> dict:
         """As `PartitionedAdam.group_state`: fp32 CPU tensors of shape (partition numel,) and ``step``."""
         return {**{kind: self.read_state(g, kind) for kind in KINDS}, "step": self.steps[g]}

@@ -27,7 +27,7 @@ from zero_offload.nvme.swapper import Pending, Swapper
 __all__ = ["NvmeParamStore", "PARAM_SUFFIX"]
 
 PARAM_SUFFIX = ".param.swp"
-_WINDOW = 4 << 20     # bytes of the aligned window partial writes and whole-range reads go through
+_WINDOW = 1 << 20     # bytes of the aligned window partial writes and whole-range reads go through
 
 
 def _align_down(n: int) -> int:

@@ -35,6 +35,9 @@ class PartitionOptimizer(Protocol):
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         """The host/device tensors held for optimizer state, by kind (for memory accounting)."""
 
+    def staging_tensors(self) -> list[torch.Tensor]:
+        """Host buffers that only carry updated 16-bit parameters on their way out (for memory accounting)."""
+
     def group_state(self, g: int) -> dict:
         """Group ``g``: fp32 CPU ``master``, ``exp_avg``, ``exp_avg_sq`` of shape (partition numel,), ``step``."""
 

@@ -153,8 +153,7 @@ class ZeroOptimizer(PartitionStateMixin, DeferrableStepMixin):
             "buckets": ("device", self.reducer.pool.buffers()),
             "grad_partition": (state_side, [t for p in self.partitions for t in p.state_tensors()]),
             **{k: (state_side, v) for k, v in self.adam.state_tensors().items()},
-            "param_staging": ("host", self.adam.staging_tensors() if hasattr(self.adam, "staging_tensors")
-                              else [o for o in getattr(self.adam, "outs", []) if o is not None and self.offload]),
+            "param_staging": ("host", self.adam.staging_tensors()),
         }
         seen: set[int] = set()
         out = {}

@@ -173,7 +173,7 @@ class ParameterFetcher:
 
     def _prefetch(self, trace: list[int], position: int) -> None:
         ahead = 0
-        for idx in trace[position:]:
+        for pos, idx in enumerate(trace[position:], position):
             u = self.units[idx]
             if ahead >= self.prefetch_numel:
                 break
@@ -182,6 +182,7 @@ class ParameterFetcher:
                 continue
             if self.live_numel + u.padded_numel > self.max_live_numel:
                 break
+            self._read_ahead(trace, pos)     # the reads after this one overlap its gather
             self._gather(u, async_op=True)
 
     def _read_ahead(self, trace: list[int], position: int) -> None:

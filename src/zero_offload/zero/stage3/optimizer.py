@@ -342,15 +342,23 @@ class Stage3Optimizer(PartitionStateMixin, DeferrableStepMixin):
     def memory_breakdown(self) -> dict[str, dict]:
         """Bytes this rank holds, by kind (see `ZeroOptimizer.memory_breakdown`); ``params`` are this rank's
         shards, ``gathered`` the full buffers gathered right now and ``peak_gathered`` the most at once,
-        ``frozen_params`` this rank's shards of the frozen (``requires_grad=False``) parameters."""
+        ``frozen_params`` this rank's shards of the frozen (``requires_grad=False``) parameters.
+        With ``offload_param.device = nvme``, ``params`` are the swap files' bytes (side ``nvme``) and
+        ``param_pool`` the host buffers they are read into (frozen shards stay in host memory)."""
         state_side = "host" if self.adam.on_host and self.offload else "device"
         def entry(tensors, side):
             return {"bytes": sum(t.numel() * t.element_size() for t in tensors),
                     "numel": sum(t.numel() for t in tensors), "side": side}
         states = self.adam.state_tensors()
         aliased = {m.data_ptr() for m in self.parts}
+        if self.param_nvme:   # the partitions are swap files; the host holds the store's buffer pool
+            params = {"params": {"bytes": self.store.bytes_on_disk, "numel": sum(p.numel() for p in self.parts),
+                                 "side": "nvme"},
+                      "param_pool": entry(self.store.tensors(), "host")}
+        else:
+            params = {"params": entry(self.parts, "host" if self.offload_param else "device")}
         return {
-            "params": entry(self.parts, "host" if self.offload_param else "device"),
+            **params,
             "gathered": {"bytes": self.fetcher.live_bytes(), "numel": self.fetcher.live_numel, "side": "device"},
             "peak_gathered": {"bytes": self.fetcher.peak_live_bytes, "numel": 0, "side": "device"},
             "grad_partition": entry([t for p in self.partitions for t in p.state_tensors()], state_side),
@@ -358,6 +366,5 @@ class Stage3Optimizer(PartitionStateMixin, DeferrableStepMixin):
             "exp_avg": entry(states["exp_avg"], state_side),
             "exp_avg_sq": entry(states["exp_avg_sq"], state_side),
             "frozen_params": entry([self.frozen_part], "host" if self.offload_param else "device"),
-            "param_staging": entry(self.adam.staging_tensors() if hasattr(self.adam, "staging_tensors") else [],
-                                   "host"),
+            "param_staging": entry(self.adam.staging_tensors(), "host"),
         }

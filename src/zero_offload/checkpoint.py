@@ -178,7 +178,8 @@ def load_checkpoint(engine: CheckpointTarget, load_dir: str | os.PathLike, tag: 
     # Everything is read and checked on every rank: only now change the engine.
     opt = engine.optimizer_state
     for g, state in enumerate(new_states):
-        opt.load_state_chunks(g, state["step"], [(0, {kind: state[kind] for kind in KINDS})])
+        chunks = state["chunks"] if "chunks" in state else [(0, {kind: state[kind] for kind in KINDS})]
+        opt.load_state_chunks(g, state["step"], chunks)
     live = module_state(engine.module)
     sharded = opt.frozen_shapes()            # stage-3 frozen parameters: each rank writes its shard
     with torch.no_grad():
@@ -236,12 +237,24 @@ def _read_module_state(engine: CheckpointTarget, directory: Path, manifest: dict
 
 
 def _read_own_partition(path: Path, groups: list[dict]) -> list[dict]:
-    """Each group's saved partition, read whole from one rank file (checkpoint of the same layout), into fresh
-    tensors."""
+    """Each group's saved partition in one rank file (checkpoint of the same layout): its step count and its
+    state as chunks read lazily from the file (``chunks``), checked here for presence and shape only, so that
+    loading never holds a rank's whole state in memory."""
     with safe_open(str(path), framework="pt") as f:
         steps = _steps(f, path, len(groups))
-        return [{**{kind: _partition_slice(f, path, g, kind, group["partition_numel"])[:] for kind in KINDS},
-                 "step": steps[g]} for g, group in enumerate(groups)]
+        for g, group in enumerate(groups):
+            for kind in KINDS:
+                _partition_slice(f, path, g, kind, group["partition_numel"])
+    return [{"step": steps[g], "chunks": _partition_chunks(path, g, group["partition_numel"])}
+            for g, group in enumerate(groups)]
+
+
+def _partition_chunks(path: Path, g: int, numel: int, chunk_numel: int = 1 << 20):
+    """Yield (offset, {kind: fp32 tensor}) pieces of group ``g``'s saved partition, read slice by slice."""
+    with safe_open(str(path), framework="pt") as f:
+        slices = {kind: _partition_slice(f, path, g, kind, numel) for kind in KINDS}
+        for lo in range(0, numel, chunk_numel):
+            yield lo, {kind: piece[lo:lo + chunk_numel] for kind, piece in slices.items()}
 
 
 def _check_state_format(handle, path: Path, engine: CheckpointTarget) -> None:

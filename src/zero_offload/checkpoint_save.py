@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 from zero_offload.checkpoint_io import (CLIENT_STATE, MANIFEST, MODULE_STATE, TMP_PREFIX, CheckpointError, agree,
                                         fsync_path, module_state, rank_file, sha256_file, write_errors)
 from zero_offload.checkpoint_lock import DirectoryLock, LockedError
+from zero_offload.checkpoint_stream import StreamedSafetensors
 from zero_offload.checkpoint_manifest import FORMAT, MANIFEST_HASH, ManifestError, check_tag, manifest_digest
 from zero_offload.state import STATE_KINDS, CheckpointTarget
 
@@ -131,29 +132,62 @@ def _write_all(engine: CheckpointTarget, root: Path, tmp: Path, tag: str, client
 
 
 def _write_shard(engine: CheckpointTarget, tmp: Path) -> dict[str, str]:
+    """This rank's file: its RNG states and its partition state, streamed chunk by chunk from the optimizer
+    (`state_chunks`) into place in the file, so the state is never whole in memory (NVMe swap files)."""
     opt = engine.optimizer_state
-    tensors: dict[str, torch.Tensor] = {"rng.torch": torch.get_rng_state()}
+    fixed: dict[str, torch.Tensor] = {"rng.torch": torch.get_rng_state()}
     if torch.cuda.is_available():
-        tensors["rng.cuda"] = torch.cuda.get_rng_state()
-    steps = []
-    if engine.rank < opt.partitions_count:
-        for g, group in enumerate(opt.layout()):
-            steps.append(opt.group_step(g))
-            whole = {kind: torch.empty(group.partition_numel, dtype=torch.float32) for kind in KINDS}
-            for lo, piece in opt.state_chunks(g):
-                for kind in KINDS:
-                    whole[kind][lo:lo + piece[kind].numel()] = piece[kind]
-            tensors.update({f"group{g}.{kind}": t for kind, t in whole.items()})
+        fixed["rng.cuda"] = torch.cuda.get_rng_state()
+    layout = opt.layout() if engine.rank < opt.partitions_count else []
+    steps = [opt.group_step(g) for g in range(len(layout))]
+    specs = {name: (t.dtype, tuple(t.shape)) for name, t in fixed.items()}
+    for g, group in enumerate(layout):
+        specs.update({f"group{g}.{kind}": (torch.float32, (group.partition_numel,)) for kind in KINDS})
     np_state = np.random.get_state()
     metadata = {"steps": json.dumps(steps), "state_format": opt.state_format(),
                 "python_rng": json.dumps(random.getstate()),
                 "numpy_rng": json.dumps([np_state[0], np_state[1].tolist(), *map(float, np_state[2:])])}
     path = tmp / rank_file(engine.rank)
-    with write_errors(path, _nbytes(tensors) + 4096):
-        save_file(tensors, str(path), metadata=metadata)
-        _fault_point("shard_written")
-        fsync_path(path)
+    need = _nbytes(fixed) + sum(3 * 4 * group.partition_numel for group in layout) + 4096
+    try:
+        with write_errors(path, need):
+            out = StreamedSafetensors(path, specs, metadata)
+            try:
+                for name, t in fixed.items():
+                    out.write(name, 0, t)
+                for g in range(len(layout)):
+                    for lo, piece in _reading(opt.state_chunks(g)):
+                        for kind in KINDS:
+                            out.write(f"group{g}.{kind}", lo, piece[kind].float())
+            except BaseException:
+                out.abort()
+                raise
+            out.close()
+            _fault_point("shard_written")
+            fsync_path(path)
+    except _ReadError as e:      # reading the state failed (an NVMe I/O error), not writing the file
+        raise e.error from e.error.__cause__
     return {path.name: sha256_file(path)}
+
+
+class _ReadError(Exception):
+    """Carries an error of the state source past `write_errors`, which is about the checkpoint file only."""
+
+    def __init__(self, error: BaseException):
+        super().__init__(str(error))
+        self.error = error
+
+
+def _reading(chunks):
+    iterator = iter(chunks)
+    while True:
+        try:
+            item = next(iterator)
+        except StopIteration:
+            return
+        except Exception as e:
+            raise _ReadError(e) from e
+        yield item
 
 
 def _nbytes(tensors: dict[str, torch.Tensor]) -> int:

@@ -271,42 +271,69 @@ class NvmeAdam:
         """As `PartitionedAdam.group_state`: fp32 CPU tensors of shape (partition numel,) and ``step``."""
         return {**{kind: self.read_state(g, kind) for kind in KINDS}, "step": self.steps[g]}
 
-    @torch.no_grad()
     def load_group_state(self, g: int, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                          step: int) -> None:
         """Write group ``g``'s state (fp32 tensors of the partition's shape) to its files through the pool
         and the 16-bit parameters of the partition from ``master``."""
-        self._guard(self._load_group_state, g, (master, exp_avg, exp_avg_sq), step)
-
-    def _load_group_state(self, g: int, states, step: int) -> None:
-        for _g, i, lo, hi in (u for u in self.units if u[0] == g):
-            self._free_slot(0)
-            for view, src in zip(self._views(0, hi - lo), states):
-                view.copy_(src[lo:hi])
-            self._wait(self._io(0, g, i, hi - lo, write=True))
-        self.steps[g] = int(step)
-        if self.param_io is not None:
-            self.param_io.write_range(g, 0, states[0])
-        else:
-            self.parts[g].copy_(states[0])
+        self.load_state_chunks(g, step, [(0, {"master": master, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq})])
 
     # -- the chunked state API of zero_offload.state.PartitionedOptimizerState --------------------------------
     def group_step(self, g: int) -> int:
         return int(self.steps[g])
 
     def state_chunks(self, g: int, chunk_numel: int = 1 << 24):
-        """Group ``g``'s state as one (0, {kind: fp32 CPU tensor}) piece (a streamed read per sub-group is
-        possible through the same API)."""
-        state = self.group_state(g)
-        yield 0, {kind: state[kind] for kind in KINDS}
+        """Group ``g``'s state streamed from its files: yields (offset, {kind: fp32 CPU tensor}) one sub-group
+        at a time (at most ``sub_group_size`` elements; ``chunk_numel`` is not used), in increasing offset.
+        Each piece is a fresh copy: host memory stays the pool plus one sub-group."""
+        for _g, i, lo, hi in (u for u in self.units if u[0] == g):
+            pieces = self._guard(self._read_sub_group, g, i, hi - lo)
+            yield lo, pieces
 
+    def _read_sub_group(self, g: int, i: int, n: int) -> dict[str, torch.Tensor]:
+        self._free_slot(0)
+        self._wait(self._io(0, g, i, n, write=False))
+        return {kind: view.clone() for kind, view in zip(KINDS, self._views(0, n))}
+
+    @torch.no_grad()
     def load_state_chunks(self, g: int, step: int, chunks) -> None:
-        """Replace group ``g``'s state from (offset, {kind: tensor}) pieces covering the partition."""
-        whole = {kind: torch.empty(self.parts[g].numel(), dtype=torch.float32) for kind in KINDS}
+        """Replace group ``g``'s state from (offset, {kind: tensor}) pieces that cover the partition in order
+        (any sizes), written to the files one sub-group at a time through the pool, and the parameters of
+        each sub-group from its master weights (to the parameters, or their swap file with ``param_io``).
+
+        Raises:
+            ValueError: pieces that do not continue the partition in order or do not cover it.
+        """
+        self._guard(self._load_chunks, g, int(step), chunks)
+
+    def _load_chunks(self, g: int, step: int, chunks) -> None:
+        n = self.parts[g].numel()
+        subs = [u for u in self.units if u[0] == g]
+        covered, k = 0, 0
+        self._free_slot(0)
         for lo, piece in chunks:
-            for kind in KINDS:
-                whole[kind][lo:lo + piece[kind].numel()] = piece[kind]
-        self.load_group_state(g, whole["master"], whole["exp_avg"], whole["exp_avg_sq"], step)
+            length = piece["master"].numel()
+            if lo != covered or lo + length > n:
+                raise ValueError(f"optimizer state piece at offset {lo} ({length} elements) does not continue "
+                                 f"group {g}'s partition of {n} elements at {covered}")
+            while covered < lo + length:
+                _g, i, s_lo, s_hi = subs[k]
+                take = min(s_hi, lo + length) - covered
+                for view, kind in zip(self._views(0, s_hi - s_lo), KINDS):
+                    view[covered - s_lo:covered - s_lo + take].copy_(piece[kind][covered - lo:covered - lo + take])
+                covered += take
+                if covered == s_hi:            # a whole sub-group assembled: to its files and parameters
+                    self._wait(self._io(0, g, i, s_hi - s_lo, write=True))
+                    self._write_params(g, s_lo, self._views(0, s_hi - s_lo)[0])
+                    k += 1
+        if covered != n:
+            raise ValueError(f"optimizer state pieces cover {covered} of group {g}'s {n} elements")
+        self.steps[g] = step
+
+    def _write_params(self, g: int, lo: int, master: torch.Tensor) -> None:
+        if self.param_io is not None:
+            self.param_io.write_range(g, lo, master)
+        else:
+            self.parts[g][lo:lo + master.numel()].copy_(master)
 
     def close(self) -> None:
         """Wait for outstanding I/O and delete the swap files (also done when collected and at exit)."""

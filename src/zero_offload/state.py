@@ -47,7 +47,9 @@ class PartitionedOptimizerState(Protocol):
         """Optimizer steps taken by group ``g``."""
 
     def state_chunks(self, g: int, chunk_numel: int = ...) -> Iterator[StateChunk]:
-        """Yield group ``g``'s partition as (offset, {kind: fp32 CPU tensor}) pieces, kinds `STATE_KINDS`."""
+        """Yield group ``g``'s partition as (offset, {kind: fp32 CPU tensor}) pieces, kinds `STATE_KINDS`, in
+        increasing offset. A piece may be a view of a reused buffer: use (or copy) it before asking for the
+        next one (NVMe states stream through a small pool)."""
 
     def load_state_chunks(self, g: int, step: int, chunks: Iterable[StateChunk]) -> None:
         """Replace group ``g``'s partition from pieces covering it, with step count ``step``."""

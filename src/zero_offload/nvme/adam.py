@@ -284,7 +284,8 @@ class NvmeAdam:
     def state_chunks(self, g: int, chunk_numel: int = 1 << 24):
         """Group ``g``'s state streamed from its files: yields (offset, {kind: fp32 CPU tensor}) one sub-group
         at a time (at most ``sub_group_size`` elements; ``chunk_numel`` is not used), in increasing offset.
-        Each piece is a fresh copy: host memory stays the pool plus one sub-group."""
+        Each piece is a view of a pool buffer, valid until the next piece is asked for: host memory stays the
+        pool (copy a piece to keep it)."""
         for _g, i, lo, hi in (u for u in self.units if u[0] == g):
             pieces = self._guard(self._read_sub_group, g, i, hi - lo)
             yield lo, pieces
@@ -292,7 +293,7 @@ class NvmeAdam:
     def _read_sub_group(self, g: int, i: int, n: int) -> dict[str, torch.Tensor]:
         self._free_slot(0)
         self._wait(self._io(0, g, i, n, write=False))
-        return {kind: view.clone() for kind, view in zip(KINDS, self._views(0, n))}
+        return dict(zip(KINDS, self._views(0, n)))
 
     @torch.no_grad()
     def load_state_chunks(self, g: int, step: int, chunks) -> None:

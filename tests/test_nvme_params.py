@@ -245,3 +245,25 @@ def test_stale_files_reclaimed_at_start_and_removed_at_exit(tmp_path):
     names = json.loads(proc.stdout.strip().splitlines()[-1].replace("'", '"'))
     assert names == ["group0.exp_avg.swp", "group0.exp_avg_sq.swp", "group0.master.swp", "group0.param.swp"]
     assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
+
+
+@pytest.mark.parametrize("save_nvme", [True, False])
+def test_checkpoint_between_param_nvme_and_cpu_with_reshard(tmp_path, save_nvme):
+    """Stage 3: saved by 2 ranks, loaded by 1 (2 accumulation steps: the same global batch), one side with
+    parameters and optimizer states on NVMe, the other with both in host memory; 2 more steps give the
+    parameters of 5 uninterrupted steps of plain AdamW."""
+    from test_checkpoint import _phase_resume, _phase_save, _run
+    (tmp_path / "swap").mkdir()
+
+    def config(ws, gas, nvme):
+        if nvme:
+            return param_nvme_config(tmp_path / "swap", "nvme", gas, ws)
+        cfg = engine_config(3, "cpu", gas, ws=ws)
+        cfg["zero_optimization"]["offload_param"] = {"device": "cpu"}
+        return cfg
+
+    _run(2, _phase_save, config(2, 1, save_nvme), tmp_path / "ckpt", 3)
+    resumed, _ = _run(1, _phase_resume, config(1, 2, not save_nvme), tmp_path / "ckpt", 2, 3)
+    ref, _ = reference_run(gas=2, ws=1, steps=5)
+    for name, value in ref.items():
+        assert (resumed[name] - value).abs().max().item() <= ATOL, name

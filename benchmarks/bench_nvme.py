@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -55,7 +54,7 @@ def dd_bandwidth(path: Path, nbytes: int, streams: int = 1, drop: bool = False) 
         procs = []
         t0 = time.perf_counter()
         for k in range(streams):
-            args = ([f"if=/dev/zero", f"of={path}", "oflag=direct", "conv=notrunc,fsync", f"seek={k * count}"]
+            args = (["if=/dev/zero", f"of={path}", "oflag=direct", "conv=notrunc,fsync", f"seek={k * count}"]
                     if op == "write" else [f"if={path}", "of=/dev/null", "iflag=direct", f"skip={k * count}"])
             procs.append(subprocess.Popen(["dd", "bs=1M", f"count={count}", *args], stderr=subprocess.PIPE,
                                           text=True))

@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -239,8 +240,9 @@ def test_stale_files_reclaimed_at_start_and_removed_at_exit(tmp_path):
     rank_dir.mkdir(parents=True)
     for name in ("group0.param.swp", "group0.master.swp", "group0.exp_avg.swp"):
         (rank_dir / name).write_bytes(b"stale" * 200_000)
-    proc = subprocess.run([sys.executable, "-c", EXIT_SCRIPT, str(tmp_path), str(__import__("os").path.dirname(__file__))],
-                          capture_output=True, text=True, timeout=300)
+    tests = str(Path(__file__).parent)
+    proc = subprocess.run([sys.executable, "-c", EXIT_SCRIPT, str(tmp_path), tests], capture_output=True, text=True,
+                          timeout=300)
     assert proc.returncode == 0, proc.stderr
     names = json.loads(proc.stdout.strip().splitlines()[-1].replace("'", '"'))
     assert names == ["group0.exp_avg.swp", "group0.exp_avg_sq.swp", "group0.master.swp", "group0.param.swp"]

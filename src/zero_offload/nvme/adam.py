@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from zero_offload.nvme.buffers import ALIGNMENT, BufferPool, align_up
-from zero_offload.nvme.swapper import NvmeIOError, Pending, Swapper
+from zero_offload.nvme.swapper import Pending, Swapper
 from zero_offload.offload.copies import CopyEngine
 from zero_offload.optim.cpu_adam import CPUAdam
 from zero_offload.optim.fused_adam import fused_adam_step

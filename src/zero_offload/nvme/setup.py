@@ -5,7 +5,6 @@ and its filesystem must have room for every byte this rank will write (both numb
 """
 from __future__ import annotations
 
-import os
 import shutil
 import uuid
 from pathlib import Path

@@ -88,7 +88,9 @@ def ds_config(args) -> dict:
         "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": 0.0}},
         "zero_optimization": {
             "stage": 3, "sub_group_size": args.sub_group_size, "overlap_comm": True,
-            "offload_param": {"device": "cpu"},
+            "offload_param": ({"device": "cpu"} if args.offload_param == "cpu" else
+                              {"device": "nvme", "nvme_path": str(args.nvme_path), "buffer_count": 4,
+                               "buffer_size": args.param_buffer_size}),
             "offload_optimizer": {"device": "nvme", "nvme_path": str(args.nvme_path), "buffer_count": 4,
                                   "pipeline_read": True, "pipeline_write": True},
             "stage3_prefetch_bucket_size": 50_000_000, "stage3_param_persistence_threshold": 100_000},
@@ -99,6 +101,15 @@ def ds_config(args) -> dict:
 
 def disk_bytes(root: Path) -> int:
     return sum(p.stat().st_blocks * 512 for p in root.rglob("*") if p.is_file())
+
+
+def param_store_stats(engine) -> dict:
+    """With offload_param nvme: how the gathers found their shards, and the most elements held at once."""
+    store = engine.zero.store
+    if store.resident:
+        return {}
+    return {"param_shards_read_ahead": store.shards_read_ahead, "param_shards_on_demand": store.shards_read_on_demand,
+            "param_peak_resident_numel": store.peak_resident_numel}
 
 
 def run_zero_offload(args, gpt: GPTConfig) -> dict:
@@ -122,7 +133,7 @@ def run_zero_offload(args, gpt: GPTConfig) -> dict:
         rec = {"step": step + 1, "loss": losses[-1], "step_s": step_s,
                "compute_s": engine.timings["forward_s"] + engine.timings["backward_s"],
                "optimizer_s": engine.timings["optimizer_s"], **adam.timings,
-               "peak_rss_anon_bytes": sampler.peak * 1024,
+               "peak_rss_anon_bytes": sampler.peak * 1024, **param_store_stats(engine),
                "bytes_on_disk": disk_bytes(Path(args.nvme_path) / "zero_offload")}
         print(json.dumps(rec), flush=True)
     return {"init_s": init_s, "losses": losses, "loss_fell": losses[-1] < losses[0],
@@ -171,6 +182,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--io-threads", type=int, default=2)
     ap.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
                     help="auto: bf16 where torch has a fast bf16 CPU GEMM (oneDNN on AVX512-BF16/AMX), else fp32")
+    ap.add_argument("--offload-param", choices=("cpu", "nvme"), default="cpu",
+                    help="where the 16-bit parameter partitions live (nvme: swap files + a 4-buffer pool)")
+    ap.add_argument("--param-buffer-size", type=int, default=130_000_000,
+                    help="offload_param.buffer_size: elements per buffer, at least the largest unit (wte)")
     ap.add_argument("--deepspeed", action="store_true", help="run DeepSpeed with the same config instead")
     args = ap.parse_args(argv)
     if args.precision == "auto":

@@ -219,7 +219,7 @@ def test_a_failed_write_leaves_no_temporary_folder(tmp_path, monkeypatch):
 
     def fail(*args, **kwargs):
         raise OSError(28, "No space left on device")
-    monkeypatch.setattr(ckpt, "save_file", fail)
+    monkeypatch.setattr(ckpt, "StreamedSafetensors", fail)   # the rank file's writer
     with pytest.raises(DiskFullError, match="rank00000.safetensors"):
         engine.save_checkpoint(tmp_path, tag="bad")
     assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "good", "latest"]

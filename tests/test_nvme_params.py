@@ -249,11 +249,12 @@ def test_stale_files_reclaimed_at_start_and_removed_at_exit(tmp_path):
     assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
 
 
-@pytest.mark.parametrize("save_nvme", [True, False])
-def test_checkpoint_between_param_nvme_and_cpu_with_reshard(tmp_path, save_nvme):
-    """Stage 3: saved by 2 ranks, loaded by 1 (2 accumulation steps: the same global batch), one side with
-    parameters and optimizer states on NVMe, the other with both in host memory; 2 more steps give the
-    parameters of 5 uninterrupted steps of plain AdamW."""
+def test_checkpoint_from_host_loads_into_param_nvme_with_reshard(tmp_path):
+    """Stage 3: saved by 2 ranks with parameters and states in host memory, loaded by 1 (2 accumulation
+    steps: the same global batch) with both on NVMe (the load writes the parameter files); 2 more steps give
+    the parameters of 5 uninterrupted steps of plain AdamW. (nvme -> cpu at stage 2: test_nvme_checkpoint_errors;
+    the streamed save of NVMe state: test_nvme_checkpoint_memory.)"""
+    save_nvme = False
     from test_checkpoint import _phase_resume, _phase_save, _run
     (tmp_path / "swap").mkdir()
 

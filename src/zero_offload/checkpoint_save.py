@@ -156,7 +156,7 @@ def _write_shard(engine: CheckpointTarget, tmp: Path) -> dict[str, str]:
                 for name, t in fixed.items():
                     out.write(name, 0, t)
                 for g in range(len(layout)):
-                    for lo, piece in _reading(opt.state_chunks(g)):
+                    for lo, piece in _reading(lambda g=g: opt.state_chunks(g)):
                         for kind in KINDS:
                             out.write(f"group{g}.{kind}", lo, piece[kind].float())
             except BaseException:
@@ -178,8 +178,12 @@ class _ReadError(Exception):
         self.error = error
 
 
-def _reading(chunks):
-    iterator = iter(chunks)
+def _reading(make_chunks):
+    """The pieces of ``make_chunks()``, any error from producing them wrapped in `_ReadError`."""
+    try:
+        iterator = iter(make_chunks())
+    except Exception as e:
+        raise _ReadError(e) from e
     while True:
         try:
             item = next(iterator)

@@ -270,3 +270,16 @@ def test_checkpoint_from_host_loads_into_param_nvme_with_reshard(tmp_path):
     ref, _ = reference_run(gas=2, ws=1, steps=5)
     for name, value in ref.items():
         assert (resumed[name] - value).abs().max().item() <= ATOL, name
+
+
+def test_gathered_parameters_write_back_reaches_the_file_and_the_master(tmp_path):
+    """``gathered_parameters(..., modifier_rank=0)`` under offload_param nvme: the written values are in the
+    parameter file (seen by the next gather) and in the fp32 master weights (host optimizer states)."""
+    engine = zero_offload.initialize(make_model(), param_nvme_config(tmp_path, "cpu", 1, 1))
+    w = engine.module.blocks[0].fc.weight
+    with zero_offload.gathered_parameters(w, modifier_rank=0):
+        w.data.fill_(0.5)
+    with zero_offload.gathered_parameters(w):
+        assert torch.equal(w, torch.full_like(w, 0.5))
+        shape = tuple(w.shape)
+    assert torch.equal(engine.full_state_dict()["blocks.0.fc.weight"], torch.full(shape, 0.5))

@@ -272,10 +272,12 @@ def test_checkpoint_from_host_loads_into_param_nvme_with_reshard(tmp_path):
         assert (resumed[name] - value).abs().max().item() <= ATOL, name
 
 
-def test_gathered_parameters_write_back_reaches_the_file_and_the_master(tmp_path):
+@pytest.mark.parametrize("optimizer", ["nvme", "cpu"])
+def test_gathered_parameters_write_back_reaches_the_file_and_the_master(tmp_path, optimizer):
     """``gathered_parameters(..., modifier_rank=0)`` under offload_param nvme: the written values are in the
-    parameter file (seen by the next gather) and in the fp32 master weights (host optimizer states)."""
-    engine = zero_offload.initialize(make_model(), param_nvme_config(tmp_path, "cpu", 1, 1))
+    parameter file (seen by the next gather) and in the fp32 master weights (in their swap file or in host
+    memory)."""
+    engine = zero_offload.initialize(make_model(), param_nvme_config(tmp_path, optimizer, 1, 1))
     w = engine.module.blocks[0].fc.weight
     with zero_offload.gathered_parameters(w, modifier_rank=0):
         w.data.fill_(0.5)

@@ -263,6 +263,21 @@ class NvmeAdam:
         """Host memory this optimizer holds for its states: the pool (counted under ``master``)."""
         return {"master": [b.raw for b in self.pool.buffers], "exp_avg": [], "exp_avg_sq": []}
 
+    @torch.no_grad()
+    def write_master(self, g: int, offset: int, values: torch.Tensor) -> None:
+        """Overwrite group ``g``'s fp32 master at element ``offset`` with ``values`` (1-D): each sub-group it
+        touches is read, patched and written back through the pool."""
+        self._guard(self._write_master, g, offset, values.detach().reshape(-1).float().cpu())
+
+    def _write_master(self, g: int, offset: int, values: torch.Tensor) -> None:
+        end = offset + values.numel()
+        for _g, i, lo, hi in (u for u in self.units if u[0] == g and u[2] < end and u[3] > offset):
+            self._free_slot(0)
+            self._wait(self._io(0, g, i, hi - lo, write=False, kinds=("master",)))
+            a, b = max(lo, offset), min(hi, end)
+            self._views(0, hi - lo)[0][a - lo:b - lo].copy_(values[a - offset:b - offset])
+            self._wait(self._io(0, g, i, hi - lo, write=True, kinds=("master",)))
+
     def staging_tensors(self) -> list[torch.Tensor]:
         """Host buffers the 16-bit outputs of a sub-group pass through (to the device or a parameter file)."""
         return [t for t in self.staging if t is not None]

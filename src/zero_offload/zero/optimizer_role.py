@@ -38,6 +38,10 @@ class PartitionOptimizer(Protocol):
     def staging_tensors(self) -> list[torch.Tensor]:
         """Host buffers that only carry updated 16-bit parameters on their way out (for memory accounting)."""
 
+    def write_master(self, g: int, offset: int, values: torch.Tensor) -> None:
+        """Overwrite group ``g``'s fp32 master weights at ``offset`` with ``values`` (1-D), as
+        ``gathered_parameters(modifier_rank=...)`` does."""
+
     def group_state(self, g: int) -> dict:
         """Group ``g``: fp32 CPU ``master``, ``exp_avg``, ``exp_avg_sq`` of shape (partition numel,), ``step``."""
 

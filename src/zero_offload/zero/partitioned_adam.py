@@ -166,6 +166,11 @@ class PartitionedAdam:
             if self.in_flight:
                 self.in_flight[-1].wait_stream()
 
+    @torch.no_grad()
+    def write_master(self, g: int, offset: int, values: torch.Tensor) -> None:
+        """Overwrite group ``g``'s fp32 master at ``offset`` with ``values`` (the `PartitionOptimizer` role)."""
+        self.masters[g][offset:offset + values.numel()].copy_(values.reshape(-1))
+
     def staging_tensors(self) -> list[torch.Tensor]:
         """Host buffers that only carry updated parameters towards the device (the ring's slots)."""
         return self.ring.tensors() if self.ring is not None else []

@@ -176,9 +176,7 @@ class Stage3Optimizer(PartitionStateMixin, DeferrableStepMixin):
             u.shard.copy_(mine)
             return            # no master weights
         self.store.write_shard(u, mine)
-        master = self.adam.masters[u.group]
-        if master.data_ptr() != self.parts[u.group].data_ptr():
-            master[u.partition_offset:u.partition_offset + u.shard_numel].copy_(mine)
+        self.adam.write_master(u.group, u.partition_offset, mine)
 
     @property
     def partitions_count(self) -> int:

@@ -28,7 +28,7 @@ __all__ = ["ModelShape", "MemoryEstimate", "estimate_memory", "model_shape", "ac
 
 # Kinds that `Engine.memory_breakdown()` also reports (measured from the tensors the engine holds).
 MODEL_STATE_KINDS = ("params", "grads", "buckets", "grad_partition", "master", "exp_avg", "exp_avg_sq",
-                     "param_staging")
+                     "param_staging", "frozen_params")
 # The gradient reducer's bound on buckets reduced at once (zero/reducer.py's ``max_in_flight``).
 REDUCER_IN_FLIGHT = 2
 
@@ -41,10 +41,13 @@ class ModelShape:
         units: ``(module name, param group, [numels])`` per stage-3 unit, in the engine's build order.
         gpt: the transformer's shape when known (sizes activations), else None.
         name: for messages and tables.
+        frozen: ``(module name, -1, [numels])`` per unit of ``requires_grad=False`` parameters (sharded at
+            stage 3 like trainable ones, `zero.stage3.frozen`; never optimized).
     """
     units: tuple[tuple[str, int, tuple[int, ...]], ...]
     gpt: GPTConfig | None = None
     name: str = "model"
+    frozen: tuple[tuple[str, int, tuple[int, ...]], ...] = ()
 
     @property
     def n_params(self) -> int:
@@ -85,17 +88,23 @@ def model_shape(model) -> ModelShape:
         if model < 1:
             raise ValueError(f"a model needs at least 1 parameter, got {model}")
         return ModelShape((("model", 0, (model,)),), None, f"{model / 1e9:.3g}B params")
-    seen: set[int] = set()
-    units = []
-    for name, module in model.named_modules():     # stage 3's unit rule: the module that first holds it
-        own = [p for p in module.parameters(recurse=False) if p.requires_grad and id(p) not in seen]
-        if own:
-            seen.update(id(p) for p in own)
-            units.append((name, 0, tuple(p.numel() for p in own)))
+    units, frozen = _module_units(model, trainable=True), _module_units(model, trainable=False)
     if not units:
         raise ValueError(f"{type(model).__name__} has no trainable parameters")
     gpt = getattr(model, "config", None)
-    return ModelShape(tuple(units), gpt if isinstance(gpt, GPTConfig) else None, type(model).__name__)
+    return ModelShape(units, gpt if isinstance(gpt, GPTConfig) else None, type(model).__name__, frozen)
+
+
+def _module_units(model: torch.nn.Module, trainable: bool) -> tuple[tuple[str, int, tuple[int, ...]], ...]:
+    """Stage 3's unit rule: a parameter belongs to the first module that holds it (tied ones count once)."""
+    seen: set[int] = set()
+    units = []
+    for name, module in model.named_modules():
+        own = [p for p in module.parameters(recurse=False) if p.requires_grad == trainable and id(p) not in seen]
+        if own:
+            seen.update(id(p) for p in own)
+            units.append((name, 0 if trainable else -1, tuple(p.numel() for p in own)))
+    return tuple(units)
 
 
 @dataclass
@@ -203,7 +212,8 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
 
     Kinds: ``params`` (16-bit flat buffers, or this rank's stage-3 shards), ``grads`` (full gradients,
     stages 0/1), ``buckets`` (stage-2 bucket buffers), ``grad_partition``, ``master``, ``exp_avg``,
-    ``exp_avg_sq``, ``param_staging`` (host copies of updated parameters), ``live_params`` (stage 3: gathered
+    ``exp_avg_sq``, ``param_staging`` (host copies of updated parameters), ``frozen_params`` (parameters with
+    ``requires_grad=False``: whole below stage 3, this rank's shards at stage 3), ``live_params`` (stage 3: gathered
     units, persistent ones and the prefetch / live-parameter budget), ``reduce_buffers`` (stage 3: unit
     gradients being reduce-scattered), ``pinned_rounding``, ``activations``.
 
@@ -261,6 +271,8 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
             est.add("device", "params", padded_numel(sum(n), world_size) * d)
             if zc.stage < 2:
                 est.add("device", "grads", padded_numel(sum(n), world_size) * d)
+        if shape.frozen:
+            est.add("device", "frozen_params", sum(sum(n) for _, _, n in shape.frozen) * d)
         if zc.stage == 2:
             est.add("device", "buckets", _stage2_bucket_bytes(groups, world_size, zc.reduce_bucket_size, d))
             est.formulas["buckets"] = "(buckets the largest parameter spans + 2 in flight) x d"
@@ -279,8 +291,12 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
         parts = []
         for g in range(len(groups)):
             parts.append(sum(partition_numel(n, world_size) for _, gi, n in shape.units if gi == g))
-        unit_bytes = sorted((padded_numel(sum(n), world_size) * d for _, _, n in shape.units), reverse=True)
-        persistent = sum(padded_numel(sum(n), world_size) * d for _, _, n in shape.units
+        if shape.frozen:
+            frozen = sum(partition_numel(n, world_size) for _, _, n in shape.frozen) * d
+            est.add("host" if offload_param else "device", "frozen_params", frozen)
+        everything = shape.units + shape.frozen        # frozen units are gathered for compute too
+        unit_bytes = sorted((padded_numel(sum(n), world_size) * d for _, _, n in everything), reverse=True)
+        persistent = sum(padded_numel(sum(n), world_size) * d for _, _, n in everything
                          if sum(n) <= zc.stage3_param_persistence_threshold)
         budget = min(zc.stage3_max_live_parameters, zc.stage3_prefetch_bucket_size) * d
         est.add("device", "live_params", persistent + min(sum(unit_bytes), unit_bytes[0] + budget))

@@ -34,6 +34,7 @@ from zero_offload.offload.copies import CopyEngine
 from zero_offload.optim.fused_adam import fused_adam_step
 
 CHUNK = 64 << 20   # bytes per request: a sub-group's state of ~5M elements
+QUEUE_DEPTH = 8    # aio queue_depth (DeepSpeed's default): requests in flight per I/O thread, for both
 
 
 def drop_caches(enabled: bool) -> None:
@@ -69,7 +70,7 @@ def dd_bandwidth(path: Path, nbytes: int, streams: int = 1, drop: bool = False) 
 
 def swapper_bandwidth(directory: Path, nbytes: int, threads: int, block_size: int, buffers: int,
                       drop: bool = False) -> dict:
-    s = Swapper(directory / "swapper", block_size=block_size, thread_count=threads)
+    s = Swapper(directory / "swapper", block_size=block_size, thread_count=threads, queue_depth=QUEUE_DEPTH)
     s.open("f", nbytes)
     pool = [AlignedBuffer(CHUNK) for _ in range(buffers)]
     for b in pool:
@@ -105,7 +106,7 @@ def deepspeed_aio_bandwidth(directory: Path, nbytes: int, threads: int, block_si
         aio = builder.load(verbose=False)
     except Exception as e:   # report, never fail the run: DeepSpeed is only a peer here
         return {"error": f"{type(e).__name__}: {e}"}
-    h = aio.aio_handle(block_size, 8, False, True, threads)
+    h = aio.aio_handle(block_size, QUEUE_DEPTH, False, True, threads)
     path = str(directory / "ds_aio.bin")
     # The same requests in flight as the swapper: ``buffers`` pinned chunks issued, then one wait.
     bufs = [h.new_cpu_locked_tensor(CHUNK, torch.empty(0, dtype=torch.uint8)) for _ in range(buffers)]
@@ -144,7 +145,8 @@ def host_step(directory: Path, numel: int, sub_group: int, threads: int, block_s
           "bias_correction": True}
     t0 = time.perf_counter()
     adam = NvmeAdam([part], [hp], CopyEngine(torch.device("cpu")), directory / "adam", sub_group, 3,
-                    pipeline_read=True, pipeline_write=True, block_size=block_size, thread_count=threads)
+                    pipeline_read=True, pipeline_write=True, block_size=block_size, thread_count=threads,
+                    queue_depth=QUEUE_DEPTH)
     init_s = time.perf_counter() - t0
     adam.step([grad], 1.0)             # step 1 reads sparse moments: not the steady state
     out = {"init_s": init_s, "step_s": []}

@@ -67,7 +67,8 @@ def test_peak_rss_bounded_by_the_pool(tmp_path):
     mem = out["mem"]
     grads = NUMEL * 2                                  # autograd's bf16 gradient of the parameter
     grads += mem["grad_partition"]["bytes"] + mem["buckets"]["bytes"]
-    pool = mem["master"]["bytes"]                      # the NVMe buffer pool: all host optimizer state
+    pool = mem["nvme_buffers"]["bytes"]                # the NVMe buffer pool: all host optimizer state
+    assert mem["master"]["side"] == "nvme" and mem["master"]["bytes"] >= 4 * NUMEL
     assert pool == 3 * 12 * (24 << 20)
     budget = out["params"] + grads + pool + 300 * 2**20
     assert out["bytes_on_disk"] >= 12 * NUMEL          # the states really are on disk, not in memory

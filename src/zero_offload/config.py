@@ -188,7 +188,8 @@ class OffloadParamConfig(OffloadConfig):
 class AioConfig:
     """DeepSpeed's ``aio`` block: how NVMe swap files are read and written."""
     block_size: int = option(1_048_576, "Bytes per I/O request piece (a multiple of 4096).", min=4096)
-    queue_depth: int = option(8, "Accepted (libaio's queue depth); requests here go to a thread pool.", min=1)
+    queue_depth: int = option(8, "Requests in flight per I/O thread (libaio's queue depth; here blocking "
+                                 "requests on thread_count x queue_depth workers).", min=1)
     intra_op_parallelism: int = option(1, "I/O threads that read and write swap files in parallel.", min=1)
     thread_count: int | None = option(None, "Older name of intra_op_parallelism; used when given.", min=1)
     single_submit: bool = option(False, "Accepted (a libaio submission mode); no effect with I/O threads.")

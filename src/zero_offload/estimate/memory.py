@@ -28,7 +28,7 @@ __all__ = ["ModelShape", "MemoryEstimate", "estimate_memory", "model_shape", "ac
 
 # Kinds that `Engine.memory_breakdown()` also reports (measured from the tensors the engine holds).
 MODEL_STATE_KINDS = ("params", "grads", "buckets", "grad_partition", "master", "exp_avg", "exp_avg_sq",
-                     "param_staging", "frozen_params")
+                     "param_staging", "frozen_params", "nvme_buffers", "param_pool")
 # The gradient reducer's bound on buckets reduced at once (zero/reducer.py's ``max_in_flight``).
 REDUCER_IN_FLIGHT = 2
 
@@ -238,8 +238,8 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
     est = MemoryEstimate(accelerator=accelerator)
     offload_opt = zc.offload_optimizer.device in ("cpu", "nvme")
     offload_param = zc.stage == 3 and zc.offload_param.device in ("cpu", "nvme")
-    # NVMe: master weights and moments (and parameter shards) live in files; the host keeps gradients and
-    # staging (the I/O buffers' own size is the NVMe layer's to state).
+    # NVMe: master weights and moments (and parameter shards) live in files, sized with the NVMe layer's own
+    # arithmetic in `_nvme_files`; the host keeps gradients, the I/O pools and staging.
     state_nvme = zc.offload_optimizer.device == "nvme"
     param_nvme = offload_param and zc.offload_param.device == "nvme"
     # bf16.bf16_optimizer_states: the host kernel keeps both moments in bf16 (`host_state_dtype`).
@@ -251,14 +251,15 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
         nonlocal rounding
         nbytes = numel * torch.empty((), dtype=dtype_).element_size()
         if (state_nvme and kind == "master") or (param_nvme and kind == "params"):
-            est.add("nvme", kind, nbytes)
-            return
+            return                                 # in swap files: `_nvme_files`
         est.add("host", kind, nbytes)
         rounding += host_alloc_bytes(numel, dtype_, pin, accelerator) - nbytes
 
     def moments(numel: int, on_host: bool) -> None:
         # Both Adam moments of a partition: on the device, or where the host step keeps them (memory or NVMe).
-        side = ("nvme" if state_nvme else "host") if on_host else "device"
+        if on_host and state_nvme:
+            return                                 # in swap files: `_nvme_files`
+        side = "host" if on_host else "device"
         est.add(side, "exp_avg", numel * moment_bytes)
         est.add(side, "exp_avg_sq", numel * moment_bytes)
 
@@ -310,7 +311,7 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
                 est.add("device", "params", p * d)
             if host_step:
                 host("grad_partition", p, grad_dtype)
-                if not (offload_param and d == 4):
+                if not (offload_param and d == 4 and not param_nvme):   # fp32 shards in memory are their masters
                     host("master", p, torch.float32)
             else:
                 est.add("device", "grad_partition", p * grad_dtype_bytes)
@@ -323,6 +324,8 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
         slots, slot_numel = ring_shape(max(parts))
         host("param_staging", slots * slot_numel, dtype)
         est.formulas["param_staging"] = "min(4, ceil(P / 2^21)) slots x min(2^21, P) elements x d"
+    if state_nvme or param_nvme:
+        _nvme_files(est, cfg, shape, parts, world_size, dtype, accelerator)
     if rounding:
         est.add("host", "pinned_rounding", rounding)
         est.formulas["pinned_rounding"] = ("each pinned host buffer rounded up to a power of two "
@@ -334,6 +337,32 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
         est.add("device", "activations", activation_bytes(shape.gpt, b, s, d, ckpt))
         est.formulas["activations"] = activation_formula(ckpt) + f" with b={b}, s={s}, d={d}"
     return est
+
+
+def _nvme_files(est: MemoryEstimate, cfg: Config, shape: ModelShape, parts: list[int], world_size: int,
+                dtype: torch.dtype, accelerator: bool) -> None:
+    """The NVMe side of a rank (`zero_offload.nvme`): optimizer-state files in whole sub-groups and their host
+    pool (``nvme_buffers``) and 16-bit staging; parameter files and their read pool (``param_pool``)."""
+    from zero_offload.nvme.adam import NvmeAdam              # imported here: the NVMe layer is optional
+    from zero_offload.nvme.param_store import NvmeParamStore
+    zc = cfg.zero_optimization
+    d = torch.empty((), dtype=dtype).element_size()
+    if zc.offload_optimizer.device == "nvme":
+        sub = NvmeAdam.sub_group_numel(parts, zc.sub_group_size)
+        for kind in ("master", "exp_avg", "exp_avg_sq"):
+            est.add("nvme", kind, sum(-(-n // sub) * sub * 4 for n in parts))
+        count = zc.offload_optimizer.buffer_count
+        est.add("host", "nvme_buffers", NvmeAdam.pool_bytes(parts, zc.sub_group_size, count))
+        param_nvme = zc.stage == 3 and zc.offload_param.device == "nvme"
+        if d < 4 and (accelerator or param_nvme):    # 16-bit outputs leave through one staging slot per buffer
+            sub_groups = sum(-(-n // sub) for n in parts)
+            est.add("host", "param_staging", min(count, sub_groups) * sub * d)
+    if zc.stage == 3 and zc.offload_param.device == "nvme":
+        est.add("nvme", "params", NvmeParamStore.bytes_needed(parts, dtype))
+        largest = max(partition_numel(n, world_size) for _, _, n in shape.units)
+        est.add("host", "param_pool", NvmeParamStore.pool_bytes(largest, dtype, zc.offload_param.buffer_count))
+    est.formulas["nvme"] = ("states: 3 files of whole sub-groups (sub_group_size, aligned to 4 KiB) x 4 B; pool: "
+                            "buffer_count x 12 B x sub-group; params: one file per group, d B per element")
 
 
 def default_plan_config() -> dict:

@@ -65,7 +65,8 @@ class NvmeAdam:
         sub_group_size: elements per sub-group (the unit of swapping).
         buffer_count: sub-group buffers in the pool, each 12 bytes x sub-group elements.
         pipeline_read / pipeline_write: overlap the read of i+1 / the write of i-1 with the step of i.
-        block_size / thread_count: the swapper's request piece (bytes) and I/O threads.
+        block_size / thread_count / queue_depth: the swapper's request piece (bytes), I/O threads
+            and requests in flight per thread.
         param_io: the parameters live in swap files themselves (stage 3 ``offload_param.device = nvme``):
             ``parts`` are then meta tensors giving only shapes and dtypes, the initial masters are read with
             ``param_io.read_range(g, lo, hi)`` and each sub-group's updated parameters are written with
@@ -80,7 +81,8 @@ class NvmeAdam:
 
     def __init__(self, parts: list[torch.Tensor], hparams: list[dict], copies: CopyEngine, directory: Path,
                  sub_group_size: int, buffer_count: int, pipeline_read: bool = False, pipeline_write: bool = False,
-                 block_size: int = 1 << 20, thread_count: int = 1, param_io=None):
+                 block_size: int = 1 << 20, thread_count: int = 1, param_io=None,
+                 queue_depth: int = 1):
         self.parts, self.copies, self.param_io = parts, copies, param_io
         self.pipeline_read, self.pipeline_write = pipeline_read, pipeline_write
         self.sub = self.sub_group_numel([p.numel() for p in parts], sub_group_size)
@@ -90,7 +92,8 @@ class NvmeAdam:
         for stale in directory.iterdir():                # a killed run's state files: reclaimed
             if stale.name.endswith(tuple(f".{kind}.swp" for kind in KINDS)):
                 stale.unlink(missing_ok=True)
-        self.swapper = Swapper(directory, block_size=block_size, thread_count=thread_count)
+        self.swapper = Swapper(directory, block_size=block_size, thread_count=thread_count,
+                               queue_depth=queue_depth)
         self._finalizer = weakref.finalize(self, self.swapper.close)
         for g, p in enumerate(parts):
             for kind in KINDS:
@@ -111,6 +114,12 @@ class NvmeAdam:
         """Elements per sub-group for partitions of ``numels``: ``sub_group_size``, at most the largest
         partition, rounded up to 1024 (4096 bytes of fp32, the O_DIRECT alignment)."""
         return align_up(min(sub_group_size, max(max(numels), 1)) * _FP32) // _FP32
+
+    @classmethod
+    def pool_bytes(cls, numels: list[int], sub_group_size: int, buffer_count: int) -> int:
+        """Host bytes of the sub-group pool for partitions of ``numels``: ``buffer_count`` aligned buffers of
+        the three fp32 states of one sub-group."""
+        return buffer_count * align_up(3 * cls.sub_group_numel(numels, sub_group_size) * _FP32)
 
     @classmethod
     def bytes_needed(cls, numels: list[int], sub_group_size: int) -> int:
@@ -260,8 +269,13 @@ class NvmeAdam:
         return out
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
-        """Host memory this optimizer holds for its states: the pool (counted under ``master``)."""
-        return {"master": [b.raw for b in self.pool.buffers], "exp_avg": [], "exp_avg_sq": []}
+        """Host memory this optimizer holds for its states: none of the states themselves (they are in files,
+        see `swapped_bytes`), and the sub-group pool as ``nvme_buffers``."""
+        return {"master": [], "exp_avg": [], "exp_avg_sq": [], "nvme_buffers": [b.raw for b in self.pool.buffers]}
+
+    def swapped_bytes(self) -> dict[str, int]:
+        """Bytes of swap files by state kind (whole sub-groups; the moments' files fill on the first step)."""
+        return {kind: sum(self.file_bytes(p.numel()) for p in self.parts) for kind in KINDS}
 
     @torch.no_grad()
     def write_master(self, g: int, offset: int, values: torch.Tensor) -> None:

@@ -26,7 +26,9 @@ class AlignedBuffer:
 
     def __init__(self, nbytes: int):
         self.nbytes = align_up(max(nbytes, 1))
-        self._storage = torch.empty(self.nbytes + ALIGNMENT, dtype=torch.uint8)
+        # Written once here so the whole buffer is resident from the start, as page-locked buffers are: the
+        # memory it costs is known at initialize (`estimate_memory` counts it), not discovered mid-run.
+        self._storage = torch.empty(self.nbytes + ALIGNMENT, dtype=torch.uint8).zero_()
         skip = (-self._storage.data_ptr()) % ALIGNMENT
         self.raw = self._storage[skip:skip + self.nbytes]
         assert self.raw.data_ptr() % ALIGNMENT == 0

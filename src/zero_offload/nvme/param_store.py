@@ -49,7 +49,8 @@ class NvmeParamStore:
             fit (DeepSpeed asserts the same: "More elements than buffer size").
         max_in_cpu: most parameter elements held in the pool at once by read-ahead
             (``offload_param.max_in_cpu``); the shard being gathered is always allowed.
-        block_size / thread_count: the swapper's request piece (bytes) and I/O threads (``aio``).
+        block_size / thread_count / queue_depth: the swapper's request piece (bytes), I/O threads
+            and requests in flight per thread (``aio``).
 
     Raises:
         ValueError: ``buffer_count`` < 1 or a unit shard larger than ``buffer_size`` (naming the key and the
@@ -60,7 +61,8 @@ class NvmeParamStore:
     resident = False
 
     def __init__(self, numels: list[int], units: list, dtype: torch.dtype, directory: Path, buffer_count: int,
-                 buffer_size: int, max_in_cpu: int, block_size: int = 1 << 20, thread_count: int = 1):
+                 buffer_size: int, max_in_cpu: int, block_size: int = 1 << 20, thread_count: int = 1,
+                 queue_depth: int = 1):
         largest = max((u.shard_numel for u in units), default=0)
         if buffer_count < 1:
             raise ValueError(f"config key 'zero_optimization.offload_param.buffer_count' = {buffer_count}: the "
@@ -74,12 +76,12 @@ class NvmeParamStore:
         directory.mkdir(parents=True, exist_ok=True)
         for stale in directory.glob(f"*{PARAM_SUFFIX}"):
             stale.unlink(missing_ok=True)                 # a killed run's files: reclaimed
-        self.swapper = Swapper(directory, block_size=block_size, thread_count=thread_count)
+        self.swapper = Swapper(directory, block_size=block_size, thread_count=thread_count,
+                               queue_depth=queue_depth)
         self._finalizer = weakref.finalize(self, self.swapper.close)
         for g, n in enumerate(numels):
             self.swapper.open(self._name(g), align_up(max(n, 1) * self.itemsize))
-        # A shard's aligned enclosing range: its bytes plus at most one block on each side.
-        self.buffers = [AlignedBuffer(align_up(largest * self.itemsize) + ALIGNMENT) for _ in range(buffer_count)]
+        self.buffers = [AlignedBuffer(self.buffer_bytes(largest, dtype)) for _ in range(buffer_count)]
         self.window = AlignedBuffer(_WINDOW)
         self.slot_of: OrderedDict[int, tuple[int, Pending | None]] = OrderedDict()   # unit -> (slot, read)
         self.in_use: set[int] = set()
@@ -98,6 +100,17 @@ class NvmeParamStore:
         hi = lo + u.shard_numel * self.itemsize
         start = _align_down(lo)
         return start, max(align_up(hi) - start, ALIGNMENT), lo - start
+
+    @staticmethod
+    def buffer_bytes(largest_shard_numel: int, dtype: torch.dtype) -> int:
+        """Bytes of one pool buffer: a shard's aligned enclosing range, its bytes plus at most one block on
+        each side."""
+        return align_up(largest_shard_numel * torch.empty(0, dtype=dtype).element_size()) + ALIGNMENT
+
+    @classmethod
+    def pool_bytes(cls, largest_shard_numel: int, dtype: torch.dtype, buffer_count: int) -> int:
+        """Host bytes the store holds: ``buffer_count`` buffers and the write window."""
+        return buffer_count * align_up(cls.buffer_bytes(largest_shard_numel, dtype)) + _WINDOW
 
     @classmethod
     def bytes_needed(cls, numels: list[int], dtype: torch.dtype) -> int:

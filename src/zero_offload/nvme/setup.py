@@ -68,6 +68,7 @@ def build_nvme_adam(parts: list[torch.Tensor], hparams: list[dict], copies: Copy
     directory = check_swap_directory(oo.nvme_path, rank, need, reclaimable=tuple(f".{k}.swp" for k in KINDS))
     return NvmeAdam(parts, hparams, copies, directory, zc.sub_group_size, oo.buffer_count, oo.pipeline_read,
                     oo.pipeline_write, block_size=config.aio.block_size, thread_count=config.aio.threads,
+                    queue_depth=config.aio.queue_depth,
                     param_io=param_io)
 
 
@@ -93,6 +94,7 @@ def build_param_store(units: list, numels: list[int], dtype: torch.dtype, config
                                      reclaimable)
     try:
         return NvmeParamStore(numels, units, dtype, directory, op.buffer_count, op.buffer_size, op.max_in_cpu,
-                              block_size=config.aio.block_size, thread_count=config.aio.threads)
+                              block_size=config.aio.block_size, thread_count=config.aio.threads,
+                              queue_depth=config.aio.queue_depth)
     except ValueError as e:
         raise ConfigError(str(e)) from e

@@ -61,6 +61,9 @@ class Swapper:
         directory: where the files live (created if missing).
         block_size: bytes per piece of a request (aio ``block_size``; DeepSpeed's default 1 MiB).
         thread_count: I/O threads (aio ``intra_op_parallelism`` / ``thread_count``; default 1).
+        queue_depth: requests each thread keeps in flight (aio ``queue_depth``): DeepSpeed's libaio handle
+            submits up to this many per thread; here each is a blocking ``preadv``/``pwritev`` on its own
+            worker, so ``thread_count x queue_depth`` workers run (they wait on the disk, not on the CPU).
         use_direct: try O_DIRECT at open (falls back to buffered I/O with one warning).
 
     Raises:
@@ -68,17 +71,18 @@ class Swapper:
     """
 
     def __init__(self, directory: str | os.PathLike, block_size: int = 1 << 20, thread_count: int = 1,
-                 use_direct: bool = True):
+                 use_direct: bool = True, queue_depth: int = 1):
         if block_size < ALIGNMENT or block_size % ALIGNMENT:
             raise ValueError(f"Swapper: block_size must be a positive multiple of {ALIGNMENT} bytes, "
                              f"got {block_size}")
-        if thread_count < 1:
-            raise ValueError(f"Swapper: thread_count must be >= 1, got {thread_count}")
+        if thread_count < 1 or queue_depth < 1:
+            raise ValueError(f"Swapper: thread_count and queue_depth must be >= 1, got {thread_count}, "
+                             f"{queue_depth}")
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.block_size, self.use_direct = block_size, use_direct and bool(_O_DIRECT)
         self.files: dict[str, SwapFile] = {}
-        self.pool = ThreadPoolExecutor(thread_count, thread_name_prefix="zero-offload-nvme")
+        self.pool = ThreadPoolExecutor(thread_count * queue_depth, thread_name_prefix="zero-offload-nvme")
         self.pending: list[Pending] = []
         self.bytes_read = self.bytes_written = 0
         self._lock = threading.Lock()

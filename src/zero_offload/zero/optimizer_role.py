@@ -35,6 +35,9 @@ class PartitionOptimizer(Protocol):
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         """The host/device tensors held for optimizer state, by kind (for memory accounting)."""
 
+    def swapped_bytes(self) -> dict[str, int]:
+        """Bytes of optimizer state kept in NVMe swap files, by kind (empty when all of it is in memory)."""
+
     def staging_tensors(self) -> list[torch.Tensor]:
         """Host buffers that only carry updated 16-bit parameters on their way out (for memory accounting)."""
 

@@ -171,6 +171,10 @@ class PartitionedAdam:
         """Overwrite group ``g``'s fp32 master at ``offset`` with ``values`` (the `PartitionOptimizer` role)."""
         self.masters[g][offset:offset + values.numel()].copy_(values.reshape(-1))
 
+    def swapped_bytes(self) -> dict[str, int]:
+        """Bytes of optimizer state in swap files, by kind: none, every state is in memory."""
+        return {}
+
     def staging_tensors(self) -> list[torch.Tensor]:
         """Host buffers that only carry updated parameters towards the device (the ring's slots)."""
         return self.ring.tensors() if self.ring is not None else []

@@ -142,8 +142,10 @@ class ZeroOptimizer(PartitionStateMixin, DeferrableStepMixin):
         Returns {kind: {"bytes": int, "numel": int, "side": "device" | "host"}} for kinds ``params``
         (16-bit flat buffers), ``grads`` (full flat gradients, stages 0/1), ``buckets`` (pooled stage-2
         bucket buffers), ``grad_partition``, ``master``, ``exp_avg``, ``exp_avg_sq`` and ``param_staging``
-        (host copies of updated parameters headed to the device). ``side`` is where the tensor lives
-        logically: on a machine without an accelerator both sides are host memory. Views of another kind's
+        (host copies of updated parameters headed to the device); with ``offload_optimizer.device = nvme``
+        the states are side ``nvme`` (their swap files' bytes) and ``nvme_buffers`` the host pool they stream
+        through. ``side`` is where the tensor lives logically: on a machine without an accelerator both
+        device and host are host memory. Views of another kind's
         storage (fp32 masters that are the parameters themselves) count zero bytes.
         """
         state_side = "host" if self.offload else "device"
@@ -165,6 +167,8 @@ class ZeroOptimizer(PartitionStateMixin, DeferrableStepMixin):
                     seen.add(ptr)
                     nbytes += t.numel() * t.element_size()
             out[kind] = {"bytes": nbytes, "numel": sum(t.numel() for t in tensors), "side": side}
+        for kind, nbytes in self.adam.swapped_bytes().items():      # states in NVMe swap files
+            out[kind] = {"bytes": nbytes, "numel": nbytes // 4, "side": "nvme"}
         return out
 
     @property

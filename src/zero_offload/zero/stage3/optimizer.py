@@ -342,7 +342,8 @@ class Stage3Optimizer(PartitionStateMixin, DeferrableStepMixin):
         shards, ``gathered`` the full buffers gathered right now and ``peak_gathered`` the most at once,
         ``frozen_params`` this rank's shards of the frozen (``requires_grad=False``) parameters.
         With ``offload_param.device = nvme``, ``params`` are the swap files' bytes (side ``nvme``) and
-        ``param_pool`` the host buffers they are read into (frozen shards stay in host memory)."""
+        ``param_pool`` the host buffers they are read into (frozen shards stay in host memory); with
+        ``offload_optimizer.device = nvme`` the states are side ``nvme`` and ``nvme_buffers`` their host pool."""
         state_side = "host" if self.adam.on_host and self.offload else "device"
         def entry(tensors, side):
             return {"bytes": sum(t.numel() * t.element_size() for t in tensors),
@@ -365,4 +366,6 @@ class Stage3Optimizer(PartitionStateMixin, DeferrableStepMixin):
             "exp_avg_sq": entry(states["exp_avg_sq"], state_side),
             "frozen_params": entry([self.frozen_part], "host" if self.offload_param else "device"),
             "param_staging": entry(self.adam.staging_tensors(), "host"),
+            "nvme_buffers": entry(states.get("nvme_buffers", []), "host"),
+            **{kind: {"bytes": n, "numel": n // 4, "side": "nvme"} for kind, n in self.adam.swapped_bytes().items()},
         }

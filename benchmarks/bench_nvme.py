@@ -162,6 +162,10 @@ def host_step(directory: Path, numel: int, sub_group: int, threads: int, block_s
     # The bound takes the disk at its best measured bandwidth each way (one dd stream or several in flight).
     out["io_lower_bound_s"] = moved / disk["read"] + moved / disk["write"]
     out["ratio_to_bound"] = min(out["step_s"]) / out["io_lower_bound_s"]
+    # Reads of sub-group i+1 and writes of i-1 are in flight together: a disk that serves both at once (a
+    # virtual disk does) bounds the step by the slower direction alone.
+    out["io_overlapped_bound_s"] = max(moved / disk["read"], moved / disk["write"])
+    out["ratio_to_overlapped_bound"] = min(out["step_s"]) / out["io_overlapped_bound_s"]
     # The Adam compute alone, in memory, on one sub-group, scaled: what the pipeline must hide.
     n = min(sub_group, numel)
     m, v, w = torch.zeros(n), torch.zeros(n), torch.zeros(n)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from zero_offload.nvme.fail_stop import FailStop
 from zero_offload.nvme.buffers import ALIGNMENT, BufferPool, align_up
 from zero_offload.nvme.swapper import Pending, Swapper
 from zero_offload.offload.copies import CopyEngine
@@ -54,7 +55,7 @@ class _SwappedMasters:
         return (self[g] for g in range(len(self)))
 
 
-class NvmeAdam:
+class NvmeAdam(FailStop):
     """Adam/AdamW over this rank's partitions with the states on NVMe, stepped on the host.
 
     Args:
@@ -76,6 +77,8 @@ class NvmeAdam:
         NvmeIOError: a failed read or write (naming the file). After one, every later `step` and state read
             raises too: the files may hold a half-written step, and only the last checkpoint is sound.
     """
+
+    fail_stop_subject = "NVMe optimizer states"
 
     on_host = True
 
@@ -162,15 +165,6 @@ class NvmeAdam:
         self._writes[slot] = None
         self.copies.synchronize()
 
-    def _guard(self, fn, *args):
-        if self.broken is not None:
-            raise RuntimeError(f"NVMe optimizer states are unusable after an earlier I/O error ({self.broken}); "
-                               "restart from the last checkpoint") from self.broken
-        try:
-            return fn(*args)
-        except BaseException as e:
-            self.broken = e
-            raise
 
     # -- the step --------------------------------------------------------------------------------------
     @torch.no_grad()

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from zero_offload.nvme.fail_stop import FailStop
 from zero_offload.nvme.buffers import ALIGNMENT, AlignedBuffer, align_up
 from zero_offload.nvme.swapper import Pending, Swapper
 
@@ -34,7 +35,7 @@ def _align_down(n: int) -> int:
     return n - n % ALIGNMENT
 
 
-class NvmeParamStore:
+class NvmeParamStore(FailStop):
     """A rank's stage-3 parameter partitions on NVMe (the `PartitionStore` role, not resident).
 
     Args:
@@ -57,6 +58,8 @@ class NvmeParamStore:
             size needed).
         NvmeIOError: a failed read or write, naming the file.
     """
+
+    fail_stop_subject = "NVMe parameter files"
 
     resident = False
 
@@ -131,15 +134,6 @@ class NvmeParamStore:
         return [b.raw for b in self.buffers] + [self.window.raw]
 
     # -- the PartitionStore role -----------------------------------------------------------------------
-    def _guard(self, fn, *args):
-        if self.broken is not None:
-            raise RuntimeError(f"NVMe parameter files are unusable after an earlier I/O error ({self.broken}); "
-                               "restart from the last checkpoint") from self.broken
-        try:
-            return fn(*args)
-        except BaseException as e:
-            self.broken = e
-            raise
 
     def _view(self, slot: int, u) -> torch.Tensor:
         _start, _length, skip = self._extent(u)

@@ -23,6 +23,28 @@ from zero_offload.zero.grad_partition import GradSource
 __all__ = ["PartitionedAdam", "host_state_dtype"]
 
 
+def fill_from_chunks(chunks, g: int, targets: dict[str, torch.Tensor]) -> None:
+    """Copy (offset, {kind: 1-D tensor}) pieces into ``targets`` ({kind: partition-sized tensor}, ``master``
+    among them), in order.
+
+    Raises:
+        ValueError: a piece that does not continue where the last one ended or runs past the partition, or
+            pieces that stop short of its end (naming group ``g``, offsets and sizes).
+    """
+    n = targets["master"].numel()
+    covered = 0
+    for lo, piece in chunks:
+        length = piece["master"].numel()
+        if lo != covered or lo + length > n:
+            raise ValueError(f"optimizer state piece at offset {lo} ({length} elements) does not continue "
+                             f"group {g}'s partition of {n} elements at {covered}")
+        for kind, t in targets.items():
+            t[lo:lo + length].copy_(piece[kind])
+        covered = lo + length
+    if covered != n:
+        raise ValueError(f"optimizer state pieces cover {covered} of group {g}'s {n} elements")
+
+
 def host_state_dtype(config) -> torch.dtype:
     """The dtype of the host Adam moments: bf16 under ``bf16.bf16_optimizer_states``, else fp32."""
     return torch.bfloat16 if config.bf16.bf16_optimizer_states else torch.float32
@@ -240,19 +262,8 @@ class PartitionedAdam:
         else:
             self.optimizer.state.pop(mine, None)
             state = {}
-        covered = 0
-        for lo, piece in chunks:
-            length = piece["master"].numel()
-            if lo != covered or lo + length > n:
-                raise ValueError(f"optimizer state piece at offset {lo} ({length} elements) does not continue "
-                                 f"group {g}'s partition of {n} elements at {covered}")
-            mine[lo:lo + length].copy_(piece["master"])
-            for kind in ("exp_avg", "exp_avg_sq"):
-                if kind in state:
-                    state[kind][lo:lo + length].copy_(piece[kind])
-            covered = lo + length
-        if covered != n:
-            raise ValueError(f"optimizer state pieces cover {covered} of group {g}'s {n} elements")
+        targets = {"master": mine, **{k: state[k] for k in ("exp_avg", "exp_avg_sq") if k in state}}
+        fill_from_chunks(chunks, g, targets)
         if mine.data_ptr() != self.parts[g].data_ptr():
             self.parts[g].copy_(mine)
 

@@ -12,7 +12,7 @@ import torch
 from zero_offload.config_schema import ConfigError
 from zero_offload.offload.copies import Copies
 from zero_offload.zero.grad_partition import GradSource
-from zero_offload.zero.partitioned_adam import PartitionedAdam, host_state_dtype
+from zero_offload.zero.partitioned_adam import PartitionedAdam, fill_from_chunks, host_state_dtype
 
 __all__ = ["PartitionedTorchOptimizer", "partitioned_optimizer"]
 
@@ -160,7 +160,6 @@ class PartitionedTorchOptimizer(PartitionedAdam):
         if self.checkpoint_refusal:
             raise NotImplementedError(self.checkpoint_refusal)
         mine = self.masters[g]
-        n = mine.numel()
         if step == 0:
             fresh = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in self.initial_state[g].items()}
             self.optimizer.state.pop(mine, None)
@@ -177,18 +176,7 @@ class PartitionedTorchOptimizer(PartitionedAdam):
                                  if isinstance(self.step_like, torch.Tensor) else step)
             self.optimizer.state[mine] = state
             slots = dict(zip(("exp_avg", "exp_avg_sq"), (state[k] for k in self.slot_names)))
-        covered = 0
-        for lo, piece in chunks:
-            length = piece["master"].numel()
-            if lo != covered or lo + length > n:
-                raise ValueError(f"optimizer state piece at offset {lo} ({length} elements) does not continue "
-                                 f"group {g}'s partition of {n} elements at {covered}")
-            mine[lo:lo + length].copy_(piece["master"])
-            for kind, t in slots.items():
-                t[lo:lo + length].copy_(piece[kind])
-            covered = lo + length
-        if covered != n:
-            raise ValueError(f"optimizer state pieces cover {covered} of group {g}'s {n} elements")
+        fill_from_chunks(chunks, g, {"master": mine, **slots})
         self.steps[g] = step
         if mine.data_ptr() != self.parts[g].data_ptr():
             self.parts[g].copy_(mine)

@@ -347,17 +347,17 @@ def _nvme_files(est: MemoryEstimate, cfg: Config, shape: ModelShape, parts: list
     from zero_offload.nvme.param_store import NvmeParamStore
     zc = cfg.zero_optimization
     d = torch.empty((), dtype=dtype).element_size()
+    param_nvme = zc.stage == 3 and zc.offload_param.device == "nvme"
     if zc.offload_optimizer.device == "nvme":
         sub = NvmeAdam.sub_group_numel(parts, zc.sub_group_size)
         for kind in ("master", "exp_avg", "exp_avg_sq"):
             est.add("nvme", kind, sum(-(-n // sub) * sub * 4 for n in parts))
         count = zc.offload_optimizer.buffer_count
         est.add("host", "nvme_buffers", NvmeAdam.pool_bytes(parts, zc.sub_group_size, count))
-        param_nvme = zc.stage == 3 and zc.offload_param.device == "nvme"
         if d < 4 and (accelerator or param_nvme):    # 16-bit outputs leave through one staging slot per buffer
             sub_groups = sum(-(-n // sub) for n in parts)
             est.add("host", "param_staging", min(count, sub_groups) * sub * d)
-    if zc.stage == 3 and zc.offload_param.device == "nvme":
+    if param_nvme:
         est.add("nvme", "params", NvmeParamStore.bytes_needed(parts, dtype))
         largest = max(partition_numel(n, world_size) for _, _, n in shape.units)
         est.add("host", "param_pool", NvmeParamStore.pool_bytes(largest, dtype, zc.offload_param.buffer_count))

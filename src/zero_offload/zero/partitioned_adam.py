@@ -233,9 +233,14 @@ class PartitionedAdam:
         for lo in range(0, n, max(1, chunk_numel)) if n else ():
             hi = min(n, lo + chunk_numel)
             piece = {"master": master[lo:hi].detach()}
-            for kind in ("exp_avg", "exp_avg_sq"):
-                piece[kind] = state[kind][lo:hi] if kind in state else torch.zeros(hi - lo)
+            for kind, key in zip(("exp_avg", "exp_avg_sq"), self._moment_keys()):
+                t = state.get(key) if key else None
+                piece[kind] = t[lo:hi] if t is not None else torch.zeros(hi - lo)
             yield lo, {k: v.float().cpu() for k, v in piece.items()}
+
+    def _moment_keys(self) -> tuple[str | None, str | None]:
+        """The inner optimizer's per-element state keys saved as ``exp_avg`` and ``exp_avg_sq`` (None: none)."""
+        return ("exp_avg", "exp_avg_sq")
 
     @torch.no_grad()
     def load_state_chunks(self, g: int, step: int,

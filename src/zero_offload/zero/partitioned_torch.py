@@ -138,16 +138,11 @@ class PartitionedTorchOptimizer(PartitionedAdam):
         """
         if self.checkpoint_refusal:
             raise NotImplementedError(self.checkpoint_refusal)
-        master = self.masters[g]
-        state = self.optimizer.state.get(master, {})
-        n = master.numel()
-        for lo in range(0, n, max(1, chunk_numel)) if n else ():
-            hi = min(n, lo + chunk_numel)
-            piece = {"master": master[lo:hi].detach()}
-            for kind, name in zip(("exp_avg", "exp_avg_sq"), (*self.slot_names, None, None)):
-                t = state.get(name) if name else None
-                piece[kind] = t[lo:hi] if t is not None else torch.zeros(hi - lo)
-            yield lo, {k: v.float().cpu() for k, v in piece.items()}
+        yield from super().state_chunks(g, chunk_numel)
+
+    def _moment_keys(self) -> tuple[str | None, str | None]:
+        # Per-element states in the two moment slots (SGD momentum, Adagrad sum, ...); fewer leave zeros.
+        return (*self.slot_names, None, None)[:2]
 
     @torch.no_grad()
     def load_state_chunks(self, g: int, step: int, chunks) -> None:

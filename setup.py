@@ -1,9 +1,10 @@
-"""Builds the optional native host Adam kernel; all other metadata lives in pyproject.toml.
+"""Builds the optional native libraries; all other metadata lives in pyproject.toml.
 
-The kernel is plain C loaded with ctypes (no Python headers used). It is built with OpenMP when the compiler
-has it and retried without (one thread) when not; if no C compiler works at all the install still succeeds
-(``optional=True``) and `zero_offload.optim.fused_adam_step` falls back to torch with a warning.
-No ``-march``: the C file carries AVX-512 / AVX2 / portable versions and picks one at run time.
+Both are plain C loaded with ctypes (no Python headers used): the host Adam kernel, and the NVMe swapper's
+native AIO path (Linux syscalls only; no libaio needed). If either fails to build the install still succeeds
+and its caller falls back (to torch with a warning; to ``os.preadv``). The Adam kernel is built with OpenMP
+when the compiler has it and retried without (one thread) when not. No ``-march``: the C file carries
+AVX-512 / AVX2 / portable versions and picks one at run time.
 """
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
@@ -17,6 +18,9 @@ class BuildKernel(build_ext):
 
     def build_extension(self, ext):
         kind = "msvc" if self.compiler.compiler_type == "msvc" else "unix"
+        if not ext.name.endswith("_fused_adam"):        # only the Adam kernel runs threads of its own
+            ext.extra_compile_args = BASE[kind]
+            return super().build_extension(ext)
         omp_c, omp_l = OPENMP[kind]
         ext.extra_compile_args = BASE[kind] + omp_c
         ext.extra_link_args = list(omp_l)
@@ -36,7 +40,8 @@ setup(
             sources=["src/zero_offload/optim/_native/fused_adam.c"],
             libraries=["m"],
             optional=True,
-        )
+        ),
+        Extension("zero_offload.nvme._native._aio", sources=["src/zero_offload/nvme/_native/aio.c"], optional=True),
     ],
     cmdclass={"build_ext": BuildKernel},
 )

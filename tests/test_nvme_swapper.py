@@ -8,7 +8,11 @@ import pytest
 import torch
 
 from zero_offload.nvme import AlignedBuffer, BufferPool, NvmeIOError, Swapper
+from zero_offload.nvme import _native
 from zero_offload.nvme import swapper as swapper_mod
+
+# Both submission paths: the native AIO one (where built) and the portable preadv/pwritev one.
+PATHS = pytest.mark.parametrize("native", [True, False], ids=["native", "portable"])
 
 
 @pytest.fixture
@@ -24,9 +28,10 @@ def small_tmpfs(tmp_path):
     subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
+@PATHS
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_round_trip_is_bit_exact(tmp_path, dtype):
-    s = Swapper(tmp_path, block_size=8192, thread_count=3)
+def test_round_trip_is_bit_exact(tmp_path, dtype, native):
+    s = Swapper(tmp_path, block_size=8192, thread_count=3, queue_depth=2, native=native)
     numel = 3 * 8192 // torch.empty(0, dtype=dtype).element_size() + 1024   # pieces of unequal size
     src, dst = AlignedBuffer(numel * 4), AlignedBuffer(numel * 4)
     x = src.view(dtype, numel)
@@ -58,9 +63,10 @@ def test_direct_io_where_the_filesystem_allows_it(tmp_path):
     s.close()
 
 
-def test_buffered_fallback_warns_once(tmp_path, monkeypatch):
+@PATHS
+def test_buffered_fallback_warns_once(tmp_path, monkeypatch, native):
     monkeypatch.setattr(Swapper, "_probe_direct", staticmethod(lambda fd: False))
-    s = Swapper(tmp_path)
+    s = Swapper(tmp_path, native=native)
     with pytest.warns(RuntimeWarning, match="O_DIRECT"):
         a = s.open("a", 8192)
     with warnings.catch_warnings():
@@ -76,8 +82,9 @@ def test_buffered_fallback_warns_once(tmp_path, monkeypatch):
     s.close()
 
 
-def test_enospc_names_the_file(small_tmpfs):
-    s = Swapper(small_tmpfs, block_size=1 << 16)
+@PATHS
+def test_enospc_names_the_file(small_tmpfs, native):
+    s = Swapper(small_tmpfs, block_size=1 << 16, queue_depth=4, native=native)
     s.open("exp_avg.swp", 4 << 20)                       # sparse: 4 MiB announced on a 1 MiB filesystem
     buf = AlignedBuffer(2 << 20)
     pending = s.write("exp_avg.swp", buf.raw)
@@ -91,7 +98,7 @@ def test_enospc_names_the_file(small_tmpfs):
 
 
 def test_eio_names_the_file(tmp_path, monkeypatch):
-    s = Swapper(tmp_path)
+    s = Swapper(tmp_path, native=False)
     s.open("master.swp", 8192)
 
     def failing(*_args):
@@ -101,6 +108,38 @@ def test_eio_names_the_file(tmp_path, monkeypatch):
         s.wait(s.read("master.swp", AlignedBuffer(8192).raw))
     assert info.value.errno == errno.EIO
     monkeypatch.undo()
+    s.close()
+
+
+@pytest.mark.skipif(not _native.available(), reason="native AIO path not built")
+def test_native_eio_names_the_file(tmp_path, monkeypatch):
+    s = Swapper(tmp_path, native=True)
+    s.open("exp_avg_sq.swp", 8192)
+    monkeypatch.setattr(swapper_mod._native, "transfer", lambda *_args: -errno.EIO)
+    with pytest.raises(NvmeIOError, match="exp_avg_sq.swp") as info:
+        s.wait(s.write("exp_avg_sq.swp", AlignedBuffer(8192).raw))
+    assert info.value.errno == errno.EIO
+    s.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="native AIO is Linux only")
+def test_native_path_is_built_and_splits_requests_per_thread(tmp_path):
+    """On Linux the install builds the AIO library (a silent build failure would hide here); a request is
+    one part per I/O thread, and a read past a file that shrank under it fills the rest with zeros."""
+    assert _native.available(), "zero_offload/nvme/_native/_aio was not built at install"
+    s = Swapper(tmp_path, block_size=8192, thread_count=3, queue_depth=2)
+    assert s.native
+    s.open("f", 5 * 8192)
+    src = AlignedBuffer(5 * 8192)
+    src.raw.random_(1, 255)
+    pending = s.write("f", src.raw)
+    assert len(pending.futures) == 3                    # 2 + 2 + 1 blocks
+    s.wait(pending)
+    os.ftruncate(s.files["f"].fd, 3 * 8192)
+    dst = AlignedBuffer(5 * 8192)
+    dst.raw.fill_(7)
+    s.wait(s.read("f", dst.raw))
+    assert torch.equal(dst.raw[:3 * 8192], src.raw[:3 * 8192]) and not dst.raw[3 * 8192:].any()
     s.close()
 
 

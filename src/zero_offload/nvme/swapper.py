@@ -4,8 +4,13 @@ Life cycle (DeepSpeed's ``AsyncIOBuilder`` handle and its ``swap_tensor`` helper
 ``open`` a file per swapped tensor, ``read`` ahead and ``write`` behind (each returns a `Pending` at once),
 ``wait`` for one, ``flush`` waits for all, ``close`` waits, closes and deletes the files.
 
-Every request is cut into ``block_size`` pieces run on ``thread_count`` I/O threads; ``os.preadv`` and
-``os.pwritev`` release the GIL, so the host step and the I/O overlap. Files are opened with ``O_DIRECT``
+Where the native AIO path is built (`zero_offload.nvme._native`, Linux), a request is cut into ``thread_count``
+contiguous parts, each moved by one call that keeps ``queue_depth`` blocks of ``block_size`` bytes in flight with
+io_submit, as each thread of DeepSpeed's aio handle does. Reads and writes have ``thread_count`` threads each, as
+DeepSpeed's pipelined optimizer swapper keeps one aio handle per direction, so a write-behind never queues behind
+a read-ahead. Elsewhere every request is cut into ``block_size`` pieces run by ``thread_count x queue_depth``
+Python threads doing blocking ``os.preadv`` / ``os.pwritev``. Both release the GIL, so the host step and the I/O
+overlap. Files are opened with ``O_DIRECT``
 (no page cache: the disk's bandwidth, and no host memory grows with the model) where the filesystem
 accepts it, checked at open with a probe; elsewhere (tmpfs, some network filesystems) with buffered I/O
 and one warning. Errors from the disk (ENOSPC, EIO, ...) are raised as `NvmeIOError`, which names the file.
@@ -25,7 +30,8 @@ from pathlib import Path
 
 import torch
 
-from zero_offload.nvme.buffers import ALIGNMENT, AlignedBuffer
+from zero_offload.nvme import _native
+from zero_offload.nvme.buffers import ALIGNMENT, AlignedBuffer, align_up
 
 __all__ = ["NvmeIOError", "SwapFile", "Pending", "Swapper"]
 
@@ -61,17 +67,17 @@ class Swapper:
         directory: where the files live (created if missing).
         block_size: bytes per piece of a request (aio ``block_size``; DeepSpeed's default 1 MiB).
         thread_count: I/O threads (aio ``intra_op_parallelism`` / ``thread_count``; default 1).
-        queue_depth: requests each thread keeps in flight (aio ``queue_depth``): DeepSpeed's libaio handle
-            submits up to this many per thread; here each is a blocking ``preadv``/``pwritev`` on its own
-            worker, so ``thread_count x queue_depth`` workers run (they wait on the disk, not on the CPU).
+        queue_depth: blocks each thread keeps in flight (aio ``queue_depth``), with io_submit on the native path;
+            on the portable path each is a blocking ``preadv``/``pwritev`` on its own worker.
         use_direct: try O_DIRECT at open (falls back to buffered I/O with one warning).
+        native: use the native AIO path where it is built (False: always the portable one).
 
     Raises:
         NvmeIOError: from `open`, `wait`, `flush` -- naming the file, with the OS error's errno.
     """
 
     def __init__(self, directory: str | os.PathLike, block_size: int = 1 << 20, thread_count: int = 1,
-                 use_direct: bool = True, queue_depth: int = 1):
+                 use_direct: bool = True, queue_depth: int = 1, native: bool = True):
         if block_size < ALIGNMENT or block_size % ALIGNMENT:
             raise ValueError(f"Swapper: block_size must be a positive multiple of {ALIGNMENT} bytes, "
                              f"got {block_size}")
@@ -81,8 +87,15 @@ class Swapper:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.block_size, self.use_direct = block_size, use_direct and bool(_O_DIRECT)
+        self.thread_count, self.queue_depth = thread_count, queue_depth
         self.files: dict[str, SwapFile] = {}
-        self.pool = ThreadPoolExecutor(thread_count * queue_depth, thread_name_prefix="zero-offload-nvme")
+        self.native = native and _native.available()
+        if self.native:
+            self.pools = {w: ThreadPoolExecutor(thread_count, thread_name_prefix=f"zero-offload-nvme-{'wr'[w]}")
+                          for w in (False, True)}
+        else:
+            shared = ThreadPoolExecutor(thread_count * queue_depth, thread_name_prefix="zero-offload-nvme")
+            self.pools = {False: shared, True: shared}
         self.pending: list[Pending] = []
         self.bytes_read = self.bytes_written = 0
         self._lock = threading.Lock()
@@ -152,7 +165,8 @@ class Swapper:
         except NvmeIOError:
             pass
         finally:
-            self.pool.shutdown(wait=True)
+            for pool in set(self.pools.values()):
+                pool.shutdown(wait=True)
             for f in self.files.values():
                 os.close(f.fd)
                 f.path.unlink(missing_ok=True)
@@ -212,9 +226,14 @@ class Swapper:
                              f"{ALIGNMENT} bytes (offset {offset}, length {nbytes})")
         flat = tensor.view(-1).view(torch.uint8) if nbytes else tensor
         pending = Pending()
-        for lo in range(0, nbytes, self.block_size):
-            hi = min(nbytes, lo + self.block_size)
-            pending.futures.append(self.pool.submit(_transfer, f, flat[lo:hi], offset + lo, write))
+        if self.native:                 # one part per thread, each with queue_depth blocks in flight
+            step = align_up(-(-nbytes // self.thread_count), self.block_size)
+            run, extra = _native_transfer, (self.block_size, self.queue_depth)
+        else:
+            step, run, extra = self.block_size, _transfer, ()
+        for lo in range(0, nbytes, step):
+            hi = min(nbytes, lo + step)
+            pending.futures.append(self.pools[write].submit(run, f, flat[lo:hi], offset + lo, write, *extra))
         with self._lock:
             self.pending.append(pending)
             if write:
@@ -239,6 +258,18 @@ def _transfer(f: SwapFile, piece: torch.Tensor, offset: int, write: bool) -> Non
                     return
             done += got
     except OSError as e:
+        raise _io_error(e, "write" if write else "read", f.path, n, offset) from e
+
+
+def _native_transfer(f: SwapFile, piece: torch.Tensor, offset: int, write: bool, block_size: int,
+                     queue_depth: int) -> None:
+    """Run on an I/O thread: the whole piece through the native AIO path (ctypes releases the GIL)."""
+    n = piece.numel()
+    rc = _native.transfer(f.fd, piece.data_ptr(), n, offset, block_size, queue_depth, write)
+    if rc == -errno_mod.ENOSYS:         # no native AIO in this kernel: the portable path
+        return _transfer(f, piece, offset, write)
+    if rc < 0:
+        e = OSError(-rc, os.strerror(-rc))
         raise _io_error(e, "write" if write else "read", f.path, n, offset) from e
 
 

@@ -8,9 +8,10 @@ with ctypes; nothing is compiled at run time. `load()` returns None when the lib
 from __future__ import annotations
 
 import ctypes
-import importlib.machinery
 import os
 from pathlib import Path
+
+from zero_offload.native import native_disabled, shared_library
 
 __all__ = ["HParams", "ISA_NAMES", "load", "set_isa", "library_path"]
 
@@ -30,12 +31,7 @@ class HParams(ctypes.Structure):
 
 def library_path() -> Path | None:
     """The built shared library next to this file, or None if the build was skipped or failed."""
-    here = Path(__file__).parent
-    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        candidate = here / f"_fused_adam{suffix}"
-        if candidate.exists():
-            return candidate
-    return None
+    return shared_library(Path(__file__).parent, "_fused_adam")
 
 
 def load_error() -> str | None:
@@ -49,7 +45,7 @@ def load(reload: bool = False) -> ctypes.CDLL | None:
     if _lib is not _UNSET and not reload:
         return _lib  # type: ignore[return-value]
     _lib, _load_error = None, None
-    if os.environ.get("ZERO_OFFLOAD_NO_NATIVE", "") not in ("", "0"):
+    if native_disabled():
         _load_error = "disabled by ZERO_OFFLOAD_NO_NATIVE"
         return None
     path = library_path()

@@ -152,17 +152,24 @@ def run_deepspeed(args, gpt: GPTConfig) -> dict:
         import deepspeed
         deepspeed.init_distributed(dist_backend="gloo")
         config = ds_config(args)
+        sampler = PeakSampler()
+        t0 = time.perf_counter()
         with deepspeed.zero.Init(config_dict_or_path=config):
             model = GPT(gpt)
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        init_s = time.perf_counter() - t0
         x, y = text_batch(args.batch, args.seq_len)
         losses = []
-        for _ in range(args.steps):
+        for step in range(args.steps):
+            t0 = time.perf_counter()
             _, loss = engine(x, y)
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())
-        return {"deepspeed": "ran", "losses": losses}
+            print(json.dumps({"step": step + 1, "loss": losses[-1], "step_s": time.perf_counter() - t0,
+                              "peak_rss_anon_bytes": sampler.peak * 1024}), flush=True)
+        return {"deepspeed": "ran", "init_s": init_s, "losses": losses, "loss_fell": losses[-1] < losses[0],
+                "peak_rss_anon_bytes": sampler.stop(), "peak_rss_total_bytes": status_kib("VmHWM") * 1024}
     except BaseException as e:   # report what happened: DeepSpeed is the peer, not the product
         return {"deepspeed": "failed", "error": f"{type(e).__name__}: {str(e)[:2000]}"}
 

@@ -28,7 +28,7 @@ __all__ = ["ModelShape", "MemoryEstimate", "estimate_memory", "model_shape", "ac
 
 # Kinds that `Engine.memory_breakdown()` also reports (measured from the tensors the engine holds).
 MODEL_STATE_KINDS = ("params", "grads", "buckets", "grad_partition", "master", "exp_avg", "exp_avg_sq",
-                     "param_staging", "frozen_params", "nvme_buffers", "param_pool")
+                     "param_staging", "frozen_params", "nvme_buffers", "param_pool", "param_write_ring")
 # The gradient reducer's bound on buckets reduced at once (zero/reducer.py's ``max_in_flight``).
 REDUCER_IN_FLIGHT = 2
 
@@ -342,7 +342,8 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
 def _nvme_files(est: MemoryEstimate, cfg: Config, shape: ModelShape, parts: list[int], world_size: int,
                 dtype: torch.dtype, accelerator: bool) -> None:
     """The NVMe side of a rank (`zero_offload.nvme`): optimizer-state files in whole sub-groups and their host
-    pool (``nvme_buffers``) and 16-bit staging; parameter files and their read pool (``param_pool``)."""
+    pool (``nvme_buffers``) and 16-bit staging; parameter files, their read pool (``param_pool``) and the ring
+    their writes behind the step go out from (``param_write_ring``)."""
     from zero_offload.nvme.adam import NvmeAdam              # imported here: the NVMe layer is optional
     from zero_offload.nvme.param_store import NvmeParamStore
     zc = cfg.zero_optimization
@@ -361,8 +362,11 @@ def _nvme_files(est: MemoryEstimate, cfg: Config, shape: ModelShape, parts: list
         est.add("nvme", "params", NvmeParamStore.bytes_needed(parts, dtype))
         largest = max(partition_numel(n, world_size) for _, _, n in shape.units)
         est.add("host", "param_pool", NvmeParamStore.pool_bytes(largest, dtype, zc.offload_param.buffer_count))
+        est.add("host", "param_write_ring", NvmeParamStore.write_ring_bytes())
     est.formulas["nvme"] = ("states: 3 files of whole sub-groups (sub_group_size, aligned to 4 KiB) x 4 B; pool: "
-                            "buffer_count x 12 B x sub-group; params: one file per group, d B per element")
+                            "buffer_count x 12 B x sub-group; params: one file per group, d B per element, read "
+                            "through buffer_count buffers of the largest shard, written behind the step through a "
+                            f"ring of {NvmeParamStore.write_ring_bytes() >> 20} MiB")
 
 
 def default_plan_config() -> dict:

@@ -71,7 +71,8 @@ class NvmeAdam(FailStop):
         param_io: the parameters live in swap files themselves (stage 3 ``offload_param.device = nvme``):
             ``parts`` are then meta tensors giving only shapes and dtypes, the initial masters are read with
             ``param_io.read_range(g, lo, hi)`` and each sub-group's updated parameters are written with
-            ``param_io.write_range(g, lo, values)`` (a `zero_offload.nvme.param_store.NvmeParamStore`).
+            ``param_io.write_behind(g, lo, values)`` (a `zero_offload.nvme.param_store.NvmeParamStore`): the
+            writes overlap the rest of the step and are still in flight when it returns.
 
     Raises:
         NvmeIOError: a failed read or write (naming the file). After one, every later `step` and state read
@@ -206,8 +207,8 @@ class NvmeAdam(FailStop):
                             beta1=h["betas"][0], beta2=h["betas"][1], eps=h["eps"],
                             weight_decay=h["weight_decay"], adamw_mode=h["adamw_mode"],
                             bias_correction=h["bias_correction"], grad_scale=grad_scale, out=out)
-            if self.param_io is not None:       # the updated parameters go to their swap file
-                self.param_io.write_range(g, lo, out if sixteen_bit else master)
+            if self.param_io is not None:       # the updated parameters go to their swap file, behind
+                self.param_io.write_behind(g, lo, out if sixteen_bit else master)
             elif part.device.type != "cpu":
                 self.copies.to_device(part, out if sixteen_bit else master)   # up while the next one steps
             elif not sixteen_bit:
@@ -355,7 +356,7 @@ class NvmeAdam(FailStop):
 
     def _write_params(self, g: int, lo: int, master: torch.Tensor) -> None:
         if self.param_io is not None:
-            self.param_io.write_range(g, lo, master)
+            self.param_io.write_behind(g, lo, master)
         else:
             self.parts[g][lo:lo + master.numel()].copy_(master)
 

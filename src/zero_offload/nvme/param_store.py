@@ -6,9 +6,16 @@ ZeRO-Infinity's parameter offload (arXiv 2104.07857, Sec. 5; DeepSpeed's
 shard is read into one of ``buffer_count`` aligned host buffers just before its all-gather -- ahead of
 time, in the recorded fetch order, through `prefetch` -- and the buffer is taken back as soon as the
 gather has read it (`release`). The host memory of parameters is then the pool, ``buffer_count`` buffers
-of the largest unit shard, and at most ``max_in_cpu`` elements are read ahead. Updated partitions are
-written back after the optimizer step (`write_range`), through a small aligned window; a write that
-starts or ends inside a 4096-byte block reads that block first (O_DIRECT moves whole blocks).
+of the largest unit shard, and at most ``max_in_cpu`` elements are read ahead.
+
+Updated partitions are written back after the optimizer step behind it (`write_behind`): each 1 MiB window
+of a range is rounded to the training dtype into one of `WRITE_RING` aligned staging buffers and its write
+is issued without waiting, so the writes overlap the rest of the step and the rounding of the next window.
+A write is waited for only where correctness needs it: before its ring buffer is reused, before any read or
+write of an overlapping file range (the next forward's fetch, `read_range`), at `flush` and at `close`
+(DeepSpeed's ``AsyncPartitionedParameterSwapper._swap_out(async_op=True)`` / ``synchronize_writes``). A write
+that starts or ends inside a 4096-byte block reads that block first (O_DIRECT moves whole blocks). A write
+that fails (ENOSPC, EIO) raises `NvmeIOError` naming the file at the wait that finds it.
 
 Files left by a killed run are reclaimed at the next start; `close` (or exit) removes them. After an I/O
 error every later access raises: the files may hold half a step, only the last checkpoint is sound.
@@ -28,7 +35,8 @@ from zero_offload.nvme.swapper import Pending, Swapper
 __all__ = ["NvmeParamStore", "PARAM_SUFFIX"]
 
 PARAM_SUFFIX = ".param.swp"
-_WINDOW = 1 << 20     # bytes of the aligned window partial writes and whole-range reads go through
+_WINDOW = 1 << 20     # bytes of one ring buffer: the unit of a write-behind and of a whole-range read
+WRITE_RING = 4        # staging buffers of parameter writes in flight
 
 
 def _align_down(n: int) -> int:
@@ -85,7 +93,10 @@ class NvmeParamStore(FailStop):
         for g, n in enumerate(numels):
             self.swapper.open(self._name(g), align_up(max(n, 1) * self.itemsize))
         self.buffers = [AlignedBuffer(self.buffer_bytes(largest, dtype)) for _ in range(buffer_count)]
-        self.window = AlignedBuffer(_WINDOW)
+        self.ring = [AlignedBuffer(_WINDOW) for _ in range(WRITE_RING)]
+        # per ring buffer: the write still behind from it, (file name, start byte, stop byte, request)
+        self.writes: list[tuple[str, int, int, Pending] | None] = [None] * WRITE_RING
+        self._ring_next = 0
         self.slot_of: OrderedDict[int, tuple[int, Pending | None]] = OrderedDict()   # unit -> (slot, read)
         self.in_use: set[int] = set()
         self.broken: BaseException | None = None
@@ -112,8 +123,13 @@ class NvmeParamStore(FailStop):
 
     @classmethod
     def pool_bytes(cls, largest_shard_numel: int, dtype: torch.dtype, buffer_count: int) -> int:
-        """Host bytes the store holds: ``buffer_count`` buffers and the write window."""
-        return buffer_count * align_up(cls.buffer_bytes(largest_shard_numel, dtype)) + _WINDOW
+        """Host bytes of the read pool: ``buffer_count`` buffers of the largest unit shard."""
+        return buffer_count * align_up(cls.buffer_bytes(largest_shard_numel, dtype))
+
+    @staticmethod
+    def write_ring_bytes() -> int:
+        """Host bytes of the write-behind ring: `WRITE_RING` buffers of 1 MiB (whatever the model)."""
+        return WRITE_RING * _WINDOW
 
     @classmethod
     def bytes_needed(cls, numels: list[int], dtype: torch.dtype) -> int:
@@ -130,8 +146,17 @@ class NvmeParamStore(FailStop):
         return sum(self.units[i].shard_numel for i in self.slot_of)
 
     def tensors(self) -> list[torch.Tensor]:
-        """The host memory this store holds: the pool and the write window."""
-        return [b.raw for b in self.buffers] + [self.window.raw]
+        """The host memory of the read pool (``param_pool`` in `memory_breakdown`)."""
+        return [b.raw for b in self.buffers]
+
+    def write_ring_tensors(self) -> list[torch.Tensor]:
+        """The host memory of the write-behind ring (``param_write_ring`` in `memory_breakdown`)."""
+        return [b.raw for b in self.ring]
+
+    @property
+    def pending_writes(self) -> int:
+        """Parameter writes issued and not yet waited for (at most `WRITE_RING`)."""
+        return sum(w is not None for w in self.writes)
 
     # -- the PartitionStore role -----------------------------------------------------------------------
 
@@ -142,6 +167,7 @@ class NvmeParamStore(FailStop):
 
     def _start_read(self, u, slot: int) -> None:
         start, length, _ = self._extent(u)
+        self._wait_writes(self._name(u.group), start, start + length)
         buf = self.buffers[slot].raw[:length]
         self.slot_of[u.index] = (slot, self.swapper.read(self._name(u.group), buf, start))
 
@@ -217,35 +243,85 @@ class NvmeParamStore(FailStop):
             else:
                 del self.slot_of[index]
 
-    @torch.no_grad()
-    def write_range(self, g: int, offset: int, values: torch.Tensor) -> None:
-        """Write ``values`` (1-D, converted to the training dtype) at element ``offset`` of group ``g``'s
-        partition file, synchronously, through the aligned window."""
-        self._guard(self._write_range, g, offset, values)
+    # -- write-behind ------------------------------------------------------------------------------------
+    def _wait_writes(self, name: str | None = None, lo: int = 0, hi: int = 1 << 62) -> None:
+        """Wait for the writes behind that touch bytes [lo, hi) of file ``name`` (all of them by default).
 
-    def _write_range(self, g: int, offset: int, values: torch.Tensor) -> None:
+        Raises:
+            NvmeIOError: such a write failed (naming the file).
+        """
+        for slot, w in enumerate(self.writes):
+            if w is not None and (name is None or (w[0] == name and w[1] < hi and lo < w[2])):
+                self.writes[slot] = None
+                self.swapper.wait(w[3])
+
+    def _take_ring_buffer(self) -> int:
+        """The index of the next ring buffer, once the write behind from it has landed."""
+        slot = self._ring_next
+        self._ring_next = (slot + 1) % len(self.ring)
+        w = self.writes[slot]
+        if w is not None:
+            self.writes[slot] = None
+            self.swapper.wait(w[3])
+        return slot
+
+    @torch.no_grad()
+    def write_behind(self, g: int, offset: int, values: torch.Tensor) -> None:
+        """Start writing ``values`` (1-D, any float dtype, rounded to the training dtype on the way) at element
+        ``offset`` of group ``g``'s partition file and return without waiting: ``values`` is copied into the
+        ring as it goes and may change at once. At most `WRITE_RING` windows of 1 MiB stay in flight; a later
+        read or write of the same bytes waits for them first.
+
+        Raises:
+            NvmeIOError: an earlier write-behind failed and was found while making room in the ring.
+            RuntimeError: the store is unusable after an earlier I/O error.
+        """
+        self._guard(self._write_behind, g, offset, values)
+
+    def _write_behind(self, g: int, offset: int, values: torch.Tensor) -> None:
         self._drop_reads()
-        data = values.detach().reshape(-1).to(dtype=self.dtype, device="cpu").contiguous().view(torch.uint8)
-        name = self._name(g)
-        lo = offset * self.itemsize
-        hi = lo + data.numel()
+        src = values.detach().reshape(-1)
+        name, size = self._name(g), self.itemsize
+        lo = offset * size
+        hi = lo + src.numel() * size
         pos = lo
         while pos < hi:
             start = _align_down(pos)
             stop = min(align_up(hi), start + _WINDOW)
             end = min(hi, stop)
-            win = self.window.raw[:stop - start]
+            slot = self._take_ring_buffer()
+            self._wait_writes(name, start, stop)      # an older write of these bytes lands first
+            win = self.ring[slot].raw[:stop - start]
             if pos > start:          # the head block is shared with bytes before the range
                 self.swapper.wait(self.swapper.read(name, win[:ALIGNMENT], start))
             if end < stop:           # so is the tail block, with bytes after it
                 self.swapper.wait(self.swapper.read(name, win[-ALIGNMENT:], stop - ALIGNMENT))
-            win[pos - start:end - start].copy_(data[pos - lo:end - lo])
-            self.swapper.wait(self.swapper.write(name, win, start))
+            win[pos - start:end - start].view(self.dtype).copy_(src[(pos - lo) // size:(end - lo) // size])
+            self.writes[slot] = (name, start, stop, self.swapper.write(name, win, start))
             pos = end
+
+    def flush(self) -> None:
+        """Wait for every parameter write behind.
+
+        Raises:
+            NvmeIOError: one of them failed (naming the file); RuntimeError: the store is unusable.
+        """
+        self._guard(self._wait_writes)
+
+    @torch.no_grad()
+    def write_range(self, g: int, offset: int, values: torch.Tensor) -> None:
+        """`write_behind`, then wait for it: the bytes are in the file when this returns.
+
+        Raises:
+            NvmeIOError: the write failed (naming the file); RuntimeError: the store is unusable.
+        """
+        self._guard(self._write_behind, g, offset, values)
+        self._guard(self._wait_writes, self._name(g))
 
     @torch.no_grad()
     def read_range(self, g: int, lo: int, hi: int) -> torch.Tensor:
-        """Elements [lo, hi) of group ``g``'s partition as a new CPU tensor of the training dtype."""
+        """Elements [lo, hi) of group ``g``'s partition as a new CPU tensor of the training dtype (after the
+        writes behind to those bytes have landed)."""
         return self._guard(self._read_range, g, lo, hi)
 
     def _read_range(self, g: int, lo: int, hi: int) -> torch.Tensor:
@@ -258,12 +334,14 @@ class NvmeParamStore(FailStop):
             start = _align_down(pos)
             stop = min(align_up(b_hi), start + _WINDOW)
             end = min(b_hi, stop)
-            win = self.window.raw[:stop - start]
+            win = self.ring[self._take_ring_buffer()].raw[:stop - start]
+            self._wait_writes(name, start, stop)
             self.swapper.wait(self.swapper.read(name, win, start))
             flat[pos - b_lo:end - b_lo].copy_(win[pos - start:end - start])
             pos = end
         return out
 
     def close(self) -> None:
-        """Wait for outstanding I/O and delete the files (also at collection and at exit)."""
+        """Wait for outstanding I/O (the writes behind included) and delete the files (also at collection and
+        at exit)."""
         self._finalizer()

@@ -3,8 +3,9 @@
 Stage 3 with ``offload_param.device = nvme`` and the optimizer states in host memory
 (``offload_optimizer.device = cpu``): the wrapped `PartitionOptimizer` steps its fp32 master partitions
 (which are its parameters: no 16-bit partition is held in memory), and after every step or state load the
-16-bit parameters are rounded from the masters chunk by chunk and written to the parameter swap files
-(DeepSpeed's ``_optimizer_states_and_gradient_swap_out`` / fp16 param swap-out after the step).
+16-bit parameters are rounded from the masters window by window and written to the parameter swap files
+behind the step (`NvmeParamStore.write_behind`: `step` returns with the last writes in flight; the next
+forward's reads wait for them -- DeepSpeed's fp16 param swap-out after the step, asynchronous there too).
 """
 from __future__ import annotations
 
@@ -15,8 +16,6 @@ import torch
 from zero_offload.nvme.param_store import NvmeParamStore
 
 __all__ = ["WriteBackOptimizer"]
-
-_CHUNK = 1 << 22     # elements rounded and written at a time
 
 
 class WriteBackOptimizer:
@@ -32,11 +31,10 @@ class WriteBackOptimizer:
 
     @torch.no_grad()
     def write_back(self, groups: Iterable[int] | None = None) -> None:
-        """Round group(s) ``groups`` (default all) of the masters to the training dtype into the files."""
+        """Round group(s) ``groups`` (default all) of the masters to the training dtype into the files, behind:
+        the writes are in flight when this returns (the masters may change at once)."""
         for g in range(len(self.inner.masters)) if groups is None else groups:
-            master = self.inner.masters[g]
-            for lo in range(0, master.numel(), _CHUNK):
-                self.store.write_range(g, lo, master[lo:lo + _CHUNK])
+            self.store.write_behind(g, 0, self.inner.masters[g])
 
     def step(self, grads, grad_scale: float, *args, **kwargs) -> None:
         # The stage-3 optimizer hands a non-`PartitionedAdam` ready tensors; the inner one wants sources.

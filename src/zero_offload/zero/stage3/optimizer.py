@@ -342,7 +342,8 @@ class Stage3Optimizer(PartitionStateMixin, DeferrableStepMixin):
         shards, ``gathered`` the full buffers gathered right now and ``peak_gathered`` the most at once,
         ``frozen_params`` this rank's shards of the frozen (``requires_grad=False``) parameters.
         With ``offload_param.device = nvme``, ``params`` are the swap files' bytes (side ``nvme``) and
-        ``param_pool`` the host buffers they are read into (frozen shards stay in host memory); with
+        ``param_pool`` the host buffers they are read into, ``param_write_ring`` the staging buffers their
+        writes behind the step go out from (frozen shards stay in host memory); with
         ``offload_optimizer.device = nvme`` the states are side ``nvme`` and ``nvme_buffers`` their host pool."""
         state_side = "host" if self.adam.on_host and self.offload else "device"
         def entry(tensors, side):
@@ -353,7 +354,8 @@ class Stage3Optimizer(PartitionStateMixin, DeferrableStepMixin):
         if self.param_nvme:   # the partitions are swap files; the host holds the store's buffer pool
             params = {"params": {"bytes": self.store.bytes_on_disk, "numel": sum(p.numel() for p in self.parts),
                                  "side": "nvme"},
-                      "param_pool": entry(self.store.tensors(), "host")}
+                      "param_pool": entry(self.store.tensors(), "host"),
+                      "param_write_ring": entry(self.store.write_ring_tensors(), "host")}
         else:
             params = {"params": entry(self.parts, "host" if self.offload_param else "device")}
         return {

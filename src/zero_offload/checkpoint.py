@@ -38,6 +38,7 @@ from safetensors import safe_open
 from zero_offload.checkpoint_io import (CLIENT_STATE, MANIFEST, MODULE_STATE, CheckpointError, DiskFullError, agree,
                                         module_state, rank_file, sha256_file)
 from zero_offload.checkpoint_manifest import FORMATS, ManifestError, check_tag, validate_manifest, verify_manifest_hash
+from zero_offload.checkpoint_reshard import check_saved_partitions, reshard_chunks, reshard_runs, saved_slice
 from zero_offload.checkpoint_save import list_tags, prune_checkpoints, save_checkpoint, tied_aliases
 from zero_offload.state import STATE_KINDS, CheckpointTarget
 from zero_offload.zero.layout import GroupLayout
@@ -123,24 +124,12 @@ def full_parameters(directory: Path, manifest: dict, kind: str = "master"):
                 for c in p.pieces:
                     if c.rank not in handles:
                         handles[c.rank] = safe_open(str(directory / rank_file(c.rank)), framework="pt")
-                    piece = _partition_slice(handles[c.rank], directory / rank_file(c.rank), g, kind,
+                    piece = saved_slice(handles[c.rank], directory / rank_file(c.rank), g, kind,
                                              group["partition_numel"])
                     out[c.param_offset:c.param_offset + c.length] = piece[c.part_offset:c.part_offset + c.length]
                 yield p.name, out.view(p.shape)
     finally:
         handles.clear()
-
-
-def _partition_slice(handle, path: Path, g: int, kind: str, numel: int):
-    """The saved partition ``group{g}.{kind}`` of a rank file, checked to hold ``numel`` elements."""
-    key = f"group{g}.{kind}"
-    if key not in handle.keys():
-        raise CheckpointError(f"checkpoint file '{path}' lacks tensor '{key}'")
-    piece = handle.get_slice(key)
-    if list(piece.get_shape()) != [numel]:
-        raise CheckpointError(f"checkpoint file '{path}' holds '{key}' of shape {piece.get_shape()}, its manifest "
-                              f"says [{numel}]")
-    return piece
 
 
 def _check_same_model(engine: CheckpointTarget, manifest: dict, path: Path) -> None:
@@ -244,7 +233,7 @@ def _read_own_partition(path: Path, groups: list[dict]) -> list[dict]:
         steps = _steps(f, path, len(groups))
         for g, group in enumerate(groups):
             for kind in KINDS:
-                _partition_slice(f, path, g, kind, group["partition_numel"])
+                saved_slice(f, path, g, kind, group["partition_numel"])
     return [{"step": steps[g], "chunks": _partition_chunks(path, g, group["partition_numel"])}
             for g, group in enumerate(groups)]
 
@@ -252,7 +241,7 @@ def _read_own_partition(path: Path, groups: list[dict]) -> list[dict]:
 def _partition_chunks(path: Path, g: int, numel: int, chunk_numel: int = 1 << 20):
     """Yield (offset, {kind: fp32 tensor}) pieces of group ``g``'s saved partition, read slice by slice."""
     with safe_open(str(path), framework="pt") as f:
-        slices = {kind: _partition_slice(f, path, g, kind, numel) for kind in KINDS}
+        slices = {kind: saved_slice(f, path, g, kind, numel) for kind in KINDS}
         for lo in range(0, numel, chunk_numel):
             yield lo, {kind: piece[lo:lo + chunk_numel] for kind, piece in slices.items()}
 
@@ -279,7 +268,9 @@ def _steps(handle, path: Path, groups: int) -> list[int]:
 
 
 def _reshard(engine: CheckpointTarget, directory: Path, manifest: dict) -> list[dict]:
-    """This rank's new partition of each group, built parameter by parameter from the saved layout."""
+    """This rank's new partition of each group as its step count and a stream of pieces read slice by slice
+    from the saved ranks' files (`checkpoint_reshard`), checked here for format, step counts, presence and
+    shapes only: the load never holds a rank's whole partition in memory."""
     zero = engine.optimizer_state
     steps = set()
     for r in range(manifest["partitions"]):
@@ -288,20 +279,13 @@ def _reshard(engine: CheckpointTarget, directory: Path, manifest: dict) -> list[
             steps.update(_steps(f, directory / rank_file(r), len(manifest["groups"])))
     if len(steps) > 1:
         raise CheckpointError(f"checkpoint '{directory}' holds different optimizer step counts {sorted(steps)}")
+    check_saved_partitions(directory, manifest)
     step = steps.pop() if steps else 0
     rank = engine.rank if zero.partitions_count > 1 else 0
-    layout = zero.layout()
-    where = {p.name: (g, p) for g, group in enumerate(layout) for p in group.params}
-    new = {kind: [torch.zeros(group.partition_numel, dtype=torch.float32) for group in layout] for kind in KINDS}
-    for kind in KINDS:
-        for name, tensor in full_parameters(directory, manifest, kind):
-            g, placement = where[name]
-            flat = tensor.reshape(-1)
-            for c in placement.pieces:
-                if c.rank == rank:
-                    new[kind][g][c.part_offset:c.part_offset + c.length] = \
-                        flat[c.param_offset:c.param_offset + c.length]
-    return [{**{kind: new[kind][g] for kind in KINDS}, "step": step} for g in range(len(layout))]
+    saved = [GroupLayout.from_json(group) for group in manifest["groups"]]
+    return [{"step": step, "chunks": reshard_chunks(directory, manifest, reshard_runs(saved, group, rank),
+                                                    group.partition_numel)}
+            for group in zero.layout()]
 
 
 def _read_rng(path: Path):

@@ -1,0 +1,97 @@
+"""Resharding loads are streamed: a checkpoint saved by 2 ranks (stage 2, 96 MB of fp32 master weights and
+Adam moments in all) loads into 1 rank with the states on NVMe while the process's anonymous RSS (sampled
+from /proc/self/status) grows by at most two pieces of the stream (3 kinds x 1M fp32 elements each), far
+less than the 96 MB the rank's new partition holds; the loaded state equals the checkpoint's."""
+import json
+import subprocess
+import sys
+import textwrap
+
+import torch
+
+import zero_offload
+from dist_utils import run_ranks
+from zero_offload.checkpoint_reshard import CHUNK_NUMEL
+
+NUMEL = 8_000_000           # x 12 bytes of fp32 master, exp_avg, exp_avg_sq = 96 MB over the 2 saving ranks
+
+MODEL = textwrap.dedent(r"""
+    import torch
+
+    class Big(torch.nn.Module):
+        def __init__(self, n):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(n))
+        def forward(self, x):
+            return (self.w[:x.numel()] * x).sum() + self.w.square().sum() * 1e-3
+
+    def config(**offload):
+        return {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 1,
+                "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+                "zero_optimization": {"stage": 2, "reduce_bucket_size": 1 << 20, "sub_group_size": 1 << 20,
+                                      "offload_optimizer": offload}}
+""")
+
+LOAD = MODEL + textwrap.dedent(r"""
+    import json, sys, threading, time
+    from pathlib import Path
+    import zero_offload
+    from zero_offload.checkpoint import full_parameters, read_manifest, resolve_tag
+
+    def rss_anon():
+        with open('/proc/self/status') as f:
+            for line in f:
+                if line.startswith('RssAnon:'):
+                    return int(line.split()[1]) * 1024
+
+    def peak_during(fn):
+        base = rss_anon()
+        peak, done = [base], [False]
+        def sample():
+            while not done[0]:
+                peak[0] = max(peak[0], rss_anon())
+                time.sleep(0.001)
+        t = threading.Thread(target=sample, daemon=True)
+        t.start()
+        fn()
+        done[0] = True
+        t.join()
+        return peak[0] - base
+
+    n, swap, ckpt = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    engine = zero_offload.initialize(Big(n), config(device="nvme", nvme_path=swap, buffer_count=3,
+                                                    pipeline_read=True, pipeline_write=True))
+    grown = peak_during(lambda: engine.load_checkpoint(ckpt))
+    directory = resolve_tag(ckpt)
+    manifest = read_manifest(directory)
+    same = all(torch.equal(engine.zero.adam.read_state(0, kind)[:n][::997], dict(full_parameters(directory, manifest,
+                                                                                                 kind))["w"][::997])
+               for kind in ("master", "exp_avg", "exp_avg_sq"))
+    print(json.dumps({"grown": grown, "same": same, "step": engine.global_step}))
+""")
+
+
+def _save(path, n):
+    namespace = {}
+    exec(MODEL, namespace)
+    torch.manual_seed(0)
+    engine = zero_offload.initialize(namespace["Big"](n), namespace["config"](device="cpu"))
+    x = torch.ones(1024)
+    for _ in range(2):
+        engine.backward(engine(x))
+        engine.step()
+    engine.save_checkpoint(path)
+    return engine.world_size
+
+
+def test_two_to_one_reshard_load_streams(tmp_path):
+    assert run_ranks(_save, 2, str(tmp_path / "ckpt"), NUMEL) == [2, 2]
+    (tmp_path / "swap").mkdir()
+    proc = subprocess.run([sys.executable, "-c", LOAD, str(NUMEL), str(tmp_path / "swap"), str(tmp_path / "ckpt")],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["same"] and out["step"] == 2
+    piece = 3 * 4 * CHUNK_NUMEL
+    assert out["grown"] <= 2 * piece, f"the load grew RssAnon by {out['grown'] / 2**20:.1f} MiB"
+    assert 12 * NUMEL > 7 * piece        # what a whole partition would have cost

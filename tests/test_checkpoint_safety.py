@@ -157,6 +157,54 @@ def test_a_malformed_manifest_fails_before_the_engine_changes(tmp_path, edit, me
     assert _unchanged(engine, snap)
 
 
+def _forge_rank_file(directory, fault):
+    """Rewrite rank 0's file without group 1's exp_avg or with it cut short, and re-sign the manifest (group 1:
+    a load that streamed group 0 before checking group 1 would already have changed the engine)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    from zero_offload.checkpoint_io import sha256_file
+    path = directory / "rank00000.safetensors"
+    with safe_open(str(path), framework="pt") as f:
+        tensors, metadata = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+    key = "group1.exp_avg"
+    if fault == "missing":
+        del tensors[key]
+    else:
+        tensors[key] = tensors[key][:-1].clone()
+    save_file(tensors, str(path), metadata=metadata)
+    _edit_manifest(directory, lambda m: m["files"].update({path.name: sha256_file(path)}), rehash=True)
+    return path
+
+
+def _two_groups(stage, seed):
+    """The toy model with its 1-D parameters in a second param group (no weight decay)."""
+    model = make_model(seed=seed)
+    groups = [{"params": [p for p in model.parameters() if p.dim() > 1]},
+              {"params": [p for p in model.parameters() if p.dim() == 1], "weight_decay": 0.0}]
+    return zero_offload.initialize(model, engine_config(stage, "cpu", 1), model_parameters=groups)
+
+
+@pytest.mark.parametrize("fault,message", [("missing", r"lacks tensor 'group1.exp_avg'"),
+                                           ("short", r"holds 'group1.exp_avg' of shape \[\d+\], its manifest says")])
+@pytest.mark.parametrize("stage", [2, 3], ids=["same-layout", "reshard"])
+def test_a_rank_file_without_a_partition_fails_before_the_engine_changes(tmp_path, stage, fault, message):
+    """A consistently signed rank file that lacks a saved partition (or holds it short) is refused naming the file
+    and the tensor, before anything changes (group 0, intact, is not loaded either): when loaded as it was saved
+    and when resharded (stage 2 -> 3)."""
+    saver = _two_groups(2, 0)
+    x, y = batch(0, 2)
+    saver.backward(saver(x, y))
+    saver.step()
+    saver.save_checkpoint(tmp_path, tag="t")
+    path = _forge_rank_file(tmp_path / "t", fault)
+    engine = _two_groups(stage, 4)
+    snap = _snapshot(engine)
+    with pytest.raises(CheckpointError, match=message) as info:
+        engine.load_checkpoint(tmp_path)
+    assert str(path) in str(info.value)
+    assert _unchanged(engine, snap)
+
+
 def test_a_missing_manifest_hash_is_refused(tmp_path):
     _trained().save_checkpoint(tmp_path, tag="t")
     (tmp_path / "t" / "manifest.sha256").unlink()

@@ -5,48 +5,24 @@ import json
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 NUMEL = 8_000_000           # x 12 bytes of fp32 master, exp_avg, exp_avg_sq = 96 MB in the swap files
 
 SCRIPT = textwrap.dedent(r"""
-    import json, sys, threading, time
+    import json, sys
     import torch
     import zero_offload
 
-    def rss_anon():
-        with open('/proc/self/status') as f:
-            for line in f:
-                if line.startswith('RssAnon:'):
-                    return int(line.split()[1]) * 1024
-
-    class Big(torch.nn.Module):
-        def __init__(self, n):
-            super().__init__()
-            self.w = torch.nn.Parameter(torch.zeros(n))
-        def forward(self, x):
-            return (self.w[:x.numel()] * x).sum() + self.w.square().sum() * 1e-3
-
-    def peak_during(fn):
-        base = rss_anon()
-        peak, done = [base], [False]
-        def sample():
-            while not done[0]:
-                peak[0] = max(peak[0], rss_anon())
-                time.sleep(0.001)
-        t = threading.Thread(target=sample, daemon=True)
-        t.start()
-        fn()
-        done[0] = True
-        t.join()
-        return peak[0] - base
-
     n, swap, ckpt = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    sys.path.insert(0, sys.argv[4])
+    from memory_probe import OneVector, peak_during
     torch.manual_seed(0)
     cfg = {"train_batch_size": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
            "zero_optimization": {"stage": 2, "reduce_bucket_size": 1 << 20, "sub_group_size": 1 << 20,
                                  "offload_optimizer": {"device": "nvme", "nvme_path": swap, "buffer_count": 3,
                                                        "pipeline_read": True, "pipeline_write": True}}}
-    engine = zero_offload.initialize(Big(n), cfg)
+    engine = zero_offload.initialize(OneVector(n), cfg)
     x = torch.ones(1024)
     for _ in range(2):
         engine.backward(engine(x))
@@ -63,7 +39,8 @@ SCRIPT = textwrap.dedent(r"""
 
 def test_save_and_load_stream_the_state(tmp_path):
     (tmp_path / "swap").mkdir()
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(NUMEL), str(tmp_path / "swap"), str(tmp_path / "ckpt")],
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(NUMEL), str(tmp_path / "swap"), str(tmp_path / "ckpt"),
+                           str(Path(__file__).parent)],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])

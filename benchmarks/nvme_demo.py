@@ -92,7 +92,7 @@ def ds_config(args) -> dict:
                               {"device": "nvme", "nvme_path": str(args.nvme_path), "buffer_count": 4,
                                "buffer_size": args.param_buffer_size}),
             "offload_optimizer": {"device": "nvme", "nvme_path": str(args.nvme_path), "buffer_count": 4,
-                                  "pipeline_read": True, "pipeline_write": True},
+                                  "pipeline_read": args.pipeline, "pipeline_write": args.pipeline},
             "stage3_prefetch_bucket_size": 50_000_000, "stage3_param_persistence_threshold": 100_000},
         "aio": {"block_size": 1048576, "queue_depth": 8, "intra_op_parallelism": args.io_threads,
                 "single_submit": False, "overlap_events": True},
@@ -171,7 +171,9 @@ def run_deepspeed(args, gpt: GPTConfig) -> dict:
         return {"deepspeed": "ran", "init_s": init_s, "losses": losses, "loss_fell": losses[-1] < losses[0],
                 "peak_rss_anon_bytes": sampler.stop(), "peak_rss_total_bytes": status_kib("VmHWM") * 1024}
     except BaseException as e:   # report what happened: DeepSpeed is the peer, not the product
-        return {"deepspeed": "failed", "error": f"{type(e).__name__}: {str(e)[:2000]}"}
+        import traceback
+        return {"deepspeed": "failed", "error": f"{type(e).__name__}: {str(e)[:2000]}",
+                "where": traceback.format_exc()[-1500:]}
 
 
 def main(argv=None) -> dict:
@@ -194,6 +196,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--param-buffer-size", type=int, default=130_000_000,
                     help="offload_param.buffer_size: elements per buffer, at least the largest unit (wte)")
     ap.add_argument("--deepspeed", action="store_true", help="run DeepSpeed with the same config instead")
+    ap.add_argument("--no-pipeline", dest="pipeline", action="store_false",
+                    help="pipeline_read / pipeline_write off (DeepSpeed 0.19.8's pipelined swapper asserts at "
+                         "swap-out in some configs)")
     args = ap.parse_args(argv)
     if args.precision == "auto":
         # Without oneDNN's bf16 path torch multiplies bf16 matrices with a scalar loop, ~100x slower than

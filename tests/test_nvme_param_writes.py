@@ -17,13 +17,15 @@ from test_nvme_params import _units, param_nvme_config
 from tmpfs_utils import small_tmpfs
 from toy_model import batch, make_model
 from zero_offload.nvme import NvmeIOError
+from zero_offload.nvme import param_store
 from zero_offload.nvme.param_store import WRITE_RING, NvmeParamStore
 
 
-def test_write_behind_goes_through_the_ring_and_reads_wait_for_it(tmp_path):
-    """An unaligned bf16 range of 5 MB (more than the 4 MiB ring: buffers are reused) written behind, then an
-    overlapping range written behind while the first is still outstanding; read_range and acquire return the
+def test_write_behind_goes_through_the_ring_and_reads_wait_for_it(tmp_path, monkeypatch):
+    """An unaligned bf16 range of 5 MB (more than a ring of 1 MiB windows: buffers are reused) written behind,
+    then an overlapping range written behind while the first is still outstanding; read_range and acquire return the
     newest bits, and nothing is left outstanding after them."""
+    monkeypatch.setattr(param_store, "WRITE_WINDOW", 1 << 20)     # small windows: the ring wraps at this size
     units, total = _units([1, 1_000_000, 1_500_001, 3, 999])
     store = NvmeParamStore([total], units, torch.bfloat16, tmp_path / "swap", buffer_count=2,
                            buffer_size=1_500_001, max_in_cpu=total)

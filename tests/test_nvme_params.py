@@ -22,6 +22,7 @@ from tmpfs_utils import small_tmpfs
 from toy_model import make_model
 from zero_offload.config import ConfigError
 from zero_offload.nvme import NvmeIOError
+from zero_offload.nvme import param_store
 from zero_offload.nvme.param_store import NvmeParamStore
 
 CASES = list(itertools.product(("nvme", "cpu"), (1, 3)))   # (offload_optimizer.device, gas)
@@ -171,7 +172,7 @@ def _measure(config, steps=3):
             "read_ahead": getattr(store, "shards_read_ahead", 0), "peak": getattr(store, "peak_resident_numel", 0)}
 
 
-def test_host_memory_of_parameters_is_the_pool(tmp_path):
+def test_host_memory_of_parameters_is_the_pool(tmp_path, monkeypatch):
     """Same model and optimizer states on NVMe, parameters on cpu vs nvme: the live CPU tensors of the nvme
     run are those of the cpu run less the whole partition plus the store's read pool and write ring (+64 KiB
     of slack); the shards of the replayed steps were read ahead in the recorded order, never more than
@@ -186,13 +187,14 @@ def test_host_memory_of_parameters_is_the_pool(tmp_path):
                                                              buffer_size=1 << 19, max_in_cpu=1 << 20)
         return cfg
 
+    monkeypatch.setattr(param_store, "WRITE_WINDOW", 1 << 20)     # a 4 MiB ring: small beside this partition
     cpu = run_ranks(_measure, 1, config("cpu"))[0]
     nvme = run_ranks(_measure, 1, config("nvme"))[0]
     partition, pool = cpu["mem"]["params"]["bytes"], nvme["mem"]["param_pool"]["bytes"]
     ring = nvme["mem"]["param_write_ring"]["bytes"]
     assert nvme["mem"]["params"]["side"] == "nvme" and nvme["mem"]["params"]["bytes"] >= partition
     assert pool == nvme["pool"] and partition > 2 * pool       # the pool is far smaller than the partition
-    assert ring == NvmeParamStore.write_ring_bytes() and partition > 2 * ring
+    assert ring == 4 << 20 and partition > 2 * ring
     assert nvme["live"] <= cpu["live"] - partition + pool + ring + (64 << 10), (nvme["live"], cpu["live"])
     assert nvme["read_ahead"] >= 2 * 15 and nvme["peak"] <= (1 << 20) + 512 * 513
 

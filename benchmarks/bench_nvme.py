@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -200,26 +201,33 @@ def main(argv=None) -> dict:
     res["dd"] = dd_bandwidth(directory / "dd.bin", nbytes, 1, args.drop_caches)
     res["dd_parallel"] = dd_bandwidth(directory / "dd.bin", nbytes, args.dd_streams, args.drop_caches)
     res["disk_best"] = {op: max(res["dd"][op], res["dd_parallel"][op]) for op in ("write", "read")}
-    # Interleaved rounds (swapper, then DeepSpeed's aio, then the swapper again, ...): drift of the disk or
-    # the machine hits both alike; the best round of each is compared.
+    # Interleaved rounds: drift of the disk or the machine hits both alike; the best round of each is compared,
+    # and so is each round's pair (median over rounds).
     rounds: dict[str, list[dict]] = {"swapper": [], "deepspeed_aio": []}
     aio_error = "skipped (--no-deepspeed)" if args.no_deepspeed else None
-    for _ in range(args.rounds):
-        rounds["swapper"].append(swapper_bandwidth(directory, nbytes, args.threads, args.block_size,
-                                                   args.buffers, args.drop_caches))
-        if aio_error is None:
-            got = deepspeed_aio_bandwidth(directory, nbytes, args.threads, args.block_size, args.buffers,
-                                          args.drop_caches)
-            if "error" in got:
-                aio_error = got["error"]
-            else:
-                rounds["deepspeed_aio"].append(got)
+    for r in range(args.rounds):
+        # The order flips every round (swapper first, then aio first, ...): on this virtual disk the place in
+        # the round moved a path's bandwidth by as much as the paths differ, so a fixed order would bias them.
+        for path in (("swapper", "aio") if r % 2 == 0 else ("aio", "swapper")):
+            if path == "swapper":
+                rounds["swapper"].append(swapper_bandwidth(directory, nbytes, args.threads, args.block_size,
+                                                           args.buffers, args.drop_caches))
+            elif aio_error is None:
+                got = deepspeed_aio_bandwidth(directory, nbytes, args.threads, args.block_size, args.buffers,
+                                              args.drop_caches)
+                if "error" in got:
+                    aio_error = got["error"]
+                else:
+                    rounds["deepspeed_aio"].append(got)
     res["rounds"] = rounds
     res["swapper"] = {"direct": rounds["swapper"][0]["direct"],
                       **{op: max(r[op] for r in rounds["swapper"]) for op in ("write", "read")}}
     res["deepspeed_aio"] = ({"error": aio_error} if aio_error is not None else
                             {op: max(r[op] for r in rounds["deepspeed_aio"]) for op in ("write", "read")})
     for op in ("write", "read"):
+        if rounds["deepspeed_aio"]:     # paired within each round, then the median: drift between rounds cancels
+            res["swapper"][f"{op}_vs_deepspeed_paired"] = statistics.median(
+                a[op] / b[op] for a, b in zip(rounds["swapper"], rounds["deepspeed_aio"]))
         res["swapper"][f"{op}_vs_dd"] = res["swapper"][op] / res["dd"][op]
         res["swapper"][f"{op}_vs_disk_best"] = res["swapper"][op] / res["disk_best"][op]
         if op in res["deepspeed_aio"]:

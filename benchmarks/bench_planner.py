@@ -6,11 +6,13 @@ Two measurements per size:
 1. ``--rounds`` rounds of fresh processes, one per config, interleaved with the order reversed every other
    round: peak RSS against the cap, and step times paired by round.
 2. The speed verdict, paired by step: for each other config one process builds the planned engine and the
-   other one (same model, seed and batch) and alternates their steps ``--pair-steps`` times in ABBA order.
+   other one (same model, seed and batch) and alternates their steps in ABBA order, ``--pair-steps`` times
+   or, for fast steps, as many as fill about ``--pair-seconds``. Where the planned config looks slower by more
+   than the tolerance, a second process with the construction order swapped adds twice as many pairs.
    This VM's memory bandwidth drifts by several percent from minute to minute; two steps seconds apart see
    the same machine, so the median of (planned / other) over step pairs measures the configs, not the drift.
 
-    PYTHONPATH=src python benchmarks/bench_planner.py --host-mem 8GiB --rounds 1 --steps 3 --pair-steps 12
+    PYTHONPATH=src python benchmarks/bench_planner.py --host-mem 8GiB --rounds 1 --steps 3 --pair-steps 8
     PYTHONPATH=src python benchmarks/bench_planner.py --sizes xs --rounds 1 --steps 2 --pair-steps 2   # a check
 
 Prints one table per size (median seconds per step, ratios to the planned config, peak RSS) and a verdict;
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import resource
 import statistics
 import subprocess
@@ -80,6 +83,23 @@ def _pair_child(size: str, planned: dict, other: dict, pairs: int) -> None:
     print(json.dumps(out))
 
 
+def _paired_ratio(size: str, planned: dict, other: dict, pairs: int, tolerance: float) -> float:
+    """Median over step pairs of planned / other step time. When the planned config looks slower by more than
+    ``tolerance``, twice as many pairs again in a second process that builds the other engine first (so the
+    order of construction cancels too), and the median over all pairs."""
+    ratios: list[float] = []
+    for first_planned, count in ((True, pairs), (False, 2 * pairs)):
+        out = (_run(size, json.dumps(planned), json.dumps(other), count) if first_planned else
+               _run(size, json.dumps(other), json.dumps(planned), count))
+        if "error" in out:
+            return float("inf")
+        a, b = (out["planned_s"], out["other_s"]) if first_planned else (out["other_s"], out["planned_s"])
+        ratios += [p / o for p, o in zip(a, b)]
+        if statistics.median(ratios) <= 1 + tolerance:
+            break
+    return statistics.median(ratios)
+
+
 def _run(*args) -> dict:
     proc = subprocess.run([sys.executable, __file__, "--child", *map(str, args)], capture_output=True, text=True)
     if proc.returncode != 0:
@@ -93,7 +113,9 @@ def main(argv=None) -> int:
     ap.add_argument("--host-mem", default="8GiB", help="host-memory cap the plan must fit (default 8GiB)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=3, help="timed steps per fresh-process run (after a warm-up)")
-    ap.add_argument("--pair-steps", type=int, default=12, help="step pairs per planned-vs-other process")
+    ap.add_argument("--pair-steps", type=int, default=8, help="step pairs per planned-vs-other process, at least")
+    ap.add_argument("--pair-seconds", type=float, default=30.0,
+                    help="more pairs for fast steps: enough to take about this long (small sizes are noisier)")
     ap.add_argument("--tolerance", type=float, default=0.03, help="noise allowed in the verdict (default 3 %%)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
@@ -134,12 +156,10 @@ def main(argv=None) -> int:
         by_round = {n: statistics.median(p / o for p, o in zip(times[result.name], t)) for n, t in times.items()}
         # Paired by step, planned and other in one process: the verdict.
         by_step = {result.name: 1.0}
+        pairs = max(args.pair_steps, math.ceil(args.pair_seconds / (2 * planned)))
         for name, raw in runs:
             if name != result.name and med[name] != float("inf"):
-                planned_raw = dict(runs)[result.name]
-                out = _run(size, json.dumps(planned_raw), json.dumps(raw), args.pair_steps)
-                by_step[name] = (float("inf") if "error" in out else
-                                 statistics.median(p / o for p, o in zip(out["planned_s"], out["other_s"])))
+                by_step[name] = _paired_ratio(size, dict(runs)[result.name], raw, pairs, args.tolerance)
         print(f"\n{size}: {count_parameters(SIZES[size]).total / 1e6:.1f}M parameters, "
               f"planned {result.name!r}, host cap {fmt_bytes(cap)}")
         for name, _ in runs:
@@ -150,7 +170,7 @@ def main(argv=None) -> int:
         good = max(by_step.values()) <= 1 + args.tolerance and peaks.get(result.name, cap + 1) <= cap
         ok &= good
         print(f"  verdict: {'planned is the fastest (within tolerance) and under the cap' if good else 'NOT'}")
-        report[size] = {"planned": result.name, "ms_per_step": {n: t * 1e3 for n, t in med.items()},
+        report[size] = {"planned": result.name, "pairs": pairs, "ms_per_step": {n: t * 1e3 for n, t in med.items()},
                         "rounds_ms": {n: [x * 1e3 for x in t] for n, t in times.items()},
                         "planned_over_this_by_round": by_round, "planned_over_this_by_step": by_step,
                         "peak_rss": peaks, "ok": good}

@@ -1,8 +1,12 @@
 """For the memory tests: the process's anonymous RSS, read from /proc/self/status, and its peak growth while a
 function runs (sampled on a thread every millisecond) -- measured, not a formula -- and a model of one large
 parameter whose optimizer state dominates the process."""
+import json
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import torch
 
@@ -46,3 +50,12 @@ def peak_during(fn) -> int:
         done[0] = True
         t.join()
     return max(peak[0], rss_anon()) - base
+
+
+def run_fresh(script: str, *args) -> dict:
+    """Run ``script`` (Python source) in a fresh interpreter with ``args`` and this folder as the last argument
+    (nothing of another engine alive: its RSS is its own); return the JSON object on its last output line."""
+    proc = subprocess.run([sys.executable, "-c", script, *map(str, args), str(Path(__file__).parent)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -1,11 +1,9 @@
 """Checkpoints of NVMe optimizer states are streamed: saving and loading a rank whose fp32 master weights and
 Adam moments are 96 MB raises the process's anonymous RSS (sampled from /proc/self/status while it saves or
 loads) by less than a quarter of that; the loaded state equals the saved one."""
-import json
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
+
+from memory_probe import run_fresh
 
 NUMEL = 8_000_000           # x 12 bytes of fp32 master, exp_avg, exp_avg_sq = 96 MB in the swap files
 
@@ -39,11 +37,7 @@ SCRIPT = textwrap.dedent(r"""
 
 def test_save_and_load_stream_the_state(tmp_path):
     (tmp_path / "swap").mkdir()
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(NUMEL), str(tmp_path / "swap"), str(tmp_path / "ckpt"),
-                           str(Path(__file__).parent)],
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = run_fresh(SCRIPT, NUMEL, tmp_path / "swap", tmp_path / "ckpt")
     state = 12 * NUMEL
     assert out["same"] and out["step"] == 2
     for phase in ("save", "load"):

@@ -2,17 +2,13 @@
 Adam moments in all) loads into 1 rank with the states on NVMe while the process's anonymous RSS (sampled
 from /proc/self/status) grows by at most two pieces of the stream (3 kinds x 1M fp32 elements each), far
 less than the 96 MB the rank's new partition holds; the loaded state equals the checkpoint's."""
-import json
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import torch
 
 import zero_offload
 from dist_utils import run_ranks
-from memory_probe import OneVector
+from memory_probe import OneVector, run_fresh
 from zero_offload.checkpoint_reshard import CHUNK_NUMEL
 
 NUMEL = 8_000_000           # x 12 bytes of fp32 master, exp_avg, exp_avg_sq = 96 MB over the 2 saving ranks
@@ -62,11 +58,7 @@ def _save(path, n):
 def test_two_to_one_reshard_load_streams(tmp_path):
     assert run_ranks(_save, 2, str(tmp_path / "ckpt"), NUMEL) == [2, 2]
     (tmp_path / "swap").mkdir()
-    proc = subprocess.run([sys.executable, "-c", LOAD, str(NUMEL), str(tmp_path / "swap"), str(tmp_path / "ckpt"),
-                           str(Path(__file__).parent)],
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = run_fresh(LOAD, NUMEL, tmp_path / "swap", tmp_path / "ckpt")
     assert out["same"] and out["step"] == 2
     piece = 3 * 4 * CHUNK_NUMEL
     assert out["grown"] <= 2 * piece, f"the load grew RssAnon by {out['grown'] / 2**20:.1f} MiB"

@@ -13,10 +13,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-import pytest
 import torch
 
 import zero_offload
+from memory_probe import rss_anon
 from zero_offload.estimate import estimate_memory
 from zero_offload.estimate.memory import MODEL_STATE_KINDS
 from zero_offload.presets import gpt_units
@@ -42,14 +42,6 @@ def _config(stage, offload, offload_param, precision, nvme_path=None):
     if precision != "fp32":
         cfg[precision] = {"enabled": True}
     return cfg
-
-
-def _rss_anon() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no RssAnon in /proc/self/status")
 
 
 def _train_one_step(model, cfg):
@@ -83,10 +75,10 @@ def _measure(world_size: int) -> list[tuple]:
             est = estimate_memory(model, cfg, world_size, accelerator=False)
             in_memory = sum(v for k, v in est.model_states().items()) - sum(est.nvme.values())
             gc.collect()
-            before = _rss_anon()
+            before = rss_anon()
             engine = _train_one_step(model, cfg)
             gc.collect()
-            grown = _rss_anon() - before
+            grown = rss_anon() - before
             parts = engine.memory_breakdown()
             breakdown = {k: v["bytes"] for k, v in parts.items() if k in MODEL_STATE_KINDS}
             on_nvme = {k: v["bytes"] for k, v in parts.items() if v["side"] == "nvme"}

@@ -16,9 +16,13 @@ own subprocess with its own time limit, so a crash or an out-of-memory in one is
     stage 2 + offload_optimizer and stage 3 + both offloads, each with DPU off and on.
 (d) ``largest``: the largest GPT (hidden 4096, 32 heads) that trains 3 steps with stage 3 + both offloads +
     activation checkpointing + bf16 moments, searched over layer counts (first guess from host memory).
-(e) ``gpt2_10b``: the seed's 10B GPT-2 (50 layers, hidden 4096, 32 heads), stage 2 + offload_optimizer
-    (DeepSpeed's ZeRO-Offload tutorial) with bf16 moments and activation checkpointing, 5 steps: TFLOP/s,
-    MFU, peak device and host memory, host bytes per parameter.
+(e) ``gpt2_10b``: the seed's 10B GPT-2 (50 layers, hidden 4096, 32 heads) with bf16 moments and activation
+    checkpointing, 5 steps, in the config `zero_offload.plan` picks for this GPU and host (its base: DeepSpeed's
+    ZeRO-Offload tutorial, stage 2 + offload_optimizer): the plan and its reasons, TFLOP/s, MFU, peak device
+    and host memory, host bytes per parameter.
+
+Every engine run also reports ``estimate_device_bytes`` (`zero_offload.estimate_memory` for its model and
+config) and, on CUDA, its ratio to ``torch.cuda.max_memory_allocated`` (issue 13: within 10 %).
 
 Definitions. A step's time is wall-clock with ``torch.cuda.synchronize()`` at its end; the split
 synchronises between phases (separate steps from the tokens/s ones, so the split's syncs do not slow
@@ -230,10 +234,15 @@ def run_engine(cfg_model, config: dict, device, steps: int, split_steps: int, sh
     tokens = micro * gas * seq * steps
     breakdown = engine.memory_breakdown()
     host_state = sum(v["bytes"] for v in breakdown.values() if v["side"] == "host")
+    from zero_offload.estimate import estimate_memory      # issue 13: the model against the allocator's peak
+    estimate = estimate_memory(cfg_model, config, micro_batch=micro, seq_len=seq,
+                               accelerator=device.type == "cuda").device_bytes
     n_params = sum(p.numel() for p in engine.module.parameters()) if not sharded else \
         sum(u.numel for u in engine.zero.units)
     return {"tokens_per_s": tokens / elapsed, "step_s": elapsed / steps, "losses": losses,
             "peak_device_bytes": _peak_device_bytes(device), "resident_device_bytes": resident,
+            "estimate_device_bytes": estimate,
+            "estimate_over_peak": estimate / _peak_device_bytes(device) if device.type == "cuda" else None,
             "peak_rss_bytes": _peak_rss_bytes(), "host_state_bytes": host_state, "params": n_params,
             "host_bytes_per_param": host_state / max(n_params, 1),
             "flops_per_token": flops_per_token(cfg_model, seq), "split": split,
@@ -431,8 +440,19 @@ def section_gpt2_10b(args) -> dict:
     micro = 1 if args.tiny else 8
     steps = 2 if args.tiny else 3      # + 2 warm-up steps = 5 steps
     peak = measure_matmul_peak(device, args.tiny)
-    result = run_engine(cfg, engine_config(2, False, False, micro, bf16_states=True), device, steps,
-                        split_steps=0, sharded=False)
+    # Issue 13: train what the planner picks for this GPU and host (the tutorial's stage 2 + offload_optimizer
+    # with bf16 moments is its base config), and record the plan beside the run.
+    import psutil
+    from zero_offload.estimate import plan
+    base = engine_config(2, False, False, micro, bf16_states=True)
+    gpu_memory = _torch().cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    chosen = plan(cfg, gpus=1, gpu_memory=gpu_memory, host_memory=psutil.virtual_memory().total,
+                  micro_batch=micro, seq_len=cfg.block_size, config=base)
+    config = chosen.config if chosen.fits else base
+    result = run_engine(cfg, config, device, steps, split_steps=0, sharded=config["zero_optimization"]["stage"] == 3)
+    result["plan"] = {"fits": chosen.fits, "name": chosen.name, "reasons": chosen.reasons,
+                      "zero_optimization": config["zero_optimization"], "trained": "plan" if chosen.fits else
+                      f"the tutorial config (no plan fits: {chosen.message()})"}
     result["tflops"] = result["flops_per_token"] * result["tokens_per_s"] / 1e12
     result["mfu"] = result["flops_per_token"] * result["tokens_per_s"] / peak
     result["matmul_peak_flops"] = peak
@@ -484,6 +504,10 @@ def _gib(n) -> str:
     return f"{n / 2**30:.2f}"
 
 
+def _ratio(x) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
 def markdown(report: dict) -> str:
     lines = [f"# gpu_validate ({report['device_name']}, torch {report['torch']})", "",
              f"Command: `{report['command']}`; total {report['wall_s']} s.", "",
@@ -495,13 +519,14 @@ def markdown(report: dict) -> str:
     gpt2 = report["sections"].get("gpt2", {})
     if gpt2.get("runs"):
         lines += ["", f"## (c) gpt2, bf16, seq {gpt2['seq_len']}, micro-batch {gpt2['micro_batch']}", "",
-                  "| run | tokens/s | vs plain | MFU | peak dev GiB | resident dev GiB | fwd s | bwd s | "
-                  "exposed host step s | exposed copies s |", "| --- |" + " --- |" * 9]
+                  "| run | tokens/s | vs plain | MFU | peak dev GiB | estimate / peak | resident dev GiB | fwd s | "
+                  "bwd s | exposed host step s | exposed copies s |", "| --- |" + " --- |" * 10]
         for key, r in gpt2["runs"].items():
             s = r["split"]
             lines.append(f"| {key} | {r['tokens_per_s']:.0f} | {r['tokens_per_s_vs_plain']:.2f} | {r['mfu']:.3f} | "
-                         f"{_gib(r['peak_device_bytes'])} | {_gib(r['resident_device_bytes'])} | "
-                         f"{s['forward_s']:.4f} | {s['backward_s']:.4f} | {s['exposed_host_step_s']:.4f} | "
+                         f"{_gib(r['peak_device_bytes'])} | {_ratio(r.get('estimate_over_peak'))} | "
+                         f"{_gib(r['resident_device_bytes'])} | {s['forward_s']:.4f} | {s['backward_s']:.4f} | "
+                         f"{s['exposed_host_step_s']:.4f} | "
                          f"{s['exposed_copies_s']:.4f} |")
     largest = report["sections"].get("largest", {})
     if largest.get("largest"):
@@ -511,9 +536,11 @@ def markdown(report: dict) -> str:
                       f"peak host RSS {_gib(b['peak_rss_bytes'])} GiB"]
     big = report["sections"].get("gpt2_10b", {})
     if big.get("ok"):
-        lines += ["", f"## (e) 10B GPT-2, stage 2 + offload_optimizer, bf16 moments", "",
+        lines += ["", f"## (e) 10B GPT-2, bf16 moments, the planned config: {big['plan']['name']} "
+                      f"({big['plan']['trained']})", "",
                   f"{big['params'] / 1e9:.2f} B params; {big['tflops']:.1f} TFLOP/s; MFU {big['mfu']:.3f}; "
-                  f"peak device {_gib(big['peak_device_bytes'])} GiB; peak host RSS {_gib(big['peak_rss_bytes'])} "
+                  f"peak device {_gib(big['peak_device_bytes'])} GiB (estimate / peak "
+                  f"{_ratio(big.get('estimate_over_peak'))}); peak host RSS {_gib(big['peak_rss_bytes'])} "
                   f"GiB; host state {big['host_bytes_per_param']:.2f} B/param"]
     for name, s in report["sections"].items():
         if not s.get("ok") and s.get("error"):

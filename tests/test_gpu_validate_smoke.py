@@ -18,5 +18,8 @@ def test_gpu_validate_tiny_cpu_smoke(tmp_path):
     assert set(runs) == {"plain-adamw", "stage2-offload", "stage2-offload-dpu", "stage3-offload-both",
                          "stage3-offload-both-dpu"}
     assert all(r["tokens_per_s"] > 0 for r in runs.values())
-    assert report["sections"]["gpt2_10b"]["host_bytes_per_param"] > 0
+    assert all(r["estimate_device_bytes"] > 0 for k, r in runs.items() if k != "plain-adamw")
+    big = report["sections"]["gpt2_10b"]
+    assert big["plan"]["fits"] and big["plan"]["trained"] == "plan" and big["tokens_per_s"] > 0
+    assert big["plan"]["zero_optimization"]["stage"] in (0, 1, 2, 3)
     assert "(c) gpt2" in (tmp_path / "gpu_validate.md").read_text()

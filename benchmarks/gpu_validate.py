@@ -239,10 +239,10 @@ def run_engine(cfg_model, config: dict, device, steps: int, split_steps: int, sh
                                accelerator=device.type == "cuda").device_bytes
     n_params = sum(p.numel() for p in engine.module.parameters()) if not sharded else \
         sum(u.numel for u in engine.zero.units)
+    peak = _peak_device_bytes(device)
     return {"tokens_per_s": tokens / elapsed, "step_s": elapsed / steps, "losses": losses,
-            "peak_device_bytes": _peak_device_bytes(device), "resident_device_bytes": resident,
-            "estimate_device_bytes": estimate,
-            "estimate_over_peak": estimate / _peak_device_bytes(device) if device.type == "cuda" else None,
+            "peak_device_bytes": peak, "resident_device_bytes": resident, "estimate_device_bytes": estimate,
+            "estimate_over_peak": estimate / peak if device.type == "cuda" else None,
             "peak_rss_bytes": _peak_rss_bytes(), "host_state_bytes": host_state, "params": n_params,
             "host_bytes_per_param": host_state / max(n_params, 1),
             "flops_per_token": flops_per_token(cfg_model, seq), "split": split,

@@ -38,7 +38,8 @@ from safetensors import safe_open
 from zero_offload.checkpoint_io import (CLIENT_STATE, MANIFEST, MODULE_STATE, CheckpointError, DiskFullError, agree,
                                         module_state, rank_file, sha256_file)
 from zero_offload.checkpoint_manifest import FORMATS, ManifestError, check_tag, validate_manifest, verify_manifest_hash
-from zero_offload.checkpoint_reshard import check_saved_partitions, reshard_chunks, reshard_runs, saved_slice
+from zero_offload.checkpoint_reshard import (check_rank_file, check_saved_partitions, reshard_chunks, reshard_runs,
+                                             saved_slice)
 from zero_offload.checkpoint_save import list_tags, prune_checkpoints, save_checkpoint, tied_aliases
 from zero_offload.state import STATE_KINDS, CheckpointTarget
 from zero_offload.zero.layout import GroupLayout
@@ -125,7 +126,7 @@ def full_parameters(directory: Path, manifest: dict, kind: str = "master"):
                     if c.rank not in handles:
                         handles[c.rank] = safe_open(str(directory / rank_file(c.rank)), framework="pt")
                     piece = saved_slice(handles[c.rank], directory / rank_file(c.rank), g, kind,
-                                             group["partition_numel"])
+                                        group["partition_numel"])
                     out[c.param_offset:c.param_offset + c.length] = piece[c.part_offset:c.part_offset + c.length]
                 yield p.name, out.view(p.shape)
     finally:
@@ -166,9 +167,8 @@ def load_checkpoint(engine: CheckpointTarget, load_dir: str | os.PathLike, tag: 
     manifest, new_states, client_state, rng, saved_module_state = staged
     # Everything is read and checked on every rank: only now change the engine.
     opt = engine.optimizer_state
-    for g, state in enumerate(new_states):
-        chunks = state["chunks"] if "chunks" in state else [(0, {kind: state[kind] for kind in KINDS})]
-        opt.load_state_chunks(g, state["step"], chunks)
+    for g, state in enumerate(new_states):     # both readers stream: {"step", "chunks"}
+        opt.load_state_chunks(g, state["step"], state["chunks"])
     live = module_state(engine.module)
     sharded = opt.frozen_shapes()            # stage-3 frozen parameters: each rank writes its shard
     with torch.no_grad():
@@ -231,9 +231,7 @@ def _read_own_partition(path: Path, groups: list[dict]) -> list[dict]:
     loading never holds a rank's whole state in memory."""
     with safe_open(str(path), framework="pt") as f:
         steps = _steps(f, path, len(groups))
-        for g, group in enumerate(groups):
-            for kind in KINDS:
-                saved_slice(f, path, g, kind, group["partition_numel"])
+        check_rank_file(f, path, groups)
     return [{"step": steps[g], "chunks": _partition_chunks(path, g, group["partition_numel"])}
             for g, group in enumerate(groups)]
 

@@ -24,7 +24,7 @@ from zero_offload.checkpoint_io import CheckpointError, rank_file
 from zero_offload.state import STATE_KINDS, StateChunk
 from zero_offload.zero.layout import GroupLayout
 
-__all__ = ["Run", "reshard_runs", "reshard_chunks", "check_saved_partitions"]
+__all__ = ["Run", "reshard_runs", "reshard_chunks", "check_saved_partitions", "check_rank_file", "saved_slice"]
 
 CHUNK_NUMEL = 1 << 20     # elements per piece of each kind (4 MiB of fp32)
 
@@ -78,9 +78,18 @@ def check_saved_partitions(directory: Path, manifest: dict) -> None:
     for r in range(manifest["partitions"]):
         path = directory / rank_file(r)
         with safe_open(str(path), framework="pt") as f:
-            for g, group in enumerate(manifest["groups"]):
-                for kind in STATE_KINDS:
-                    saved_slice(f, path, g, kind, group["partition_numel"])
+            check_rank_file(f, path, manifest["groups"])
+
+
+def check_rank_file(handle, path: Path, groups: list[dict]) -> None:
+    """One open rank file holds each of ``groups``' partitions of every kind in its manifest size.
+
+    Raises:
+        CheckpointError: a tensor missing or of another shape, naming the file.
+    """
+    for g, group in enumerate(groups):
+        for kind in STATE_KINDS:
+            saved_slice(handle, path, g, kind, group["partition_numel"])
 
 
 def saved_slice(handle, path: Path, g: int, kind: str, numel: int):

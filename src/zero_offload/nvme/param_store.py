@@ -8,9 +8,9 @@ time, in the recorded fetch order, through `prefetch` -- and the buffer is taken
 gather has read it (`release`). The host memory of parameters is then the pool, ``buffer_count`` buffers
 of the largest unit shard, and at most ``max_in_cpu`` elements are read ahead.
 
-Updated partitions are written back after the optimizer step behind it (`write_behind`): each 1 MiB window
-of a range is rounded to the training dtype into one of `WRITE_RING` aligned staging buffers and its write
-is issued without waiting, so the writes overlap the rest of the step and the rounding of the next window.
+Updated partitions are written back after the optimizer step behind it (`write_behind`): each
+`WRITE_WINDOW`-byte window of a range is rounded to the training dtype into one of `WRITE_RING` aligned
+staging buffers and its write is issued without waiting, so the writes overlap the rest of the step and the rounding of the next window.
 A write is waited for only where correctness needs it: before its ring buffer is reused, before any read or
 write of an overlapping file range (the next forward's fetch, `read_range`), at `flush` and at `close`
 (DeepSpeed's ``AsyncPartitionedParameterSwapper._swap_out(async_op=True)`` / ``synchronize_writes``). A write
@@ -255,17 +255,19 @@ class NvmeParamStore(FailStop):
         """
         for slot, w in enumerate(self.writes):
             if w is not None and (name is None or (w[0] == name and w[1] < hi and lo < w[2])):
-                self.writes[slot] = None
-                self.swapper.wait(w[3])
+                self._land(slot)
+
+    def _land(self, slot: int) -> None:
+        """Wait for the write behind from ring buffer ``slot`` (if any) and free the slot."""
+        w, self.writes[slot] = self.writes[slot], None
+        if w is not None:
+            self.swapper.wait(w[3])
 
     def _take_ring_buffer(self) -> int:
         """The index of the next ring buffer, once the write behind from it has landed."""
         slot = self._ring_next
         self._ring_next = (slot + 1) % len(self.ring)
-        w = self.writes[slot]
-        if w is not None:
-            self.writes[slot] = None
-            self.swapper.wait(w[3])
+        self._land(slot)
         return slot
 
     @torch.no_grad()

@@ -10,10 +10,10 @@ io_submit, as each thread of DeepSpeed's aio handle does. Reads and writes have 
 DeepSpeed's pipelined optimizer swapper keeps one aio handle per direction, so a write-behind never queues behind
 a read-ahead. Elsewhere every request is cut into ``block_size`` pieces run by ``thread_count x queue_depth``
 Python threads doing blocking ``os.preadv`` / ``os.pwritev``. Both release the GIL, so the host step and the I/O
-overlap. Files are opened with ``O_DIRECT``
-(no page cache: the disk's bandwidth, and no host memory grows with the model) where the filesystem
-accepts it, checked at open with a probe; elsewhere (tmpfs, some network filesystems) with buffered I/O
-and one warning. Errors from the disk (ENOSPC, EIO, ...) are raised as `NvmeIOError`, which names the file.
+overlap. Files are opened with ``O_DIRECT`` (no page cache: the disk's bandwidth, and no host memory grows
+with the model) where the filesystem accepts it, checked at open with a probe; elsewhere (tmpfs, some network
+filesystems) with buffered I/O and one warning. Errors from the disk (ENOSPC, EIO, ...) are raised as
+`NvmeIOError`, which names the file.
 """
 from __future__ import annotations
 

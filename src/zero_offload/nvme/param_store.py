@@ -8,14 +8,14 @@ time, in the recorded fetch order, through `prefetch` -- and the buffer is taken
 gather has read it (`release`). The host memory of parameters is then the pool, ``buffer_count`` buffers
 of the largest unit shard, and at most ``max_in_cpu`` elements are read ahead.
 
-Updated partitions are written back after the optimizer step behind it (`write_behind`): each
-`WRITE_WINDOW`-byte window of a range is rounded to the training dtype into one of `WRITE_RING` aligned
-staging buffers and its write is issued without waiting, so the writes overlap the rest of the step and
-the rounding of the next window. A write is waited for only where correctness needs it: before its ring
-buffer is reused, before any read or write of an overlapping file range (the next forward's fetch, `read_range`), at `flush` and at `close`
-(DeepSpeed's ``AsyncPartitionedParameterSwapper._swap_out(async_op=True)`` / ``synchronize_writes``). A write
-that starts or ends inside a 4096-byte block reads that block first (O_DIRECT moves whole blocks). A write
-that fails (ENOSPC, EIO) raises `NvmeIOError` naming the file at the wait that finds it.
+Updated partitions are written back after the optimizer step behind it (`write_behind`): each `WRITE_WINDOW`-byte
+window of a range is rounded to the training dtype into one of `WRITE_RING` aligned staging buffers and its write
+is issued without waiting, so the writes overlap the rest of the step and the rounding of the next window. A write
+is waited for only where correctness needs it: before its ring buffer is reused, before any read or write of an
+overlapping file range (the next forward's fetch, `read_range`), at `flush` and at `close` (DeepSpeed's
+``AsyncPartitionedParameterSwapper._swap_out(async_op=True)`` / ``synchronize_writes``). A write that starts or
+ends inside a 4096-byte block reads that block first (O_DIRECT moves whole blocks). A write that fails (ENOSPC,
+EIO) raises `NvmeIOError` naming the file at the wait that finds it.
 
 Files left by a killed run are reclaimed at the next start; `close` (or exit) removes them. After an I/O
 error every later access raises: the files may hold half a step, only the last checkpoint is sound.

@@ -64,7 +64,8 @@ def _measure(world_size: int) -> list[tuple]:
     nvme_path = tempfile.mkdtemp(prefix="est-nvme-")
     for name, (shape, precision) in SIZES.items():
         # Each shape's first matmuls size the BLAS library's own cached buffers: pay for them before measuring.
-        warm = GPT(shape)
+        # In the measured dtype: bf16 matmuls have kernels and scratch of their own (AVX512-BF16 / AMX hosts).
+        warm = GPT(shape).to({"bf16": torch.bfloat16, "fp32": torch.float32}[precision])
         warm(torch.randint(0, 64, (2, shape.block_size)), torch.randint(0, 64, (2, shape.block_size)))[1].backward()
         del warm
         gc.collect()

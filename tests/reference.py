@@ -10,11 +10,13 @@ from toy_model import batch, make_model
 MICRO, STEPS, LR, WD = 2, 5, 3e-3, 0.01
 
 
-def engine_config(stage=2, offload="none", gas=1, clip=0.0, precision="fp32", ws=1, bucket=500, **zero):
+def engine_config(stage=2, offload="none", gas=1, clip=0.0, precision="fp32", ws=1, bucket=500, wd=WD, eps=None,
+                  **zero):
+    adamw = {"lr": LR, "weight_decay": wd, **({"eps": eps} if eps is not None else {})}
     cfg = {
         "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas,
         "gradient_clipping": clip,
-        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}},
+        "optimizer": {"type": "AdamW", "params": adamw},
         "zero_optimization": {"stage": stage, "offload_optimizer": {"device": offload},
                               "reduce_bucket_size": bucket, "overlap_comm": True, **zero},
     }

@@ -1,0 +1,143 @@
+"""Power tests: each fault a review found the suite blind to is injected (monkeypatched, one at a time) and the
+matching exactness check of `test_exact16` must then fail. A fault no check catches is a missing test.
+
+Faults are injected in the parent process; at 2 ranks the ranks are forked from it and inherit them. A run
+that breaks outright under a fault fails its exactness test too, and is reported as such.
+"""
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from test_exact16 import LOSS_SCALE, Case, check, run_cases
+from zero_offload.engine import Engine
+from zero_offload.offload.delayed_update import DelayedParamUpdate
+from zero_offload.zero import ZeroOptimizer
+from zero_offload.zero.averaging import GradAveraging
+from zero_offload.zero.stage3 import Stage3Optimizer
+from zero_offload.zero.stage3.fetcher import ParameterFetcher
+
+
+def _wrap(monkeypatch, owner, name: str, make):
+    """Replace ``owner.name`` by ``make(original)``."""
+    monkeypatch.setattr(owner, name, functools.wraps(getattr(owner, name))(make(getattr(owner, name))))
+
+
+def no_unscale(mp):
+    """The optimizer steps gradients still multiplied by the fp16 loss scale."""
+    for cls in (ZeroOptimizer, Stage3Optimizer):
+        _wrap(mp, cls, "step", lambda f: lambda self, grad_scale: f(self, grad_scale * LOSS_SCALE))
+
+
+def communication_dtype_ignored(mp):
+    """Gradients are reduced in the training dtype whatever communication_data_type says."""
+    mp.setattr("zero_offload.zero.zero_optimizer.communication_dtype", lambda config: None)
+    mp.setattr("zero_offload.zero.stage3.optimizer.communication_dtype", lambda config: None)
+
+
+def weight_decay_ignored(mp):
+    def make(f):
+        def groups(self, model_parameters):
+            out = f(self, model_parameters)
+            for g in out:
+                g.hparams["weight_decay"] = 0.0
+            return out
+        return groups
+    _wrap(mp, Engine, "_param_groups", make)
+
+
+def sum_instead_of_average(mp):
+    mp.setattr(GradAveraging, "before_sum", lambda self, buf, divide_first: None)
+    mp.setattr(GradAveraging, "after_sum", lambda self, buf, divide_first: None)
+
+
+def accumulation_not_divided(mp):
+    _wrap(mp, Engine, "backward",
+          lambda f: lambda self, loss, retain_graph=False: f(self, loss * self.gradient_accumulation_steps,
+                                                              retain_graph))
+
+
+def clipping_skipped(mp):
+    def make(f):
+        def init(self, *args, **kwargs):
+            f(self, *args, **kwargs)
+            self.config.gradient_clipping = 0.0
+        return init
+    _wrap(mp, Engine, "__init__", make)
+
+
+def bucket_reduced_twice(mp):
+    from zero_offload.comm import DistContext
+
+    def make(f):
+        def reduce(self, tensor, owner, async_op=True, average=False):
+            f(self, tensor, owner, async_op=False, average=average)
+            return f(self, tensor, owner, async_op=async_op, average=average)
+        return reduce
+    _wrap(mp, DistContext, "reduce", make)
+
+
+def unit_released_before_backward(mp):
+    """Backward runs on released units: neither the pre-backward hook nor a saved-tensor unpack gathers them."""
+    from zero_offload.zero.stage3.saved_params import SavedParameterGuard
+
+    mp.setattr(ParameterFetcher, "_pre_backward", lambda self, units, grad: grad)
+    mp.setattr(SavedParameterGuard, "_unpack", lambda self, packed: packed[0])
+
+
+def delayed_update_one_step_late(mp):
+    """Every other finished host step is not copied up: the next forward runs a step behind the schedule."""
+    def make(f):
+        def flush(self):
+            if self.unpublished:
+                self.skip = not getattr(self, "skip", False)
+                if self.skip:
+                    self.wait()
+                    self.unpublished = False
+                    return
+            f(self)
+        return flush
+    _wrap(mp, DelayedParamUpdate, "flush", make)
+
+
+FAULTS = [
+    (no_unscale, Case("fp16", 2, "cpu", 1, False), 1),
+    (no_unscale, Case("fp16", 3, "none", 3, True), 1),
+    (communication_dtype_ignored, Case("fp32", 2, "cpu", 1, False, comm="bf16"), 2),
+    (communication_dtype_ignored, Case("bf16", 3, "cpu", 3, True, comm="fp32"), 2),
+    (weight_decay_ignored, Case("bf16", 2, "cpu", 3, False), 1),
+    (weight_decay_ignored, Case("fp16", 1, "none", 3, False), 1),
+    (sum_instead_of_average, Case("bf16", 2, "cpu", 3, False), 2),
+    (sum_instead_of_average, Case("fp16", 3, "none", 3, True), 2),
+    (accumulation_not_divided, Case("bf16", 1, "none", 3, False), 1),
+    (accumulation_not_divided, Case("fp16", 3, "cpu", 3, True, True), 1),
+    (clipping_skipped, Case("bf16", 2, "nvme", 3, True), 1),
+    (clipping_skipped, Case("fp16", 3, "cpu", 3, True, True), 1),
+    (bucket_reduced_twice, Case("bf16", 2, "cpu", 3, False), 2),
+    (unit_released_before_backward, Case("bf16", 3, "none", 3, True), 1),
+    (delayed_update_one_step_late, Case("bf16", 2, "cpu", 1, True, True), 1),
+    (delayed_update_one_step_late, Case("fp16", 3, "cpu", 3, True, True), 2),
+]
+
+
+def _failure(case: Case, ws: int, nvme_path: str) -> str | None:
+    """Why the exactness check of ``case`` fails (None: it passes)."""
+    try:
+        steps = run_cases([case], ws, nvme_path)[0]
+    except Exception as e:                   # the run itself broke
+        return f"the run failed: {type(e).__name__}: {str(e)[-300:]}"
+    try:
+        check(steps)
+    except AssertionError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("fault,case,ws", FAULTS, ids=[f"{f.__name__}-{c}-ws{w}" for f, c, w in FAULTS])
+def test_fault_is_caught(monkeypatch, tmp_path, fault, case, ws):
+    with monkeypatch.context() as mp:
+        fault(mp)
+        failure = _failure(case, ws, str(tmp_path))
+    assert failure is not None, f"{fault.__name__} went unnoticed by {case} at {ws} rank(s)"
+    print(f"{fault.__name__}: {failure.splitlines()[0]}")

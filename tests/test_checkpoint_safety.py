@@ -62,38 +62,102 @@ def test_a_second_writer_fails_at_once_naming_the_holder(tmp_path):
 
 
 WRITER = textwrap.dedent("""
-    import sys, torch
+    import json, os, sys, time, torch
     sys.path.insert(0, {here!r})
     import zero_offload
+    import zero_offload.checkpoint_save as checkpoint_save
     from zero_offload.checkpoint import CheckpointError
+    from zero_offload.checkpoint_lock import DirectoryLock, LockedError
     from reference import engine_config
-    from toy_model import make_model
-    engine = zero_offload.initialize(make_model(seed={seed}), engine_config(2, "cpu", 1))
-    saved = refused = 0
-    for i in range(6):
-        try:
-            engine.save_checkpoint({root!r}, tag="shared", client_state={{"writer": {seed}}})
-            saved += 1
-        except CheckpointError as e:
-            assert "another process" in str(e), e
-            refused += 1
-    torch.save(engine.full_state_dict(), {root!r} + "/../writer{seed}.pt")
-    print(saved, refused)
+    from toy_model import batch, make_model
+    me, peer, root, meet = {seed}, {peer}, {root!r}, {meet!r}
+
+    class MeetingTimeout(RuntimeError):    # not an OSError: the save must not mistake it for a refusal
+        pass
+
+    def mark(name, text=""):               # written whole, then renamed: the peer never reads half a file
+        part = os.path.join(meet, f".{{name}}.part")
+        with open(part, "w") as f:
+            f.write(text)
+        os.replace(part, os.path.join(meet, name))
+
+    def wait_for(name, limit=120.0):
+        path, deadline = os.path.join(meet, name), time.monotonic() + limit
+        while not os.path.exists(path):
+            if time.monotonic() > deadline:
+                raise MeetingTimeout(f"writer {{me}}: writer {{peer}} did not write '{{name}}' within {{limit}} s")
+            time.sleep(0.01)
+        with open(path) as f:
+            return f.read()
+
+    class HeldUntilRefused(DirectoryLock):
+        # The first save that takes the lock holds it until the other writer's save has been refused:
+        # the two saves overlap for certain, whichever of them wins the lock.
+        first = True
+
+        def acquire(self):
+            first, HeldUntilRefused.first = HeldUntilRefused.first, False
+            try:
+                super().acquire()
+            except LockedError as e:
+                if first:
+                    mark(f"refused{{me}}", str(e))
+                raise
+            if first:
+                wait_for(f"refused{{peer}}")
+            return self
+
+    checkpoint_save.DirectoryLock = HeldUntilRefused
+    engine = zero_offload.initialize(make_model(seed=me), engine_config(2, "cpu", 1))
+    x, y = batch(me, 2)
+    engine.backward(engine(x, y))
+    engine.step()
+    torch.save(engine.full_state_dict(), os.path.join(meet, f"writer{{me}}.pt"))
+    mark(f"ready{{me}}")
+    wait_for(f"ready{{peer}}")                # both are trained: save at once
+    result = {{"pid": os.getpid(), "refusal": None}}
+    try:
+        engine.save_checkpoint(root, tag="shared", client_state={{"writer": me}})
+        mark(f"saved{{me}}")
+    except CheckpointError as e:
+        result["refusal"] = str(e)
+        wait_for(f"saved{{peer}}")
+        engine.save_checkpoint(root, tag="retry", client_state={{"writer": me}})   # the lock is free now
+    print(json.dumps(result))
 """)
 
 
 def test_concurrent_writers_never_mix_a_checkpoint(tmp_path):
-    root = tmp_path / "ckpt"
-    procs = [subprocess.Popen([sys.executable, "-c", WRITER.format(here=HERE, root=str(root), seed=s)],
+    """Two trained writers save into one directory at once; the one that wins the lock holds it until the
+    other has tried, so the refusal is certain. The refused one saves again afterwards, under another tag."""
+    root, meet = tmp_path / "ckpt", tmp_path / "meet"
+    meet.mkdir()
+    earlier = _trained(2, seed=5)
+    earlier.save_checkpoint(root, tag="earlier")     # already saved: neither writer may lose it
+    earlier_state = earlier.full_state_dict()
+    procs = [subprocess.Popen([sys.executable, "-c", WRITER.format(here=HERE, root=str(root), meet=str(meet),
+                                                                   seed=s, peer=3 - s)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for s in (1, 2)]
     outs = [p.communicate(timeout=300) for p in procs]
     assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
+    results = {s: json.loads(o[0].strip().splitlines()[-1]) for s, o in zip((1, 2), outs)}
+    refused = [s for s in results if results[s]["refusal"] is not None]
+    assert len(refused) == 1, f"the saves did not collide: {results}"
+    loser, winner = refused[0], 3 - refused[0]
+    message = results[loser]["refusal"]
+    assert f"'{root}' is being saved into by another process (pid {results[winner]['pid']})" in message
+
+    assert (root / "latest").read_text() == "retry"  # the refused writer saved last, once the lock was free
+    assert sorted(p.name for p in root.iterdir()) == [".lock", "earlier", "latest", "retry", "shared"]  # no .tmp-
+    writers = {s: torch.load(meet / f"writer{s}.pt") for s in (1, 2)}
+    writers[5] = earlier_state
+    assert any(not torch.equal(writers[1][n], writers[2][n]) for n in writers[1])   # a mix would show
     engine = _trained(0, seed=3)
-    client = engine.load_checkpoint(root)            # every checksum and the manifest hash pass
-    writer = torch.load(tmp_path / f"writer{client['writer']}.pt")
-    loaded = engine.full_state_dict()
-    assert all(torch.equal(loaded[n], writer[n]) for n in writer), "shards of one writer, manifest of another"
-    assert [p.name for p in root.iterdir() if p.name.startswith(".tmp-")] == []
+    for tag, writer in (("shared", winner), ("retry", loser), ("earlier", 5)):
+        client = engine.load_checkpoint(root, tag=tag)     # every checksum and the manifest hash pass
+        assert tag == "earlier" or client == {"writer": writer}, (tag, client)
+        loaded = engine.full_state_dict()
+        assert all(torch.equal(loaded[n], writers[writer][n]) for n in loaded), f"{tag}: a mix of writers"
 
 
 def test_stale_temporary_folders_are_removed_by_the_next_save(tmp_path):

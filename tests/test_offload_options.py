@@ -88,25 +88,27 @@ def test_bad_offload_options_name_the_key(edit, key):
         zero_offload.Config.load(cfg)
 
 
-def test_stage3_forwards_without_autograd_prefetch_and_stay_exact():
-    """Evaluation / generate(): the first no-grad forward records its unit order, later ones prefetch it."""
+@pytest.mark.parametrize("bucket", [50_000_000, 0], ids=["default-bucket", "no-prefetch"])
+def test_stage3_forwards_without_autograd_prefetch_and_stay_exact(monkeypatch, bucket):
+    """Evaluation / generate(): the first no-grad forward records its unit order and gathers on demand; later
+    ones launch each module's gather while earlier modules run (the default bucket holds the whole toy model:
+    every other unit is gathered at the first module's start), and none ahead with bucket 0."""
     from reference import MICRO
+    from test_stage3 import ForwardLog, check_prefetch
     from toy_model import batch, make_model
-    engine = zero_offload.initialize(make_model(), engine_config(3, "none", 1,
-                                                                 stage3_param_persistence_threshold=0))
+    engine = zero_offload.initialize(make_model(), engine_config(
+        3, "none", 1, stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=bucket))
     reference = make_model()
     x, y = batch(0, MICRO)
-    fetcher = engine.zero.fetcher
+    forwards = ForwardLog(engine.module, monkeypatch)
+    losses = []
     with torch.no_grad():
-        losses = [engine(x, y).item() for _ in range(3)]
-    assert fetcher.eval_mode == "replaying" and fetcher.eval_trace
+        for _ in range(3):
+            with forwards.logged():
+                losses.append(engine(x, y).item())
+    units = len({e[1] for e in forwards.logs[0] if e[0] == "gather"})    # all of them gather when recorded
+    assert check_prefetch(forwards.logs, bucket) == (units - 1 if bucket else 0)
     assert losses == [pytest.approx(reference(x, y).item(), abs=1e-6)] * 3
-    calls = []
-    original = fetcher._gather
-    fetcher._gather = lambda u, async_op: (calls.append(async_op), original(u, async_op))[1]
-    with torch.no_grad():
-        engine(x, y)
-    assert True in calls            # some unit was gathered ahead, asynchronously
 
 
 def test_staging_ring_reuses_its_slots_and_rounds_like_the_kernel():

@@ -1,4 +1,5 @@
 """ZeRO stage 3: partitioned parameters against plain-PyTorch AdamW, memory, and the awkward cases."""
+import contextlib
 import itertools
 import warnings
 
@@ -10,6 +11,7 @@ import zero_offload
 from dist_utils import run_ranks
 from reference import MICRO, engine_config, engine_runs, reference_run
 from toy_model import ToyTransformer, batch, make_model
+from zero_offload.zero.stage3.units import ShardedUnit
 
 OFFLOADS = {"none": ("none", "none"), "param": ("none", "cpu"), "optimizer": ("cpu", "none"),
             "both": ("cpu", "cpu")}
@@ -175,14 +177,113 @@ def test_parameters_outside_forward_need_gathered_parameters():
     assert torch.equal(seen, engine.full_state_dict()["blocks.0.fc.weight"])
 
 
-def test_module_order_is_prefetched_after_the_first_step():
-    engine = zero_offload.initialize(make_model(), stage3_config("none"))
-    fetcher = engine.zero.fetcher
+# -- prefetch, observed from outside ----------------------------------------------------------------------
+class ForwardLog:
+    """What each logged forward did, seen from outside the engine: every unit gather launched
+    (`ShardedUnit.gather` wrapped: the all-gather, after the copy up of a host shard) and where each module
+    holding parameters begins and ends its forward (hooks on the test's own model; the pre-hook runs before
+    the engine's, so a gather the engine makes for this module is logged after its "pre")."""
+
+    def __init__(self, model, monkeypatch):
+        self.logs, self._log = [], None
+        original = ShardedUnit.gather
+
+        def gather(unit, ctx, copies, async_op, stream=None):
+            self._add(("gather", frozenset(map(id, unit.params)), unit.numel, async_op))
+            return original(unit, ctx, copies, async_op, stream)
+        monkeypatch.setattr(ShardedUnit, "gather", gather)
+        for name, m in model.named_modules():
+            params = frozenset(map(id, m.parameters(recurse=False)))    # a tied weight: the same ids
+            if params:
+                m.register_forward_pre_hook(lambda m, a, e=("pre", name, params): self._add(e), prepend=True)
+                m.register_forward_hook(lambda m, a, o, e=("post", name, params): self._add(e), prepend=True)
+
+    def _add(self, event):
+        if self._log is not None:
+            self._log.append(event)
+
+    @contextlib.contextmanager
+    def logged(self):
+        self._log = []
+        try:
+            yield
+        finally:
+            self.logs.append(self._log)
+            self._log = None
+
+
+def unit_uses(events):
+    """One logged forward as ([(module, how, look-ahead)] in order, [(async_op, elements, units)] per gather
+    launched ahead).
+
+    how: "ahead" -- its units were gathered before the module began, while ``look-ahead`` (>= 1) other modules
+    ran to their end; "on demand" -- gathered after it began; "kept" -- still gathered from an earlier use.
+    elements, units: what was already gathered ahead and not yet used when that gather was launched."""
+    uses, ahead, pending, running = [], [], {}, frozenset()    # pending: params -> (event index, numel)
+    for i, event in enumerate(events):
+        if event[0] == "pre":
+            running = event[2]
+            came = [k for k in pending if k & running]
+            depth = min((sum(f[0] == "post" for f in events[pending[k][0]:i]) for k in came), default=0)
+            uses.append([event[1], "ahead" if came else "kept", depth])
+            for k in came:
+                del pending[k]
+        elif event[0] == "post":
+            running = frozenset()
+        elif event[1] & running:
+            uses[-1][1:] = ["on demand", 0]
+        else:
+            ahead.append((event[3], sum(n for _, n in pending.values()), len(pending)))
+            pending[event[1]] = (i, event[2])
+    return [tuple(u) for u in uses], ahead
+
+
+def check_prefetch(logs, bucket):
+    """The first forward records the order and gathers on demand; later ones gather each module's units
+    while earlier modules run, within ``bucket`` elements ahead (none ahead with bucket 0). Returns the most
+    units gathered ahead at once."""
+    (uses, ahead), *later = [unit_uses(events) for events in logs]
+    assert ahead == [] and {how for _, how, _ in uses} <= {"on demand", "kept"}, uses
+    assert later
+    most = 0
+    for uses, ahead in later:
+        assert uses[0][1] == "on demand", uses           # nothing runs before the first module
+        if bucket == 0:
+            assert ahead == [] and "on demand" in {how for _, how, _ in uses[1:]}, uses
+            continue
+        assert all(how == "kept" or (how == "ahead" and depth >= 1) for _, how, depth in uses[1:]), uses
+        assert sum(how == "ahead" for _, how, _ in uses) >= len(uses) // 2, uses   # not "kept" all along
+        assert all(async_op for async_op, _, _ in ahead), "a prefetch waited for its own gather"
+        assert all(elements < bucket for _, elements, _ in ahead), (bucket, ahead)   # the look-ahead's limit
+        most = max(most, *(units + 1 for _, _, units in ahead))
+    return most
+
+
+@pytest.mark.parametrize("offload", ["none", "param"])
+@pytest.mark.parametrize("bucket,most", [(0, 0), (1, 1), (3000, 5)])
+def test_later_steps_gather_each_module_while_earlier_ones_run(monkeypatch, offload, bucket, most):
+    """After the first step records the order, a unit's gather (the host-to-device copy too, with offload_param)
+    is launched while earlier modules still compute: stage3_prefetch_bucket_size elements ahead, one unit with
+    bucket 1, five of the toy's units (256 + 64 + 1024 + 1024 elements, then the one that passes 3000) with
+    bucket 3000, none with bucket 0. The results stay exact."""
+    cfg = stage3_config(offload)
+    cfg["zero_optimization"]["stage3_prefetch_bucket_size"] = bucket
+    engine = zero_offload.initialize(make_model(), cfg)
+    forwards = ForwardLog(engine.module, monkeypatch)
+    losses = []
     for step in range(3):
         x, y = batch(step, MICRO)
-        engine.backward(engine(x, y))
+        with forwards.logged():
+            loss = engine(x, y)
+        engine.backward(loss)
         engine.step()
-    assert fetcher.mode == "replaying" and len(fetcher.trace) > 10
+        losses.append(loss.item())
+    assert check_prefetch(forwards.logs, bucket) == most
+    ref, ref_losses = reference_run(steps=3)
+    masters = engine.full_state_dict()
+    for name, r in ref.items():
+        assert (masters[name] - r).abs().max().item() <= ATOL, name
+    assert losses == pytest.approx(ref_losses, abs=1e-5)
 
 
 # -- models larger than one rank -------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import torch
 
 import zero_offload
 from dist_utils import run_ranks
-from reference import LR, MICRO, WD, engine_config, engine_runs, reference_run
+from reference import LR, MICRO, WD, assert_norms_match, engine_config, engine_runs, reference_run
 from toy_model import batch, make_model
 
 WARMUP, STEPS, ATOL = 2, 6, 1e-5
@@ -26,15 +26,16 @@ def dpu_config(stage, gas, ws, warmup=WARMUP, **extra):
     return cfg
 
 
-def dpu_reference(gas, ws, warmup=WARMUP, steps=STEPS):
+def dpu_reference(gas, ws, warmup=WARMUP, steps=STEPS, clip=0.0):
     """AdamW over the global batch where step u's gradient is taken at the parameters after step u-2 once
-    u > warmup (the parameters after step u-1 before). Returns (masters, losses)."""
+    u > warmup (the parameters after step u-1 before), clipped by clip_grad_norm_ when ``clip`` > 0.
+    Returns (masters, losses, norms): norms as clip_grad_norm_ returns them."""
     model = make_model()
     names = [n for n, _ in model.named_parameters()]
     masters = [p.detach().clone().requires_grad_() for p in model.parameters()]
     opt = torch.optim.AdamW(masters, lr=LR, weight_decay=WD)
     history = [[m.detach().clone() for m in masters]]
-    losses = []
+    losses, norms = [], []
     for u in range(steps):
         use = history[-2] if u >= warmup + 1 else history[-1]
         with torch.no_grad():
@@ -47,9 +48,10 @@ def dpu_reference(gas, ws, warmup=WARMUP, steps=STEPS):
         losses.append(loss.item())
         for m, p in zip(masters, model.parameters()):
             m.grad = p.grad.clone()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(masters, clip if clip > 0 else float("inf"))))
         opt.step()
         history.append([m.detach().clone() for m in masters])
-    return dict(zip(names, history[-1])), losses
+    return dict(zip(names, history[-1])), losses, norms
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +67,7 @@ def results():
 @pytest.mark.parametrize("ws", (1, 2))
 @pytest.mark.parametrize("stage,gas", CASES)
 def test_delayed_update_matches_its_schedule(results, ws, stage, gas):
-    ref, ref_losses = dpu_reference(gas, ws)
+    ref, ref_losses, _ = dpu_reference(gas, ws)
     masters, _params, losses = results[(ws, stage, gas)]
     for name, value in ref.items():
         assert (masters[name] - value).abs().max().item() <= ATOL, name
@@ -74,9 +76,26 @@ def test_delayed_update_matches_its_schedule(results, ws, stage, gas):
 
 def test_the_schedule_differs_from_plain_adamw():
     """Staleness must change the result, or the comparison above could not tell DPU from no DPU."""
-    delayed, _ = dpu_reference(1, 1)
+    delayed, _, _ = dpu_reference(1, 1)
     plain, _ = reference_run(steps=STEPS)
     assert max((delayed[n] - plain[n]).abs().max().item() for n in plain) > 1e-4
+
+
+@pytest.mark.parametrize("ws", (1, 2))
+def test_delayed_update_clips_as_clip_grad_norm(ws):
+    """Clipping under the delayed update: each step's norm is taken on its own (stale-weight) gradients and
+    equals clip_grad_norm_'s; the masters follow clip_grad_norm_ + AdamW on the same schedule."""
+    cases = [(2, 1), (3, 3)]
+    configs = [dpu_config(stage, gas, ws) for stage, gas in cases]
+    for cfg in configs:
+        cfg["gradient_clipping"] = 1.0
+    res = engine_runs(configs, STEPS, True) if ws == 1 else run_ranks(engine_runs, 2, configs, STEPS, True)[0]
+    for (stage, gas), (masters, _params, losses, norms) in zip(cases, res):
+        ref, ref_losses, ref_norms = dpu_reference(gas, ws, clip=1.0)
+        assert_norms_match(norms, ref_norms)
+        for name, value in ref.items():
+            assert (masters[name] - value).abs().max().item() <= ATOL, (stage, gas, name)
+        assert losses == pytest.approx(ref_losses, abs=1e-5)
 
 
 def _train(engine, steps, start=0):

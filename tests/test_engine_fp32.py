@@ -5,7 +5,7 @@ import itertools
 import pytest
 
 from dist_utils import run_ranks
-from reference import engine_config, engine_runs, reference_run
+from reference import assert_norms_match, engine_config, engine_runs, reference_run
 
 # The global norm here is ~10: a clip of 1.0 scales every step's gradients by ~0.1. A much smaller clip (0.05
 # was used) pushes rounding-noise gradients of rare embedding rows below Adam's eps, where the update is
@@ -23,9 +23,9 @@ def results():
     for ws in (1, 2):
         configs = [engine_config(stage, offload, gas, clip, ws=ws) for stage, offload, gas, clip in CASES]
         if ws == 1:
-            per_case = engine_runs(configs)
+            per_case = engine_runs(configs, with_norms=True)
         else:
-            ranks = run_ranks(engine_runs, 2, configs)
+            ranks = run_ranks(engine_runs, 2, configs, 5, True)
             per_case = ranks[0]
             for case, r0, r1 in zip(CASES, ranks[0], ranks[1]):
                 for name in r0[1]:   # every rank holds the same full parameters after the all-gather
@@ -37,8 +37,9 @@ def results():
 @pytest.mark.parametrize("ws", (1, 2))
 @pytest.mark.parametrize("stage,offload,gas,clip", CASES)
 def test_matches_adamw(results, ws, stage, offload, gas, clip):
-    ref_params, ref_losses = reference_run(gas=gas, clip=clip, ws=ws)
-    masters, params, losses = results[(ws, stage, offload, gas, clip)]
+    ref_params, ref_losses, ref_norms = reference_run(gas=gas, clip=clip, ws=ws, with_norms=True)
+    masters, params, losses, norms = results[(ws, stage, offload, gas, clip)]
+    assert_norms_match(norms, ref_norms)
     for name, ref in ref_params.items():
         assert (masters[name] - ref).abs().max().item() <= ATOL, name
         assert (params[name] - ref).abs().max().item() <= ATOL, name
@@ -54,7 +55,7 @@ def test_clipping_is_active():
 
 def _two_group_run(config):
     import zero_offload
-    from reference import MICRO
+    from reference import assert_norms_match, MICRO
     from toy_model import batch, make_model
     model = make_model()
     groups = [{"params": [p for p in model.parameters() if p.dim() >= 2]},
@@ -70,7 +71,7 @@ def _two_group_run(config):
 @pytest.mark.parametrize("stage,offload", [(1, "none"), (2, "cpu")])
 def test_param_groups_with_their_own_hyperparameters(stage, offload):
     import torch
-    from reference import LR, MICRO, WD
+    from reference import assert_norms_match, LR, MICRO, WD
     from toy_model import batch, make_model
     got = _two_group_run(engine_config(stage, offload, 1))
     ref = make_model()

@@ -6,7 +6,7 @@ import itertools
 import pytest
 
 from dist_utils import run_ranks
-from reference import engine_config, engine_runs, reference_run
+from reference import assert_norms_match, engine_config, engine_runs, reference_run
 
 # (stage, gas, pipeline): pipeline on = read-ahead and write-behind through a 3-buffer pool
 CASES = [(stage, gas, stage == 3 or gas == 3) for stage, gas in itertools.product((2, 3), (1, 3))]
@@ -50,3 +50,21 @@ def test_swap_files_are_removed(results):
     gc.collect()
     left = [p for p in results[1].rglob("*") if p.is_file()]
     assert left == [], left
+
+
+@pytest.mark.parametrize("ws", (1, 2))
+def test_nvme_clipping_matches_adamw(tmp_path, ws):
+    """Clipped steps with the states on NVMe (stage 2 and stage 3 with accumulation): clip_grad_norm_ + AdamW,
+    and the global norm equals clip_grad_norm_'s."""
+    cases = [(2, 1, True), (3, 3, True)]
+    configs = [nvme_config(tmp_path, *case, ws=ws) for case in cases]
+    for cfg in configs:
+        cfg["gradient_clipping"] = 1.0
+    res = engine_runs(configs, with_norms=True) if ws == 1 else run_ranks(engine_runs, 2, configs, 5, True)[0]
+    for (stage, gas, _), (masters, params, losses, norms) in zip(cases, res):
+        ref, ref_losses, ref_norms = reference_run(gas=gas, clip=1.0, ws=ws, with_norms=True)
+        assert_norms_match(norms, ref_norms)
+        for name, r in ref.items():
+            assert (masters[name] - r).abs().max().item() <= ATOL, (stage, gas, name)
+            assert (params[name] - r).abs().max().item() <= ATOL, (stage, gas, name)
+        assert losses == pytest.approx(ref_losses, abs=1e-5)

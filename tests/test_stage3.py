@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 import zero_offload
 from dist_utils import run_ranks
-from reference import MICRO, engine_config, engine_runs, reference_run
+from reference import MICRO, assert_norms_match, engine_config, engine_runs, reference_run
 from toy_model import ToyTransformer, batch, make_model
 from zero_offload.zero.stage3.units import ShardedUnit
 
@@ -46,6 +46,26 @@ def test_fp32_matches_adamw(fp32_results, ws, offload, gas):
         assert (masters[name] - r).abs().max().item() <= ATOL, name
         assert (params[name] - r).abs().max().item() <= ATOL, name
     assert losses == pytest.approx(ref_losses, abs=1e-5)
+
+
+CLIP_CASES = [("both", 3), ("none", 1)]
+CLIP = 1.0   # the global norm here is ~10: every step is clipped (test_engine_fp32.test_clipping_is_active)
+
+
+@pytest.mark.parametrize("ws", (1, 2))
+def test_fp32_clipping_matches_adamw(ws):
+    """Clipped stage-3 steps equal clip_grad_norm_ + AdamW, and the global norm equals clip_grad_norm_'s."""
+    configs = [stage3_config(o, g, ws=ws) for o, g in CLIP_CASES]
+    for cfg in configs:
+        cfg["gradient_clipping"] = CLIP
+    res = engine_runs(configs, with_norms=True) if ws == 1 else run_ranks(engine_runs, 2, configs, 5, True)[0]
+    for (offload, gas), (masters, params, losses, norms) in zip(CLIP_CASES, res):
+        ref, ref_losses, ref_norms = reference_run(gas=gas, clip=CLIP, ws=ws, with_norms=True)
+        assert_norms_match(norms, ref_norms)
+        for name, r in ref.items():
+            assert (masters[name] - r).abs().max().item() <= ATOL, (offload, gas, name)
+            assert (params[name] - r).abs().max().item() <= ATOL, (offload, gas, name)
+        assert losses == pytest.approx(ref_losses, abs=1e-5)
 
 
 @pytest.mark.parametrize("offload,gas", [("both", 1), ("param", 3), ("none", 1)])

@@ -35,19 +35,88 @@ def test_communication_data_type(comm_results, case):
         assert 0 < err <= 2 * 3e-3
 
 
+def _bf16_moment_bounds(beta1, beta2, steps, u=2.0**-8):
+    """(sum_t E_t, sum_t U_t) of test_bf16_moments_stay_within_the_stated_bound's derivation."""
+    import math
+    rho = beta1 * (1 + u) / math.sqrt(beta2)
+    r = [(1 - beta1) * math.sqrt(sum((beta1**2 / beta2)**j for j in range(k)) / (1 - beta2))
+         for k in range(1, steps + 1)]
+    e_sum = u_sum = 0.0
+    for t in range(1, steps + 1):
+        c, grow = math.sqrt(1 - beta2**t) / (1 - beta1**t), (1 - u) ** (-t / 2)
+        e_sum += c * (u * grow * sum(rho ** (t - k) * r[k - 1] for k in range(1, t + 1)) + r[t - 1] * (grow - 1))
+        u_sum += c * r[t - 1]
+    return e_sum, u_sum
+
+
+class _SameGradients(torch.nn.Module):
+    """loss = sum(a * xa) + sum(b * xb): the gradients are the inputs exactly, whatever the weights are."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.a = torch.nn.Parameter(torch.randn(37, 5, generator=g))
+        self.b = torch.nn.Parameter(torch.randn(1001, generator=g) * 0.02)
+
+    def forward(self, xa, xb):
+        return (self.a * xa).sum() + (self.b * xb).sum()
+
+
+def _same_gradients_run(config, steps):
+    import math
+    engine = zero_offload.initialize(_SameGradients(), config)
+    n = 37 * 5 + 1001
+    g = torch.Generator().manual_seed(1)
+    scale = torch.exp(torch.empty(n).uniform_(math.log(1e-4), 0.0, generator=g))   # per element, 1e-4 .. 1
+    fading = torch.rand(n, generator=g) < 0.5   # large first, then small: v's increments fall under its ulp
+    for step in range(steps):
+        x = torch.randn(n, generator=g) * scale * torch.where(fading & (step > 0), 0.01, 1.0)
+        x = x.to(torch.bfloat16)
+        engine.backward(engine(x[:185].view(37, 5), x[185:]))
+        engine.step()
+    return engine.full_state_dict()
+
+
 def test_bf16_moments_stay_within_the_stated_bound():
-    """bf16 training with bf16 Adam moments against the same run with fp32 moments: within the kernel's
-    stated bound (zero_offload.optim.fused_adam: |w_bf16 - w_fp32| <= 0.01 x lr x steps) plus one bf16
-    rounding of the 16-bit parameters the two runs' forwards see."""
+    """bf16 Adam moments (bf16.bf16_optimizer_states) against fp32 moments, within bounds that hold on any CPU.
+
+    The kernel computes in fp32 and stores exp_avg (m) and exp_avg_sq (v) rounded to nearest-even bf16: relative
+    error <= u = 2**-8 per store (fp32's 2**-24 is left out below and covered by the slack). Every ISA path
+    stores the same bytes (tests/test_fused_adam_rounding.py), so nothing below depends on the CPU.
+
+    1. The same gradients in both runs (a model whose gradients do not depend on its weights). From zero
+       moments, Cauchy-Schwarz gives |m_k| <= R_k sqrt(v_k), R_k = (1 - b1) sqrt(sum_{j<k} (b1^2/b2)^j / (1 - b2)),
+       and v_t >= b2^(t-k) v_k. v is a sum of non-negative terms, so stored it stays within (1 +- u)^t of v_t.
+       m's error obeys |e_t| <= b1 (1 + u) |e_{t-1}| + u |m_t|, so |e_t| <= u sqrt(v_t) sum_k rho^(t-k) R_k,
+       rho = b1 (1 + u) / sqrt(b2). The update m_t / bc1_t / (sqrt(v_t / bc2_t) + eps) then moves by at most
+           E_t = sqrt(bc2_t) / bc1_t x [u (1 - u)^(-t/2) sum_k rho^(t-k) R_k + R_t ((1 - u)^(-t/2) - 1)]
+       (eps only shrinks it), and decoupled weight decay shrinks an existing difference, so
+       |w_bf16 - w_fp32| <= lr sum_t E_t: 1.5 u lr after one step, 0.074 lr after 5 with betas (0.9, 0.999)
+       (measured 0.013 lr). The kernel docstring's 0.01 lr x steps is a measurement, not this worst case.
+    2. The toy transformer: each run's forward sees its own rounded weights, so the gradients differ by what
+       the CPU's bf16 matmuls make of a one-ulp weight difference, and Adam's normalised update does not damp
+       that where a gradient nearly cancels: measured up to 0.39 lr, and 0.12 lr at blocks.0.ln2.bias, where the
+       old bound (0.01 lr x steps + 2**-8 |w|, which assumed equal gradients) failed on AMD and Intel CPUs
+       alike, on every ISA path. For any gradients each run's step is at most lr U_t, U_t = R_t sqrt(bc2_t) /
+       bc1_t (the bf16 run's E_t more), so |w_bf16 - w_fp32| <= lr sum_t (2 U_t + E_t), about 10 lr after 5
+       steps: that rules out a broken run only, so the bf16 run must also train (its loss falls).
+    """
     base = engine_config(2, "cpu", 1, precision="bf16")
     bf16_states = engine_config(2, "cpu", 1, precision="bf16")
     bf16_states["bf16"]["bf16_optimizer_states"] = True
-    (fp32_m, _, _), (bf16_m, _, _) = engine_runs([base, bf16_states])
     engine = zero_offload.initialize(__import__("toy_model").make_model(), bf16_states)
     assert engine.optimizer.state_dtype == torch.bfloat16
-    for name in fp32_m:
-        bound = 0.01 * 3e-3 * 5 + 2 ** -8 * fp32_m[name].abs().max().item()
+    lr, steps = base["optimizer"]["params"]["lr"], 5
+    e_sum, u_sum = _bf16_moment_bounds(0.9, 0.999, steps)
+    fp32_m, bf16_m = _same_gradients_run(base, steps), _same_gradients_run(bf16_states, steps)
+    for name in fp32_m:   # the slack: both runs' fp32 roundings (2**-24 each) of the updates and the weights
+        bound = lr * e_sum * (1 + 2**-10) + steps * 2**-21 * fp32_m[name].abs().max().item()
         assert (fp32_m[name] - bf16_m[name]).abs().max().item() <= bound, name
+    (fp32_m, _, _), (bf16_m, _, losses) = engine_runs([base, bf16_states])
+    for name in fp32_m:
+        bound = lr * (2 * u_sum + e_sum) * (1 + 2**-10) + steps * 2**-21 * fp32_m[name].abs().max().item()
+        assert (fp32_m[name] - bf16_m[name]).abs().max().item() <= bound, name
+    assert losses[-1] < losses[0]
 
 
 def test_host_bytes_per_param_with_bf16_moments():

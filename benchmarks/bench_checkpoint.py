@@ -111,9 +111,9 @@ def consolidate_peak(checkpoint_dir: str) -> dict:
         out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
         return int(out.split()[-1]) / 2**10
     out = os.path.join(checkpoint_dir, "model.safetensors")
-    base = peak("import zero_offload.consolidate")
+    base = peak("import zero_offload.checkpoint.consolidate")
     t0 = time.perf_counter()
-    full = peak(f"import zero_offload.consolidate\nfrom zero_offload.cli import main\n"
+    full = peak(f"import zero_offload.checkpoint.consolidate\nfrom zero_offload.cli import main\n"
                 f"main(['consolidate', {checkpoint_dir!r}, '--tag', 't0', '--out', {out!r}])")
     return {"import_only_peak_mib": base, "consolidate_peak_mib": full, "seconds": time.perf_counter() - t0,
             "file_mib": os.path.getsize(out) / 2**20}

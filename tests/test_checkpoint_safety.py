@@ -14,8 +14,8 @@ from reference import engine_config
 from tmpfs_utils import small_tmpfs
 from toy_model import batch, make_model
 from zero_offload.checkpoint import CheckpointError, DiskFullError
-from zero_offload.checkpoint_lock import DirectoryLock
-from zero_offload.checkpoint_manifest import manifest_digest
+from zero_offload.checkpoint.lock import DirectoryLock
+from zero_offload.checkpoint.manifest import manifest_digest
 
 HERE = os.path.dirname(__file__)
 CFG = engine_config(2, "cpu", 1)
@@ -65,9 +65,9 @@ WRITER = textwrap.dedent("""
     import json, os, sys, time, torch
     sys.path.insert(0, {here!r})
     import zero_offload
-    import zero_offload.checkpoint_save as checkpoint_save
+    import zero_offload.checkpoint.save as checkpoint_save
     from zero_offload.checkpoint import CheckpointError
-    from zero_offload.checkpoint_lock import DirectoryLock, LockedError
+    from zero_offload.checkpoint.lock import DirectoryLock, LockedError
     from reference import engine_config
     from toy_model import batch, make_model
     me, peer, root, meet = {seed}, {peer}, {root!r}, {meet!r}
@@ -226,7 +226,7 @@ def _forge_rank_file(directory, fault):
     a load that streamed group 0 before checking group 1 would already have changed the engine)."""
     from safetensors import safe_open
     from safetensors.torch import save_file
-    from zero_offload.checkpoint_io import sha256_file
+    from zero_offload.checkpoint.io import sha256_file
     path = directory / "rank00000.safetensors"
     with safe_open(str(path), framework="pt") as f:
         tensors, metadata = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
@@ -325,7 +325,7 @@ def test_disk_full_names_the_file_and_the_bytes_needed_and_keeps_the_previous_ch
 
 
 def test_a_failed_write_leaves_no_temporary_folder(tmp_path, monkeypatch):
-    import zero_offload.checkpoint_save as ckpt
+    import zero_offload.checkpoint.save as ckpt
     engine = _trained()
     engine.save_checkpoint(tmp_path, tag="good")
 

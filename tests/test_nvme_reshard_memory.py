@@ -9,7 +9,7 @@ import torch
 import zero_offload
 from dist_utils import run_ranks
 from memory_probe import OneVector, run_fresh
-from zero_offload.checkpoint_reshard import CHUNK_NUMEL
+from zero_offload.checkpoint.reshard import CHUNK_NUMEL
 
 NUMEL = 8_000_000           # x 12 bytes of fp32 master, exp_avg, exp_avg_sq = 96 MB over the 2 saving ranks
 

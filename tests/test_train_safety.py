@@ -6,7 +6,7 @@ import shutil
 
 from test_train import _args, _records
 from tmpfs_utils import small_tmpfs
-from zero_offload.checkpoint_lock import DirectoryLock
+from zero_offload.checkpoint.lock import DirectoryLock
 from zero_offload.cli import main
 from zero_offload.train.loop import train
 

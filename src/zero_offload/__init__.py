@@ -5,7 +5,7 @@
 """
 from zero_offload.checkpoint import CheckpointError
 from zero_offload.config import Config, ConfigError
-from zero_offload.consolidate import consolidate
+from zero_offload.checkpoint import consolidate
 from zero_offload.engine import Engine, initialize
 from zero_offload.estimate import estimate_memory, plan
 from zero_offload.optim.cpu_adam import CPUAdam

@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     cons.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="tensor dtype in the file")
     ns = parser.parse_args(argv)
     from zero_offload.checkpoint import CheckpointError
-    from zero_offload.checkpoint_lock import LockedError
+    from zero_offload.checkpoint.lock import LockedError
     from zero_offload.comm import CollectiveTimeoutError
     from zero_offload.config import ConfigError
     from zero_offload.precision import LossScaleError
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             from zero_offload.estimate.table import run_estimate
             return run_estimate(ns)
         if ns.command == "consolidate":
-            from zero_offload.consolidate import export_safetensors
+            from zero_offload.checkpoint.consolidate import export_safetensors
             path = export_safetensors(ns.dir, ns.out, ns.tag, ns.dtype)
             print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB)")
             return 0

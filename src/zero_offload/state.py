@@ -56,7 +56,7 @@ class PartitionedOptimizerState(Protocol):
 
     def frozen_shapes(self) -> dict[str, tuple[int, ...]]:
         """{name: full shape} of the frozen (``requires_grad=False``) parameters held sharded (stage 3), under
-        every name `checkpoint_io.module_state` lists them; {} where frozen parameters are whole in the
+        every name `zero_offload.checkpoint.io.module_state` lists them; {} where frozen parameters are whole in the
         module."""
 
     def frozen_state(self, every_rank: bool = True) -> dict[str, torch.Tensor]:

@@ -13,8 +13,8 @@ import torch.distributed as dist
 
 import zero_offload
 from zero_offload.checkpoint import CheckpointError, prune_checkpoints, resolve_tag
-from zero_offload.checkpoint_io import write_errors
-from zero_offload.checkpoint_lock import DirectoryLock, LockedError
+from zero_offload.checkpoint.io import write_errors
+from zero_offload.checkpoint.lock import DirectoryLock, LockedError
 from zero_offload.comm import DistContext
 from zero_offload.config import Config, ConfigError
 from zero_offload.train.data import prepare_data

@@ -42,7 +42,7 @@ def build_frozen_units(model: torch.nn.Module, first_index: int, world_size: int
 
 def frozen_names(model: torch.nn.Module, units: list[ShardedUnit]) -> dict[str, tuple[ShardedUnit, int]]:
     """Every qualified name under which a frozen unit's parameter appears among the modules' own parameters
-    (tied aliases included, as `checkpoint_io.module_state` lists them) -> (unit, slot index)."""
+    (tied aliases included, as `zero_offload.checkpoint.io.module_state` lists them) -> (unit, slot index)."""
     where = {id(p): (u, i) for u in units for i, p in enumerate(u.params)}
     out = {}
     for prefix, m in model.named_modules():

@@ -1,27 +1,6 @@
-"""Sharded, atomic checkpoints that reshard on load, in safetensors files with a JSON manifest.
-
-Layout of ``save_dir/tag/``:
-  ``rank00000.safetensors`` ...  one per rank: its partition of every group's fp32 master weights, exp_avg and
-                                 exp_avg_sq (``group{g}.{kind}``; stage 0 has one partition, in rank 0's file),
-                                 and its RNG states; the optimizer step count is in the file's metadata.
-  ``client_state.pt``            the user's ``client_state`` (torch.save).
-  ``module_state.safetensors``   persistent buffers and frozen parameters (what no optimizer holds).
-  ``manifest.json``              world size, stage, precision, every parameter's name, shape and flat offset,
-                                 each group's partition size, the config, the engine's ``state_dict()``, and a
-                                 SHA-256 of every file.
-  ``manifest.sha256``            the SHA-256 of ``manifest.json``, checked before anything is read.
-``save_dir/latest`` names the newest tag (a plain name, as in DeepSpeed).
-
-One writer at a time: rank 0 holds ``save_dir/.lock`` (`checkpoint_lock`) for the whole save, and a second
-process saving into the same directory fails at once naming the holder's pid. Crash safety: everything is
-written into ``save_dir/.tmp-tag-pid-random``, flushed to disk, and renamed to ``tag`` only when complete;
-``latest`` is replaced last, atomically. A process killed at any moment leaves the previous checkpoint
-loadable; its leftover temporary folder is removed by the next save. Loading checks the manifest's hash and
-structure, every checksum, name and shape, and reads everything into fresh tensors before it changes
-anything; it maps parameters by name from the saved flat layout into the engine's, so a checkpoint written by
-N ranks at any stage loads into M ranks at any stage (DeepSpeed needs its universal-checkpoint conversion).
-The engine is reached only through `zero_offload.state.CheckpointTarget`: its ``state_dict()`` and its
-optimizer partitions' chunked state.
+"""Loading a checkpoint: the tag, the manifest that proves itself, every checksum, then a resharding read of
+this rank's partitions into fresh tensors before anything in the engine changes (see `zero_offload.checkpoint`
+for the layout and the guarantees).
 """
 from __future__ import annotations
 
@@ -35,18 +14,16 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from zero_offload.checkpoint_io import (CLIENT_STATE, MANIFEST, MODULE_STATE, CheckpointError, DiskFullError, agree,
+from zero_offload.checkpoint.io import (CLIENT_STATE, MANIFEST, MODULE_STATE, CheckpointError, DiskFullError, agree,
                                         module_state, rank_file, sha256_file)
-from zero_offload.checkpoint_manifest import FORMATS, ManifestError, check_tag, validate_manifest, verify_manifest_hash
-from zero_offload.checkpoint_reshard import (check_rank_file, check_saved_partitions, reshard_chunks, reshard_runs,
+from zero_offload.checkpoint.manifest import FORMATS, ManifestError, check_tag, validate_manifest, verify_manifest_hash
+from zero_offload.checkpoint.reshard import (check_rank_file, check_saved_partitions, reshard_chunks, reshard_runs,
                                              saved_slice)
-from zero_offload.checkpoint_save import list_tags, prune_checkpoints, save_checkpoint, tied_aliases
+from zero_offload.checkpoint.save import tied_aliases
 from zero_offload.state import STATE_KINDS, CheckpointTarget
 from zero_offload.zero.layout import GroupLayout
 
-__all__ = ["CheckpointError", "DiskFullError", "ManifestError", "save_checkpoint", "load_checkpoint",
-           "read_manifest", "resolve_tag", "full_parameters", "list_tags", "prune_checkpoints", "tied_aliases",
-           "MODULE_STATE"]
+__all__ = ["load_checkpoint", "read_manifest", "resolve_tag", "full_parameters"]
 
 KINDS = STATE_KINDS
 
@@ -83,7 +60,7 @@ def read_manifest(directory: Path, verify: list[str] | None = None) -> dict:
     """Read ``directory/manifest.json`` and check the SHA-256 of the files named in ``verify``.
 
     The manifest's own SHA-256 (``manifest.sha256``, required from format 2 on) and its structure are checked
-    first (`checkpoint_manifest`).
+    first (`manifest`).
 
     Raises:
         CheckpointError: a missing, unreadable, modified, malformed or foreign manifest, or a missing or
@@ -267,7 +244,7 @@ def _steps(handle, path: Path, groups: int) -> list[int]:
 
 def _reshard(engine: CheckpointTarget, directory: Path, manifest: dict) -> list[dict]:
     """This rank's new partition of each group as its step count and a stream of pieces read slice by slice
-    from the saved ranks' files (`checkpoint_reshard`), checked here for format, step counts, presence and
+    from the saved ranks' files (`reshard`), checked here for format, step counts, presence and
     shapes only: the load never holds a rank's whole partition in memory."""
     zero = engine.optimizer_state
     steps = set()

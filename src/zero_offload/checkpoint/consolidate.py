@@ -21,7 +21,8 @@ import torch
 
 from safetensors import safe_open
 
-from zero_offload.checkpoint import MODULE_STATE, CheckpointError, full_parameters, read_manifest, resolve_tag
+from zero_offload.checkpoint.io import MODULE_STATE, CheckpointError
+from zero_offload.checkpoint.load import full_parameters, read_manifest, resolve_tag
 
 __all__ = ["consolidate", "export_safetensors"]
 

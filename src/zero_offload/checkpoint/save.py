@@ -18,11 +18,11 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from zero_offload.checkpoint_io import (CLIENT_STATE, MANIFEST, MODULE_STATE, TMP_PREFIX, CheckpointError, agree,
+from zero_offload.checkpoint.io import (CLIENT_STATE, MANIFEST, MODULE_STATE, TMP_PREFIX, CheckpointError, agree,
                                         fsync_path, module_state, rank_file, sha256_file, write_errors)
-from zero_offload.checkpoint_lock import DirectoryLock, LockedError
-from zero_offload.checkpoint_stream import StreamedSafetensors
-from zero_offload.checkpoint_manifest import FORMAT, MANIFEST_HASH, ManifestError, check_tag, manifest_digest
+from zero_offload.checkpoint.lock import DirectoryLock, LockedError
+from zero_offload.checkpoint.stream import StreamedSafetensors
+from zero_offload.checkpoint.manifest import FORMAT, MANIFEST_HASH, ManifestError, check_tag, manifest_digest
 from zero_offload.state import STATE_KINDS, CheckpointTarget
 
 __all__ = ["save_checkpoint", "list_tags", "prune_checkpoints", "tied_aliases"]

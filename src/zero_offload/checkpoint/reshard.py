@@ -20,7 +20,7 @@ from typing import Iterator
 import torch
 from safetensors import safe_open
 
-from zero_offload.checkpoint_io import CheckpointError, rank_file
+from zero_offload.checkpoint.io import CheckpointError, rank_file
 from zero_offload.state import STATE_KINDS, StateChunk
 from zero_offload.zero.layout import GroupLayout
 

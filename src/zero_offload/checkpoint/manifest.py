@@ -13,7 +13,7 @@ import math
 import re
 from pathlib import Path
 
-from zero_offload.checkpoint_io import CheckpointError
+from zero_offload.checkpoint.io import CheckpointError
 
 __all__ = ["FORMAT", "FORMATS", "MANIFEST_HASH", "ManifestError", "check_tag", "manifest_digest",
            "validate_manifest", "verify_manifest_hash"]

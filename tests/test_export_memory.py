@@ -1,5 +1,6 @@
 """full_state_dict gathers the model piece by piece: the device never holds more than the largest parameter
-in fp32 (the bound the GPU check asserts with torch.cuda.max_memory_allocated), and the result is exact."""
+in fp32 (the bound the GPU check asserts with torch.cuda.max_memory_allocated), and the result is exact.
+Here the engine's counter; the host memory it costs, measured from the process: test_process_memory.py."""
 import pytest
 import torch
 

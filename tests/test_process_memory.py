@@ -90,7 +90,7 @@ CONSOLIDATE = textwrap.dedent(r"""
     import ctypes, json, sys
     import torch
     import zero_offload
-    from zero_offload.consolidate import export_safetensors
+    from zero_offload.checkpoint.consolidate import export_safetensors
     sys.path.insert(0, sys.argv[-1])
     from memory_probe import peak_during
     ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)

@@ -14,7 +14,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistContext", "DoneWork", "CollectiveTimeoutError", "collective_timeout", "deadline"]
+__all__ = ["DistContext", "DoneWork", "CollectiveTimeoutError", "collective_timeout", "deadline", "all_gather_into",
+           "reduce_scatter", "broadcast", "gather_objects", "broadcast_object", "barrier"]
 
 DEFAULT_TIMEOUT_S = 600.0   # 10 minutes: long enough for a slow checkpoint, short enough to notice a stall
 
@@ -77,6 +78,51 @@ def deadline(method):
                 f"within {limit} (set by ZERO_OFFLOAD_TIMEOUT_S in seconds or DEEPSPEED_TIMEOUT in minutes); "
                 f"another rank is stalled, has died, or issued different collectives ({first})") from e
     return wrapper
+
+
+# torch 2.13 deprecates the ``*_tensor`` names for ``*_single``; torch 2.4 has only the old ones.
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group=None, async_op: bool = False):
+    """Fill ``out`` (world_size x ``inp.numel()`` elements) with every rank's ``inp``, in rank order."""
+    return _ALL_GATHER(out, inp, group=group, async_op=async_op)
+
+
+def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, average: bool = False, group=None, async_op: bool = True):
+    """Sum (``average``: NCCL's ReduceOp.AVG) ``inp`` over ranks and keep this rank's slice of it in ``out``."""
+    op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
+    return _REDUCE_SCATTER(out, inp, op=op, group=group, async_op=async_op)
+
+
+def broadcast(tensor: torch.Tensor, src: int, group=None) -> None:
+    """Give every rank global rank ``src``'s values of ``tensor``."""
+    dist.broadcast(tensor, src=src, group=group)
+
+
+def gather_objects(obj, group=None) -> list:
+    """Every rank's picklable ``obj``, in rank order (``[obj]`` on a single process)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return [obj]
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def broadcast_object(obj, src: int = 0, group=None):
+    """Global rank ``src``'s picklable ``obj``, on every rank."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
+def barrier(group=None) -> None:
+    """Wait for every rank (nothing on a single process)."""
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.barrier(group=group)
 
 
 class DoneWork:
@@ -143,12 +189,27 @@ class DistContext:
         """Give every rank rank 0's values (the initial weights, as DeepSpeed's _broadcast_model)."""
         if self.distributed:
             for t in tensors:
-                dist.broadcast(t, src=self._global(0), group=self.group)
+                broadcast(t, self._global(0), self.group)
 
     def broadcast_from(self, tensor: torch.Tensor, rank: int) -> None:
         """Give every rank ``rank``'s (a rank within the group) values of ``tensor``."""
         if self.distributed:
-            dist.broadcast(tensor, src=self._global(rank), group=self.group)
+            broadcast(tensor, self._global(rank), self.group)
+
+    def all_gather_into(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
+        """Fill ``out`` with every rank's ``inp`` in rank order (a copy on one rank); the work handle, or None
+        when ``async_op`` is False."""
+        if not self.distributed:
+            out.copy_(inp)
+            return DoneWork() if async_op else None
+        return all_gather_into(out, inp, self.group, async_op)
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, average: bool = False, async_op: bool = True):
+        """This rank's slice of ``inp`` summed (or averaged, see `native_average`) over ranks, into ``out``."""
+        if not self.distributed:
+            out.copy_(inp)
+            return DoneWork()
+        return reduce_scatter(out, inp, average, self.group, async_op)
 
     @property
     def distributed(self) -> bool:
@@ -184,7 +245,7 @@ class DistContext:
             return
         parts = flat.view(self.world_size, partition_numel)
         if bucket_numel >= partition_numel:
-            dist.all_gather_into_tensor(flat, parts[self.rank], group=self.group)
+            all_gather_into(flat, parts[self.rank], self.group)
             return
         for lo in range(0, partition_numel, bucket_numel):
             hi = min(lo + bucket_numel, partition_numel)

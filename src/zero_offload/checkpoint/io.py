@@ -11,8 +11,9 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
-import torch.distributed as dist
 from safetensors import SafetensorError
+
+from zero_offload.comm import gather_objects
 
 __all__ = ["CheckpointError", "DiskFullError", "sha256_file", "fsync_path", "write_errors", "module_state",
            "rank_file", "agree", "MANIFEST", "CLIENT_STATE", "MODULE_STATE", "TMP_PREFIX"]
@@ -105,8 +106,7 @@ def agree(engine, error: Exception | None, what: str) -> None:
     """Raise on every rank if ``what`` failed on any rank, so that no rank goes on into a collective alone.
     The rank that failed raises its own error; the others name the first failing rank and its message."""
     if engine.world_size > 1:
-        errors = [None] * engine.world_size
-        dist.all_gather_object(errors, None if error is None else str(error))
+        errors = gather_objects(None if error is None else str(error))
         failed = [(r, e) for r, e in enumerate(errors) if e is not None]
         if error is None and failed:
             rank, message = failed[0]

@@ -15,7 +15,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from safetensors.torch import save_file
 
 from zero_offload.checkpoint.io import (CLIENT_STATE, MANIFEST, MODULE_STATE, TMP_PREFIX, CheckpointError, agree,
@@ -23,6 +22,7 @@ from zero_offload.checkpoint.io import (CLIENT_STATE, MANIFEST, MODULE_STATE, TM
 from zero_offload.checkpoint.lock import DirectoryLock, LockedError
 from zero_offload.checkpoint.stream import StreamedSafetensors
 from zero_offload.checkpoint.manifest import FORMAT, MANIFEST_HASH, ManifestError, check_tag, manifest_digest
+from zero_offload.comm import broadcast_object, gather_objects
 from zero_offload.state import STATE_KINDS, CheckpointTarget
 
 __all__ = ["save_checkpoint", "list_tags", "prune_checkpoints", "tied_aliases"]
@@ -80,13 +80,11 @@ def save_checkpoint(engine: CheckpointTarget, save_dir: str | os.PathLike, tag: 
         except (LockedError, OSError) as e:
             error = CheckpointError(f"cannot save checkpoint '{tag}': {e}")
     try:
-        name = [tmp.name if tmp is not None else None]
-        if engine.world_size > 1:
-            dist.broadcast_object_list(name, src=0)
-        if name[0] is None:
+        name = broadcast_object(tmp.name if tmp is not None else None)
+        if name is None:
             agree(engine, error, f"saving checkpoint '{tag}' into '{root}'")
             raise CheckpointError(f"cannot save checkpoint '{tag}' into '{root}' (see rank 0's error)")
-        tmp = root / name[0]
+        tmp = root / name
         _write_all(engine, root, tmp, tag, client_state)
     except BaseException:
         if engine.rank == 0 and tmp is not None:
@@ -118,9 +116,7 @@ def _write_all(engine: CheckpointTarget, root: Path, tmp: Path, tag: str, client
     except (CheckpointError, NotImplementedError) as e:   # every rank learns of it: none waits alone
         error = e
     if engine.world_size > 1:
-        gathered = [None] * engine.world_size
-        dist.all_gather_object(gathered, digests)
-        digests = {k: v for d in gathered for k, v in d.items()}
+        digests = {k: v for d in gather_objects(digests) for k, v in d.items()}
     agree(engine, error, f"writing checkpoint '{tag}'")
     error = None
     if engine.rank == 0:

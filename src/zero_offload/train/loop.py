@@ -9,13 +9,12 @@ from pathlib import Path
 
 import psutil
 import torch
-import torch.distributed as dist
 
 import zero_offload
 from zero_offload.checkpoint import CheckpointError, prune_checkpoints, resolve_tag
 from zero_offload.checkpoint.io import write_errors
 from zero_offload.checkpoint.lock import DirectoryLock, LockedError
-from zero_offload.comm import DistContext
+from zero_offload.comm import DistContext, barrier, broadcast_object
 from zero_offload.config import Config, ConfigError
 from zero_offload.train.data import prepare_data
 from zero_offload.train.model import GPT, count_parameters, flops_per_token, preset
@@ -121,9 +120,7 @@ def train(args: TrainArgs) -> dict:
     except ValueError as e:
         choice = e
     if ctx.distributed:   # every rank takes rank 0's choice (free memory differs a little between ranks)
-        box = [choice]
-        dist.broadcast_object_list(box, src=0)
-        choice = box[0]
+        choice = broadcast_object(choice)
     if isinstance(choice, Exception):
         raise choice
     _log(ctx.rank, choice.message)
@@ -147,9 +144,7 @@ def _lock_out(out: Path, ctx: DistContext) -> DirectoryLock | None:
         except LockedError as e:
             message = str(e)
     if ctx.distributed:
-        box = [message]
-        dist.broadcast_object_list(box, src=0)
-        message = box[0]
+        message = broadcast_object(message)
     if message is not None:
         raise LockedError(f"--out {message}")
     return lock
@@ -257,8 +252,7 @@ def _prepare(args: TrainArgs, ctx: DistContext, out: Path):
     if ctx.rank == 0:
         with write_errors(cache, _corpus_bytes(args.data), "the token cache", only_disk_full=True):
             data = prepare_data(cache, args.data, **kwargs)
-    if ctx.distributed:
-        dist.barrier()
+    barrier()
     if ctx.rank != 0:
         data = prepare_data(cache, args.data, **kwargs)
     return data
@@ -279,7 +273,7 @@ def _evaluate(engine, data, micro: int, seq_len: int, ctx: DistContext, seed: in
 def _mean_over_ranks(value: torch.Tensor, ctx: DistContext) -> float:
     if ctx.distributed:
         value = value.clone()
-        dist.all_reduce(value)
+        ctx.all_reduce(value, async_op=False)
         value /= ctx.world_size
     return float(value)
 

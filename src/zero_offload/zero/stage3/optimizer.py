@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections import deque
 
 import torch
-import torch.distributed as dist
 
 from torch.profiler import record_function
 
@@ -170,7 +169,7 @@ class Stage3Optimizer(PartitionStateMixin, DeferrableStepMixin):
         write this rank's 16-bit shard and fp32 master slice from it (DeepSpeed's
         ``GatheredParameters(modifier_rank=...)``, which also updates the fp32 partitions)."""
         if self.ctx.distributed:
-            dist.broadcast(u.full, src=self.ctx._global(src_rank), group=self.ctx.group)
+            self.ctx.broadcast_from(u.full, src_rank)
         mine = u.full[self.ctx.rank * u.shard_numel:(self.ctx.rank + 1) * u.shard_numel]
         if u.frozen:
             u.shard.copy_(mine)
@@ -229,9 +228,8 @@ class Stage3Optimizer(PartitionStateMixin, DeferrableStepMixin):
                 # fp16: average before summing, to stay in range
                 self.averaging.before_sum(flat, divide_first=flat.dtype == torch.float16)
             out = torch.empty(u.shard_numel, dtype=flat.dtype, device=flat.device)
-            op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
             with record_function("zero_offload.stage3.reduce_scatter"):
-                work = dist.reduce_scatter_tensor(out, flat, op=op, group=self.ctx.group, async_op=True)
+                work = self.ctx.reduce_scatter(out, flat, average=average)
         self.in_flight.append((u, out, work, flat, average))
         while len(self.in_flight) > self.max_in_flight:
             self._complete(self.in_flight.popleft())

@@ -15,7 +15,8 @@ import functools
 import math
 
 import torch
-import torch.distributed as dist
+
+from zero_offload.comm import all_gather_into, broadcast
 
 __all__ = ["ShardedInit", "has_slice", "pop_slices", "fill_view", "open_full", "close_full", "shard_in_place"]
 
@@ -64,7 +65,7 @@ def shard_in_place(model: torch.nn.Module) -> None:
                 full = p.data
                 if world > 1:
                     full = full.detach().contiguous().cpu()
-                    dist.broadcast(full, src=0)
+                    broadcast(full, 0)
                 _keep_slice(p, full, rank, world)
 
 
@@ -72,7 +73,7 @@ def _gather(state, shape, numel) -> torch.Tensor:
     piece, _, world = state
     if world > 1:
         full = torch.empty(piece.numel() * world, dtype=piece.dtype)
-        dist.all_gather_into_tensor(full, piece)
+        all_gather_into(full, piece)
     else:
         full = piece
     return full[:numel].view(shape)
@@ -112,7 +113,7 @@ def close_full(p: torch.nn.Parameter, state: tuple, src_rank: int | None) -> Non
         return
     full = p.data.detach().contiguous().cpu()
     if world > 1:
-        dist.broadcast(full, src=src_rank)
+        broadcast(full, src_rank)
     _keep_slice(p, full, rank, world)
 
 

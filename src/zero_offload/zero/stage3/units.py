@@ -13,7 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from zero_offload.comm import DistContext
 from zero_offload.flat import pack, partition_numel
@@ -125,7 +124,7 @@ class ShardedUnit:
                 if ctx.world_size == 1:
                     self.full.copy_(src)
                 else:
-                    dist.all_gather_into_tensor(self.full, src, group=ctx.group)
+                    ctx.all_gather_into(self.full, src)
                 event = stream.record_event()
             src.record_stream(stream)
             self.handle = GatherHandle(None, src, event)
@@ -138,7 +137,7 @@ class ShardedUnit:
             self.full.copy_(src)
             work = None
         else:
-            work = dist.all_gather_into_tensor(self.full, src, group=ctx.group, async_op=async_op)
+            work = ctx.all_gather_into(self.full, src, async_op=async_op)
         self.handle = GatherHandle(work, src) if async_op else None
         return self.handle
 

@@ -1,7 +1,7 @@
 """`ZeroOptimizer`: flat parameters, bucketed gradient reduction and the partitioned optimizer, together.
 
 It knows the partitioning; the engine above it knows precision, clipping and the schedule.
-Data flow of one step (DESIGN.md): backward fills buckets -> reduced into this rank's gradient partition
+Data flow of one step (ARCHITECTURE.md): backward fills buckets -> reduced into this rank's gradient partition
 -> global norm -> one fused step over the partition (device or host) -> all-gather of the 16-bit partitions.
 """
 from __future__ import annotations

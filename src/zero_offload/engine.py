@@ -88,7 +88,7 @@ class Engine:
         # (Stage 3 shards frozen parameters too, from rank 0's values.)
         self.ctx.broadcast_from_first([*self.module.buffers(),
                                        *(p.data for p in self.module.parameters()
-                                         if not p.requires_grad and not hasattr(p, "_zero_unit"))])
+                                         if not p.requires_grad and not self.zero.manages(p))])
         self.optimizer = self.zero.optimizer
         offload_opt = self.config.zero_optimization.offload_optimizer
         self._dpu = (DelayedParamUpdate(self.zero, offload_opt.dpu_warmup_steps)

@@ -85,6 +85,10 @@ class ZeroOptimizer(PartitionStateMixin, DeferrableStepMixin):
     def begin_forward(self) -> None:
         """Nothing to prepare before a forward: stages 0-2 keep every parameter whole."""
 
+    def manages(self, p: torch.Tensor) -> bool:
+        """True for a trainable parameter in this optimizer's flat buffers (a frozen one is the engine's)."""
+        return any(q is p for f in self.flats for q in f.params)
+
     def begin_micro_step(self, boundary: bool, first_micro_step: bool) -> None:
         """Stage 2 reduces every micro-step (it keeps no full gradient); stages 0/1 at the boundary only.
 

@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_flatten
 from zero_offload.comm import DistContext
 from zero_offload.offload.copies import Copies
 from zero_offload.zero.stage3.partition_store import PartitionStore, ResidentStore
+from zero_offload.zero.stage3 import registry
 from zero_offload.zero.stage3.units import ShardedUnit
 
 __all__ = ["ParameterFetcher"]
@@ -134,7 +135,7 @@ class ParameterFetcher:
             if u.gathered:
                 u.wait()
                 continue
-            self._gather(u, async_op=False)
+            self.gather(u, async_op=False)
         if training and self.mode == REPLAYING:
             self._read_ahead(self.trace, self.position)
             self._prefetch(self.trace, self.position)
@@ -183,7 +184,7 @@ class ParameterFetcher:
             if self.live_numel + u.padded_numel > self.max_live_numel:
                 break
             self._read_ahead(trace, pos)     # the reads after this one overlap its gather
-            self._gather(u, async_op=True)
+            self.gather(u, async_op=True)
 
     def _read_ahead(self, trace: list[int], position: int) -> None:
         """A store that is not resident starts reading the next shards in the trace while buffers are free."""
@@ -194,7 +195,9 @@ class ParameterFetcher:
             if not u.gathered and not self.store.prefetch(u):
                 break
 
-    def _gather(self, u: ShardedUnit, async_op: bool) -> None:
+    def gather(self, u: ShardedUnit, async_op: bool = False) -> None:
+        """All-gather unit ``u`` into its full buffer now (``async_op``: in flight until `ShardedUnit.wait`),
+        out of the recorded order: nothing is traced or prefetched."""
         swapped = not self.store.resident
         if swapped:
             kept, u.shard = u.shard, self.store.acquire(u)
@@ -245,7 +248,7 @@ def units_by_module(model: torch.nn.Module, units: list[ShardedUnit]) -> dict[to
     owner_of = {id(p): u for u in units for p in u.params}
     needs: dict[torch.nn.Module, list[ShardedUnit]] = defaultdict(list)
     for module in model.modules():
-        external = module.__dict__.get("_zero_external_params", [])   # register_external_parameter
+        external = registry.external_params(module)   # register_external_parameter
         for p in [*module.parameters(recurse=False), *external]:
             u = owner_of.get(id(p))
             if u is not None and u not in needs[module]:

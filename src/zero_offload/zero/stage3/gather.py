@@ -6,6 +6,7 @@ from typing import Iterable
 
 import torch
 
+from zero_offload.zero.stage3 import registry
 from zero_offload.zero.stage3.sharded_init import ShardedInit, close_full, has_slice, open_full
 
 __all__ = ["init_sharded", "gathered_parameters", "register_external_parameter"]
@@ -61,31 +62,15 @@ def gathered_parameters(params: Iterable[torch.nn.Parameter] | torch.nn.Paramete
                 if id(p) in states:
                     close_full(p, states.pop(id(p)), modifier_rank)
         return
-    units = []
+    owners = []
     for p in params:
-        u = getattr(p, "_zero_unit", None)
-        if u is not None and u not in units:
-            units.append(u)
-    opened = []
-    for u in units:
-        if not u.gathered:
-            u.fetcher._gather(u, async_op=False)
-            opened.append(u)
-        else:
-            u.wait()
-    try:
+        owner = registry.owner_of(p)
+        if owner is not None and owner not in owners:
+            owners.append(owner)
+    with contextlib.ExitStack() as stack:
+        for owner in owners:
+            stack.enter_context(owner.gathered(params, modifier_rank))
         yield
-        if modifier_rank is not None:
-            for u in units:
-                u.owner.write_back(u, modifier_rank)
-    finally:
-        for u in opened:
-            u.fetcher.release(u)
-        if modifier_rank is None:
-            for u in units:
-                if u not in opened:      # a unit that stays gathered: drop the writes made to it
-                    u.fetcher.release(u)
-                    u.fetcher._gather(u, async_op=False)
 
 
 def register_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:
@@ -95,9 +80,7 @@ def register_external_parameter(module: torch.nn.Module, parameter: torch.nn.Par
     Backward needs no registration: a parameter autograd saved is gathered again when backward reads it
     (see `saved_params`). Works before or after ``initialize``.
     """
-    external = module.__dict__.setdefault("_zero_external_params", [])
-    if not any(p is parameter for p in external):
-        external.append(parameter)
-    unit = getattr(parameter, "_zero_unit", None)
-    if unit is not None:
-        unit.fetcher.add_external(module, unit)
+    registry.register_external(module, parameter)
+    owner = registry.owner_of(parameter)
+    if owner is not None:
+        owner.add_external(module, parameter)

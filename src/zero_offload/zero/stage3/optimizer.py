@@ -6,11 +6,12 @@ partition in place, and the next forward gathers the updated shards.
 """
 from __future__ import annotations
 
+import contextlib
 from collections import deque
 
 import torch
-
 from torch.profiler import record_function
+from torch.utils.weak import WeakIdKeyDictionary
 
 from zero_offload.comm import DistContext
 from zero_offload.config import Config
@@ -27,6 +28,7 @@ from zero_offload.zero.stage3.frozen import FrozenRelease, build_frozen_units, f
 from zero_offload.zero.stage3.materialize import materialize
 from zero_offload.zero.stage3.partition_store import ResidentStore
 from zero_offload.zero.stage3.saved_params import SavedParameterGuard
+from zero_offload.zero.stage3 import registry
 from zero_offload.zero.stage3.units import ShardedUnit
 from zero_offload.zero.deferrable import DeferrableStepMixin
 from zero_offload.zero.state import PartitionStateMixin
@@ -89,19 +91,14 @@ class Stage3Optimizer(PartitionStateMixin, DeferrableStepMixin):
         self.fetcher = ParameterFetcher(ctx, self.copies, self.units, module_units,
                                         zc.stage3_prefetch_bucket_size, zc.stage3_max_live_parameters,
                                         zc.stage3_max_reuse_distance, self.store)
-        self.saved_params = SavedParameterGuard(self.units)
+        self.saved_params = SavedParameterGuard(self.units, self.fetcher.gather)
         self.frozen_release = FrozenRelease(self.fetcher, module_units)
         model.register_forward_pre_hook(self._root_pre_forward)
-        for u in self.frozen_units:
-            for p in u.params:
-                p._zero_unit = u
-            u.fetcher, u.owner = self.fetcher, self
+        self.unit_by_param = WeakIdKeyDictionary({p: u for u in self.units for p in u.params})
+        registry.manage(self.unit_by_param.keys(), self)   # for `gathered_parameters` and external parameters
         for u in self.trainable_units:
             for p in u.params:
-                p._zero_unit = u                      # for `gathered_parameters`
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
-            u.fetcher = self.fetcher
-            u.owner = self                            # for `gathered_parameters(modifier_rank=...)`
         # The step runs where the states are; with parameters on the host it runs there too.
         host_step = self.offload or self.offload_param
         self.partitions = [GradPartition(p.numel(), dtype, ctx.device, 3, host_step,
@@ -177,6 +174,46 @@ class Stage3Optimizer(PartitionStateMixin, DeferrableStepMixin):
         self.store.write_shard(u, mine)
         self.adam.write_master(u.group, u.partition_offset, mine)
 
+    # -- parameters used outside their module's forward ---------------------------------------------------
+    def manages(self, p: torch.Tensor) -> bool:
+        """True when ``p`` lives in one of this optimizer's units (trainable or frozen)."""
+        return p in self.unit_by_param
+
+    @contextlib.contextmanager
+    def gathered(self, params, modifier_rank: int | None):
+        """The units holding ``params`` gathered for the body; with ``modifier_rank`` rank's writes kept,
+        without it discarded (see `zero_offload.gathered_parameters`)."""
+        units = []
+        for p in params:
+            u = self.unit_by_param.get(p)
+            if u is not None and u not in units:
+                units.append(u)
+        opened = [u for u in units if not u.gathered]
+        for u in units:
+            if u in opened:
+                self.fetcher.gather(u)
+            else:
+                u.wait()
+        try:
+            yield
+            if modifier_rank is not None:
+                for u in units:
+                    self.write_back(u, modifier_rank)
+        finally:
+            for u in opened:
+                self.fetcher.release(u)
+            if modifier_rank is None:
+                for u in units:
+                    if u not in opened:      # a unit that stays gathered: drop the writes made to it
+                        self.fetcher.release(u)
+                        self.fetcher.gather(u)
+
+    def add_external(self, module: torch.nn.Module, p: torch.nn.Parameter) -> None:
+        """Gather ``p``'s unit before ``module``'s forward too (``register_external_parameter``)."""
+        u = self.unit_by_param.get(p)
+        if u is not None:
+            self.fetcher.add_external(module, u)
+
     @property
     def partitions_count(self) -> int:
         return self.ctx.world_size
@@ -199,7 +236,7 @@ class Stage3Optimizer(PartitionStateMixin, DeferrableStepMixin):
 
     @torch.no_grad()
     def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
-        u = param._zero_unit
+        u = self.unit_by_param[param]
         u.grads_pending -= 1
         if u.grads_pending == 0:
             self._reduce_ready()
@@ -288,7 +325,7 @@ class Stage3Optimizer(PartitionStateMixin, DeferrableStepMixin):
         for u in self.frozen_units:
             opened = not u.gathered
             if opened:
-                self.fetcher._gather(u, async_op=False)
+                self.fetcher.gather(u)
             else:
                 u.wait()
             if keep:

@@ -9,6 +9,8 @@ end of the micro-step. This is the detection DeepSpeed leaves to ``register_exte
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from zero_offload.zero.stage3.units import ShardedUnit
@@ -17,9 +19,15 @@ __all__ = ["SavedParameterGuard"]
 
 
 class SavedParameterGuard:
-    """Install with `start` before a training forward, remove with `stop` after its backward."""
+    """Install with `start` before a training forward, remove with `stop` after its backward.
 
-    def __init__(self, units: list[ShardedUnit]):
+    Args:
+        units: every unit of the model.
+        gather: gathers one released unit now.
+    """
+
+    def __init__(self, units: list[ShardedUnit], gather: Callable[[ShardedUnit], None]):
+        self.gather = gather              # the fetcher's gather, outside the recorded order
         # A unit's storage object survives release/gather (only its size changes), so it identifies the unit.
         self.by_storage = {u.full.untyped_storage()._cdata: u for u in units}
         self._hooks = None
@@ -39,7 +47,7 @@ class SavedParameterGuard:
             if unit.gathered:
                 unit.wait()
             else:
-                unit.fetcher._gather(unit, async_op=False)   # not in the recorded order: no trace
+                self.gather(unit)
                 self.regathered += 1
         return t
 

@@ -17,11 +17,9 @@ import math
 import torch
 
 from zero_offload.comm import all_gather_into, broadcast
+from zero_offload.zero.stage3 import registry
 
 __all__ = ["ShardedInit", "has_slice", "pop_slices", "fill_view", "open_full", "close_full", "shard_in_place"]
-
-_SLICE = "_zero_init_slice"
-
 
 def _rank_world() -> tuple[int, int]:
     from zero_offload.comm import DistContext
@@ -30,7 +28,7 @@ def _rank_world() -> tuple[int, int]:
 
 
 def has_slice(p: torch.Tensor) -> bool:
-    return _SLICE in p.__dict__
+    return registry.slice_of(p) is not None
 
 
 def _chunk(numel: int, world: int) -> int:
@@ -44,7 +42,7 @@ def _keep_slice(p: torch.nn.Parameter, full: torch.Tensor, rank: int, world: int
     meta = torch.nn.Parameter(torch.empty(full.shape, dtype=full.dtype, device="meta"),
                               requires_grad=p.requires_grad)
     torch.utils.swap_tensors(p, meta)
-    p.__dict__[_SLICE] = (flat[rank * chunk:(rank + 1) * chunk].clone(), rank, world)
+    registry.set_slice(p, (flat[rank * chunk:(rank + 1) * chunk].clone(), rank, world))
 
 
 def _shard_own(module: torch.nn.Module, rank: int, world: int) -> None:
@@ -80,9 +78,9 @@ def _gather(state, shape, numel) -> torch.Tensor:
 
 
 def pop_slices(params) -> dict[int, tuple]:
-    """{id(parameter): its slice state} for the parameters built under `ShardedInit`, removed from them
-    (``swap_tensors`` would move them to another object)."""
-    return {id(p): p.__dict__.pop(_SLICE) for p in params if has_slice(p)}
+    """{id(parameter): its slice state} for the parameters built under `ShardedInit`, taken out of the
+    registry (the parameters are swapped for materialised ones next)."""
+    return {id(p): registry.pop_slice(p) for p in params if has_slice(p)}
 
 
 @torch.no_grad()
@@ -95,7 +93,7 @@ def fill_view(state: tuple, view: torch.Tensor) -> None:
 def open_full(p: torch.nn.Parameter) -> tuple:
     """Give a parameter built under `ShardedInit` its full values (a collective); returns the state for
     `close_full`."""
-    state = p.__dict__.pop(_SLICE)
+    state = registry.pop_slice(p)
     full = _gather(state, p.shape, p.numel()).clone()
     torch.utils.swap_tensors(p, torch.nn.Parameter(full, requires_grad=p.requires_grad))
     return state
@@ -109,7 +107,7 @@ def close_full(p: torch.nn.Parameter, state: tuple, src_rank: int | None) -> Non
         meta = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
                                   requires_grad=p.requires_grad)
         torch.utils.swap_tensors(p, meta)
-        p.__dict__[_SLICE] = state
+        registry.set_slice(p, state)
         return
     full = p.data.detach().contiguous().cpu()
     if world > 1:
@@ -158,14 +156,13 @@ class ShardedInit:
     def _wrap(orig, rank: int, world: int):
         @functools.wraps(orig)
         def __init__(module, *args, **kwargs):   # noqa: N807
-            depth = module.__dict__.get("_zero_init_depth", 0)
-            module.__dict__["_zero_init_depth"] = depth + 1
+            depth = registry.init_depth(module)
+            registry.set_init_depth(module, depth + 1)
             try:
                 orig(module, *args, **kwargs)
             finally:
-                module.__dict__["_zero_init_depth"] = depth
+                registry.set_init_depth(module, depth)
             if depth == 0:              # this module's whole __init__ (its subclasses' included) is done
-                del module.__dict__["_zero_init_depth"]
                 _shard_own(module, rank, world)
         return __init__
 

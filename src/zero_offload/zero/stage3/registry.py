@@ -1,0 +1,77 @@
+"""Stage-3 state of the user's parameters and modules, kept beside them, never on them.
+
+FSDP2 maps a module to its state through a registry instead of attributes; so does stage 3 here. Four weak
+maps, keyed by object identity (`torch.utils.weak.WeakIdKeyDictionary`: a tensor's ``==`` is elementwise, so
+a plain ``WeakKeyDictionary`` cannot hold tensors), each entry gone when its object is:
+
+- a parameter -> the stage-3 optimizer whose unit holds it (`owner_of`);
+- a module -> the parameters its forward uses from other modules (`register_external`, DeepSpeed's
+  ``register_external_parameter``);
+- a parameter built under `init_sharded` -> this rank's slice of its constructor values (`slice_of`);
+- a module whose ``__init__`` runs under `init_sharded` -> how deep its constructors are nested
+  (`init_depth`).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+__all__ = ["manage", "owner_of", "register_external", "external_params", "set_slice", "slice_of", "pop_slice",
+           "init_depth", "set_init_depth"]
+
+_OWNERS = WeakIdKeyDictionary()
+_EXTERNAL = WeakIdKeyDictionary()
+_SLICES = WeakIdKeyDictionary()
+_INIT_DEPTH = WeakIdKeyDictionary()
+
+
+def manage(params, owner: Any) -> None:
+    """Record that ``owner`` (a `Stage3Optimizer`) holds ``params`` in its units."""
+    for p in params:
+        _OWNERS[p] = owner
+
+
+def owner_of(p: torch.Tensor) -> Any | None:
+    """The stage-3 optimizer that holds ``p``, or None when no stage-3 engine manages it."""
+    return _OWNERS.get(p)
+
+
+def register_external(module: torch.nn.Module, p: torch.nn.Parameter) -> None:
+    """``module``'s forward uses ``p``, which another module owns."""
+    external = _EXTERNAL.setdefault(module, [])
+    if not any(q is p for q in external):
+        external.append(p)
+
+
+def external_params(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    return list(_EXTERNAL.get(module, ()))
+
+
+def set_slice(p: torch.Tensor, state: tuple) -> None:
+    _SLICES[p] = state
+
+
+def slice_of(p: torch.Tensor) -> tuple | None:
+    return _SLICES.get(p)
+
+
+def pop_slice(p: torch.Tensor) -> tuple:
+    """Remove and return ``p``'s slice state.
+
+    Raises:
+        KeyError: ``p`` was not built under `init_sharded` (or its slice was taken already).
+    """
+    return _SLICES.pop(p)
+
+
+def init_depth(module: torch.nn.Module) -> int:
+    return _INIT_DEPTH.get(module, 0)
+
+
+def set_init_depth(module: torch.nn.Module, depth: int) -> None:
+    if depth:
+        _INIT_DEPTH[module] = depth
+    else:
+        _INIT_DEPTH.pop(module, None)

@@ -16,7 +16,7 @@ from zero_offload.config import AutoContext
 CORPUS = Path(__file__).parent / "data" / "ds_configs"
 FILES = sorted(p.name for p in CORPUS.iterdir())
 
-# Refused, each for a setting README lists as not built (or one DeepSpeed 0.19.8 refuses itself).
+# Refused, each for a setting docs/configs.md lists as not built (or one DeepSpeed 0.19.8 refuses itself).
 REFUSED = {
     "dse_bing_bert_lamb.json": "'Lamb' is accepted by DeepSpeed but not implemented",
     "ds_docs_onebit_adam.json": "'OneBitAdam' is accepted by DeepSpeed but not implemented",

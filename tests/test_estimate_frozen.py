@@ -1,6 +1,6 @@
 """The memory model for models with frozen (``requires_grad=False``) parameters, against the engine's own
 accounting: whole below stage 3, this rank's shards at stage 3 (`zero.stage3.frozen`), never optimized.
-The same model against the process's RSS growth (README's 10 %): test_process_memory.py."""
+The same model against the process's RSS growth (docs/estimate.md's 10 %): test_process_memory.py."""
 from __future__ import annotations
 
 import pytest

@@ -25,7 +25,7 @@ b) Sharded init (2 ranks, stage 3, fp32). Building under `init_sharded`, each mo
    keeps -- the shards and a gradient partition as large, <= 8 N / 2 + SLACK -- is as many bytes as the whole
    model, so the peak of the whole call cannot tell the two apart (that peak is still held to what initialize
    keeps + 3 UNIT + SLACK).
-c) Frozen parameters (README: no gradient buckets, master weights or optimizer state; sharded 1/N at stage
+c) Frozen parameters (docs/library.md: no gradient buckets, master weights or optimizer state; sharded 1/N at stage
    3; the estimate within 10 % of RSS growth). Stage 2, 1 rank: build + initialize + one step peaks at
    <= 4 F (the frozen weights, whole in the module) + 32 M (<= 32 bytes per trainable parameter) + SLACK;
    a master and Adam moments for the frozen one would add 12 F, a gradient 4 F. Stage 3, 2 ranks: what a

@@ -14,12 +14,11 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from zero_offload.checkpoint.io import (CLIENT_STATE, MANIFEST, MODULE_STATE, CheckpointError, DiskFullError, agree,
+from zero_offload.checkpoint.io import (CLIENT_STATE, MANIFEST, MODULE_STATE, CheckpointError, agree,
                                         module_state, rank_file, sha256_file)
-from zero_offload.checkpoint.manifest import FORMATS, ManifestError, check_tag, validate_manifest, verify_manifest_hash
+from zero_offload.checkpoint.manifest import FORMATS, check_tag, validate_manifest, verify_manifest_hash
 from zero_offload.checkpoint.reshard import (check_rank_file, check_saved_partitions, reshard_chunks, reshard_runs,
                                              saved_slice)
-from zero_offload.checkpoint.save import tied_aliases
 from zero_offload.state import STATE_KINDS, CheckpointTarget
 from zero_offload.zero.layout import GroupLayout
 

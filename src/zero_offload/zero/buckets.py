@@ -33,7 +33,7 @@ class GradBucket:
     """Elements [lo, hi) of group ``group``'s flat gradient; ``owner`` is None for an all-reduce (stage 0).
 
     Life cycle per micro-step: ``reset`` -> pieces filled as their gradients arrive (``fill``) -> ready
-    -> reduction launched (``work``) -> waited and handed to the gradient partition -> ``reset``.
+    -> reduction launched (``reduction``) -> waited and handed to the gradient partition -> ``reset``.
     """
     group: int
     lo: int
@@ -45,9 +45,7 @@ class GradBucket:
     filled: list[bool] = field(default_factory=list)
     pending: int = 0
     buffer: torch.Tensor | None = None
-    comm: torch.Tensor | None = None   # the buffer in communication_data_type while reduced (may be `buffer`)
-    native_average: bool = False       # the collective averages itself (NCCL ReduceOp.AVG)
-    work: object = None
+    reduction: object = None          # its `zero_offload.zero.collectives.PendingReduction` while in flight
 
     @property
     def numel(self) -> int:
@@ -57,7 +55,7 @@ class GradBucket:
         self.filled = [False] * len(self.pieces)
         self.pending = len(self.pieces)
         self.buffer = None
-        self.work = None
+        self.reduction = None
 
     def fill(self, index: int) -> bool:
         """Mark piece ``index`` as arrived; True when the bucket has just become ready."""

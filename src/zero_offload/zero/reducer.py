@@ -9,15 +9,14 @@ DDP does, so collectives always match across ranks even when hooks fire in a dif
 from __future__ import annotations
 
 import time
-from collections import deque
 
 import torch
-from torch.profiler import record_function
 
 from zero_offload.comm import DistContext
 from zero_offload.flat import FlatParams
 from zero_offload.zero.averaging import GradAveraging
 from zero_offload.zero.buckets import GradBucket, plan_buckets
+from zero_offload.zero.collectives import InFlight, finish, reduce_bucket
 from zero_offload.zero.grad_partition import GradPartition
 
 __all__ = ["GradientReducer"]
@@ -63,7 +62,7 @@ class GradientReducer:
         self.averaging = averaging or GradAveraging(ctx.world_size)
         self.flat_grads = flat_grads
         self.stage, self.overlap, self.max_in_flight = stage, overlap, max_in_flight
-        self.comm_dtype = comm_dtype or flats[0].dtype     # communication_data_type
+        self.comm_dtype = comm_dtype                       # communication_data_type (None: the training dtype)
         buckets = [b for g, f in enumerate(flats) for b in plan_buckets(f, g, bucket_numel, stage >= 1)]
         self.buckets = sorted(buckets, key=lambda b: b.order_key)
         self.pieces_of: dict[int, list[tuple[GradBucket, int]]] = {}
@@ -74,7 +73,7 @@ class GradientReducer:
         self.reducing = False
         self.first_micro_step = True
         self.next_launch = 0
-        self.in_flight: deque[GradBucket] = deque()
+        self.in_flight: InFlight[GradBucket] = InFlight(max_in_flight, self._complete)
         self.launch_times: list[float] = []   # perf_counter() of each launch in the last micro-step
         self.hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
                       for f in flats for p in f.params]
@@ -104,8 +103,7 @@ class GradientReducer:
                         self._buffer(b)[piece.bucket_lo:piece.bucket_hi].zero_()
                     b.fill(i)
         self._launch_ready()
-        while self.in_flight:
-            self._complete(self.in_flight.popleft())
+        self.in_flight.drain()
         self.reducing = False
 
     # -- hooks -----------------------------------------------------------------------------------------
@@ -150,34 +148,17 @@ class GradientReducer:
             self.next_launch += 1
 
     def _launch(self, b: GradBucket) -> None:
-        buf = self._buffer(b)
-        comm = buf if buf.dtype == self.comm_dtype else buf.to(self.comm_dtype)
-        b.comm = comm
-        # NCCL averages inside the collective (ReduceOp.AVG) unless prescale/predivide ask for another place.
-        b.native_average = (not self.averaging.prescale and self.averaging.predivide == 1.0
-                            and self.ctx.native_average(comm.dtype))
-        if not b.native_average:
-            # Average over ranks. An all-reduce divides first (every rank keeps the result); fp16 divides
-            # first to keep the sum in range; otherwise only the owner divides its result, in `_complete`.
-            self.averaging.before_sum(comm, divide_first=b.owner is None or comm.dtype == torch.float16)
         self.launch_times.append(time.perf_counter())
-        with record_function("zero_offload.reduce_bucket"):
-            b.work = (self.ctx.all_reduce(comm, average=b.native_average) if b.owner is None
-                      else self.ctx.reduce(comm, b.owner, average=b.native_average))
-        self.in_flight.append(b)
+        b.reduction = reduce_bucket(self.ctx, self._buffer(b), self.averaging, self.comm_dtype, b.owner)
+        self.in_flight.push(b)
         if not self.overlap:
-            self._complete(self.in_flight.pop())
-        while len(self.in_flight) > self.max_in_flight:
-            self._complete(self.in_flight.popleft())
+            self.in_flight.drain()
 
     def _complete(self, b: GradBucket) -> None:
-        b.work.wait()
-        comm, b.comm = b.comm, None
-        if b.owner is None or b.owner == self.ctx.rank:
-            if not b.native_average:
-                self.averaging.after_sum(comm, divide_first=b.owner is None or comm.dtype == torch.float16)
-            if comm is not b.buffer:
-                b.buffer.copy_(comm)
+        reduced, b.reduction = finish(b.reduction), None
+        if reduced is not None:
+            if reduced is not b.buffer:
+                b.buffer.copy_(reduced)
             self.partitions[b.group].consume(b, b.buffer, self.first_micro_step)
         if self.flat_grads is None:
             self.pool.release(b.buffer)

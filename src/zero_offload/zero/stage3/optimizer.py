@@ -7,10 +7,8 @@ partition in place, and the next forward gathers the updated shards.
 from __future__ import annotations
 
 import contextlib
-from collections import deque
 
 import torch
-from torch.profiler import record_function
 from torch.utils.weak import WeakIdKeyDictionary
 
 from zero_offload.comm import DistContext
@@ -22,6 +20,7 @@ from zero_offload.zero.gather import gather_masters, global_grad_sq_norm
 from zero_offload.zero.grad_partition import GradPartition
 from zero_offload.zero.layout import GroupLayout, ParamPlacement, Piece
 from zero_offload.zero.averaging import GradAveraging
+from zero_offload.zero.collectives import InFlight, finish, reduce_scatter_grad
 from zero_offload.zero.partitioned_torch import partitioned_optimizer
 from zero_offload.zero.stage3.fetcher import ParameterFetcher, units_by_module
 from zero_offload.zero.stage3.frozen import FrozenRelease, build_frozen_units, frozen_names
@@ -116,9 +115,8 @@ class Stage3Optimizer(PartitionStateMixin, DeferrableStepMixin):
             self.adam = partitioned_optimizer(config, self.parts, [g.hparams for g in groups], host_step,
                                               self.copies, host_params=self.offload_param)
         self.averaging = GradAveraging.from_config(config, ctx.world_size)
-        self.max_in_flight = 2
         self.comm_dtype = communication_dtype(config)
-        self.in_flight: deque = deque()
+        self.in_flight = InFlight(2, self._complete)   # reduce-scatters in flight, each unit's gradient kept
         # Reduce-scatters go out in one fixed order on every rank (last unit first, as backward mostly runs),
         # each once its unit's gradients are ready and all units before it have gone: a module whose output
         # reaches the loss on some ranks only then cannot make the ranks' collectives disagree.
@@ -253,31 +251,11 @@ class Stage3Optimizer(PartitionStateMixin, DeferrableStepMixin):
         flat = u.flat_grad()
         if not u.persistent and u.gathered:
             self.fetcher.release(u)
-        if self.ctx.world_size == 1:
-            out, work, average = flat, None, False
-        else:
-            if self.comm_dtype is not None and flat.dtype != self.comm_dtype:
-                flat = flat.to(self.comm_dtype)
-            # NCCL averages inside the collective unless prescale/predivide ask for another place.
-            average = (not self.averaging.prescale and self.averaging.predivide == 1.0
-                       and self.ctx.native_average(flat.dtype))
-            if not average:
-                # fp16: average before summing, to stay in range
-                self.averaging.before_sum(flat, divide_first=flat.dtype == torch.float16)
-            out = torch.empty(u.shard_numel, dtype=flat.dtype, device=flat.device)
-            with record_function("zero_offload.stage3.reduce_scatter"):
-                work = self.ctx.reduce_scatter(out, flat, average=average)
-        self.in_flight.append((u, out, work, flat, average))
-        while len(self.in_flight) > self.max_in_flight:
-            self._complete(self.in_flight.popleft())
+        self.in_flight.push((u, reduce_scatter_grad(self.ctx, flat, self.averaging, self.comm_dtype)))
 
     def _complete(self, item) -> None:
-        u, out, work, _flat, average = item
-        if work is not None:
-            work.wait()
-            if not average:    # average the 1/N shard, not the whole gradient
-                self.averaging.after_sum(out, divide_first=out.dtype == torch.float16)
-        self.partitions[u.group].accumulate(u.partition_offset, out, self.first_micro_step)
+        u, reduction = item
+        self.partitions[u.group].accumulate(u.partition_offset, finish(reduction), self.first_micro_step)
 
     def end_micro_step(self) -> None:
         """After backward: units whose parameters got no gradient reduce zeros, then wait for all."""
@@ -285,8 +263,7 @@ class Stage3Optimizer(PartitionStateMixin, DeferrableStepMixin):
             if u.grads_pending > 0:
                 u.grads_pending = 0
         self._reduce_ready()
-        while self.in_flight:
-            self._complete(self.in_flight.popleft())
+        self.in_flight.drain()
         self.saved_params.stop()
         self.fetcher.end_micro_step()
 

@@ -222,8 +222,8 @@ def worker(rank: int, engine_name: str, world_size: int, port: int, args, result
 
             dist.init_process_group("gloo", rank=rank, world_size=world_size)
             engine = zero_offload.initialize(model, config)
-            if args.ours_max_in_flight is not None and hasattr(engine.zero, "max_in_flight"):
-                engine.zero.max_in_flight = args.ours_max_in_flight   # diagnosis only: stage-3 reduce-scatters in flight
+            if args.ours_max_in_flight is not None and engine.zero.stage == 3:
+                engine.zero.in_flight.limit = args.ours_max_in_flight   # diagnosis only: reduce-scatters in flight
         elif engine_name == "deepspeed":
             import deepspeed
 
@@ -418,7 +418,7 @@ def main(argv=None) -> int:
     p.add_argument("--zero-extra", default=None,
                    help='JSON merged into zero_optimization of ours and deepspeed, e.g. \'{"stage3_prefetch_bucket_size": 0}\'')
     p.add_argument("--ours-max-in-flight", type=int, default=None,
-                   help="diagnosis: override our stage-3 engine's reduce-scatters in flight (engine.zero.max_in_flight)")
+                   help="diagnosis: override our stage-3 engine's reduce-scatters in flight (engine.zero.in_flight.limit)")
     p.add_argument("--fsdp-reduce-dtype", choices=("float32", "bfloat16"), default="float32",
                    help="FSDP2 MixedPrecisionPolicy reduce_dtype")
     p.add_argument("--breakdown", action="store_true",

@@ -1,18 +1,18 @@
 """docs/configs.md (moved there from the README) lists every DeepSpeed key accepted without effect and every
-refused one, each with why, exactly as the config code's own tables say (zero_offload.config_keys)."""
+refused one, each with why, exactly as the config code's own tables say (zero_offload.config.keys)."""
 from pathlib import Path
 
-from zero_offload.config_keys import accepted_without_effect, markdown_table, refused
+from zero_offload.config.keys import accepted_without_effect, markdown_table, refused
 
 README = (Path(__file__).parent.parent / "docs" / "configs.md").read_text()
 
 
 def test_readme_lists_the_keys_accepted_without_effect_with_why():
-    assert markdown_table(accepted_without_effect()) in README, "run python -m zero_offload.config_keys"
+    assert markdown_table(accepted_without_effect()) in README, "run python -m zero_offload.config.keys"
 
 
 def test_readme_lists_the_refused_keys_with_why():
-    assert markdown_table(refused()) in README, "run python -m zero_offload.config_keys"
+    assert markdown_table(refused()) in README, "run python -m zero_offload.config.keys"
 
 
 def test_every_table_row_is_a_key_the_config_really_treats_so(recwarn):

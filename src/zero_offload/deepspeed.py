@@ -24,7 +24,7 @@ from zero_offload.compat.engine import DeepSpeedEngine
 from zero_offload.compat.mpu import check_mpu
 from zero_offload.compat.optimizer import ClientScheduler, client_optimizer_config
 from zero_offload.config import Config, ConfigError
-from zero_offload.config_io import decode_config_string, read_config_file
+from zero_offload.config.io import decode_config_string, read_config_file
 from zero_offload.engine import Engine
 
 __all__ = ["initialize", "add_config_arguments", "init_distributed", "zero", "DeepSpeedEngine"]

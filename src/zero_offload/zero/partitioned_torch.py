@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from zero_offload.config_schema import ConfigError
+from zero_offload.config.schema import ConfigError
 from zero_offload.offload.copies import Copies
 from zero_offload.zero.grad_partition import GradSource
 from zero_offload.zero.partitioned_adam import PartitionedAdam, fill_from_chunks, host_state_dtype

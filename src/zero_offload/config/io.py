@@ -17,7 +17,7 @@ import re
 
 import hjson
 
-from zero_offload.config_schema import ConfigError
+from zero_offload.config.schema import ConfigError
 
 __all__ = ["read_config_file", "decode_config_string", "check_finite"]
 

@@ -12,7 +12,7 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
-from zero_offload.config_schema import ConfigError, from_dict, option
+from zero_offload.config.schema import ConfigError, from_dict, option
 
 __all__ = ["AdamParams", "OptimizerConfig", "SchedulerConfig", "WarmupLRParams", "WarmupDecayLRParams",
            "WarmupCosineLRParams", "OneCycleParams", "LRRangeTestParams", "SCHEDULER_PARAMS",

@@ -8,7 +8,7 @@ Applied to the raw dict before the typed `Config` is built, so the dataclasses s
   without the ``stage3_`` prefix (``prefetch_bucket_size``, ...);
 - settings DeepSpeed ignores (``offload_param`` below stage 3) are dropped with one warning;
 - top-level sections removed in DeepSpeed 0.19.8 are refused with DeepSpeed's reason, and settings that
-  would change training and are not built here are refused (`UNBUILT` lists them for the README);
+  would change training and are not built here are refused (`UNBUILT` lists them for docs/configs.md);
 - ``"auto"`` values are resolved as ``transformers.integrations.deepspeed`` does wherever the engine knows
   the value (`resolve_auto`); elsewhere the error names the key and the argument that supplies it.
 """
@@ -20,9 +20,10 @@ from typing import Any
 
 import torch
 
-from zero_offload.config_schema import ConfigError
+from zero_offload.config.schema import ConfigError
 
-__all__ = ["normalize", "resolve_auto", "AutoContext", "UNBUILT", "REMOVED_IN_DEEPSPEED"]
+__all__ = ["normalize", "resolve_auto", "AutoContext", "UNBUILT", "REMOVED_IN_DEEPSPEED", "IGNORED_TOP_LEVEL",
+           "IGNORED_ZERO", "IGNORED_OFFLOAD_OPTIMIZER", "IGNORED_OFFLOAD_PARAM"]
 
 # Sections DeepSpeed 0.19.8 itself refuses (deepspeed/runtime/config.py, _REMOVED_TOP_LEVEL_CONFIG_KEYS).
 REMOVED_IN_DEEPSPEED = {
@@ -44,7 +45,7 @@ REMOVED_ZERO_IN_DEEPSPEED = {
     "zeropp_loco_param": "LoCo-Zero++ was removed from DeepSpeed",
 }
 
-# Settings that change what is trained and are not built here: refused, never ignored (README lists them).
+# Settings that change what is trained and are not built here: refused, never ignored (docs/configs.md lists them).
 UNBUILT = {
     "gradient_allreduce_op = 'sum'": "gradients are always averaged over ranks",
     "fp16.auto_cast = true": "inputs are not cast; cast them yourself (the model runs in fp16)",
@@ -57,6 +58,89 @@ UNBUILT = {
     "optimizer.type Lamb, OneBitAdam, OneBitLamb, ZeroOneAdam, Lion, Muon, MuAdam, MuAdamW, MuSGD":
         "use Adam/AdamW or a torch.optim name (SGD, Adagrad, RMSprop, ...)",
 }
+
+
+# DeepSpeed keys that change nothing here: accepted with one warning, so a DeepSpeed JSON runs unchanged.
+IGNORED_TOP_LEVEL = {
+    "wall_clock_breakdown": "timings are always in metrics.jsonl",
+    "memory_breakdown": "use Engine.memory_breakdown()",
+    "dump_state": "no state dump",
+    "zero_allow_untested_optimizer": "every optimizer type that runs here is a tested one (the fused Adam, or a "
+                                     "torch.optim class on the partitions)",
+    "zero_force_ds_cpu_optimizer": "the host optimizer is always zero-offload's CPUAdam",
+    "flops_profiler": "no profiler hooks",
+    "tensorboard": "metrics go to metrics.jsonl",
+    "wandb": "metrics go to metrics.jsonl",
+    "csv_monitor": "metrics go to metrics.jsonl",
+    "comms_logger": "no communication logger",
+    "steps_per_print_dist": "only rank 0 prints",
+    "steps_per_print": "the main job shows a progress bar and writes every step to metrics.jsonl",
+    "comet": "metrics go to metrics.jsonl",
+    "timers": "no DeepSpeed timers",
+    "autotuning": "no autotuner; `zero-offload estimate` plans memory",
+    "activation_checkpointing": "it configures deepspeed.checkpointing, which models call themselves; use "
+                                "torch.utils.checkpoint (HF: model.gradient_checkpointing_enable())",
+    "checkpoint": "checkpoints are always per-rank shards, written atomically and resharded on load",
+    "data_types": "gradients accumulate in fp32 at stages 2/3 and in the training dtype at stages 0/1",
+    "compile": "the engine does not compile the model; call torch.compile on it yourself",
+    "hybrid_engine": "no inference hybrid engine",
+    "pipeline": "no pipeline parallelism; the section only applies to a deepspeed.pipe.PipelineModule",
+    "datastates": "no DataStates checkpoint engine",
+    "disable_allgather": "updated parameters are always all-gathered",
+    "disable_python_gc": "Python's garbage collector is left as it is",
+    "managed_gradient_accumulation": "the engine always counts micro-steps to the accumulation boundary",
+    "vocabulary_size": "only used by DeepSpeed for an alignment warning",
+    "log_level": "zero-offload logs through Python warnings",
+    "use_data_before_expert_parallelism": "no expert parallelism",
+    "expert_parallel": "no expert parallelism",
+    "seq_parallel_communication_data_type": "no sequence parallelism",
+    "tensor_parallel": "no tensor parallelism (autotp_size 1 is the same as none)",
+    "sequence_parallel_size": "no sequence parallelism (1 is the same as none)",
+    "torch_autocast": "autocast is off (enabled = false), as DeepSpeed's default",
+    "data_efficiency": "data efficiency is off (enabled = false)",
+}
+IGNORED_ZERO = {
+    "reduce_scatter": "gradients are always reduced to their owning partition",
+    "allgather_partitions": "parameters are always all-gathered from partitions",
+    "round_robin_gradients": "partitions are contiguous ranges",
+    "elastic_checkpoint": "checkpoints always reshard",
+    "load_from_fp32_weights": "checkpoints always restore fp32 master weights",
+    "ignore_unused_parameters": "unused parameters contribute zero gradients",
+    "zero_hpz_partition_size": "no hierarchical partitioning",
+    "zero_quantized_weights": "no quantized communication",
+    "zero_quantized_gradients": "no quantized communication",
+    "memory_efficient_linear": "no linear override",
+    "stage3_module_granularity_threshold": "every module that owns parameters is its own gather unit",
+    "stage3_model_persistence_threshold": "persistence is decided by stage3_param_persistence_threshold alone",
+    "stage3_use_all_reduce_for_fetch_params": "parameters are fetched with all-gather",
+    "stage3_allgather_sequential": "each module's parameters are gathered as one flat buffer",
+    "use_multi_rank_bucket_allreduce": "buckets are reduced to their owning rank",
+    "compute_grad_norm": "the global gradient norm is always computed (clipping and get_global_grad_norm)",
+    "parameter_alignment": "flat buffers are always aligned",
+    "legacy_stage1": "there is one stage-1 implementation",
+    "zero_quantized_nontrainable_weights": "no quantized weights; frozen weights keep their dtype",
+    "override_module_apply": "module.apply is not patched",
+    "log_trace_cache_warnings": "the stage-3 fetcher warns once when the module order changes",
+    "enable_sanity_checks": "no extra internal checks",
+    "save_muon_momentum_buffer_in_memory": "no Muon optimizer",
+    "leaf_module": "every module that owns parameters is its own gather unit",
+    "pipeline_loading_checkpoint": "no pipeline parallelism",
+    "zenflow": "ZenFlow's stall-free offload is not built: the plain ZeRO-Offload host step runs instead",
+}
+IGNORED_OFFLOAD = {
+    "ratio": "the whole optimizer step runs on the host when offloaded",
+    "pipeline": "set pipeline_read / pipeline_write",
+    "super_offload": "SuperOffload (Superchip CPU offload) is not built: the plain ZeRO-Offload host step "
+                     "runs instead",
+    "cpuadam_cores_perc": "the host kernel uses every core torch is allowed to use (torch.set_num_threads)",
+}
+IGNORED_OFFLOAD_OPTIMIZER = {**IGNORED_OFFLOAD,
+                             "buffer_size": "NVMe buffers hold one sub-group (sub_group_size) each",
+                             "max_in_cpu": "a key of offload_param"}
+IGNORED_OFFLOAD_PARAM = {**IGNORED_OFFLOAD,
+                         "fast_init": "a key of offload_optimizer",
+                         "pipeline_read": "a key of offload_optimizer",
+                         "pipeline_write": "a key of offload_optimizer"}
 
 
 def _warn(message: str) -> None:

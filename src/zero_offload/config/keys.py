@@ -1,15 +1,14 @@
 """The DeepSpeed 0.19.8 config keys accepted here without effect, and those refused, each with why.
 
-Read from the tables the config code itself uses (`config.IGNORED_*`, `config_compat.UNBUILT` and
-``REMOVED_*``, `config_optim.REFUSED_OPTIMIZERS`) plus the settings checked by value, so that README's lists
+Read from the tables the config code itself uses (`compat.IGNORED_*`, `compat.UNBUILT` and
+``REMOVED_*``, `optim.REFUSED_OPTIMIZERS`) plus the settings checked by value, so that docs/configs.md's lists
 (tests/test_readme_config_keys.py compares them) cannot drift from what the code does.
 """
 from __future__ import annotations
 
-from zero_offload.config import (IGNORED_OFFLOAD_OPTIMIZER, IGNORED_OFFLOAD_PARAM, IGNORED_TOP_LEVEL,
-                                 IGNORED_ZERO)
-from zero_offload.config_compat import REMOVED_IN_DEEPSPEED, REMOVED_ZERO_IN_DEEPSPEED, UNBUILT
-from zero_offload.config_optim import REFUSED_OPTIMIZERS
+from zero_offload.config.compat import (IGNORED_OFFLOAD_OPTIMIZER, IGNORED_OFFLOAD_PARAM, IGNORED_TOP_LEVEL,
+                                       IGNORED_ZERO, REMOVED_IN_DEEPSPEED, REMOVED_ZERO_IN_DEEPSPEED, UNBUILT)
+from zero_offload.config.optim import REFUSED_OPTIMIZERS
 
 __all__ = ["accepted_without_effect", "refused", "markdown_table"]
 
@@ -62,7 +61,7 @@ def markdown_table(rows: list[tuple[str, str]]) -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":      # python -m zero_offload.config_keys: the README tables
+if __name__ == "__main__":      # python -m zero_offload.config.keys: the tables of docs/configs.md
     print(markdown_table(accepted_without_effect()))
     print()
     print(markdown_table(refused()))

@@ -107,10 +107,10 @@ def _lora_run(offload, steps):
     engine = zero_offload.initialize(LoraModel(), config(_rank_ws()[1], offload))
     _train(engine, steps)
     breakdown = engine.memory_breakdown()
-    shards = engine.zero.frozen_part.untyped_storage().nbytes()
-    masters = sum(m.numel() for m in engine.zero.adam.masters)
+    shards = breakdown["frozen_params"]["bytes"]
+    masters = breakdown["master"]["numel"]
     return (engine.full_state_dict(), breakdown, shards, _held_by_frozen(engine), masters,
-            engine.zero.fetcher.peak_live_bytes)
+            breakdown["peak_gathered"]["bytes"])
 
 
 @pytest.mark.parametrize("offload", ["none", "cpu"])

@@ -18,6 +18,7 @@ from zero_offload.config import AutoContext, Config, ConfigError
 from zero_offload.offload.delayed_update import DelayedParamUpdate
 from zero_offload.optim.lr_schedules import build_scheduler
 from zero_offload.precision import LossScaler, is_overflow, training_dtype
+from zero_offload.stats import StepStats
 from zero_offload.zero import ParamGroup, ZeroOptimizer
 from zero_offload.zero.stage3 import Stage3Optimizer
 from zero_offload.zero.stage3.materialize import is_meta_model
@@ -56,6 +57,8 @@ class Engine:
         last_grad_norm: the global gradient norm of the last boundary step (before clipping); None before.
         timings: host wall-clock seconds in forward, backward and optimizer over the last optimizer step.
             On CUDA the device is not synchronised for them, so they time the host's side of the work.
+        stats: `zero_offload.stats.StepStats` of the last optimizer step (gathers, reductions, bytes copied
+            each way, host syncs); all zero before the first.
     """
 
     def __init__(self, model: torch.nn.Module, config: "Config | dict | str", model_parameters=None,
@@ -102,6 +105,8 @@ class Engine:
         self.last_grad_norm: float | None = None
         self.timings = {"forward_s": 0.0, "backward_s": 0.0, "optimizer_s": 0.0}
         self._timing_reset = False
+        self.stats = StepStats()
+        self._counters = self.zero.counters()
 
     # -- the public step loop ----------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -206,6 +211,8 @@ class Engine:
         self.global_step += 1
         self.timings["optimizer_s"] += time.perf_counter() - start
         self._timing_reset = True
+        counters = self.zero.counters()
+        self.stats, self._counters = StepStats.between(self._counters, counters), counters
 
     # -- state -----------------------------------------------------------------------------------------
     @property

@@ -17,22 +17,33 @@ handle is complete -- the same interface (`Copies`) with streams, events and pin
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from zero_offload.offload.pinned import host_alloc_bytes, host_empty
 
-__all__ = ["host_empty", "host_alloc_bytes", "CopyHandle", "DONE", "Copies", "CudaCopies", "HostCopies", "CopyEngine"]
+__all__ = ["host_empty", "host_alloc_bytes", "TransferCounts", "CopyHandle", "DONE", "Copies", "CudaCopies",
+           "HostCopies", "CopyEngine"]
+
+
+@dataclass
+class TransferCounts:
+    """Running totals of one copy engine: bytes each way, and host waits on a copy's event."""
+    bytes_down: int = 0
+    bytes_up: int = 0
+    host_syncs: int = 0
 
 
 class CopyHandle:
-    """One queued copy: an event on its copy stream (None when it completed synchronously)."""
+    """One queued copy: an event on its copy stream (None when it completed synchronously), and the counts
+    its engine keeps (a host wait on the event is counted there)."""
 
-    __slots__ = ("event",)
+    __slots__ = ("event", "counts")
 
-    def __init__(self, event=None):
-        self.event = event
+    def __init__(self, event=None, counts: TransferCounts | None = None):
+        self.event, self.counts = event, counts
 
     def query(self) -> bool:
         """True when the copy has finished (never blocks)."""
@@ -41,6 +52,8 @@ class CopyHandle:
     def synchronize(self) -> None:
         """Block the host until the copy has finished (before the host reads or rewrites its host side)."""
         if self.event is not None:
+            if self.counts is not None and not self.event.query():
+                self.counts.host_syncs += 1
             self.event.synchronize()
 
     def wait_stream(self, stream=None) -> None:
@@ -56,6 +69,7 @@ class Copies(Protocol):
     """What the optimizer and the gradient partitions need from a copy engine."""
     device: torch.device
     cuda: bool
+    counts: "TransferCounts"
 
     def to_host(self, dst: torch.Tensor, src: torch.Tensor) -> CopyHandle: ...
 
@@ -71,13 +85,16 @@ class HostCopies:
 
     def __init__(self, device: torch.device, pin: bool = False):
         self.device = device
+        self.counts = TransferCounts()
 
     def to_host(self, dst: torch.Tensor, src: torch.Tensor) -> CopyHandle:
         dst.copy_(src)
+        self.counts.bytes_down += dst.numel() * dst.element_size()
         return DONE
 
     def to_device(self, dst: torch.Tensor, src: torch.Tensor) -> CopyHandle:
         dst.copy_(src)
+        self.counts.bytes_up += dst.numel() * dst.element_size()
         return DONE
 
     def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -102,6 +119,7 @@ class CudaCopies:
 
     def __init__(self, device: torch.device, pin: bool = True):
         self.device, self.pin = device, pin
+        self.counts = TransferCounts()
         self.d2h = torch.cuda.Stream(device)
         self.h2d = torch.cuda.Stream(device)
 
@@ -110,11 +128,13 @@ class CudaCopies:
 
     def to_host(self, dst: torch.Tensor, src: torch.Tensor) -> CopyHandle:
         """Copy device tensor ``src`` into host tensor ``dst`` after the compute queued so far produced it."""
+        self.counts.bytes_down += dst.numel() * dst.element_size()
         return self._copy(self.d2h, dst, src, device_side=src)
 
     def to_device(self, dst: torch.Tensor, src: torch.Tensor) -> CopyHandle:
         """Copy host tensor ``src`` into device tensor ``dst`` once the compute queued so far is done with
         ``dst`` (the caller has synchronised the handle of whatever wrote ``src``)."""
+        self.counts.bytes_up += dst.numel() * dst.element_size()
         return self._copy(self.h2d, dst, src, device_side=dst)
 
     def synchronize(self) -> None:
@@ -135,7 +155,7 @@ class CudaCopies:
             dst.copy_(src, non_blocking=True)
             event = stream.record_event()
         device_side.record_stream(stream)
-        return CopyHandle(event)
+        return CopyHandle(event, self.counts)
 
 
 def CopyEngine(device: torch.device, pin: bool = True) -> Copies:

@@ -203,7 +203,8 @@ def _train(args: TrainArgs, ctx: DistContext, config: Config, choice, out: Path,
             dt = time.perf_counter() - t0
             record = {"step": step + 1, "loss": loss_value, "lr": engine.get_lr()[0],
                       "tokens_per_s": tokens_per_step / dt, "step_time_s": dt,
-                      **{k: round(v, 6) for k, v in engine.timings.items()}, **_memory(ctx.device)}
+                      **{k: round(v, 6) for k, v in engine.timings.items()}, **_memory(ctx.device),
+                      **engine.stats.as_dict()}
             if ctx.device.type == "cuda":
                 # Model FLOPs (6N + attention per token, no recompute counted) per GPU, and MFU against its peak.
                 record["tflops"] = tokens_per_step / dt * flops_token / ctx.world_size / 1e12
@@ -215,7 +216,7 @@ def _train(args: TrainArgs, ctx: DistContext, config: Config, choice, out: Path,
                 extra = {k: f"{record[k]:.1f}" if k == "tflops" else f"{record[k]:.1%}"
                          for k in ("tflops", "mfu") if k in record}
                 bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{record['tokens_per_s']:.0f}", **extra,
-                                host_gb=f"{record['host_mem_gb']:.1f}",
+                                host_gb=f"{record['host_mem_gb']:.1f}", syncs=engine.stats.host_syncs,
                                 **({"dev_gb": f"{record['device_mem_gb']:.1f}"} if "device_mem_gb" in record else {}))
             done = step + 1
             if done % args.eval_every == 0 or done == args.steps:

@@ -102,8 +102,10 @@ class InFlight(Generic[T]):
     def __init__(self, limit: int, on_finish: Callable[[T], None]):
         self.limit, self.on_finish = limit, on_finish
         self.items: deque[T] = deque()
+        self.launched = 0            # running count of reductions pushed (`zero_offload.stats.StepStats`)
 
     def push(self, item: T) -> None:
+        self.launched += 1
         self.items.append(item)
         while len(self.items) > self.limit:
             self.on_finish(self.items.popleft())

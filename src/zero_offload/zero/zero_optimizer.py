@@ -74,6 +74,7 @@ class ZeroOptimizer(PartitionStateMixin, DeferrableStepMixin):
         else:
             self.adam = partitioned_optimizer(config, parts, [g.hparams for g in groups], self.offload,
                                               self.copies)
+        self.gathers = 0                   # all-gathers of updated partitions issued (running count)
         self._reduced = False              # stages 0/1: the full gradient was reduced since the last step
         self._set_aside: list[torch.Tensor] | None = None
 
@@ -122,7 +123,16 @@ class ZeroOptimizer(PartitionStateMixin, DeferrableStepMixin):
         self.adam.step(self._grads(), grad_scale)
         self._all_gather()
 
+    def counters(self) -> dict[str, int]:
+        """Running totals behind `zero_offload.stats.StepStats`: parameter all-gathers, gradient reductions,
+        bytes copied each way and host waits on copies."""
+        c = self.copies.counts
+        return {"gathers": self.gathers, "reductions": self.reducer.in_flight.launched,
+                "bytes_down": c.bytes_down, "bytes_up": c.bytes_up, "host_syncs": c.host_syncs}
+
     def _all_gather(self) -> None:
+        if self.stage >= 1 and self.ctx.distributed:
+            self.gathers += len(self.flats)
         if self.stage >= 1:
             with record_function("zero_offload.all_gather_params"):
                 for f in self.flats:

@@ -172,6 +172,12 @@ class Stage3Optimizer(PartitionStateMixin, DeferrableStepMixin):
         self.store.write_shard(u, mine)
         self.adam.write_master(u.group, u.partition_offset, mine)
 
+    def counters(self) -> dict[str, int]:
+        """Running totals behind `zero_offload.stats.StepStats` (see `ZeroOptimizer.counters`)."""
+        c = self.copies.counts
+        return {"gathers": self.fetcher.fetch_count, "reductions": self.in_flight.launched,
+                "bytes_down": c.bytes_down, "bytes_up": c.bytes_up, "host_syncs": c.host_syncs}
+
     # -- parameters used outside their module's forward ---------------------------------------------------
     def manages(self, p: torch.Tensor) -> bool:
         """True when ``p`` lives in one of this optimizer's units (trainable or frozen)."""

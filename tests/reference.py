@@ -62,25 +62,31 @@ def engine_run(config: dict, steps=STEPS, with_norms=False):
     rank = dist.get_rank() if dist.is_initialized() else 0
     ws = dist.get_world_size() if dist.is_initialized() else 1
     engine = zero_offload.initialize(make_model(), config)
-    gas = engine.gradient_accumulation_steps
     losses, norms = [], []
     for step in range(steps):
-        x, y = batch(step, MICRO * gas * ws)
-        total = torch.zeros(())
-        for k in range(gas):
-            rows = slice((rank * gas + k) * MICRO, (rank * gas + k + 1) * MICRO)
-            loss = engine(x[rows], y[rows])
-            engine.backward(loss)
-            engine.step()
-            total += loss.detach().float().cpu() / (gas * ws)
-        if ws > 1:
-            dist.all_reduce(total)
-        losses.append(total.item())
+        losses.append(train_step(engine, step, rank, ws))
         norms.append(engine.last_grad_norm)
     with zero_offload.gathered_parameters(engine.module.parameters()):   # stage 3 holds shards only
         params = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
     out = (engine.full_state_dict(), params, losses)
     return (*out, norms) if with_norms else out
+
+
+def train_step(engine, step: int, rank: int, ws: int) -> float:
+    """One optimizer step of ``engine`` on this rank's micro-batches of global batch ``step``; returns the mean
+    loss over every rank's micro-batches."""
+    gas = engine.gradient_accumulation_steps
+    x, y = batch(step, MICRO * gas * ws)
+    total = torch.zeros(())
+    for k in range(gas):
+        rows = slice((rank * gas + k) * MICRO, (rank * gas + k + 1) * MICRO)
+        loss = engine(x[rows], y[rows])
+        engine.backward(loss)
+        engine.step()
+        total += loss.detach().float().cpu() / (gas * ws)
+    if ws > 1:
+        dist.all_reduce(total)
+    return total.item()
 
 
 def engine_runs(configs: list[dict], steps=STEPS, with_norms=False) -> list:

@@ -46,7 +46,7 @@ import math
 
 import torch
 
-from reference import LR, MICRO
+from reference import LR, MICRO, train_step
 from toy_model import batch, make_model
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -194,7 +194,7 @@ def lockstep_run(config: dict, reference: dict, steps: int = 5, dpu_warmup: int 
     ws = dist.get_world_size() if dist.is_initialized() else 1
     engine = zero_offload.initialize(make_model(), config)
     ref = Reference16(ws=ws, **reference)
-    dtype, gas = ref.dtype, engine.gradient_accumulation_steps
+    dtype = ref.dtype
     history = [engine.full_state_dict()]
     out = []
     for u in range(steps):
@@ -205,22 +205,13 @@ def lockstep_run(config: dict, reference: dict, steps: int = 5, dpu_warmup: int 
         weights_ulp = max(((weights[n].float() - expected[n].float()).abs() / ulp(expected[n].float(), dtype))
                           .max().item() for n in expected)
         step = ref.step(u, history[-1], expected)
-        x, y = batch(u, MICRO * gas * ws)
-        loss_sum = torch.zeros(())
-        for k in range(gas):
-            rows = slice((rank * gas + k) * MICRO, (rank * gas + k + 1) * MICRO)
-            loss = engine(x[rows], y[rows])
-            engine.backward(loss)
-            engine.step()
-            loss_sum += loss.detach().float().cpu()
-        if ws > 1:
-            dist.all_reduce(loss_sum)
+        loss = train_step(engine, u, rank, ws)
         masters = engine.full_state_dict()
         ratios = {n: ((masters[n] - step["masters"][n]).abs() / step["bound"][n]).max().item() for n in masters}
         worst = max(ratios, key=ratios.get)
         out.append({"weights_ulp": weights_ulp, "masters_ratio": ratios[worst], "worst": worst,
                     "norm_rel": abs(engine.last_grad_norm - step["norm"]) / step["norm"], "norm": step["norm"],
-                    "loss": loss_sum.item() / (gas * ws), "ref_loss": step["loss"]})
+                    "loss": loss, "ref_loss": step["loss"]})
         history.append(masters)
     return out
 

@@ -138,3 +138,62 @@ def test_non_scalar_loss():
 def test_config_type_error():
     with pytest.raises(ConfigError, match="dict, a JSON file path or a zero_offload.Config"):
         Config.load(42)
+
+
+# Issue 20, section 1: a GPU machine with no network has torch but no hjson. Only a file that is not strict JSON
+# needs it; everything else runs in a fresh process where importing hjson fails.
+NO_HJSON = r'''
+import json, sys
+class NoHjson:
+    def find_spec(self, name, path=None, target=None):
+        if name == "hjson" or name.startswith("hjson."):
+            raise ImportError("No module named 'hjson' (blocked by the test)")
+sys.meta_path.insert(0, NoHjson())
+import torch
+import zero_offload
+from zero_offload import Config, ConfigError
+import zero_offload.deepspeed
+strict, loose = sys.argv[1:3]
+assert Config.load({"train_batch_size": 4, "zero_optimization": {"stage": 2}}).zero_optimization.stage == 2
+assert Config.load(strict).zero_optimization.stage == 1
+engine = zero_offload.initialize(torch.nn.Linear(4, 2), strict)
+engine.backward(engine(torch.ones(4, 4)).sum())
+engine.step()
+try:
+    Config.load(loose)
+    message = None
+except ConfigError as e:
+    message = str(e)
+print(json.dumps({"hjson_imported": "hjson" in sys.modules, "message": message}))
+'''
+
+
+def test_json_configs_need_no_hjson(tmp_path):
+    import subprocess
+    import sys
+    strict = tmp_path / "strict.json"
+    strict.write_text(json.dumps({"train_batch_size": 4, "optimizer": {"type": "AdamW"},
+                                  "zero_optimization": {"stage": 1}}))
+    loose = tmp_path / "loose.hjson"
+    loose.write_text('{"train_batch_size": 4, // a comment\n "zero_optimization": {"stage": 1,},}\n')
+    proc = subprocess.run([sys.executable, "-c", NO_HJSON, str(strict), str(loose)], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert not result["hjson_imported"]
+    message = result["message"]
+    assert message is not None and "pip install hjson" in message and str(loose) in message, message
+    assert "not strict JSON" in message
+
+
+def test_hjson_file_without_hjson_names_the_package_and_file(tmp_path, monkeypatch):
+    import sys
+    loose = tmp_path / "with_comments.json"
+    loose.write_text('{"train_batch_size": 4, # hash comment\n}')
+    assert Config.load(loose).train_batch_size == 4            # hjson installed here: it loads
+    monkeypatch.setitem(sys.modules, "hjson", None)             # as if it were not
+    with pytest.raises(ConfigError, match=r"with_comments\.json.*pip install hjson"):
+        Config.load(loose)
+    strict = tmp_path / "strict.json"
+    strict.write_text('{"train_batch_size": 4}')
+    assert Config.load(strict).train_batch_size == 4

@@ -5,6 +5,10 @@ DeepSpeed 0.19.8 (``deepspeed.runtime.config.DeepSpeedConfig``) reads a path wit
 as base64-encoded hjson. Here the same inputs load, and every failure names the file and, where there is
 one, the key: a duplicate key, a NaN or Infinity value (DeepSpeed's pydantic models refuse them), a file
 that is binary or not UTF-8.
+
+hjson is imported only to read text that is not strict JSON (issue 20: a GPU machine with no network has
+torch but often no hjson): a dict or a strict-JSON file never needs it, and without it an hjson-only file
+fails with a ConfigError that names the file and ``pip install hjson``.
 """
 from __future__ import annotations
 
@@ -14,8 +18,6 @@ import json
 import math
 import os
 import re
-
-import hjson
 
 from zero_offload.config.schema import ConfigError
 
@@ -51,16 +53,33 @@ def check_finite(data, path: str = "") -> None:
         raise ConfigError(f"config key '{path or '<root>'}': got {data!r}; NaN and Infinity are not allowed")
 
 
+def _hjson(source: str, why: json.JSONDecodeError):
+    """The hjson module, imported on first need (see the module docstring).
+
+    Raises:
+        ConfigError: hjson is not installed; names ``source``, where strict JSON failed (``why``) and the
+            package to install.
+    """
+    try:
+        import hjson
+    except ImportError:
+        raise ConfigError(f"config {source} is not strict JSON ({why}); reading it as hjson (comments, trailing "
+                          f"commas), as DeepSpeed does, needs the hjson package, which is not installed: "
+                          f"pip install hjson, or write the config as strict JSON") from None
+    return hjson
+
+
 def _parse(text: str, source: str) -> dict:
     hook = _no_duplicates(source)
     try:
         # Plain JSON first: it reads NaN/Infinity, so the key holding one can be named below.
         data = json.loads(text, object_pairs_hook=hook, parse_constant=_NonFinite)
-    except json.JSONDecodeError:
+    except json.JSONDecodeError as not_json:
         match = _NON_FINITE.search(text)
         if match:
             raise ConfigError(f"config {source}: key '{match.group(1)}' = {match.group(2)}; NaN and Infinity "
                               f"are not allowed") from None
+        hjson = _hjson(source, not_json)
         try:
             data = hjson.loads(text, object_pairs_hook=hook)
         except hjson.HjsonDecodeError as e:

@@ -11,6 +11,7 @@ import pytest
 import zero_offload
 from zero_offload.cli import main
 from zero_offload.estimate import estimate_memory, parse_bytes
+from zero_offload.estimate.table import parse_size_flag
 from zero_offload.flat import ALIGNMENT, padded_numel, partition_numel
 
 GiB = 2**30
@@ -141,6 +142,35 @@ def test_cli_table_marks_the_plan_and_writes_it(tmp_path, capsys):
 ])
 def test_cli_bad_input(capsys, argv, message):
     rc, _, err = _cli(capsys, *argv, "--gpu-mem", "80GB")
+    assert rc == 2 and message in err
+
+
+def test_cli_bare_size_is_gb(capsys):
+    """Issue 20: `--gpu-mem 80` is 80 GB (it was read as 80 bytes), for every size flag, and --help says so."""
+    sizes = ["--gpu-mem", "80", "--host-mem", "128", "--nvme", "2000"]
+    rc, bare, _ = _cli(capsys, "--model", "gpt2-10b", "--gpus", "1", *sizes)
+    rc_units, units, _ = _cli(capsys, "--model", "gpt2-10b", "--gpus", "1", "--gpu-mem", "80GB", "--host-mem",
+                              "128GB", "--nvme", "2TB")
+    measured = re.compile(r"~[0-9.]+ s at [0-9.]+ GB/s")     # the host step's time uses a measured bandwidth
+    assert rc == rc_units and measured.sub("", bare) == measured.sub("", units)
+    assert "x 74.5 GiB device, host 119.2 GiB, NVMe 1862.6 GiB" in bare.splitlines()[0]
+    assert parse_size_flag("1.5", "--host-mem") == 1_500_000_000 and parse_size_flag("0", "--gpu-mem") == 0
+    assert parse_size_flag("512B", "--nvme") == 512 and parse_size_flag("24GiB", "--gpu-mem") == 24 * GiB
+    assert parse_bytes("80") == 80            # the Python API keeps reading a bare string as bytes
+    with pytest.raises(SystemExit):
+        main(["estimate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for flag in ("--gpu-mem", "--host-mem", "--nvme"):
+        assert re.search(flag + r" \S+ [^-]*a bare number of GB", text), flag
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--gpu-mem=-80"], "--gpu-mem must be >= 0, got '-80'"),
+    (["--host-mem", "lots"], "--host-mem: cannot read 'lots' as a size"),
+    (["--nvme", "2 TB of disk"], "--nvme: cannot read '2 TB of disk' as a size"),
+])
+def test_cli_bad_size_names_the_flag(capsys, argv, message):
+    rc, _, err = _cli(capsys, "--model", "gpt2", *argv)
     assert rc == 2 and message in err
 
 

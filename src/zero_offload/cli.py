@@ -48,16 +48,19 @@ def _estimate_parser(sub) -> None:
     p = sub.add_parser("estimate", help="memory per rank of every ZeRO stage x offload, and a plan",
                        description="Per-rank device, host and NVMe bytes of every ZeRO stage x offload choice for "
                                    "a model, whether each fits this machine (or the hardware given), and the "
-                                   "planner's choice (marked *). Sizes: 80GB (10^9), 24GiB (2^30), 512MiB.")
+                                   "planner's choice (marked *). Sizes: 80GB (10^9), 24GiB (2^30), 512MiB; a bare "
+                                   "number is GB (--gpu-mem 80 is 80GB).")
     what = p.add_mutually_exclusive_group()
     what.add_argument("--model", default=None, help="a GPT preset: tiny, gpt2, gpt2-medium, gpt2-large, "
                                                     "gpt2-xl, gpt2-10b (default tiny)")
     what.add_argument("--params", default=None, help="a bare parameter count: 10e9, 10B, 350M")
     what.add_argument("--hf-config", default=None, help="a Hugging Face config.json (decoder sizes)")
     p.add_argument("--gpus", type=int, default=None, help="ranks on this machine (default: its GPUs, or 1)")
-    p.add_argument("--gpu-mem", default=None, help="memory per GPU (default: this machine's; 0 = no GPU)")
-    p.add_argument("--host-mem", default=None, help="host memory for all ranks (default: this machine's RAM)")
-    p.add_argument("--nvme", default=None, help="NVMe space (default: none)")
+    p.add_argument("--gpu-mem", default=None, help="memory per GPU: 80GB, 24GiB, or a bare number of GB "
+                                                   "(default: this machine's; 0 = no GPU)")
+    p.add_argument("--host-mem", default=None, help="host memory for all ranks: 128GB, 64GiB, or a bare number "
+                                                    "of GB (default: this machine's RAM)")
+    p.add_argument("--nvme", default=None, help="NVMe space: 2TB, 500GiB, or a bare number of GB (default: none)")
     p.add_argument("--micro-batch", type=int, default=None, help="sequences per micro-batch (default: the "
                                                                  "config's, else 1)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the preset's context)")

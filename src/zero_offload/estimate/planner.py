@@ -24,8 +24,12 @@ __all__ = ["Candidate", "Plan", "plan", "candidates", "parse_bytes", "fmt_bytes"
 HEADROOM = 0.10
 
 
-def parse_bytes(value, what: str = "memory size") -> int:
-    """Bytes from an int or a string like ``80GB`` (10^9), ``24GiB`` (2^30), ``512M``, ``1.5T``.
+def parse_bytes(value, what: str = "memory size", bare_unit: int = 1) -> int:
+    """Bytes from an int or a string like ``80GB`` (10^9), ``24GiB`` (2^30), ``512M``, ``1.5T``, ``512B``.
+
+    A string with no unit (``"80"``) is that many ``bare_unit`` bytes: 1 by default (this function's
+    behaviour for the Python API), ``10**9`` on the command line (`zero_offload.estimate.table`), where
+    ``--gpu-mem 80`` means 80 GB and never 80 bytes (issue 20). An int or float is always bytes.
 
     Raises:
         ValueError: a negative or unparsable size (the message names ``what`` and the value).
@@ -33,11 +37,12 @@ def parse_bytes(value, what: str = "memory size") -> int:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         nbytes = int(value)
     else:
-        m = re.fullmatch(r"\s*([-+]?[0-9]*\.?[0-9]+)\s*([kmgtp]?)(i?)b?\s*", str(value), re.IGNORECASE)
+        m = re.fullmatch(r"\s*([-+]?[0-9]*\.?[0-9]+)\s*([kmgtp]?)(i?)(b?)\s*", str(value), re.IGNORECASE)
         if not m:
             raise ValueError(f"{what}: cannot read {value!r} as a size (examples: 80GB, 24GiB, 512MiB, 1.5TB)")
         base = 1024 if m.group(3) else 1000
-        nbytes = int(float(m.group(1)) * base ** " kmgtp".index(m.group(2).lower() or " "))
+        unit = bare_unit if not (m.group(2) or m.group(3) or m.group(4)) else 1
+        nbytes = int(float(m.group(1)) * base ** " kmgtp".index(m.group(2).lower() or " ") * unit)
     if nbytes < 0:
         raise ValueError(f"{what} must be >= 0, got {value!r}")
     return nbytes

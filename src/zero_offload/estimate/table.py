@@ -13,7 +13,8 @@ import torch
 from zero_offload.estimate.memory import ModelShape, model_shape
 from zero_offload.estimate.planner import Plan, fmt_bytes, parse_bytes, plan
 
-__all__ = ["this_machine", "render", "deepspeed_estimates", "hf_config_shape", "run_estimate"]
+__all__ = ["this_machine", "render", "deepspeed_estimates", "hf_config_shape", "parse_size_flag",
+           "run_estimate"]
 
 
 def this_machine() -> dict:
@@ -136,6 +137,17 @@ def parse_count(value: str) -> int:
     return count
 
 
+def parse_size_flag(value: str, flag: str) -> int:
+    """Bytes from a size flag of `zero-offload estimate` (``--gpu-mem``, ``--host-mem``, ``--nvme``): ``80GB``
+    (10^9), ``24GiB`` (2^30), ``512MiB``, or a bare number read as GB (``--gpu-mem 80`` is 80 GB: nobody
+    means 80 bytes; issue 20, section 5).
+
+    Raises:
+        ValueError: a negative or unparsable size (the message names ``flag`` and the value).
+    """
+    return parse_bytes(value, flag, bare_unit=10**9)
+
+
 def run_estimate(ns) -> int:
     """The `zero-offload estimate` command (argparse namespace from `cli.py`)."""
     given = sum(x is not None for x in (ns.model, ns.params, ns.hf_config))
@@ -149,12 +161,10 @@ def run_estimate(ns) -> int:
         shape = model_shape(ns.model or "tiny")
     machine = this_machine()
     gpus = ns.gpus if ns.gpus is not None else max(1, machine["gpus"])
-    gpu_mem = ns.gpu_mem if ns.gpu_mem is not None else machine["gpu_memory"]
-    host_mem = ns.host_mem if ns.host_mem is not None else machine["host_memory"]
-    for flag, value in (("--gpu-mem", gpu_mem), ("--host-mem", host_mem), ("--nvme", ns.nvme)):
-        if value is not None:
-            parse_bytes(value, flag)
-    result = plan(shape, gpus=gpus, gpu_memory=gpu_mem, host_memory=host_mem, nvme=ns.nvme,
+    gpu_mem = parse_size_flag(ns.gpu_mem, "--gpu-mem") if ns.gpu_mem is not None else machine["gpu_memory"]
+    host_mem = parse_size_flag(ns.host_mem, "--host-mem") if ns.host_mem is not None else machine["host_memory"]
+    nvme = parse_size_flag(ns.nvme, "--nvme") if ns.nvme is not None else None
+    result = plan(shape, gpus=gpus, gpu_memory=gpu_mem, host_memory=host_mem, nvme=nvme,
                   micro_batch=ns.micro_batch, seq_len=ns.seq_len, config=ns.config)
     ds = deepspeed_estimates(shape, gpus) if not ns.no_deepspeed else None
     print(render(result, shape, ds))

@@ -7,6 +7,8 @@ within 0.01 * lr * steps of fp32 moments. Tests never time anything.
 """
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -216,6 +218,76 @@ def test_fallback_warns_once_and_matches(monkeypatch, adamw_mode, state_dtype):
     else:
         assert (p - rp).abs().max().item() <= 0.01 * HP["lr"] * steps
     assert torch.equal(out, p.to(torch.bfloat16))
+
+
+def one_pass_fallback(master, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, adamw_mode,
+                      bias_correction, grad_scale, out):
+    """The torch fallback as it was before issue 20: one pass over the whole partition, its fp32 temporaries
+    as large as the partition."""
+    g = grad.float() if grad.dtype != torch.float32 else grad
+    if grad_scale != 1.0:
+        g = g * grad_scale
+    if bias_correction and exp_avg.dtype == torch.float32:
+        fused = torch._fused_adamw_ if adamw_mode else torch._fused_adam_
+        fused([master], [g], [exp_avg], [exp_avg_sq], [], [torch.tensor(float(step))], lr=lr, beta1=beta1,
+              beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
+    else:
+        m = exp_avg.float() if exp_avg.dtype != torch.float32 else exp_avg
+        v = exp_avg_sq.float() if exp_avg_sq.dtype != torch.float32 else exp_avg_sq
+        if weight_decay != 0.0:
+            if adamw_mode:
+                master.mul_(1.0 - lr * weight_decay)
+            else:
+                g = g.add(master, alpha=weight_decay)
+        m.lerp_(g, 1.0 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+        bc1 = 1.0 - beta1**step if bias_correction else 1.0
+        bc2_sqrt = math.sqrt(1.0 - beta2**step) if bias_correction else 1.0
+        master.addcdiv_(m, (v.sqrt() / bc2_sqrt).add_(eps), value=-lr / bc1)
+        if m is not exp_avg:
+            exp_avg.copy_(m)
+            exp_avg_sq.copy_(v)
+    if out is not None:
+        out.copy_(master)
+
+
+@pytest.mark.parametrize("grad_dtype,state_dtype,adamw_mode,bias_correction,grad_scale", [
+    (torch.bfloat16, torch.float32, True, True, 0.5),       # torch's fused AdamW
+    (torch.float32, torch.float32, False, True, 1.0),       # torch's fused Adam (L2), the gradient used as is
+    (torch.float16, torch.bfloat16, True, True, 0.37),      # AdamW's ops on fp32 copies of bf16 moments
+    (torch.float32, torch.bfloat16, False, True, 1.0),      # L2 added to a copy: the caller's gradient kept
+    (torch.bfloat16, torch.float32, True, False, 2.0),      # no bias correction: AdamW's ops in place
+])
+def test_fallback_in_chunks_is_bitwise_one_pass(monkeypatch, grad_dtype, state_dtype, adamw_mode, bias_correction,
+                                                 grad_scale):
+    """Issue 20: the fallback runs in pieces of DEFAULT_CHUNK elements (no temporary the size of the partition)
+    and gives the bits of one pass over the whole partition, on_chunk still called per chunk_size."""
+    n, steps = 2 * fa.DEFAULT_CHUNK + 1_000_003, 2      # three pieces, the last not a multiple of 16
+    g = torch.Generator().manual_seed(7)
+    p0 = torch.randn(n, generator=g)
+    grads = [torch.randn(n, generator=g).to(grad_dtype) for _ in range(steps)]
+    kw = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.02, adamw_mode=adamw_mode,
+              bias_correction=bias_correction, grad_scale=grad_scale)
+    monkeypatch.setenv("ZERO_OFFLOAD_NO_NATIVE", "1")
+    monkeypatch.setattr(fa, "_warned", True)
+    _native.load(reload=True)
+    try:
+        chunks = []
+        kept = [x.clone() for x in grads]
+        p, m, v, out = run_ours(p0, grads, steps_kw={}, state_dtype=state_dtype, out_dtype=torch.bfloat16,
+                                on_chunk=lambda lo, hi: chunks.append((lo, hi)), chunk_size=3_000_000, **kw)
+        p2, m2, v2, _ = run_ours(p0, grads, steps_kw={}, state_dtype=state_dtype, **kw)   # one call, in pieces
+    finally:
+        monkeypatch.delenv("ZERO_OFFLOAD_NO_NATIVE")
+        _native.load(reload=True)
+    assert all(torch.equal(a, b) for a, b in zip(grads, kept))
+    assert chunks == [(0, 3_000_000), (3_000_000, n)] * steps
+    rp, rm, rv = p0.clone(), torch.zeros(n, dtype=state_dtype), torch.zeros(n, dtype=state_dtype)
+    for step, grad in enumerate(grads, 1):
+        one_pass_fallback(rp, grad, rm, rv, step, out=None, **kw)
+    for ours in ((p, m, v), (p2, m2, v2)):
+        assert all(torch.equal(a, b) for a, b in zip(ours, (rp, rm, rv)))
+    assert torch.equal(out, rp.to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("adamw_mode", [True, False])

@@ -5,7 +5,8 @@ CPU optimizer; DeepSpeed's ``DeepSpeedCPUAdam`` / ``csrc/adam/cpu_adam_impl.cpp`
 the native kernel (`zero_offload.optim._native`, built at install time) in one pass over memory, chunk by
 chunk, on all cores. Without it, it falls back to torch (``torch._fused_adamw_`` / ``torch._fused_adam_``,
 or torch's ops in ``torch.optim.AdamW``'s order when ``bias_correction=False`` or the states are bf16)
-and warns once.
+and warns once; it too goes through the partition in pieces of at most ``DEFAULT_CHUNK`` elements, with at
+most 4 fp32 scratch buffers of that size (32 MiB) whatever the partition's size.
 
 Accuracy against ``torch.optim.AdamW`` / ``torch.optim.Adam`` (single-tensor, fp32): the moments are
 bitwise equal (same operations and fused multiply-adds); the square root is IEEE correctly rounded where
@@ -130,11 +131,21 @@ def fused_adam_step(
     lib = _native.load()
     if lib is None:
         _warn_fallback()
+        # torch's ops need fp32 scratch as large as what they are given (the gradient cast and scaled, bf16
+        # moments in fp32, the denominator): pieces of at most DEFAULT_CHUNK elements through a few buffers made
+        # once per call, so the extra memory is at most 4 chunks, never a multiple of the partition (issue 20:
+        # ~200 GB at 10B parameters). Bitwise the result of one call over the whole partition: the ops are
+        # elementwise, and pieces start at multiples of 2**21 elements, so torch's fused kernel (which splits
+        # its work in whole vectors) keeps its scalar tail where it was.
+        piece = min(chunk, DEFAULT_CHUNK)
+        scratch = _Scratch(piece)
         for start in range(0, n, chunk):
             end = min(n, start + chunk)
-            _torch_step(master[start:end], grad[start:end], exp_avg[start:end], exp_avg_sq[start:end],
-                        step, lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction, grad_scale,
-                        None if out is None else out[start:end])
+            for lo in range(start, end, piece):
+                hi = min(end, lo + piece)
+                _torch_step(master[lo:hi], grad[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi], step, lr, beta1,
+                            beta2, eps, weight_decay, adamw_mode, bias_correction, grad_scale,
+                            None if out is None else out[lo:hi], scratch)
             if on_chunk is not None:
                 on_chunk(start, end)
         return
@@ -172,29 +183,50 @@ def _warn_fallback() -> None:
                       "using torch's (slower) fused AdamW instead", RuntimeWarning, stacklevel=3)
 
 
+class _Scratch:
+    """fp32 buffers of ``numel`` elements for `_torch_step`, each made on first use and reused by every piece."""
+
+    def __init__(self, numel: int):
+        self.numel, self.buffers = numel, {}
+
+    def get(self, name: str, k: int) -> torch.Tensor:
+        if name not in self.buffers:
+            self.buffers[name] = torch.empty(self.numel, dtype=torch.float32)
+        return self.buffers[name][:k]
+
+
 def _torch_step(master, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, adamw_mode,
-                bias_correction, grad_scale, out) -> None:
-    """The fallback: torch's fused kernel where it applies, else torch's ops in AdamW's order."""
-    g = grad.float() if grad.dtype != torch.float32 else grad
-    if grad_scale != 1.0:
-        g = g * grad_scale
-    if bias_correction and exp_avg.dtype == torch.float32:
-        fused = torch._fused_adamw_ if adamw_mode else torch._fused_adam_
-        fused([master], [g], [exp_avg], [exp_avg_sq], [], [torch.tensor(float(step))], lr=lr, beta1=beta1,
-              beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
+                bias_correction, grad_scale, out, scratch: _Scratch) -> None:
+    """The fallback on one piece: torch's fused kernel where it applies, else torch's ops in AdamW's order.
+
+    Every fp32 temporary lives in ``scratch`` (the same kernels as ``grad.float() * grad_scale``,
+    ``v.sqrt() / bc2_sqrt`` etc., written into a buffer: bitwise the same values)."""
+    k = master.numel()
+    fused = bias_correction and exp_avg.dtype == torch.float32
+    l2 = weight_decay != 0.0 and not adamw_mode
+    if grad.dtype != torch.float32 or grad_scale != 1.0 or (l2 and not fused):
+        g = scratch.get("grad", k).copy_(grad)       # the caller's gradient is never written
+        if grad_scale != 1.0:
+            g.mul_(grad_scale)
     else:
-        m = exp_avg.float() if exp_avg.dtype != torch.float32 else exp_avg
-        v = exp_avg_sq.float() if exp_avg_sq.dtype != torch.float32 else exp_avg_sq
+        g = grad
+    if fused:
+        fn = torch._fused_adamw_ if adamw_mode else torch._fused_adam_
+        fn([master], [g], [exp_avg], [exp_avg_sq], [], [torch.tensor(float(step))], lr=lr, beta1=beta1,
+           beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
+    else:
+        m = scratch.get("exp_avg", k).copy_(exp_avg) if exp_avg.dtype != torch.float32 else exp_avg
+        v = scratch.get("exp_avg_sq", k).copy_(exp_avg_sq) if exp_avg_sq.dtype != torch.float32 else exp_avg_sq
         if weight_decay != 0.0:
             if adamw_mode:
                 master.mul_(1.0 - lr * weight_decay)
             else:
-                g = g.add(master, alpha=weight_decay)
+                g.add_(master, alpha=weight_decay)
         m.lerp_(g, 1.0 - beta1)
         v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
         bc1 = 1.0 - beta1**step if bias_correction else 1.0
         bc2_sqrt = math.sqrt(1.0 - beta2**step) if bias_correction else 1.0
-        denom = (v.sqrt() / bc2_sqrt).add_(eps)
+        denom = torch.sqrt(v, out=scratch.get("denom", k)).div_(bc2_sqrt).add_(eps)
         master.addcdiv_(m, denom, value=-lr / bc1)
         if m is not exp_avg:
             exp_avg.copy_(m)

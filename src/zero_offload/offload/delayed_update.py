@@ -11,6 +11,12 @@ The thread touches only what no forward or backward reads: the handed-over gradi
 backward fills a second set), the fp32 masters, the Adam moments and the 16-bit staging outputs. The
 learning rates are taken when the step is launched. The host kernel releases the GIL, so the step runs
 in parallel with the Python of the next forward.
+
+The thread is not a daemon: a process that ends with a step in flight waits for it at exit (Python joins
+non-daemon threads before it finalizes). A daemon thread would still be inside torch's C++ when the
+interpreter finalizes; on taking the GIL back it is made to exit by a forced unwind through C++ frames,
+which aborts the process ("terminate called without an active exception", exit 134: issue 20, 1 run in 6
+under ``ZERO_OFFLOAD_NO_NATIVE=1``).
 """
 from __future__ import annotations
 
@@ -72,7 +78,8 @@ class DelayedParamUpdate:
             except BaseException as e:   # re-raised in the training thread by `wait`
                 self.error = e
 
-        self.thread = threading.Thread(target=run, name="zero_offload-dpu-host-step", daemon=True)
+        # Not a daemon: joined at interpreter exit (see the module docstring).
+        self.thread = threading.Thread(target=run, name="zero_offload-dpu-host-step", daemon=False)
         self.unpublished = True
         self.thread.start()
 

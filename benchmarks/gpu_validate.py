@@ -1,7 +1,14 @@
 """One command that validates ZeRO-Offload on a GPU and measures it (issue 9, item 11).
 
+    pip install --no-build-isolation --no-deps -e .              # no network: builds both native libraries
     python benchmarks/gpu_validate.py --out DIR                   # one CUDA GPU: the whole check, <= 9 min
     python benchmarks/gpu_validate.py --out DIR --device cpu --tiny   # the smoke run CI does (tens of s)
+
+Before anything else it checks that the two native libraries (the host Adam kernel and the NVMe AIO path) are
+built in this repository's ``src/zero_offload`` and, when one is missing, builds them in place with
+``python setup.py build_ext --inplace`` (setuptools and a C compiler, no network; skipped under
+``ZERO_OFFLOAD_NO_NATIVE=1``). The report gives ``native_available()`` of both (``native`` in the JSON): a
+run on the torch fallback is then seen as such, not mistaken for the kernel's speed.
 
 Writes ``DIR/gpu_validate.json`` (every number) and ``DIR/gpu_validate.md`` (tables). Sections, each in its
 own subprocess with its own time limit, so a crash or an out-of-memory in one is recorded and the rest run:
@@ -30,7 +37,8 @@ those). "Exposed host step" is training-thread time inside the host Adam kernel 
 thread; "exposed copies" is the rest of ``engine.step()`` (norm, copies up and down, all-gathers). MFU is
 ``flops_per_token x tokens/s`` (6N + attention, no recomputation) over the measured peak.
 
-Needs only torch (and this repository); installs nothing; runs no DeepSpeed.
+Needs only torch (and this repository; setuptools and a C compiler to build the native libraries); installs
+nothing; runs no DeepSpeed. Imports this repository's ``src`` first, as its section subprocesses do.
 """
 from __future__ import annotations
 
@@ -47,6 +55,7 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "src"))   # this repository's code, as in the sections' subprocesses (_child_env)
 SECTIONS = ("cuda_tests", "sanitizer", "gpt2", "largest", "gpt2_10b")
 # Seconds per section on one H100; they sum to 8.5 min so the whole run stays under 9.
 LIMITS = {"cuda_tests": 75, "sanitizer": 60, "gpt2": 120, "largest": 110, "gpt2_10b": 145}
@@ -466,6 +475,53 @@ BODIES = {"cuda_tests": section_cuda_tests, "sanitizer": section_sanitizer, "gpt
 
 
 # -- the driver -----------------------------------------------------------------------------------------------
+def ensure_native(root: Path = ROOT) -> dict:
+    """Build the native libraries in ``root`` (a checkout: ``setup.py``, ``src/zero_offload``) when one is missing.
+
+    Runs ``python setup.py build_ext --inplace`` in ``root`` (no network: setuptools and a C compiler), which
+    puts the ``.so`` files next to their C sources, where the loaders look. Skipped when every library is
+    there, or under ``ZERO_OFFLOAD_NO_NATIVE=1`` (the run is meant to use the fallbacks). Never raises: a build
+    that fails is recorded and the run goes on with the fallbacks, which the report then shows.
+
+    Returns:
+        {"missing": names missing before, "built": whether a build ran, "returncode": its exit status or None,
+        "still_missing": names missing after, "log": the build's last output lines (on failure)}.
+    """
+    from zero_offload.native import missing_libraries, native_disabled
+    package = root / "src" / "zero_offload"
+    missing = missing_libraries(package)
+    result = {"missing": missing, "built": False, "returncode": None, "still_missing": missing, "log": []}
+    if not missing:
+        return result
+    if native_disabled():
+        print(f"gpu_validate: native libraries missing ({', '.join(missing)}); not built: "
+              f"ZERO_OFFLOAD_NO_NATIVE is set", flush=True)
+        return result
+    cmd = [sys.executable, "setup.py", "build_ext", "--inplace"]
+    print(f"gpu_validate: native libraries missing ({', '.join(missing)}): building them with "
+          f"`{' '.join(cmd[1:])}` in {root}", flush=True)
+    try:
+        proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600)
+        code, text = proc.returncode, proc.stdout + proc.stderr
+    except (OSError, subprocess.TimeoutExpired) as e:
+        code, text = -1, f"{type(e).__name__}: {e}"
+    still = missing_libraries(package)
+    result.update(built=True, returncode=code, still_missing=still)
+    if code != 0 or still:
+        result["log"] = text.strip().splitlines()[-20:]
+        print(f"gpu_validate: the build left {', '.join(still) or 'nothing'} missing (exit {code}); running on "
+              f"the fallbacks. Its last lines:\n  " + "\n  ".join(result["log"]), flush=True)
+    else:
+        print("gpu_validate: built " + ", ".join(missing), flush=True)
+    return result
+
+
+def native_report(build: dict) -> dict:
+    """``native_available()`` of both libraries in this process, with the build record of `ensure_native`."""
+    from zero_offload.native import native_available
+    return {"available": native_available(), "build": build}
+
+
 def _child_env() -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "src"), env.get("PYTHONPATH", "")) if p)
@@ -508,9 +564,19 @@ def _ratio(x) -> str:
     return "-" if x is None else f"{x:.2f}"
 
 
+def _build_note(build: dict) -> str:
+    if not build["built"]:
+        return ""
+    if build["still_missing"]:
+        return f" (this run's build failed, exit {build['returncode']}: {', '.join(build['still_missing'])} missing)"
+    return " (built by this run)"
+
+
 def markdown(report: dict) -> str:
     lines = [f"# gpu_validate ({report['device_name']}, torch {report['torch']})", "",
              f"Command: `{report['command']}`; total {report['wall_s']} s.", "",
+             "native_available(): " + ", ".join(f"{k} {v}" for k, v in report["native"]["available"].items())
+             + _build_note(report["native"]["build"]), "",
              "| section | ok | wall s |", "| --- | --- | --- |"]
     for name in SECTIONS:
         if name in report["sections"]:
@@ -582,11 +648,13 @@ def main(argv=None) -> int:
     unknown = sorted(set(wanted) - set(SECTIONS))
     if unknown:
         parser.error(f"--sections: unknown {', '.join(unknown)}; choose from {', '.join(SECTIONS)}")
+    native = native_report(ensure_native())     # before anything loads a library (the loaders cache)
+    print(f"native_available: {native['available']}", flush=True)
     report = {"command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
               "device": args.device, "tiny": args.tiny, "torch": torch.__version__,
               "python": platform.python_version(), "host_cores": os.cpu_count(),
               "device_name": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu",
-              "sections": {}}
+              "native": native, "sections": {}}
     for name in wanted:
         report["sections"][name] = run_section(args, name)
         print(f"{name}: ok={report['sections'][name].get('ok')} ({report['sections'][name]['wall_s']} s)",

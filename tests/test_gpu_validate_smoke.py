@@ -1,17 +1,47 @@
-"""benchmarks/gpu_validate.py runs end to end at tiny sizes on the CPU, so the GPU check cannot rot."""
+"""benchmarks/gpu_validate.py runs end to end at tiny sizes on the CPU, so the GPU check cannot rot; and it
+builds the native libraries itself when a checkout lacks them (issue 20, section 1: a GPU machine with no
+network), which is exercised here on a copy of the repository in a temporary directory."""
+import ctypes
+import importlib.util
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+
+from zero_offload.native import LIBRARIES, missing_libraries, native_disabled, shared_library
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def _gpu_validate(root: Path = ROOT):
+    spec = importlib.util.spec_from_file_location("gpu_validate", root / "benchmarks" / "gpu_validate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _checkout_without_libraries(dest: Path) -> Path:
+    """A copy of this repository (what setup.py and the smoke run need) without any built library."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in ("setup.py", "pyproject.toml", "README.md"):
+        shutil.copy2(ROOT / name, dest / name)
+    for name in ("src", "benchmarks", "tests"):
+        shutil.copytree(ROOT / name, dest / name, ignore=shutil.ignore_patterns("*.so", "*.pyd", "__pycache__",
+                                                                               "*.egg-info"))
+    assert missing_libraries(dest / "src" / "zero_offload") == list(LIBRARIES)
+    return dest
+
+
 def test_gpu_validate_tiny_cpu_smoke(tmp_path):
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_validate.py"), "--device", "cpu",
-                           "--tiny", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    """The smoke run, from a checkout that lacks the native libraries: the run builds them first (issue 20)."""
+    root = _checkout_without_libraries(tmp_path / "checkout")
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "gpu_validate.py"), "--device", "cpu",
+                           "--tiny", "--out", str(out)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    report = json.loads((tmp_path / "gpu_validate.json").read_text())
+    report = json.loads((out / "gpu_validate.json").read_text())
     assert set(report["sections"]) == {"cuda_tests", "sanitizer", "gpt2", "largest", "gpt2_10b"}
     assert all(s["ok"] for s in report["sections"].values())
     runs = report["sections"]["gpt2"]["runs"]
@@ -22,4 +52,37 @@ def test_gpu_validate_tiny_cpu_smoke(tmp_path):
     big = report["sections"]["gpt2_10b"]
     assert big["plan"]["fits"] and big["plan"]["trained"] == "plan" and big["tokens_per_s"] > 0
     assert big["plan"]["zero_optimization"]["stage"] in (0, 1, 2, 3)
-    assert "(c) gpt2" in (tmp_path / "gpu_validate.md").read_text()
+    md = (out / "gpu_validate.md").read_text()
+    assert "(c) gpt2" in md
+    # Issue 20: the missing libraries built by the run, and native_available() of both in its output.
+    native, enabled = report["native"], not native_disabled()
+    assert native["available"] == {"fused_adam": enabled, "aio": enabled}, native
+    assert f"native_available: {native['available']}" in proc.stdout
+    assert f"native_available(): fused_adam {enabled}, aio {enabled}" in md
+    assert native["build"]["missing"] == ["fused_adam", "aio"] and native["build"]["built"] == enabled
+    if enabled:
+        assert "building them with `setup.py build_ext --inplace`" in proc.stdout and "(built by this run)" in md
+        package = root / "src" / "zero_offload"
+        for name, symbol in (("fused_adam", "zo_adam_step"), ("aio", "zo_aio_open")):
+            path = shared_library(package / LIBRARIES[name][0], LIBRARIES[name][1])
+            assert path is not None and hasattr(ctypes.CDLL(str(path)), symbol)
+        again = _gpu_validate(root).ensure_native(root)          # nothing missing now: no second build
+        assert not again["built"] and again["missing"] == []
+
+
+def test_gpu_validate_records_a_failed_build(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("ZERO_OFFLOAD_NO_NATIVE", raising=False)
+    root = _checkout_without_libraries(tmp_path)
+    (root / "setup.py").write_text("raise SystemExit('no C compiler here')\n")
+    result = _gpu_validate().ensure_native(root)
+    assert result["built"] and result["returncode"] != 0
+    assert result["still_missing"] == ["fused_adam", "aio"] and "no C compiler here" in "\n".join(result["log"])
+    assert "running on the fallbacks" in capsys.readouterr().out
+
+
+def test_gpu_validate_does_not_build_when_native_is_disabled(tmp_path, monkeypatch):
+    monkeypatch.setenv("ZERO_OFFLOAD_NO_NATIVE", "1")
+    root = _checkout_without_libraries(tmp_path)
+    result = _gpu_validate().ensure_native(root)
+    assert not result["built"] and result["still_missing"] == ["fused_adam", "aio"]
+    assert missing_libraries(root / "src" / "zero_offload") == ["fused_adam", "aio"]

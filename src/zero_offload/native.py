@@ -2,7 +2,8 @@
 
 Two live in the package: the fused host Adam kernel (`zero_offload.optim._native`) and the NVMe swapper's
 native AIO path (`zero_offload.nvme._native`). ``ZERO_OFFLOAD_NO_NATIVE=1`` turns both off (their callers fall
-back to torch and to ``os.preadv``/``os.pwritev``).
+back to torch and to ``os.preadv``/``os.pwritev``). `missing_libraries` says which are not built in a package
+directory (``benchmarks/gpu_validate.py`` builds them then); `native_available` which this process uses.
 """
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ import importlib.machinery
 import os
 from pathlib import Path
 
-__all__ = ["native_disabled", "shared_library"]
+__all__ = ["LIBRARIES", "missing_libraries", "native_available", "native_disabled", "shared_library"]
+
+# name -> (directory relative to the zero_offload package, file stem); setup.py builds each there.
+LIBRARIES = {"fused_adam": ("optim/_native", "_fused_adam"), "aio": ("nvme/_native", "_aio")}
 
 
 def native_disabled() -> bool:
@@ -26,3 +30,18 @@ def shared_library(directory: Path, stem: str) -> Path | None:
         if candidate.exists():
             return candidate
     return None
+
+
+def missing_libraries(package: Path | None = None) -> list[str]:
+    """Names (keys of `LIBRARIES`) of the native libraries not built for this interpreter in ``package``, a
+    ``zero_offload`` package directory (default: this one)."""
+    package = Path(__file__).resolve().parent if package is None else Path(package)
+    return [name for name, (sub, stem) in LIBRARIES.items() if shared_library(package / sub, stem) is None]
+
+
+def native_available() -> dict[str, bool]:
+    """Whether each native library is loaded and used in this process: ``{"fused_adam": bool, "aio": bool}``;
+    False when not built, not loadable, or ``ZERO_OFFLOAD_NO_NATIVE=1`` (each loader caches its answer)."""
+    from zero_offload.nvme import _native as aio          # the two loaders this module is the face of
+    from zero_offload.optim import _native as adam
+    return {"fused_adam": adam.load() is not None, "aio": aio.available()}

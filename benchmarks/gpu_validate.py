@@ -255,6 +255,7 @@ def run_engine(cfg_model, config: dict, device, steps: int, split_steps: int, sh
             "peak_rss_bytes": _peak_rss_bytes(), "host_state_bytes": host_state, "params": n_params,
             "host_bytes_per_param": host_state / max(n_params, 1),
             "flops_per_token": flops_per_token(cfg_model, seq), "split": split,
+            "stats": engine.stats.as_dict(),   # the last step: gathers, reductions, bytes each way, host syncs
             "memory_breakdown": breakdown}
 
 

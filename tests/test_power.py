@@ -12,7 +12,7 @@ import pytest
 
 from test_exact16 import LOSS_SCALE, Case, check, run_cases
 from zero_offload.engine import Engine
-from zero_offload.offload.delayed_update import DelayedParamUpdate
+from zero_offload.zero.delayed_update import DelayedParamUpdate
 from zero_offload.zero import ZeroOptimizer
 from zero_offload.zero.averaging import GradAveraging
 from zero_offload.zero.stage3 import Stage3Optimizer

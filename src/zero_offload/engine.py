@@ -15,11 +15,11 @@ from torch.utils._pytree import tree_map
 from zero_offload.checkpoint import load_checkpoint, save_checkpoint
 from zero_offload.comm import DistContext, deadline
 from zero_offload.config import AutoContext, Config, ConfigError
-from zero_offload.offload.delayed_update import DelayedParamUpdate
 from zero_offload.optim.lr_schedules import build_scheduler
 from zero_offload.precision import LossScaler, is_overflow, training_dtype
 from zero_offload.stats import StepStats
 from zero_offload.zero import ParamGroup, ZeroOptimizer
+from zero_offload.zero.delayed_update import DelayedParamUpdate
 from zero_offload.zero.stage3 import Stage3Optimizer
 from zero_offload.zero.stage3.materialize import is_meta_model
 

@@ -1,5 +1,5 @@
 """What the ZeRO optimizers of every stage share for the delayed parameter update (see
-`zero_offload.offload.delayed_update`): handing gradient partitions over whole and stepping them detached."""
+`zero_offload.zero.delayed_update`): handing gradient partitions over whole and stepping them detached."""
 from __future__ import annotations
 
 from zero_offload.zero.grad_partition import ReadyGrad

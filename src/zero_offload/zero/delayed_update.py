@@ -17,6 +17,9 @@ non-daemon threads before it finalizes). A daemon thread would still be inside t
 interpreter finalizes; on taking the GIL back it is made to exit by a forced unwind through C++ frames,
 which aborts the process ("terminate called without an active exception", exit 134: issue 20, 1 run in 6
 under ``ZERO_OFFLOAD_NO_NATIVE=1``).
+
+DeepSpeed has no counterpart (no config key, no code path): this follows the paper. It schedules the step of
+the ZeRO optimizers (`ZeroOptimizer`, `Stage3Optimizer`), so it lives beside them in `zero/`.
 """
 from __future__ import annotations
 

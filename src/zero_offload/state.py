@@ -12,7 +12,8 @@ from typing import Any, Iterable, Iterator, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["Stateful", "PartitionedOptimizerState", "CheckpointTarget", "STATE_KINDS", "StateChunk"]
+__all__ = ["Stateful", "PartitionedOptimizerState", "CheckpointTarget", "STATE_KINDS", "StateChunk", "checked_chunks",
+           "fill_from_chunks", "WholeGroupState"]
 
 STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
 StateChunk = tuple[int, dict[str, torch.Tensor]]   # (offset in the group's partition, {kind: fp32 CPU tensor})
@@ -74,6 +75,84 @@ class PartitionedOptimizerState(Protocol):
     def after_load(self) -> None:
         """Bring the 16-bit parameters every rank uses up to date after partitions were replaced (a
         collective at stage >= 1)."""
+
+
+def checked_chunks(chunks: Iterable[StateChunk], g: int, numel: int) -> Iterator[StateChunk]:
+    """The pieces of ``chunks`` in order, each checked before it is yielded: it must start where the last one
+    ended and stay inside group ``g``'s partition of ``numel`` elements (the length of a piece is its
+    ``master``'s).
+
+    Raises:
+        ValueError: a piece that does not continue the partition or runs past it (before that piece is
+            yielded), or pieces that stop short of its end (after the last one was yielded), naming group
+            ``g``, offsets and sizes.
+    """
+    covered = 0
+    for lo, piece in chunks:
+        length = piece["master"].numel()
+        if lo != covered or lo + length > numel:
+            raise ValueError(f"optimizer state piece at offset {lo} ({length} elements) does not continue "
+                             f"group {g}'s partition of {numel} elements at {covered}")
+        yield lo, piece
+        covered = lo + length
+    if covered != numel:
+        raise ValueError(f"optimizer state pieces cover {covered} of group {g}'s {numel} elements")
+
+
+def fill_from_chunks(chunks: Iterable[StateChunk], g: int, targets: dict[str, torch.Tensor]) -> None:
+    """Copy (offset, {kind: 1-D tensor}) pieces into ``targets`` ({kind: partition-sized tensor}, ``master``
+    among them), in order; kinds of a piece not in ``targets`` are dropped.
+
+    Raises:
+        ValueError: as `checked_chunks` (nothing is written from a piece that fails the check; a gap at the
+            end is reported after the pieces were written).
+    """
+    for lo, piece in checked_chunks(chunks, g, targets["master"].numel()):
+        length = piece["master"].numel()
+        for kind, t in targets.items():
+            t[lo:lo + length].copy_(piece[kind])
+
+
+class WholeGroupState:
+    """Whole-partition state built on the chunked face, for a partition optimizer (`PartitionedAdam`,
+    `NvmeAdam`) that defines ``group_count``, ``group_numel(g)``, ``group_step(g)``, ``state_chunks(g)`` and
+    ``load_state_chunks(g, step, chunks)``. Whole tensors are fp32 CPU of shape (partition numel,), kinds
+    `STATE_KINDS`."""
+
+    def group_state(self, g: int) -> dict:
+        """Group ``g``'s partition state whole: ``step`` and fresh fp32 CPU copies of every kind."""
+        whole = {k: torch.empty(self.group_numel(g)) for k in STATE_KINDS}
+        for lo, piece in self.state_chunks(g):
+            for k, v in piece.items():
+                whole[k][lo:lo + v.numel()] = v
+        return {"step": self.group_step(g), **whole}
+
+    def load_group_state(self, g: int, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                         step: int) -> None:
+        """Replace group ``g``'s state (tensors of the partition's shape) and write its parameters from
+        ``master``."""
+        self.load_state_chunks(g, step, [(0, {"master": master, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq})])
+
+    def state_dict(self) -> dict:
+        """{"groups": [`group_state`(g) for every group]}: this rank's partitions whole (fresh copies).
+        `state_chunks` reads the same without a whole copy."""
+        return {"groups": [self.group_state(g) for g in range(self.group_count)]}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what `state_dict` returned (same partition sizes).
+
+        Raises:
+            ValueError: a different number of groups or a partition of another size (nothing is changed).
+        """
+        groups = state["groups"]
+        if len(groups) != self.group_count:
+            raise ValueError(f"optimizer state has {len(groups)} param groups, this optimizer {self.group_count}")
+        for g, s in enumerate(groups):
+            if s["master"].numel() != self.group_numel(g):
+                raise ValueError(f"optimizer state of group {g} has {s['master'].numel()} elements, this "
+                                 f"rank's partition {self.group_numel(g)}")
+        for g, s in enumerate(groups):
+            self.load_state_chunks(g, int(s["step"]), [(0, {k: s[k] for k in STATE_KINDS})])
 
 
 class CheckpointTarget(Stateful, Protocol):

@@ -25,6 +25,7 @@ from zero_offload.nvme.swapper import Pending, Swapper
 from zero_offload.offload.copies import CopyEngine
 from zero_offload.optim.cpu_adam import CPUAdam
 from zero_offload.optim.fused_adam import fused_adam_step
+from zero_offload.state import WholeGroupState, checked_chunks
 
 __all__ = ["NvmeAdam", "KINDS", "swap_directory"]
 
@@ -55,7 +56,7 @@ class _SwappedMasters:
         return (self[g] for g in range(len(self)))
 
 
-class NvmeAdam(FailStop):
+class NvmeAdam(FailStop, WholeGroupState):
     """Adam/AdamW over this rank's partitions with the states on NVMe, stepped on the host.
 
     Args:
@@ -291,17 +292,15 @@ class NvmeAdam(FailStop):
         """Host buffers the 16-bit outputs of a sub-group pass through (to the device or a parameter file)."""
         return [t for t in self.staging if t is not None]
 
-    def group_state(self, g: int) -> dict:
-        """As `PartitionedAdam.group_state`: fp32 CPU tensors of shape (partition numel,) and ``step``."""
-        return {**{kind: self.read_state(g, kind) for kind in KINDS}, "step": self.steps[g]}
-
-    def load_group_state(self, g: int, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                         step: int) -> None:
-        """Write group ``g``'s state (fp32 tensors of the partition's shape) to its files through the pool
-        and the 16-bit parameters of the partition from ``master``."""
-        self.load_state_chunks(g, step, [(0, {"master": master, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq})])
-
     # -- the chunked state API of zero_offload.state.PartitionedOptimizerState --------------------------------
+    @property
+    def group_count(self) -> int:
+        return len(self.parts)
+
+    def group_numel(self, g: int) -> int:
+        """Elements in group ``g``'s partition on this rank."""
+        return self.parts[g].numel()
+
     def group_step(self, g: int) -> int:
         return int(self.steps[g])
 
@@ -335,11 +334,8 @@ class NvmeAdam(FailStop):
         subs = [u for u in self.units if u[0] == g]
         covered, k = 0, 0
         self._free_slot(0)
-        for lo, piece in chunks:
+        for lo, piece in checked_chunks(chunks, g, n):
             length = piece["master"].numel()
-            if lo != covered or lo + length > n:
-                raise ValueError(f"optimizer state piece at offset {lo} ({length} elements) does not continue "
-                                 f"group {g}'s partition of {n} elements at {covered}")
             while covered < lo + length:
                 _g, i, s_lo, s_hi = subs[k]
                 take = min(s_hi, lo + length) - covered
@@ -350,8 +346,6 @@ class NvmeAdam(FailStop):
                     self._wait(self._io(0, g, i, s_hi - s_lo, write=True))
                     self._write_params(g, s_lo, self._views(0, s_hi - s_lo)[0])
                     k += 1
-        if covered != n:
-            raise ValueError(f"optimizer state pieces cover {covered} of group {g}'s {n} elements")
         self.steps[g] = step
 
     def _write_params(self, g: int, lo: int, master: torch.Tensor) -> None:

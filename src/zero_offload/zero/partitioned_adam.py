@@ -7,42 +7,18 @@ combined 1/loss_scale x clip scale, and writes the 16-bit parameter into a host 
 """
 from __future__ import annotations
 
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Sequence
 
 import torch
-
-from typing import Sequence
-
 from torch.profiler import record_function
 
 from zero_offload.offload.copies import CopyHandle, Copies
 from zero_offload.offload.staging_ring import StagingRing
 from zero_offload.optim.cpu_adam import CPUAdam
+from zero_offload.state import WholeGroupState, fill_from_chunks
 from zero_offload.zero.grad_partition import GradSource
 
 __all__ = ["PartitionedAdam", "host_state_dtype"]
-
-
-def fill_from_chunks(chunks, g: int, targets: dict[str, torch.Tensor]) -> None:
-    """Copy (offset, {kind: 1-D tensor}) pieces into ``targets`` ({kind: partition-sized tensor}, ``master``
-    among them), in order.
-
-    Raises:
-        ValueError: a piece that does not continue where the last one ended or runs past the partition, or
-            pieces that stop short of its end (naming group ``g``, offsets and sizes).
-    """
-    n = targets["master"].numel()
-    covered = 0
-    for lo, piece in chunks:
-        length = piece["master"].numel()
-        if lo != covered or lo + length > n:
-            raise ValueError(f"optimizer state piece at offset {lo} ({length} elements) does not continue "
-                             f"group {g}'s partition of {n} elements at {covered}")
-        for kind, t in targets.items():
-            t[lo:lo + length].copy_(piece[kind])
-        covered = lo + length
-    if covered != n:
-        raise ValueError(f"optimizer state pieces cover {covered} of group {g}'s {n} elements")
 
 
 def host_state_dtype(config) -> torch.dtype:
@@ -50,7 +26,7 @@ def host_state_dtype(config) -> torch.dtype:
     return torch.bfloat16 if config.bf16.bf16_optimizer_states else torch.float32
 
 
-class PartitionedAdam:
+class PartitionedAdam(WholeGroupState):
     """The optimizer over one partition per param group.
 
     The step runs on the host -- `CPUAdam`'s fused kernel -- whenever the states live in host memory: with
@@ -144,10 +120,17 @@ class PartitionedAdam:
                 else:
                     master.grad = g if grad_scale == 1.0 else g.mul(grad_scale)
             self.optimizer.step()
-            for part, master in zip(self.parts, self.masters):
-                master.grad = None
-                if master.data_ptr() != part.data_ptr():
-                    part.copy_(master)
+            self.write_parts()
+
+    @torch.no_grad()
+    def write_parts(self, groups: Iterable[int] | None = None) -> None:
+        """Write group(s) ``groups`` (default: all) of the parameter partitions from the fp32 masters, rounded
+        to the partitions' dtype, where the two are separate tensors (fp32 partitions stepped where they are
+        are their own masters), and drop the masters' ``.grad``."""
+        for g in range(len(self.parts)) if groups is None else groups:
+            self.masters[g].grad = None
+            if self.masters[g].data_ptr() != self.parts[g].data_ptr():
+                self.parts[g].copy_(self.masters[g])
 
     def _copy_up(self, g: int, lo: int, hi: int) -> None:
         if self.ring is not None:
@@ -269,43 +252,4 @@ class PartitionedAdam:
             state = {}
         targets = {"master": mine, **{k: state[k] for k in ("exp_avg", "exp_avg_sq") if k in state}}
         fill_from_chunks(chunks, g, targets)
-        if mine.data_ptr() != self.parts[g].data_ptr():
-            self.parts[g].copy_(mine)
-
-    def group_state(self, g: int) -> dict:
-        """Group ``g``'s partition state whole (the `PartitionOptimizer` role): fp32 CPU ``master``,
-        ``exp_avg``, ``exp_avg_sq`` of shape (partition numel,) (fresh copies) and ``step``."""
-        return self.state_dict_group(g)
-
-    def load_group_state(self, g: int, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                         step: int) -> None:
-        """Replace group ``g``'s state and write its parameters from ``master``."""
-        self.load_state_chunks(g, step, [(0, {"master": master, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq})])
-
-    def state_dict_group(self, g: int) -> dict:
-        whole = {k: torch.empty(self.group_numel(g)) for k in ("master", "exp_avg", "exp_avg_sq")}
-        for lo, piece in self.state_chunks(g):
-            for k, v in piece.items():
-                whole[k][lo:lo + v.numel()] = v
-        return {"step": self.group_step(g), **whole}
-
-    def state_dict(self) -> dict:
-        """{"groups": [{"step": int, "master"|"exp_avg"|"exp_avg_sq": fp32 CPU tensor (partition numel,)}]}:
-        this rank's partitions whole (fresh copies). `state_chunks` reads the same without a whole copy."""
-        return {"groups": [self.state_dict_group(g) for g in range(self.group_count)]}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Restore what `state_dict` returned (same partition sizes).
-
-        Raises:
-            ValueError: a different number of groups or a partition of another size.
-        """
-        groups = state["groups"]
-        if len(groups) != self.group_count:
-            raise ValueError(f"optimizer state has {len(groups)} param groups, this optimizer {self.group_count}")
-        for g, s in enumerate(groups):
-            if s["master"].numel() != self.group_numel(g):
-                raise ValueError(f"optimizer state of group {g} has {s['master'].numel()} elements, this "
-                                 f"rank's partition {self.group_numel(g)}")
-        for g, s in enumerate(groups):
-            self.load_state_chunks(g, int(s["step"]), [(0, {k: s[k] for k in ("master", "exp_avg", "exp_avg_sq")})])
+        self.write_parts([g])

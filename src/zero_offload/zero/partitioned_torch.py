@@ -11,8 +11,9 @@ import torch
 
 from zero_offload.config.schema import ConfigError
 from zero_offload.offload.copies import Copies
+from zero_offload.state import fill_from_chunks
 from zero_offload.zero.grad_partition import GradSource
-from zero_offload.zero.partitioned_adam import PartitionedAdam, fill_from_chunks, host_state_dtype
+from zero_offload.zero.partitioned_adam import PartitionedAdam, host_state_dtype
 
 __all__ = ["PartitionedTorchOptimizer", "partitioned_optimizer"]
 
@@ -80,10 +81,7 @@ class PartitionedTorchOptimizer(PartitionedAdam):
             master.grad = g.ready().to(master.device, torch.float32, copy=True).mul_(grad_scale)
         self.optimizer.step()
         self.steps = [s + 1 for s in self.steps]
-        for part, master in zip(self.parts, self.masters):
-            master.grad = None
-            if master.data_ptr() != part.data_ptr():
-                part.copy_(master)
+        self.write_parts()
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         """Master partitions and the optimizer's per-element states (first-moment-like under ``exp_avg``,
@@ -173,5 +171,4 @@ class PartitionedTorchOptimizer(PartitionedAdam):
             slots = dict(zip(("exp_avg", "exp_avg_sq"), (state[k] for k in self.slot_names)))
         fill_from_chunks(chunks, g, {"master": mine, **slots})
         self.steps[g] = step
-        if mine.data_ptr() != self.parts[g].data_ptr():
-            self.parts[g].copy_(mine)
+        self.write_parts([g])

@@ -139,12 +139,12 @@ def install_probes(engine_name: str) -> Probe:
         for cls, attrs in ((U.ShardedUnit, ("gather", "wait", "release", "flat_grad")),
                            (F.ParameterFetcher, ("fetch", "_prefetch", "_pre_forward", "_post_forward",
                                                  "_pre_backward", "end_micro_step", "invalidate")),
-                           (O.Stage3Optimizer, ("_reduce", "_complete", "end_micro_step", "grad_sq_norm", "step",
-                                                "_on_grad_ready"))):
+                           (O.Stage3Optimizer, ("_reduce", "_complete", "end_micro_step", "finalize_backward",
+                                                "grad_sq_norm", "step", "_on_grad_ready"))):
             for a in attrs:
                 probe.wrap(cls, a, f"s3.{cls.__name__}.{a}")
         from zero_offload.zero import zero_optimizer as Z
-        for a in ("grad_sq_norm", "step", "end_micro_step", "begin_micro_step"):
+        for a in ("finalize_backward", "grad_sq_norm", "step", "end_micro_step", "begin_micro_step"):
             if hasattr(Z.ZeroOptimizer, a):
                 probe.wrap(Z.ZeroOptimizer, a, f"s2.ZeroOptimizer.{a}")
         from zero_offload.zero import partitioned_adam as PA

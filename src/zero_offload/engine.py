@@ -176,8 +176,9 @@ class Engine:
 
     @deadline
     def step(self) -> None:
-        """At the accumulation boundary: global norm, fp16 overflow check, clipping, the partitioned
-        optimizer step, the all-gather and the LR schedule; a no-op between boundaries.
+        """At the accumulation boundary: the gradients made ready (``finalize_backward``), global norm, fp16
+        overflow check, clipping, the partitioned optimizer step, the all-gather and the LR schedule; a no-op
+        between boundaries.
 
         On fp16 overflow the step is skipped (parameters unchanged, the schedule not stepped) and counted in
         ``skipped_steps`` and ``global_step``, as DeepSpeed does.
@@ -188,6 +189,7 @@ class Engine:
         self._boundary_pending = False
         if self._dpu is not None:
             self._dpu.flush()   # the delayed step of the previous boundary: its parameters go up now
+        self.zero.finalize_backward()   # gradients ready once; the norm and the step read them without waiting
         loss_scale = self.scaler.scale
         norm = self.zero.grad_sq_norm().sqrt() / loss_scale
         self.last_grad_norm = float(norm)

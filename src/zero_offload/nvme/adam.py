@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import weakref
 from pathlib import Path
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
@@ -26,6 +27,9 @@ from zero_offload.offload.copies import CopyEngine
 from zero_offload.optim.cpu_adam import CPUAdam
 from zero_offload.optim.fused_adam import fused_adam_step
 from zero_offload.state import WholeGroupState, checked_chunks
+
+if TYPE_CHECKING:      # for annotations only: nvme/ does not import zero/ at run time
+    from zero_offload.zero.grad_partition import GradSource
 
 __all__ = ["NvmeAdam", "KINDS", "swap_directory"]
 
@@ -83,6 +87,7 @@ class NvmeAdam(FailStop, WholeGroupState):
     fail_stop_subject = "NVMe optimizer states"
 
     on_host = True
+    deferred = False
 
     def __init__(self, parts: list[torch.Tensor], hparams: list[dict], copies: CopyEngine, directory: Path,
                  sub_group_size: int, buffer_count: int, pipeline_read: bool = False, pipeline_write: bool = False,
@@ -170,12 +175,27 @@ class NvmeAdam(FailStop, WholeGroupState):
 
     # -- the step --------------------------------------------------------------------------------------
     @torch.no_grad()
-    def step(self, grads: list[torch.Tensor], grad_scale: float) -> None:
-        """One step of every group's partition with ``grads`` (host tensors of the partitions' shapes) times
-        ``grad_scale``, streamed sub-group by sub-group; updated parameters land in ``parts``."""
-        self._guard(self._step, grads, grad_scale)
+    def step(self, grads: Sequence[GradSource], grad_scale: float, lrs: Sequence[float] | None = None,
+             publish: bool = True) -> None:
+        """One step of every group's partition with ``grads`` (the `PartitionOptimizer` role: ready sources of
+        host tensors of the partitions' shapes) times ``grad_scale``, streamed sub-group by sub-group; updated
+        parameters land in ``parts`` (or their swap files). ``lrs`` overrides the groups' learning rates;
+        never deferred, so ``publish`` is not used.
 
-    def _step(self, grads, grad_scale) -> None:
+        Raises:
+            RuntimeError: a gradient source with copies still in flight; an earlier I/O error (fail-stop).
+            NvmeIOError: a read or write failed.
+        """
+        self._guard(self._step, [g.ready() for g in grads], grad_scale, lrs)
+
+    def publish(self) -> None:
+        """Nothing to publish: the step always writes the parameters (never deferred)."""
+
+    def state_format(self) -> str:
+        """The checkpoint's moment slots hold Adam's ``exp_avg`` and ``exp_avg_sq``."""
+        return "adam"
+
+    def _step(self, grads: list[torch.Tensor], grad_scale: float, lrs: Sequence[float] | None) -> None:
         import time
         for g in range(len(self.parts)):
             self.steps[g] += 1
@@ -204,7 +224,8 @@ class NvmeAdam(FailStop, WholeGroupState):
                 out = self._staging(slot, part.dtype)[:hi - lo] if sixteen_bit else None
             elif sixteen_bit:
                 out = part if part.device.type == "cpu" else self._staging(slot, part.dtype)[:hi - lo]
-            fused_adam_step(master, grads[g][lo:hi], exp_avg, exp_avg_sq, step=self.steps[g], lr=h["lr"],
+            lr = h["lr"] if lrs is None else lrs[g]
+            fused_adam_step(master, grads[g][lo:hi], exp_avg, exp_avg_sq, step=self.steps[g], lr=lr,
                             beta1=h["betas"][0], beta2=h["betas"][1], eps=h["eps"],
                             weight_decay=h["weight_decay"], adamw_mode=h["adamw_mode"],
                             bias_correction=h["bias_correction"], grad_scale=grad_scale, out=out)

@@ -36,10 +36,11 @@ class WriteBackOptimizer:
         for g in range(len(self.inner.masters)) if groups is None else groups:
             self.store.write_behind(g, 0, self.inner.masters[g])
 
-    def step(self, grads, grad_scale: float, *args, **kwargs) -> None:
-        # The stage-3 optimizer hands a non-`PartitionedAdam` ready tensors; the inner one wants sources.
-        grads = [_Ready(g) if isinstance(g, torch.Tensor) else g for g in grads]
-        self.inner.step(grads, grad_scale, *args, **kwargs)
+    def step(self, grads, grad_scale: float, lrs=None, publish: bool = True) -> None:
+        """The inner optimizer's step (the `PartitionOptimizer` role, ``grads`` ready sources), then the
+        updated parameters written back behind it (never deferred: the config refuses the delayed update with
+        parameters on NVMe)."""
+        self.inner.step(grads, grad_scale, lrs, publish)
         self.write_back()
 
     def load_state_chunks(self, g: int, step: int, chunks) -> None:
@@ -57,12 +58,3 @@ class WriteBackOptimizer:
     def staging_tensors(self) -> list[torch.Tensor]:
         return self.inner.staging_tensors()
 
-
-class _Ready:
-    """A gradient already in place, in the `GradSource` form (``ready()`` returns it)."""
-
-    def __init__(self, tensor: torch.Tensor):
-        self.tensor = tensor
-
-    def ready(self) -> torch.Tensor:
-        return self.tensor

@@ -12,9 +12,11 @@ __all__ = ["global_grad_sq_norm", "gather_masters"]
 
 def global_grad_sq_norm(ctx: DistContext, partitions: list[GradPartition], partitioned: bool) -> torch.Tensor:
     """Squared L2 norm of the whole (loss-scaled) gradient, a 0-dim fp32 CPU tensor: the sum of this
-    rank's partitions, all-reduced when the ranks hold different partitions."""
-    for p in partitions:
-        p.ready()
+    rank's partitions, all-reduced when the ranks hold different partitions.
+
+    Raises:
+        RuntimeError: a partition with copies still in flight (read before ``finalize_backward``).
+    """
     total = sum(p.sq_norm().to(ctx.device) for p in partitions)
     if partitioned:
         ctx.all_reduce(total, async_op=False)

@@ -17,15 +17,24 @@ NORM_CHUNK = 1 << 20
 
 
 class GradSource(Protocol):
-    """A gradient partition the optimizer may read once `ready` has returned it."""
+    """A gradient partition a partition optimizer reads in its step (`GradPartition`, or `ReadyGrad`).
+
+    Its owner makes it ready once per boundary (the ZeRO optimizer's ``finalize_backward``, which the engine
+    calls before the norm); reading it does not wait.
+    """
 
     def ready(self) -> torch.Tensor:
-        """Block until every copy into the partition has landed; return it (1-D)."""
+        """The finished gradient partition, 1-D (training dtype, or fp32 under gradient accumulation).
+
+        Raises:
+            RuntimeError: copies into it are still in flight (read before ``finalize_backward``).
+        """
         ...
 
 
 class ReadyGrad:
-    """A gradient buffer handed over whole (the delayed parameter update's previous step): already ready."""
+    """A gradient buffer handed over whole (the delayed parameter update's previous step), or any tensor
+    already in place: ready as it is (the `GradSource` role)."""
 
     def __init__(self, buffer: torch.Tensor):
         self.buffer = buffer
@@ -112,10 +121,22 @@ class GradPartition:
                 self.buffer[offset:offset + staging.numel()].add_(staging)
                 self.staging.setdefault((staging.numel(), staging.dtype), []).append(staging)
 
+    def finalize(self) -> None:
+        """Block until every gradient copied into the partition has landed and been added (offloaded copies
+        down), so that the host may read it: once per boundary, from the ZeRO optimizer's
+        ``finalize_backward`` (and before a second boundary backward sets the partition aside)."""
+        with record_function("zero_offload.grad_partition.finalize"):
+            self._drain(block=True)
+
     def ready(self) -> torch.Tensor:
-        """Block until every gradient copied into the partition has landed (before the host reads it);
-        return the partition."""
-        self._drain(block=True)
+        """The finished partition (the `GradSource` role), without waiting.
+
+        Raises:
+            RuntimeError: copies into it are still in flight: `finalize` has not run since they were issued.
+        """
+        if self.pending:
+            raise RuntimeError(f"a gradient partition was read with {len(self.pending)} copies into it in flight: "
+                               "the ZeRO optimizer's finalize_backward() runs first at every boundary")
         return self.buffer
 
     def take(self) -> ReadyGrad:
@@ -124,7 +145,8 @@ class GradPartition:
         The buffer handed out at the previous call is reused, so the caller must be done with it.
 
         Raises:
-            RuntimeError: the partition is a view of the flat gradient (stage 0/1 without offload).
+            RuntimeError: the partition is a view of the flat gradient (stage 0/1 without offload), or (as
+                `ready`) copies into it are still in flight.
         """
         if self.in_place:
             raise RuntimeError("a stage 0/1 gradient partition on the device cannot be handed over")
@@ -142,6 +164,9 @@ class GradPartition:
         Computed in chunks of NORM_CHUNK elements: on the CPU a 16-bit norm with an fp32 accumulator first
         converts its whole input, and a chunk's conversion stays in cache (29.9 ms -> 3.7 ms for 21M bf16
         elements on 2 cores).
+
+        Raises:
+            RuntimeError: as `ready` (copies into the partition still in flight).
         """
         buffer = self.ready()
         if buffer.dtype == torch.float32 or buffer.is_cuda:

@@ -1,39 +1,61 @@
 """`PartitionOptimizer`: the role a rank's partition optimizer plays for the ZeRO optimizers and checkpoints.
 
-Two classes fill it: `zero_offload.zero.partitioned_adam.PartitionedAdam` (states in device or host memory)
-and `zero_offload.nvme.adam.NvmeAdam` (states in NVMe swap files, streamed through a buffer pool).
+Filled by `zero_offload.zero.partitioned_adam.PartitionedAdam` (states in device or host memory, the fused
+host kernel or torch's fused device AdamW), its subclass `zero_offload.zero.partitioned_torch
+.PartitionedTorchOptimizer` (any torch optimizer on the partitions), `zero_offload.nvme.adam.NvmeAdam` (states
+in NVMe swap files, streamed through a buffer pool) and `zero_offload.nvme.param_writeback.WriteBackOptimizer`
+(one of the first two over parameters kept in swap files). `zero_offload.zero.builder.build_partition_optimizer`
+chooses among them. Every member below is used by `ZeroOptimizerBase`, the ZeRO optimizers or the checkpoints.
 """
 from __future__ import annotations
 
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Iterable, Iterator, Protocol, Sequence, runtime_checkable
 
 import torch
+
+from zero_offload.state import StateChunk
+from zero_offload.zero.grad_partition import GradSource
 
 __all__ = ["PartitionOptimizer"]
 
 
 @runtime_checkable
 class PartitionOptimizer(Protocol):
-    """Adam over one 1-D partition per param group.
+    """Adam (or a torch optimizer) over one 1-D partition per param group.
 
     Attributes:
         optimizer: a ``torch.optim.Optimizer`` whose ``param_groups`` carry the live hyper-parameters (the LR
             schedule writes ``lr`` there).
-        masters: per group, the fp32 master partition (shape (partition numel,)); may be read lazily.
-        outs: per group, a host staging tensor for updated 16-bit parameters, or None.
+        masters: per group, the fp32 master partition, shape (partition numel,); may be read lazily (NVMe:
+            each item is read from the swap file into a new tensor).
         on_host: whether the step runs on the host.
+        deferred: the delayed parameter update: `step` with ``publish=False`` leaves the parameters as they
+            are, and `publish` writes them later. Only `PartitionedAdam` (the fused host kernel) is ever deferred.
     """
 
     optimizer: torch.optim.Optimizer
     masters: Sequence[torch.Tensor]
-    outs: list
     on_host: bool
+    deferred: bool
 
-    def step(self, grads: list[torch.Tensor], grad_scale: float) -> None:
-        """Update every partition with ``grads`` x ``grad_scale``; the result lands in the parameters."""
+    def step(self, grads: Sequence[GradSource], grad_scale: float, lrs: Sequence[float] | None = None,
+             publish: bool = True) -> None:
+        """Update every group's partition with ``grads[g].ready()`` (1-D, the partition's numel, training dtype
+        or fp32) x ``grad_scale`` (1 / loss scale x clip coefficient). The gradients are read without waiting:
+        their owner made them ready (``finalize_backward``). ``lrs`` overrides the groups' learning rates (the
+        delayed update takes them at launch). The updated parameters land in the partitions, or, with
+        ``publish=False`` on a deferred optimizer, at the next `publish`.
+
+        Raises:
+            RuntimeError: a gradient source that is not ready; NVMe: an I/O error now or earlier (fail-stop).
+        """
+
+    def publish(self) -> None:
+        """Deferred: write the parameters of the last step into the partitions (a no-op when not deferred)."""
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
-        """The host/device tensors held for optimizer state, by kind (for memory accounting)."""
+        """The host/device tensors held for optimizer state, by kind (``master``, ``exp_avg``, ``exp_avg_sq``;
+        NVMe adds ``nvme_buffers``), for memory accounting."""
 
     def swapped_bytes(self) -> dict[str, int]:
         """Bytes of optimizer state kept in NVMe swap files, by kind (empty when all of it is in memory)."""
@@ -45,9 +67,31 @@ class PartitionOptimizer(Protocol):
         """Overwrite group ``g``'s fp32 master weights at ``offset`` with ``values`` (1-D), as
         ``gathered_parameters(modifier_rank=...)`` does."""
 
-    def group_state(self, g: int) -> dict:
-        """Group ``g``: fp32 CPU ``master``, ``exp_avg``, ``exp_avg_sq`` of shape (partition numel,), ``step``."""
+    def state_format(self) -> str:
+        """What the checkpoint's moment slots hold: ``adam``, or ``torch.<type>:<state names>``."""
 
-    def load_group_state(self, g: int, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                         step: int) -> None:
-        """Replace group ``g``'s state and write its parameters from ``master``."""
+    def group_step(self, g: int) -> int:
+        """Optimizer steps taken by group ``g`` (0 before the first)."""
+
+    def state_chunks(self, g: int, chunk_numel: int = 1 << 24) -> Iterator[StateChunk]:
+        """Group ``g``'s state as (offset, {kind: fp32 CPU tensor}) pieces in increasing offset (see
+        `zero_offload.state.PartitionedOptimizerState.state_chunks`)."""
+
+    def load_state_chunks(self, g: int, step: int, chunks: Iterable[StateChunk]) -> None:
+        """Replace group ``g``'s state from pieces covering its partition, with ``step`` steps taken, and write
+        its parameters from the new masters.
+
+        Raises:
+            ValueError: pieces that do not cover the partition in order (`zero_offload.state.checked_chunks`).
+        """
+
+    def state_dict(self) -> dict:
+        """{"groups": [{"step", "master", "exp_avg", "exp_avg_sq"}]}: every group whole
+        (`zero_offload.state.WholeGroupState`)."""
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore `state_dict`'s output (same partition sizes).
+
+        Raises:
+            ValueError: another number of groups or a partition of another size.
+        """

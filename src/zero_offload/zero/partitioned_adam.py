@@ -102,12 +102,16 @@ class PartitionedAdam(WholeGroupState):
     @torch.no_grad()
     def step(self, grads: Sequence[GradSource], grad_scale: float, lrs: Sequence[float] | None = None,
              publish: bool = True) -> None:
-        """One step of every group's partition with the gradients ``grads`` (same shapes, training dtype or
-        fp32) times ``grad_scale``; the updated 16-bit partition ends up in the flat buffer (or, deferred
-        with ``publish=False``, in ``outs``/``masters`` until `publish`). ``lrs`` overrides the groups'
-        learning rates (host step only). Safe to run in a background thread when deferred."""
-        with record_function("zero_offload.optimizer.wait_grads"):
-            ready = [g.ready() for g in grads]
+        """One step of every group's partition with the gradients ``grads`` (the `PartitionOptimizer` role:
+        ready sources of the partitions' shapes, training dtype or fp32) times ``grad_scale``; the updated
+        16-bit partition ends up in the flat buffer (or, deferred with ``publish=False``, in ``outs``/``masters``
+        until `publish`). ``lrs`` overrides the groups' learning rates (host step only). Safe to run in a
+        background thread when deferred.
+
+        Raises:
+            RuntimeError: a gradient source with copies still in flight (`GradSource.ready`).
+        """
+        ready = [g.ready() for g in grads]
         if self.on_host:
             self._host_step(ready, grad_scale, lrs)
             if self.deferred and publish:
@@ -179,6 +183,10 @@ class PartitionedAdam(WholeGroupState):
     def swapped_bytes(self) -> dict[str, int]:
         """Bytes of optimizer state in swap files, by kind: none, every state is in memory."""
         return {}
+
+    def state_format(self) -> str:
+        """The checkpoint's moment slots hold Adam's ``exp_avg`` and ``exp_avg_sq``."""
+        return "adam"
 
     def staging_tensors(self) -> list[torch.Tensor]:
         """Host buffers that only carry updated parameters towards the device (the ring's slots)."""

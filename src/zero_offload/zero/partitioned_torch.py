@@ -7,6 +7,8 @@ updated 16-bit partition is written back the same way.
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 from zero_offload.config.schema import ConfigError
@@ -74,9 +76,15 @@ class PartitionedTorchOptimizer(PartitionedAdam):
         self._probe_state(cls, groups[0])
 
     @torch.no_grad()
-    def step(self, grads: list[GradSource], grad_scale: float, lrs=None, publish: bool = True) -> None:
-        """One torch-optimizer step of every group's master partition with ``grads`` (waited for) x
-        ``grad_scale``; the updated values are copied into the 16-bit (or fp32) partition."""
+    def step(self, grads: Sequence[GradSource], grad_scale: float, lrs: Sequence[float] | None = None,
+             publish: bool = True) -> None:
+        """One torch-optimizer step of every group's master partition with ``grads`` (ready sources) x
+        ``grad_scale``; the updated values are copied into the 16-bit (or fp32) partition. Never deferred:
+        ``lrs`` and ``publish`` are not used (the groups' learning rates apply).
+
+        Raises:
+            RuntimeError: a gradient source with copies still in flight (`GradSource.ready`).
+        """
         for master, g in zip(self.masters, grads):
             master.grad = g.ready().to(master.device, torch.float32, copy=True).mul_(grad_scale)
         self.optimizer.step()

@@ -16,14 +16,13 @@ from zero_offload.config import Config
 from zero_offload.flat import FlatParams
 from zero_offload.nvme.setup import build_nvme_adam
 from zero_offload.offload.copies import CopyEngine
-from zero_offload.zero.gather import gather_masters, global_grad_sq_norm
+from zero_offload.zero.base import ZeroOptimizerBase
+from zero_offload.zero.gather import gather_masters
 from zero_offload.zero.grad_partition import GradPartition
 from zero_offload.zero.layout import GroupLayout, contiguous_layout
 from zero_offload.zero.averaging import GradAveraging
 from zero_offload.zero.partitioned_torch import partitioned_optimizer
 from zero_offload.zero.reducer import GradientReducer
-from zero_offload.zero.deferrable import DeferrableStepMixin
-from zero_offload.zero.state import PartitionStateMixin
 
 __all__ = ["ParamGroup", "ZeroOptimizer", "communication_dtype"]
 
@@ -44,7 +43,7 @@ class ParamGroup:
     hparams: dict
 
 
-class ZeroOptimizer(PartitionStateMixin, DeferrableStepMixin):
+class ZeroOptimizer(ZeroOptimizerBase):
     """ZeRO stage 0, 1 or 2 over the given param groups, with the optimizer on the device or the host.
 
     Raises:
@@ -78,11 +77,6 @@ class ZeroOptimizer(PartitionStateMixin, DeferrableStepMixin):
         self._reduced = False              # stages 0/1: the full gradient was reduced since the last step
         self._set_aside: list[torch.Tensor] | None = None
 
-    @property
-    def optimizer(self) -> torch.optim.Optimizer:
-        """The inner optimizer; its param groups hold the live learning rates."""
-        return self.adam.optimizer
-
     def begin_forward(self) -> None:
         """Nothing to prepare before a forward: stages 0-2 keep every parameter whole."""
 
@@ -99,7 +93,7 @@ class ZeroOptimizer(PartitionStateMixin, DeferrableStepMixin):
         """
         if self.stage < 2 and boundary and self._reduced:
             for p in self.partitions:
-                p.ready()
+                p.finalize()
             self._set_aside = [p.buffer.clone() for p in self.partitions]
             for g in self.flat_grads:
                 g.zero_()
@@ -110,17 +104,14 @@ class ZeroOptimizer(PartitionStateMixin, DeferrableStepMixin):
         self.reducer.end_micro_step()
         if self._set_aside is not None:
             for p, kept in zip(self.partitions, self._set_aside):
-                p.ready()
+                p.finalize()
                 p.buffer.add_(kept)
             self._set_aside = None
 
-    def grad_sq_norm(self) -> torch.Tensor:
-        """Squared L2 norm of the whole (loss-scaled) gradient over all ranks, a 0-dim fp32 CPU tensor."""
-        return global_grad_sq_norm(self.ctx, self.partitions, partitioned=self.stage >= 1)
-
     def step(self, grad_scale: float) -> None:
-        """Update this rank's partitions with gradients x ``grad_scale``, then all-gather (stage >= 1)."""
-        self.adam.step(self._grads(), grad_scale)
+        """Update this rank's partitions with gradients x ``grad_scale`` (after `finalize_backward`), then
+        all-gather (stage >= 1)."""
+        self.adam.step(self.partitions, grad_scale)
         self._all_gather()
 
     def counters(self) -> dict[str, int]:

@@ -16,7 +16,8 @@ from zero_offload.config import Config
 from zero_offload.nvme.setup import build_nvme_adam, build_param_store
 from zero_offload.nvme.param_writeback import WriteBackOptimizer
 from zero_offload.offload.copies import CopyEngine
-from zero_offload.zero.gather import gather_masters, global_grad_sq_norm
+from zero_offload.zero.base import ZeroOptimizerBase
+from zero_offload.zero.gather import gather_masters
 from zero_offload.zero.grad_partition import GradPartition
 from zero_offload.zero.layout import GroupLayout, ParamPlacement, Piece
 from zero_offload.zero.averaging import GradAveraging
@@ -29,14 +30,12 @@ from zero_offload.zero.stage3.partition_store import ResidentStore
 from zero_offload.zero.stage3.saved_params import SavedParameterGuard
 from zero_offload.zero.stage3 import registry
 from zero_offload.zero.stage3.units import ShardedUnit
-from zero_offload.zero.deferrable import DeferrableStepMixin
-from zero_offload.zero.state import PartitionStateMixin
 from zero_offload.zero.zero_optimizer import communication_dtype
 
 __all__ = ["Stage3Optimizer"]
 
 
-class Stage3Optimizer(PartitionStateMixin, DeferrableStepMixin):
+class Stage3Optimizer(ZeroOptimizerBase):
     """ZeRO stage 3 over the given param groups, optionally with parameters and/or optimizer on the host.
 
     Args:
@@ -154,10 +153,6 @@ class Stage3Optimizer(PartitionStateMixin, DeferrableStepMixin):
             part = self.frozen_part if u.frozen else self.parts[u.group]
             u.bind(part[lo:lo + u.shard_numel], lo, self.ctx.rank)
 
-    @property
-    def optimizer(self) -> torch.optim.Optimizer:
-        return self.adam.optimizer
-
     @torch.no_grad()
     def write_back(self, u: ShardedUnit, src_rank: int) -> None:
         """Keep what rank ``src_rank`` wrote into gathered unit ``u``: broadcast its full buffer from there and
@@ -274,13 +269,10 @@ class Stage3Optimizer(PartitionStateMixin, DeferrableStepMixin):
         self.fetcher.end_micro_step()
 
     # -- the step --------------------------------------------------------------------------------------
-    def grad_sq_norm(self) -> torch.Tensor:
-        return global_grad_sq_norm(self.ctx, self.partitions, partitioned=True)
-
     def step(self, grad_scale: float) -> None:
         # Gathered copies go stale, and the host must not rewrite a host shard a copy up still reads.
         self.fetcher.invalidate()
-        self.adam.step(self._grads(), grad_scale)
+        self.adam.step(self.partitions, grad_scale)
 
     # -- the delayed parameter update (see zero_offload.zero.delayed_update) ----------------------------
     def publish(self) -> None:

@@ -57,13 +57,14 @@ def check_swap_directory(nvme_path: str, rank: int, need_bytes: int, key: str = 
 def build_nvme_adam(parts: list[torch.Tensor], hparams: list[dict], copies: CopyEngine, config: Config,
                     rank: int, param_io=None) -> NvmeAdam:
     """The NVMe optimizer for this rank's ``parts`` as ``config`` (offload_optimizer, aio, sub_group_size)
-    asks (``param_io``: see `NvmeAdam`); see `check_swap_directory` for the errors."""
+    asks (``param_io``: see `NvmeAdam`), in a checked swap directory. Chosen by
+    `zero_offload.zero.builder.build_partition_optimizer`, which refuses optimizers other than Adam/AdamW.
+
+    Raises:
+        ConfigError: as `check_swap_directory`.
+    """
     zc = config.zero_optimization
     oo = zc.offload_optimizer
-    if config.optimizer.torch_kwargs is not None or config.optimizer.params.amsgrad:
-        raise ConfigError(f"config key 'zero_optimization.offload_optimizer.device' = 'nvme' streams Adam's "
-                          f"states through its buffers; optimizer.type = {config.optimizer.type!r}"
-                          f"{' with amsgrad' if config.optimizer.params.amsgrad else ''} needs device 'cpu'")
     need = NvmeAdam.bytes_needed([p.numel() for p in parts], zc.sub_group_size)
     directory = check_swap_directory(oo.nvme_path, rank, need, reclaimable=tuple(f".{k}.swp" for k in KINDS))
     return NvmeAdam(parts, hparams, copies, directory, zc.sub_group_size, oo.buffer_count, oo.pipeline_read,

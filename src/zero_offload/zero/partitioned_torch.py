@@ -11,35 +11,11 @@ from typing import Sequence
 
 import torch
 
-from zero_offload.config.schema import ConfigError
-from zero_offload.offload.copies import Copies
 from zero_offload.state import fill_from_chunks
 from zero_offload.zero.grad_partition import GradSource
-from zero_offload.zero.partitioned_adam import PartitionedAdam, host_state_dtype
+from zero_offload.zero.partitioned_adam import PartitionedAdam
 
-__all__ = ["PartitionedTorchOptimizer", "partitioned_optimizer"]
-
-
-def partitioned_optimizer(config, parts: list[torch.Tensor], hparams: list[dict], offload: bool,
-                          copies: Copies, host_params: bool = False) -> PartitionedAdam:
-    """The partitioned optimizer ``config.optimizer`` asks for: the fused Adam kernel for Adam/AdamW, a torch
-    optimizer on the partition for ``amsgrad`` and for torch.optim types.
-
-    Raises:
-        ConfigError: ``offload_optimizer.delayed_param_update`` with a torch optimizer (only the fused
-            kernel's step runs in the background).
-    """
-    opt = config.optimizer
-    deferred = config.zero_optimization.offload_optimizer.delayed_param_update
-    if opt.torch_kwargs is None and not opt.params.amsgrad:
-        return PartitionedAdam(parts, hparams, offload, copies, host_params=host_params, deferred=deferred,
-                               state_dtype=host_state_dtype(config))
-    if deferred:
-        raise ConfigError("config key 'zero_optimization.offload_optimizer.delayed_param_update' = true needs "
-                          f"optimizer type Adam/AdamW without amsgrad (got {opt.type!r}): only the fused host "
-                          "kernel's step runs in the background")
-    return PartitionedTorchOptimizer(parts, hparams, offload, copies, host_params=host_params,
-                                     type_name=opt.type, torch_kwargs=opt.torch_kwargs)
+__all__ = ["PartitionedTorchOptimizer"]
 
 
 class PartitionedTorchOptimizer(PartitionedAdam):

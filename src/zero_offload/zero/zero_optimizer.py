@@ -14,14 +14,13 @@ from torch.profiler import record_function
 from zero_offload.comm import DistContext
 from zero_offload.config import Config
 from zero_offload.flat import FlatParams
-from zero_offload.nvme.setup import build_nvme_adam
 from zero_offload.offload.copies import CopyEngine
 from zero_offload.zero.base import ZeroOptimizerBase
+from zero_offload.zero.builder import build_partition_optimizer
 from zero_offload.zero.gather import gather_masters
 from zero_offload.zero.grad_partition import GradPartition
 from zero_offload.zero.layout import GroupLayout, contiguous_layout
 from zero_offload.zero.averaging import GradAveraging
-from zero_offload.zero.partitioned_torch import partitioned_optimizer
 from zero_offload.zero.reducer import GradientReducer
 
 __all__ = ["ParamGroup", "ZeroOptimizer", "communication_dtype"]
@@ -68,11 +67,8 @@ class ZeroOptimizer(ZeroOptimizerBase):
                                        averaging=GradAveraging.from_config(config, ctx.world_size),
                                        comm_dtype=communication_dtype(config))
         parts = [f.buffer[p.lo:p.hi] for f, p in zip(self.flats, self.partitions)]
-        if zc.offload_optimizer.device == "nvme":
-            self.adam = build_nvme_adam(parts, [g.hparams for g in groups], self.copies, config, ctx.rank)
-        else:
-            self.adam = partitioned_optimizer(config, parts, [g.hparams for g in groups], self.offload,
-                                              self.copies)
+        self.adam = build_partition_optimizer(config, parts, [g.hparams for g in groups], self.copies, ctx.rank,
+                                              offload=self.offload)
         self.gathers = 0                   # all-gathers of updated partitions issued (running count)
         self._reduced = False              # stages 0/1: the full gradient was reduced since the last step
         self._set_aside: list[torch.Tensor] | None = None

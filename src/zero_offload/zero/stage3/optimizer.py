@@ -13,16 +13,15 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from zero_offload.comm import DistContext
 from zero_offload.config import Config
-from zero_offload.nvme.setup import build_nvme_adam, build_param_store
-from zero_offload.nvme.param_writeback import WriteBackOptimizer
+from zero_offload.nvme.setup import build_param_store
 from zero_offload.offload.copies import CopyEngine
 from zero_offload.zero.base import ZeroOptimizerBase
+from zero_offload.zero.builder import build_partition_optimizer
 from zero_offload.zero.gather import gather_masters
 from zero_offload.zero.grad_partition import GradPartition
 from zero_offload.zero.layout import GroupLayout, ParamPlacement, Piece
 from zero_offload.zero.averaging import GradAveraging
 from zero_offload.zero.collectives import InFlight, finish, reduce_scatter_grad
-from zero_offload.zero.partitioned_torch import partitioned_optimizer
 from zero_offload.zero.stage3.fetcher import ParameterFetcher, units_by_module
 from zero_offload.zero.stage3.frozen import FrozenRelease, build_frozen_units, frozen_names
 from zero_offload.zero.stage3.materialize import materialize
@@ -101,18 +100,9 @@ class Stage3Optimizer(ZeroOptimizerBase):
         host_step = self.offload or self.offload_param
         self.partitions = [GradPartition(p.numel(), dtype, ctx.device, 3, host_step,
                                          gradient_accumulation > 1, self.copies) for p in self.parts]
-        if zc.offload_optimizer.device == "nvme":
-            self.adam = build_nvme_adam(self.parts, [g.hparams for g in groups], self.copies, config, ctx.rank,
-                                        param_io=self.store if self.param_nvme else None)
-        elif self.param_nvme:
-            # fp32 masters read from the files are the inner optimizer's parameters; the 16-bit ones are
-            # written back to the files after each step.
-            masters = [self.store.read_range(g, 0, p.numel()).float() for g, p in enumerate(self.parts)]
-            self.adam = WriteBackOptimizer(partitioned_optimizer(config, masters, [g.hparams for g in groups],
-                                                                 True, self.copies, host_params=True), self.store)
-        else:
-            self.adam = partitioned_optimizer(config, self.parts, [g.hparams for g in groups], host_step,
-                                              self.copies, host_params=self.offload_param)
+        self.adam = build_partition_optimizer(config, self.parts, [g.hparams for g in groups], self.copies,
+                                              ctx.rank, offload=host_step, host_params=self.offload_param,
+                                              param_store=self.store if self.param_nvme else None)
         self.averaging = GradAveraging.from_config(config, ctx.world_size)
         self.comm_dtype = communication_dtype(config)
         self.in_flight = InFlight(2, self._complete)   # reduce-scatters in flight, each unit's gradient kept

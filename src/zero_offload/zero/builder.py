@@ -1,0 +1,92 @@
+"""`build_partition_optimizer`: the one place that chooses a rank's partition optimizer from the config.
+
+Both ZeRO optimizers call it: `ZeroOptimizer` with its slices of the flat buffers, `Stage3Optimizer` with the
+concatenated unit shards. What it builds (every one fills `zero_offload.zero.optimizer_role.PartitionOptimizer`):
+
+=========================  ==========================  ===========  ==============================================
+offload_optimizer.device   optimizer                   parameters   partition optimizer
+=========================  ==========================  ===========  ==============================================
+none / cpu                 Adam, AdamW (no amsgrad)    in memory    `PartitionedAdam`: the fused host kernel where
+                                                                    the states are on the host, else torch's fused
+                                                                    device AdamW
+none / cpu                 amsgrad, or a torch.optim   in memory    `PartitionedTorchOptimizer`
+                           type by name
+nvme                       Adam, AdamW (no amsgrad)    any          `NvmeAdam` (writing the parameter swap files
+                                                                    itself when the parameters are on NVMe)
+none / cpu                 any of the above            NVMe         `WriteBackOptimizer` over one of the first two,
+                                                                    built on fp32 masters read from the files
+=========================  ==========================  ===========  ==============================================
+
+DeepSpeed makes the same choice in ``DeepSpeedEngine._configure_basic_optimizer`` (``DeepSpeedCPUAdam`` when
+the optimizer is offloaded, ``FusedAdam`` on the device, ``torch.optim.<type>`` by name otherwise) and
+swaps the states to NVMe under ``offload_optimizer.device = nvme`` with its optimizer swappers
+(``PartitionedOptimizerSwapper``, or ``PipelinedOptimizerSwapper`` with ``pipeline_read``/``pipeline_write``).
+"""
+from __future__ import annotations
+
+import torch
+
+from zero_offload.config import Config, ConfigError
+from zero_offload.nvme.param_store import NvmeParamStore
+from zero_offload.nvme.param_writeback import WriteBackOptimizer
+from zero_offload.nvme.setup import build_nvme_adam
+from zero_offload.offload.copies import Copies
+from zero_offload.zero.optimizer_role import PartitionOptimizer
+from zero_offload.zero.partitioned_adam import PartitionedAdam, host_state_dtype
+from zero_offload.zero.partitioned_torch import PartitionedTorchOptimizer
+
+__all__ = ["build_partition_optimizer"]
+
+
+def build_partition_optimizer(config: Config, parts: list[torch.Tensor], hparams: list[dict], copies: Copies,
+                              rank: int, *, offload: bool, host_params: bool = False,
+                              param_store: NvmeParamStore | None = None) -> PartitionOptimizer:
+    """The partition optimizer ``config`` asks for, over this rank's ``parts``.
+
+    Args:
+        parts: per param group, this rank's 1-D parameter partition (16-bit or fp32; on the device, on the host,
+            or meta tensors that give only shapes and dtypes when ``param_store`` holds the parameters).
+        hparams: per group, dict(lr, betas, eps, weight_decay, adamw_mode, bias_correction).
+        copies: the copy engine (page-locked host buffers, copies up).
+        rank: this rank (names its NVMe swap directory).
+        offload: the states and the step live on the host (``offload_optimizer.device`` cpu or nvme; at stage 3
+            also ``offload_param``).
+        host_params: the parts are host memory themselves (stage 3 ``offload_param.device = cpu``).
+        param_store: stage 3's parameter swap files (``offload_param.device = nvme``), or None.
+
+    Raises:
+        ConfigError: ``offload_optimizer.delayed_param_update`` or ``offload_optimizer.device = nvme`` with an
+            optimizer the fused kernel does not run (amsgrad, a torch.optim type), naming the key; the swap
+            directory's checks (`zero_offload.nvme.setup.check_swap_directory`).
+        ValueError: ``bias_correction = false`` with the states on an accelerator.
+    """
+    opt = config.optimizer
+    fused = opt.torch_kwargs is None and not opt.params.amsgrad
+    if config.zero_optimization.offload_optimizer.device == "nvme":
+        if not fused:
+            raise ConfigError(f"config key 'zero_optimization.offload_optimizer.device' = 'nvme' streams Adam's "
+                              f"states through its buffers; optimizer.type = {opt.type!r}"
+                              f"{' with amsgrad' if opt.params.amsgrad else ''} needs device 'cpu'")
+        return build_nvme_adam(parts, hparams, copies, config, rank, param_io=param_store)
+    if param_store is not None:
+        # fp32 masters read from the files are the inner optimizer's parameters; the 16-bit ones are written
+        # back to the files after each step.
+        masters = [param_store.read_range(g, 0, p.numel()).float() for g, p in enumerate(parts)]
+        return WriteBackOptimizer(_in_memory(config, masters, hparams, True, copies, True), param_store)
+    return _in_memory(config, parts, hparams, offload, copies, host_params)
+
+
+def _in_memory(config: Config, parts: list[torch.Tensor], hparams: list[dict], offload: bool, copies: Copies,
+               host_params: bool) -> PartitionedAdam:
+    """States in device or host memory: the fused kernel for Adam/AdamW, a torch optimizer otherwise."""
+    opt = config.optimizer
+    deferred = config.zero_optimization.offload_optimizer.delayed_param_update
+    if opt.torch_kwargs is None and not opt.params.amsgrad:
+        return PartitionedAdam(parts, hparams, offload, copies, host_params=host_params, deferred=deferred,
+                               state_dtype=host_state_dtype(config))
+    if deferred:
+        raise ConfigError("config key 'zero_optimization.offload_optimizer.delayed_param_update' = true needs "
+                          f"optimizer type Adam/AdamW without amsgrad (got {opt.type!r}): only the fused host "
+                          "kernel's step runs in the background")
+    return PartitionedTorchOptimizer(parts, hparams, offload, copies, host_params=host_params,
+                                     type_name=opt.type, torch_kwargs=opt.torch_kwargs)

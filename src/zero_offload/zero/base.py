@@ -14,18 +14,43 @@ A subclass sets ``ctx``, ``stage``, ``offload``, ``partitions`` and ``adam`` in 
 """
 from __future__ import annotations
 
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Union
 
 import torch
 from torch.profiler import record_function
 
 from zero_offload.comm import DistContext
 from zero_offload.state import StateChunk
-from zero_offload.zero.gather import global_grad_sq_norm
+from zero_offload.zero.gather import gather_masters, global_grad_sq_norm
 from zero_offload.zero.grad_partition import GradPartition, ReadyGrad
 from zero_offload.zero.optimizer_role import PartitionOptimizer
 
-__all__ = ["ZeroOptimizerBase"]
+__all__ = ["ZeroOptimizerBase", "MemoryKind", "tally"]
+
+# A kind of memory: (side, tensors) to be measured, or an entry measured elsewhere (swap files, gathered buffers).
+MemoryKind = Union[tuple[str, list[torch.Tensor]], dict]
+
+
+def tally(kinds: dict[str, MemoryKind]) -> dict[str, dict]:
+    """{kind: {"bytes": int, "numel": int, "side": str}} from ``kinds`` in order. For (side, tensors): bytes
+    are numel x element size of each tensor whose storage no earlier tensor had (a view of another kind's
+    storage, such as fp32 masters that are the parameters themselves, counts zero bytes); numel counts every
+    tensor. An entry already measured is kept as it is."""
+    seen: set[int] = set()
+    out = {}
+    for kind, held in kinds.items():
+        if isinstance(held, dict):
+            out[kind] = held
+            continue
+        side, tensors = held
+        nbytes = 0
+        for t in tensors:
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in seen:
+                seen.add(ptr)
+                nbytes += t.numel() * t.element_size()
+        out[kind] = {"bytes": nbytes, "numel": sum(t.numel() for t in tensors), "side": side}
+    return out
 
 
 class ZeroOptimizerBase:
@@ -116,3 +141,40 @@ class ZeroOptimizerBase:
                              "through a checkpoint, which reshards")
         self.adam.load_state_dict(state)
         self.after_load()
+
+    # -- introspection -----------------------------------------------------------------------------------
+    def full_master_state(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """{name: fp32 CPU tensor of the parameter's shape} for every trainable parameter, gathered from all
+        ranks' master partitions along `layout` (a collective when ``partitions_count`` > 1). Afterwards
+        ``export_stats["peak_device_bytes"]`` holds the most device bytes it held at once (see
+        `zero_offload.zero.gather.gather_masters`, which gathers piece by piece as DeepSpeed's
+        ``_zero3_consolidated_16bit_state_dict`` does)."""
+        self.export_stats: dict = {}
+        return gather_masters(self.ctx, self.layout(), self.adam.masters, self.partitions_count,
+                              self.export_stats)
+
+    def partition_kinds(self) -> dict[str, MemoryKind]:
+        """The memory of the step's side, by kind: ``grad_partition`` (the reduced gradient partitions, their
+        spare and staging buffers), the partition optimizer's ``master``, ``exp_avg``, ``exp_avg_sq`` (and
+        ``nvme_buffers``, the pool NVMe states stream through), on the host when offloaded, and
+        ``param_staging`` (host copies of updated parameters headed to the device)."""
+        side = "host" if self.offload else "device"
+        return {"grad_partition": (side, [t for p in self.partitions for t in p.state_tensors()]),
+                **{kind: (side, tensors) for kind, tensors in self.adam.state_tensors().items()},
+                "param_staging": ("host", self.adam.staging_tensors())}
+
+    def memory_breakdown(self) -> dict[str, dict]:
+        """Bytes this rank holds, by kind, measured from the tensors themselves (`tally`).
+
+        Returns {kind: {"bytes": int, "numel": int, "side": "device" | "host" | "nvme"}}: the stage's own kinds
+        (``memory_kinds``: `ZeroOptimizer.memory_kinds`, `Stage3Optimizer.memory_kinds`), then, with
+        ``offload_optimizer.device = nvme``, the states' swap files by kind (side ``nvme``, numel in fp32
+        elements). ``side`` is where the tensor lives logically: on a machine without an accelerator both
+        device and host are host memory. DeepSpeed has no counterpart by kind (its ``see_memory_usage``
+        reports the allocator's totals); `zero_offload.estimate` predicts these same kinds.
+        """
+        out = tally(self.memory_kinds())
+        for kind, nbytes in self.adam.swapped_bytes().items():
+            out[kind] = {"bytes": nbytes, "numel": nbytes // 4, "side": "nvme"}
+        return out
+

@@ -6,12 +6,13 @@ a checkpoint written by N ranks at one ZeRO stage load into M ranks at another.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterable
 
 import torch
 
 from zero_offload.flat import FlatParams
 
-__all__ = ["Piece", "ParamPlacement", "GroupLayout", "contiguous_layout", "assemble"]
+__all__ = ["Piece", "ParamPlacement", "GroupLayout", "place_slots", "contiguous_layout", "assemble"]
 
 
 @dataclass(frozen=True)
@@ -51,17 +52,29 @@ class GroupLayout:
             for p in data["params"]))
 
 
-def contiguous_layout(flat: FlatParams, partitions: int) -> GroupLayout:
-    """The layout of a flat buffer cut into ``partitions`` equal contiguous partitions (stages 0-2)."""
-    size = flat.padded_numel // partitions
-    params = []
-    for s in flat.slots:
+def place_slots(slots: Iterable, size: int, base: int = 0) -> list[ParamPlacement]:
+    """Where each slot's elements go when the run of elements the slots sit in is cut into consecutive pieces
+    of ``size`` elements, piece r to rank r: element e of the run lands in rank ``e // size``'s partition at
+    ``base + e % size``.
+
+    ``slots``: objects with ``name``, ``shape``, ``numel`` and ``offset``/``end`` (element range in the run),
+    as `FlatParams` slots (a flat buffer cut into partitions, ``base`` 0) and stage-3 unit slots (a unit cut
+    into shards of ``size`` elements, stored from ``base`` in the group partition) are.
+    """
+    placements = []
+    for s in slots:
         pieces = []
         for r in range(s.offset // size, (s.end - 1) // size + 1) if s.numel else ():
             lo, hi = max(s.offset, r * size), min(s.end, (r + 1) * size)
-            pieces.append(Piece(r, lo - r * size, lo - s.offset, hi - lo))
-        params.append(ParamPlacement(s.name, tuple(s.shape), s.numel, tuple(pieces)))
-    return GroupLayout(size, tuple(params))
+            pieces.append(Piece(r, base + lo - r * size, lo - s.offset, hi - lo))
+        placements.append(ParamPlacement(s.name, tuple(s.shape), s.numel, tuple(pieces)))
+    return placements
+
+
+def contiguous_layout(flat: FlatParams, partitions: int) -> GroupLayout:
+    """The layout of a flat buffer cut into ``partitions`` equal contiguous partitions (stages 0-2)."""
+    size = flat.padded_numel // partitions
+    return GroupLayout(size, tuple(place_slots(flat.slots, size)))
 
 
 def assemble(group: GroupLayout, partitions: torch.Tensor) -> dict[str, torch.Tensor]:

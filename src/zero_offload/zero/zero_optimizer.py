@@ -15,9 +15,8 @@ from zero_offload.comm import DistContext
 from zero_offload.config import Config
 from zero_offload.flat import FlatParams
 from zero_offload.offload.copies import CopyEngine
-from zero_offload.zero.base import ZeroOptimizerBase
+from zero_offload.zero.base import MemoryKind, ZeroOptimizerBase
 from zero_offload.zero.builder import build_partition_optimizer
-from zero_offload.zero.gather import gather_masters
 from zero_offload.zero.grad_partition import GradPartition
 from zero_offload.zero.layout import GroupLayout, contiguous_layout
 from zero_offload.zero.averaging import GradAveraging
@@ -137,40 +136,13 @@ class ZeroOptimizer(ZeroOptimizerBase):
         for g in self.flat_grads or []:
             g.zero_()
 
-    def memory_breakdown(self) -> dict[str, dict]:
-        """Bytes this rank holds, by kind, measured from the tensors themselves.
-
-        Returns {kind: {"bytes": int, "numel": int, "side": "device" | "host"}} for kinds ``params``
-        (16-bit flat buffers), ``grads`` (full flat gradients, stages 0/1), ``buckets`` (pooled stage-2
-        bucket buffers), ``grad_partition``, ``master``, ``exp_avg``, ``exp_avg_sq`` and ``param_staging``
-        (host copies of updated parameters headed to the device); with ``offload_optimizer.device = nvme``
-        the states are side ``nvme`` (their swap files' bytes) and ``nvme_buffers`` the host pool they stream
-        through. ``side`` is where the tensor lives logically: on a machine without an accelerator both
-        device and host are host memory. Views of another kind's
-        storage (fp32 masters that are the parameters themselves) count zero bytes.
-        """
-        state_side = "host" if self.offload else "device"
-        kinds: dict[str, tuple[str, list[torch.Tensor]]] = {
-            "params": ("device", [f.buffer for f in self.flats]),
-            "grads": ("device", list(self.flat_grads or [])),
-            "buckets": ("device", self.reducer.pool.buffers()),
-            "grad_partition": (state_side, [t for p in self.partitions for t in p.state_tensors()]),
-            **{k: (state_side, v) for k, v in self.adam.state_tensors().items()},
-            "param_staging": ("host", self.adam.staging_tensors()),
-        }
-        seen: set[int] = set()
-        out = {}
-        for kind, (side, tensors) in kinds.items():
-            nbytes = 0
-            for t in tensors:
-                ptr = t.untyped_storage().data_ptr()
-                if ptr not in seen:
-                    seen.add(ptr)
-                    nbytes += t.numel() * t.element_size()
-            out[kind] = {"bytes": nbytes, "numel": sum(t.numel() for t in tensors), "side": side}
-        for kind, nbytes in self.adam.swapped_bytes().items():      # states in NVMe swap files
-            out[kind] = {"bytes": nbytes, "numel": nbytes // 4, "side": "nvme"}
-        return out
+    def memory_kinds(self) -> dict[str, MemoryKind]:
+        """The kinds of `memory_breakdown` at stages 0-2: ``params`` (16-bit flat buffers), ``grads`` (full flat
+        gradients, stages 0/1), ``buckets`` (pooled stage-2 bucket buffers), then `partition_kinds`."""
+        return {"params": ("device", [f.buffer for f in self.flats]),
+                "grads": ("device", list(self.flat_grads or [])),
+                "buckets": ("device", self.reducer.pool.buffers()),
+                **self.partition_kinds()}
 
     @property
     def partitions_count(self) -> int:
@@ -186,10 +158,3 @@ class ZeroOptimizer(ZeroOptimizerBase):
         if self.stage >= 1:
             for f in self.flats:
                 self.ctx.all_gather_partitions(f.buffer, f.partition_numel, self.allgather_bucket_numel)
-
-    def full_master_state(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
-        """{name: fp32 CPU tensor} for every flattened parameter, gathered from all ranks' master
-        partitions (a collective at stage >= 1)."""
-        self.export_stats: dict = {}
-        return gather_masters(self.ctx, self.layout(), self.adam.masters, self.partitions_count,
-                              self.export_stats)

@@ -15,11 +15,10 @@ from zero_offload.comm import DistContext
 from zero_offload.config import Config
 from zero_offload.nvme.setup import build_param_store
 from zero_offload.offload.copies import CopyEngine
-from zero_offload.zero.base import ZeroOptimizerBase
+from zero_offload.zero.base import MemoryKind, ZeroOptimizerBase
 from zero_offload.zero.builder import build_partition_optimizer
-from zero_offload.zero.gather import gather_masters
 from zero_offload.zero.grad_partition import GradPartition
-from zero_offload.zero.layout import GroupLayout, ParamPlacement, Piece
+from zero_offload.zero.layout import GroupLayout, place_slots
 from zero_offload.zero.averaging import GradAveraging
 from zero_offload.zero.collectives import InFlight, finish, reduce_scatter_grad
 from zero_offload.zero.stage3.fetcher import ParameterFetcher, units_by_module
@@ -318,56 +317,35 @@ class Stage3Optimizer(ZeroOptimizerBase):
 
     # -- introspection ---------------------------------------------------------------------------------
     def layout(self) -> list[GroupLayout]:
-        out = []
-        for units, part in zip(self.group_units, self.parts):
-            params = []
-            for u in units:
-                s_n = u.shard_numel
-                for slot in u.slots:
-                    pieces = []
-                    for r in range(slot.offset // s_n, (slot.end - 1) // s_n + 1) if slot.numel else ():
-                        lo, hi = max(slot.offset, r * s_n), min(slot.end, (r + 1) * s_n)
-                        pieces.append(Piece(r, u.partition_offset + lo - r * s_n, lo - slot.offset, hi - lo))
-                    params.append(ParamPlacement(slot.name, tuple(slot.shape), slot.numel, tuple(pieces)))
-            out.append(GroupLayout(part.numel(), tuple(params)))
-        return out
+        """Per group: each unit cut into ``world_size`` shards, rank r's shard stored from the unit's
+        ``partition_offset`` in rank r's group partition."""
+        return [GroupLayout(part.numel(), tuple(p for u in units
+                                                for p in place_slots(u.slots, u.shard_numel, u.partition_offset)))
+                for units, part in zip(self.group_units, self.parts)]
 
-    def full_master_state(self, module) -> dict[str, torch.Tensor]:
-        self.export_stats: dict = {}
-        return gather_masters(self.ctx, self.layout(), self.adam.masters, self.partitions_count,
-                              self.export_stats)
-
-    def memory_breakdown(self) -> dict[str, dict]:
-        """Bytes this rank holds, by kind (see `ZeroOptimizer.memory_breakdown`); ``params`` are this rank's
-        shards, ``gathered`` the full buffers gathered right now and ``peak_gathered`` the most at once,
-        ``frozen_params`` this rank's shards of the frozen (``requires_grad=False``) parameters.
+    def memory_kinds(self) -> dict[str, MemoryKind]:
+        """The kinds of `memory_breakdown` at stage 3: ``params`` are this rank's shards, ``gathered`` the full
+        buffers gathered right now and ``peak_gathered`` the most at once, then `partition_kinds` (fp32 masters
+        that are the shards themselves left out), ``frozen_params`` this rank's shards of the frozen
+        (``requires_grad=False``) parameters and ``nvme_buffers`` (empty unless the states are on NVMe).
         With ``offload_param.device = nvme``, ``params`` are the swap files' bytes (side ``nvme``) and
         ``param_pool`` the host buffers they are read into, ``param_write_ring`` the staging buffers their
-        writes behind the step go out from (frozen shards stay in host memory); with
-        ``offload_optimizer.device = nvme`` the states are side ``nvme`` and ``nvme_buffers`` their host pool."""
-        state_side = "host" if self.adam.on_host and self.offload else "device"
-        def entry(tensors, side):
-            return {"bytes": sum(t.numel() * t.element_size() for t in tensors),
-                    "numel": sum(t.numel() for t in tensors), "side": side}
-        states = self.adam.state_tensors()
-        aliased = {m.data_ptr() for m in self.parts}
+        writes behind the step go out from (frozen shards stay in host memory)."""
+        param_side = "host" if self.offload_param else "device"
         if self.param_nvme:   # the partitions are swap files; the host holds the store's buffer pool
             params = {"params": {"bytes": self.store.bytes_on_disk, "numel": sum(p.numel() for p in self.parts),
                                  "side": "nvme"},
-                      "param_pool": entry(self.store.tensors(), "host"),
-                      "param_write_ring": entry(self.store.write_ring_tensors(), "host")}
+                      "param_pool": ("host", self.store.tensors()),
+                      "param_write_ring": ("host", self.store.write_ring_tensors())}
         else:
-            params = {"params": entry(self.parts, "host" if self.offload_param else "device")}
-        return {
-            **params,
-            "gathered": {"bytes": self.fetcher.live_bytes(), "numel": self.fetcher.live_numel, "side": "device"},
-            "peak_gathered": {"bytes": self.fetcher.peak_live_bytes, "numel": 0, "side": "device"},
-            "grad_partition": entry([t for p in self.partitions for t in p.state_tensors()], state_side),
-            "master": entry([m for m in states["master"] if m.data_ptr() not in aliased], state_side),
-            "exp_avg": entry(states["exp_avg"], state_side),
-            "exp_avg_sq": entry(states["exp_avg_sq"], state_side),
-            "frozen_params": entry([self.frozen_part], "host" if self.offload_param else "device"),
-            "param_staging": entry(self.adam.staging_tensors(), "host"),
-            "nvme_buffers": entry(states.get("nvme_buffers", []), "host"),
-            **{kind: {"bytes": n, "numel": n // 4, "side": "nvme"} for kind, n in self.adam.swapped_bytes().items()},
-        }
+            params = {"params": (param_side, list(self.parts))}
+        kinds = self.partition_kinds()
+        side, masters = kinds["master"]
+        aliased = {p.data_ptr() for p in self.parts}
+        kinds["master"] = (side, [m for m in masters if m.data_ptr() not in aliased])
+        return {**params,
+                "gathered": {"bytes": self.fetcher.live_bytes(), "numel": self.fetcher.live_numel, "side": "device"},
+                "peak_gathered": {"bytes": self.fetcher.peak_live_bytes, "numel": 0, "side": "device"},
+                **kinds,
+                "frozen_params": (param_side, [self.frozen_part]),
+                "nvme_buffers": kinds.get("nvme_buffers", ("host", []))}

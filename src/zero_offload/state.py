@@ -115,9 +115,20 @@ def fill_from_chunks(chunks: Iterable[StateChunk], g: int, targets: dict[str, to
 
 class WholeGroupState:
     """Whole-partition state built on the chunked face, for a partition optimizer (`PartitionedAdam`,
-    `NvmeAdam`) that defines ``group_count``, ``group_numel(g)``, ``group_step(g)``, ``state_chunks(g)`` and
-    ``load_state_chunks(g, step, chunks)``. Whole tensors are fp32 CPU of shape (partition numel,), kinds
-    `STATE_KINDS`."""
+    `NvmeAdam`) that holds ``parts`` (per group, its 1-D partition) and defines ``group_step(g)``,
+    ``state_chunks(g)`` and ``load_state_chunks(g, step, chunks)``. Whole tensors are fp32 CPU of shape
+    (partition numel,), kinds `STATE_KINDS`."""
+
+    parts: list[torch.Tensor]
+
+    @property
+    def group_count(self) -> int:
+        """Param groups, one partition each."""
+        return len(self.parts)
+
+    def group_numel(self, g: int) -> int:
+        """Elements in group ``g``'s partition on this rank."""
+        return self.parts[g].numel()
 
     def group_state(self, g: int) -> dict:
         """Group ``g``'s partition state whole: ``step`` and fresh fp32 CPU copies of every kind."""

@@ -314,14 +314,6 @@ class NvmeAdam(FailStop, WholeGroupState):
         return [t for t in self.staging if t is not None]
 
     # -- the chunked state API of zero_offload.state.PartitionedOptimizerState --------------------------------
-    @property
-    def group_count(self) -> int:
-        return len(self.parts)
-
-    def group_numel(self, g: int) -> int:
-        """Elements in group ``g``'s partition on this rank."""
-        return self.parts[g].numel()
-
     def group_step(self, g: int) -> int:
         return int(self.steps[g])
 

@@ -200,14 +200,6 @@ class PartitionedAdam(WholeGroupState):
                 "exp_avg_sq": [s["exp_avg_sq"] for s in states if "exp_avg_sq" in s]}
 
     # -- state (the `PartitionedOptimizerState` protocol of zero_offload.state) ----------------------------
-    @property
-    def group_count(self) -> int:
-        return len(self.masters)
-
-    def group_numel(self, g: int) -> int:
-        """Elements in group ``g``'s partition on this rank."""
-        return self.masters[g].numel()
-
     def group_step(self, g: int) -> int:
         """Adam steps taken by group ``g`` (0 before the first)."""
         step = self.optimizer.state.get(self.masters[g], {}).get("step", 0)

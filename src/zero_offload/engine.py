@@ -247,7 +247,7 @@ class Engine:
         return self.ctx.world_size
 
     def memory_breakdown(self) -> dict[str, dict]:
-        """Bytes held by this rank, by kind and device (see `ZeroOptimizer.memory_breakdown`)."""
+        """Bytes held by this rank, by kind and device (see `ZeroOptimizerBase.memory_breakdown`)."""
         return self.zero.memory_breakdown()
 
     @property

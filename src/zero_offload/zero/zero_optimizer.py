@@ -124,7 +124,7 @@ class ZeroOptimizer(ZeroOptimizerBase):
                 for f in self.flats:
                     self.ctx.all_gather_partitions(f.buffer, f.partition_numel, self.allgather_bucket_numel)
 
-    # -- the delayed parameter update (see zero_offload.zero.delayed_update) ----------------------------
+    # -- the delayed parameter update (see zero_offload.zero.delayed_update) --------------------------------
     def publish(self) -> None:
         """Copy the parameters of the last detached step up and all-gather them."""
         self.adam.publish()

@@ -263,7 +263,7 @@ class Stage3Optimizer(ZeroOptimizerBase):
         self.fetcher.invalidate()
         self.adam.step(self.partitions, grad_scale)
 
-    # -- the delayed parameter update (see zero_offload.zero.delayed_update) ----------------------------
+    # -- the delayed parameter update (see zero_offload.zero.delayed_update) --------------------------------
     def publish(self) -> None:
         """Write the parameters of the last detached step into the shards; the next forward gathers them."""
         self.fetcher.invalidate()

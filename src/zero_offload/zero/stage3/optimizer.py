@@ -53,19 +53,34 @@ class Stage3Optimizer(ZeroOptimizerBase):
         self.offload = zc.offload_optimizer.device in ("cpu", "nvme")
         self.offload_param = zc.offload_param.device in ("cpu", "nvme")
         self.param_nvme = zc.offload_param.device == "nvme"
-        pin = zc.offload_optimizer.pin_memory or zc.offload_param.pin_memory
-        self.copies = CopyEngine(ctx.device, pin)
+        self.copies = CopyEngine(ctx.device, zc.offload_optimizer.pin_memory or zc.offload_param.pin_memory)
+        self._build_all_units(model, groups, dtype, zc.stage3_param_persistence_threshold)
+        self._lay_out_partitions(dtype)
+        self.frozen_by_name = frozen_names(model, self.frozen_units)
+        # Frozen units stay in memory (host memory with offload_param nvme); the trainable ones go to the store.
+        self.store = (build_param_store(self.trainable_units, [p.numel() for p in self.parts], dtype, config,
+                                        ctx.rank) if self.param_nvme else ResidentStore())
+        module_units = units_by_module(model, self.units)
+        self.peak_materialize_bytes = materialize(model, self.units, module_units, self._bind, ctx.device, dtype,
+                                                  param_init_fn)
+        self._attach(model, module_units, zc)
+        self._build_step(config, groups, dtype, gradient_accumulation)
+
+    def _build_all_units(self, model, groups, dtype, threshold: int) -> None:
+        """The trainable units of every group, in module order, then the frozen ones."""
         self.units: list[ShardedUnit] = []
         for g, group in enumerate(groups):
-            self.units += self._build_units(model, g, group, dtype, zc.stage3_param_persistence_threshold)
+            self.units += self._build_units(model, g, group, dtype, threshold)
         self.group_units = [[u for u in self.units if u.group == g] for g in range(len(groups))]
         self.trainable_units = list(self.units)
-        self.frozen_units = build_frozen_units(model, len(self.units), ctx.world_size, ctx.device, dtype,
-                                               zc.stage3_param_persistence_threshold)
+        self.frozen_units = build_frozen_units(model, len(self.units), self.ctx.world_size, self.ctx.device, dtype,
+                                               threshold)
         self.units += self.frozen_units
-        # The rank's partition of each group: its shards of every unit, back to back.
-        # With offload_param nvme the partitions live in swap files (the store) and ``parts`` only carry their
-        # shapes and dtype (meta tensors).
+
+    def _lay_out_partitions(self, dtype) -> None:
+        """The rank's partition of each group: its shards of every unit, back to back (``parts``), and the
+        frozen units' shards likewise (``frozen_part``). With offload_param nvme the partitions live in swap
+        files (the store) and ``parts`` only carry their shapes and dtype (meta tensors)."""
         self.parts = []
         for units in self.group_units:
             numel = 0
@@ -76,15 +91,12 @@ class Stage3Optimizer(ZeroOptimizerBase):
         numel = 0
         for u in self.frozen_units:
             u.partition_offset, numel = numel, numel + u.shard_numel
-        self.frozen_part = self._param_storage(numel, dtype)    # the frozen units' shards, back to back
-        self.frozen_by_name = frozen_names(model, self.frozen_units)
-        # Frozen units stay in memory (host memory with offload_param nvme); the trainable ones go to the store.
-        self.store = (build_param_store(self.trainable_units, [p.numel() for p in self.parts], dtype, config,
-                                        ctx.rank) if self.param_nvme else ResidentStore())
-        module_units = units_by_module(model, self.units)
-        self.peak_materialize_bytes = materialize(model, self.units, module_units, self._bind, ctx.device, dtype,
-                                                  param_init_fn)
-        self.fetcher = ParameterFetcher(ctx, self.copies, self.units, module_units,
+        self.frozen_part = self._param_storage(numel, dtype)
+
+    def _attach(self, model, module_units, zc) -> None:
+        """The unit life cycle's hooks: gather before use and release after (the fetcher), regather of saved
+        tensors, frozen release, the registry, and each trainable parameter's gradient hook."""
+        self.fetcher = ParameterFetcher(self.ctx, self.copies, self.units, module_units,
                                         zc.stage3_prefetch_bucket_size, zc.stage3_max_live_parameters,
                                         zc.stage3_max_reuse_distance, self.store)
         self.saved_params = SavedParameterGuard(self.units, self.fetcher.gather)
@@ -95,14 +107,17 @@ class Stage3Optimizer(ZeroOptimizerBase):
         for u in self.trainable_units:
             for p in u.params:
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    def _build_step(self, config: Config, groups, dtype, gradient_accumulation: int) -> None:
+        """Gradient partitions, the partition optimizer, and the reduce-scatter order and bound."""
         # The step runs where the states are; with parameters on the host it runs there too.
         host_step = self.offload or self.offload_param
-        self.partitions = [GradPartition(p.numel(), dtype, ctx.device, 3, host_step,
+        self.partitions = [GradPartition(p.numel(), dtype, self.ctx.device, 3, host_step,
                                          gradient_accumulation > 1, self.copies) for p in self.parts]
         self.adam = build_partition_optimizer(config, self.parts, [g.hparams for g in groups], self.copies,
-                                              ctx.rank, offload=host_step, host_params=self.offload_param,
+                                              self.ctx.rank, offload=host_step, host_params=self.offload_param,
                                               param_store=self.store if self.param_nvme else None)
-        self.averaging = GradAveraging.from_config(config, ctx.world_size)
+        self.averaging = GradAveraging.from_config(config, self.ctx.world_size)
         self.comm_dtype = communication_dtype(config)
         self.in_flight = InFlight(2, self._complete)   # reduce-scatters in flight, each unit's gradient kept
         # Reduce-scatters go out in one fixed order on every rank (last unit first, as backward mostly runs),

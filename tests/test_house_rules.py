@@ -23,3 +23,33 @@ def test_only_comm_calls_collectives(path):
     calls = sorted({n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
                     and n.value.id in aliases} - QUERIES)
     assert calls == [], f"{path} calls torch.distributed.{', '.join(calls)} directly; use zero_offload.comm"
+
+
+# Names outside this package whose private attributes are read on purpose: torch's internals (no public API for
+# a storage's identity or autograd's graph-task id) and the two native loaders' one face.
+FOREIGN_OK = {"torch", "_C", "ctypes", "os", "sys"}
+FACES = {"native.py": {"_native"}}
+# torch's private names read on purpose: nn.Module's own tables (the only way to see a module's own parameters and
+# buffers with their None entries, and which buffers persist; torch's FSDP reads them too) and a storage's
+# identity (`_cdata`: it survives resizing to 0 bytes, which data_ptr does not).
+TORCH_PRIVATE = {"_parameters", "_buffers", "_non_persistent_buffers_set", "_cdata"}
+
+
+@pytest.mark.parametrize("path", sorted(p.relative_to(SRC).as_posix() for p in SRC.rglob("*.py")))
+def test_no_private_name_is_used_across_modules(path):
+    """A module reaches another only through its public names (rules of the house, ARCHITECTURE.md)."""
+    tree = ast.parse((SRC / path).read_text())
+    package = "zero_offload." + ".".join(Path(path).parent.parts) if Path(path).parent.parts else "zero_offload"
+    wrong = []
+    for n in ast.walk(tree):
+        if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("zero_offload"):
+            for a in n.names:
+                private = a.name.startswith("_") and not a.name.startswith("__")
+                if private and n.module != package and a.name not in FACES.get(path, ()):
+                    wrong.append(f"from {n.module} import {a.name}")
+        if (isinstance(n, ast.Attribute) and n.attr.startswith("_") and not n.attr.startswith("__")
+                and n.attr not in TORCH_PRIVATE):
+            owner = ast.unparse(n.value)
+            if owner not in {"self", "cls", "super()"} and owner.split(".")[0] not in FOREIGN_OK:
+                wrong.append(f"{owner}.{n.attr}")
+    assert wrong == [], f"{path} uses private names of other modules: {', '.join(sorted(set(wrong)))}"

@@ -29,8 +29,7 @@ from typing import Callable
 
 import torch
 
-from zero_offload.optim import _native
-from zero_offload.optim.fused_adam import fused_adam_step
+from zero_offload.optim.fused_adam import active_isa, fused_adam_step
 
 __all__ = ["main"]
 
@@ -171,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     limit = max(bw.values())
     rows = [_row(name, med.get(name), count, bpp, limit, errors.get(name))
             for name, count, bpp, _ in specs if not name.startswith("triad")]
-    isa = _native.set_isa(None) if _native.load() is not None else "torch fallback"
+    isa = active_isa()
     result = {"params": n, "dtype": args.dtype, "repeats": args.repeats, "threads": torch.get_num_threads(),
               "isa": isa, "torch": torch.__version__, "bandwidth": bw, "limit_gb_s": limit, "rows": rows}
     print(_format(result))

@@ -33,7 +33,7 @@ import torch
 
 from zero_offload.optim import _native
 
-__all__ = ["fused_adam_step", "native_available", "DEFAULT_CHUNK"]
+__all__ = ["fused_adam_step", "native_available", "active_isa", "DEFAULT_CHUNK"]
 
 DEFAULT_CHUNK = 1 << 21  # elements per chunk when on_chunk is given: ~1 ms of work, 8 MiB of fp32 master
 _GRAD_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -51,6 +51,12 @@ _warned = False
 def native_available() -> bool:
     """True when the compiled kernel is loaded (not disabled by ``ZERO_OFFLOAD_NO_NATIVE=1``)."""
     return _native.load() is not None
+
+
+def active_isa() -> str:
+    """The instruction set the kernel runs with ("avx512", "avx2", "scalar"; see ``ZERO_OFFLOAD_ISA``), or
+    "torch fallback" when the kernel is not loaded."""
+    return _native.set_isa(None) if native_available() else "torch fallback"
 
 
 def _check(name: str, t, dtypes: dict, n: int | None) -> None:

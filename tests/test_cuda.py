@@ -36,7 +36,7 @@ def test_cuda_delayed_update_matches_its_schedule(stage, gas):
     from reference import engine_run
     from test_delayed_update import STEPS, dpu_config, dpu_reference
     torch.backends.cuda.matmul.allow_tf32 = False
-    ref, _ = dpu_reference(gas, 1)
+    ref, _, _ = dpu_reference(gas, 1)
     masters, _, _ = engine_run(dpu_config(stage, gas, 1), STEPS)
     for name, value in ref.items():
         assert (masters[name] - value).abs().max().item() <= ATOL, name

@@ -7,10 +7,12 @@ Around that pair the two classes do the same things, which live here once:
 - the boundary: `finalize_backward` makes the gradients ready, then `grad_sq_norm` and the step read them;
 - the delayed parameter update's hand-over (`take_grads`, `detached_step`; `zero_offload.zero.delayed_update`);
 - the state face checkpoints use (`zero_offload.state.PartitionedOptimizerState`);
-- the memory accounting (`memory_breakdown`) and the export of the fp32 masters (`full_master_state`).
+- the memory accounting (`memory_breakdown`), the export of the fp32 masters (`full_master_state`) and the
+  running counters behind ``engine.stats`` (`counters`).
 
-A subclass sets ``ctx``, ``stage``, ``offload``, ``partitions`` and ``adam`` in its ``__init__`` and defines
-``layout()``, ``partitions_count``, ``after_load()``, ``publish()`` and ``memory_kinds()``.
+A subclass sets ``ctx``, ``stage``, ``offload``, ``partitions``, ``adam`` and ``copies`` in its ``__init__`` and
+defines ``layout()``, ``partitions_count``, ``after_load()``, ``publish()``, ``memory_kinds()``,
+``gather_count()`` and ``reduction_count()``.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import torch
 from torch.profiler import record_function
 
 from zero_offload.comm import DistContext
+from zero_offload.offload.copies import Copies
 from zero_offload.state import StateChunk
 from zero_offload.zero.gather import gather_masters, global_grad_sq_norm
 from zero_offload.zero.grad_partition import GradPartition, ReadyGrad
@@ -61,11 +64,19 @@ class ZeroOptimizerBase:
     offload: bool
     partitions: list[GradPartition]
     adam: PartitionOptimizer
+    copies: Copies
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
         """The inner optimizer; its param groups hold the live learning rates (the LR schedule writes them)."""
         return self.adam.optimizer
+
+    def counters(self) -> dict[str, int]:
+        """Running totals behind `zero_offload.stats.StepStats`: parameter gathers and gradient reductions
+        (`gather_count`, `reduction_count` of each stage), bytes copied each way and host waits on copies."""
+        c = self.copies.counts
+        return {"gathers": self.gather_count(), "reductions": self.reduction_count(),
+                "bytes_down": c.bytes_down, "bytes_up": c.bytes_up, "host_syncs": c.host_syncs}
 
     # -- the boundary ----------------------------------------------------------------------------------
     def finalize_backward(self) -> None:

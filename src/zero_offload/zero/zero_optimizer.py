@@ -69,6 +69,7 @@ class ZeroOptimizer(ZeroOptimizerBase):
         self.adam = build_partition_optimizer(config, parts, [g.hparams for g in groups], self.copies, ctx.rank,
                                               offload=self.offload)
         self.gathers = 0                   # all-gathers of updated partitions issued (running count)
+        self.trainable_ids = {id(p) for f in self.flats for p in f.params}   # the model holds them all alive
         self._reduced = False              # stages 0/1: the full gradient was reduced since the last step
         self._set_aside: list[torch.Tensor] | None = None
 
@@ -77,7 +78,7 @@ class ZeroOptimizer(ZeroOptimizerBase):
 
     def manages(self, p: torch.Tensor) -> bool:
         """True for a trainable parameter in this optimizer's flat buffers (a frozen one is the engine's)."""
-        return any(q is p for f in self.flats for q in f.params)
+        return id(p) in self.trainable_ids
 
     def begin_micro_step(self, boundary: bool, first_micro_step: bool) -> None:
         """Stage 2 reduces every micro-step (it keeps no full gradient); stages 0/1 at the boundary only.
@@ -109,12 +110,13 @@ class ZeroOptimizer(ZeroOptimizerBase):
         self.adam.step(self.partitions, grad_scale)
         self._all_gather()
 
-    def counters(self) -> dict[str, int]:
-        """Running totals behind `zero_offload.stats.StepStats`: parameter all-gathers, gradient reductions,
-        bytes copied each way and host waits on copies."""
-        c = self.copies.counts
-        return {"gathers": self.gathers, "reductions": self.reducer.in_flight.launched,
-                "bytes_down": c.bytes_down, "bytes_up": c.bytes_up, "host_syncs": c.host_syncs}
+    def gather_count(self) -> int:
+        """All-gathers of updated partitions issued so far (one per group and step, stages 1-2)."""
+        return self.gathers
+
+    def reduction_count(self) -> int:
+        """Bucket reductions launched so far."""
+        return self.reducer.in_flight.launched
 
     def _all_gather(self) -> None:
         if self.stage >= 1 and self.ctx.distributed:

@@ -171,11 +171,13 @@ class Stage3Optimizer(ZeroOptimizerBase):
         self.store.write_shard(u, mine)
         self.adam.write_master(u.group, u.partition_offset, mine)
 
-    def counters(self) -> dict[str, int]:
-        """Running totals behind `zero_offload.stats.StepStats` (see `ZeroOptimizer.counters`)."""
-        c = self.copies.counts
-        return {"gathers": self.fetcher.fetch_count, "reductions": self.in_flight.launched,
-                "bytes_down": c.bytes_down, "bytes_up": c.bytes_up, "host_syncs": c.host_syncs}
+    def gather_count(self) -> int:
+        """Unit gathers so far (every fetch, prefetches included)."""
+        return self.fetcher.fetch_count
+
+    def reduction_count(self) -> int:
+        """Unit reduce-scatters launched so far."""
+        return self.in_flight.launched
 
     # -- parameters used outside their module's forward ---------------------------------------------------
     def manages(self, p: torch.Tensor) -> bool:

@@ -135,12 +135,12 @@ def install_probes(engine_name: str) -> Probe:
             probe.wrap(c10d, name, f"coll.{name}")
             setattr(dist, name, getattr(c10d, name))
     if engine_name in ("ours", "ours-stage2"):
-        from zero_offload.zero.stage3 import fetcher as F, optimizer as O, units as U
+        from zero_offload.zero.stage3 import lifecycle as L, optimizer as O, units as U
         for cls, attrs in ((U.ShardedUnit, ("gather", "wait", "release", "flat_grad")),
-                           (F.ParameterFetcher, ("fetch", "_prefetch", "_pre_forward", "_post_forward",
-                                                 "_pre_backward", "end_micro_step", "invalidate")),
-                           (O.Stage3Optimizer, ("_reduce", "_complete", "end_micro_step", "finalize_backward",
-                                                "grad_sq_norm", "step", "_on_grad_ready"))):
+                           (L.UnitLifecycle, ("fetch", "_pre_forward", "_post_forward", "_pre_backward",
+                                              "end_backward", "invalidate", "_reduce", "_accumulate",
+                                              "_on_grad_ready")),
+                           (O.Stage3Optimizer, ("end_micro_step", "finalize_backward", "grad_sq_norm", "step"))):
             for a in attrs:
                 probe.wrap(cls, a, f"s3.{cls.__name__}.{a}")
         from zero_offload.zero import zero_optimizer as Z
@@ -223,7 +223,7 @@ def worker(rank: int, engine_name: str, world_size: int, port: int, args, result
             dist.init_process_group("gloo", rank=rank, world_size=world_size)
             engine = zero_offload.initialize(model, config)
             if args.ours_max_in_flight is not None and engine.zero.stage == 3:
-                engine.zero.in_flight.limit = args.ours_max_in_flight   # diagnosis only: reduce-scatters in flight
+                engine.zero.lifecycle.in_flight.limit = args.ours_max_in_flight   # diagnosis: reduce-scatters
         elif engine_name == "deepspeed":
             import deepspeed
 
@@ -259,7 +259,7 @@ def worker(rank: int, engine_name: str, world_size: int, port: int, args, result
             else:
                 engine.step()
 
-        fetcher = getattr(getattr(engine, "zero", None), "fetcher", None)
+        stage3 = engine_name in ("ours", "ours-stage2") and engine.zero.stage == 3
         batches = make_batches(args, rank, args.warmup + args.steps)
         rows = []  # (forward, backward, step, total) seconds, this rank
         losses = []
@@ -267,7 +267,6 @@ def worker(rank: int, engine_name: str, world_size: int, port: int, args, result
             dist.barrier()
             if probe is not None:
                 probe.reset()
-            fetches0 = fetcher.fetch_count if fetcher is not None else 0
             t0 = time.perf_counter()
             _, loss = engine(x, y)
             t1 = time.perf_counter()
@@ -280,16 +279,17 @@ def worker(rank: int, engine_name: str, world_size: int, port: int, args, result
             if i >= args.warmup and rank == 0:
                 if engine_name in ("ours", "ours-stage2"):
                     result.setdefault("engine_timings", []).append(dict(engine.timings))
-                if fetcher is not None:
-                    result.setdefault("fetches_per_step", []).append(fetcher.fetch_count - fetches0)
+                if stage3:
+                    result.setdefault("fetches_per_step", []).append(engine.stats.gathers)
                 if probe is not None:
                     result.setdefault("probe", []).append(probe.snapshot())
         if probe is not None:
             probe.enabled = False
-        if fetcher is not None:
-            result["units"] = len(fetcher.units)
-            result["persistent_units"] = sum(u.persistent for u in fetcher.units)
-            result["unit_numels"] = [u.numel for u in fetcher.units]
+        if stage3:
+            units = engine.zero.lifecycle.units
+            result["units"] = len(units)
+            result["persistent_units"] = sum(u.persistent for u in units)
+            result["unit_numels"] = [u.numel for u in units]
 
         # The slowest rank sets each step's time; losses are averaged over ranks.
         t = torch.tensor(rows, dtype=torch.float64)
@@ -418,7 +418,8 @@ def main(argv=None) -> int:
     p.add_argument("--zero-extra", default=None,
                    help='JSON merged into zero_optimization of ours and deepspeed, e.g. \'{"stage3_prefetch_bucket_size": 0}\'')
     p.add_argument("--ours-max-in-flight", type=int, default=None,
-                   help="diagnosis: override our stage-3 engine's reduce-scatters in flight (engine.zero.in_flight.limit)")
+                   help="diagnosis: override our stage-3 engine's reduce-scatters in flight "
+                        "(engine.zero.lifecycle.in_flight.limit)")
     p.add_argument("--fsdp-reduce-dtype", choices=("float32", "bfloat16"), default="float32",
                    help="FSDP2 MixedPrecisionPolicy reduce_dtype")
     p.add_argument("--breakdown", action="store_true",

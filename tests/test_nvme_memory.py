@@ -54,7 +54,7 @@ SCRIPT = textwrap.dedent(r"""
     mem = engine.memory_breakdown()
     w = engine.module.w
     print(json.dumps({"peak": peak[0], "mem": mem, "params": w.numel() * w.element_size(),
-                      "w0": w[0].float().item(), "bytes_on_disk": engine.zero.adam.bytes_on_disk}))
+                      "w0": w[0].float().item(), "bytes_on_disk": sum(v["bytes"] for v in mem.values() if v["side"] == "nvme")}))
 """)
 
 

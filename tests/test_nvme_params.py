@@ -229,12 +229,13 @@ def test_free_space_counts_parameter_and_optimizer_files(tmp_path):
 
 EXIT_SCRIPT = textwrap.dedent(r"""
     import sys
+    from pathlib import Path
     sys.path.insert(0, sys.argv[2])
     import zero_offload
     from test_nvme_params import param_nvme_config
     from toy_model import make_model
     engine = zero_offload.initialize(make_model(), param_nvme_config(sys.argv[1], "nvme", 1, 1))
-    print(sorted(p.name for p in engine.zero.store.swapper.directory.iterdir()))
+    print(sorted(p.name for p in (Path(sys.argv[1]) / "zero_offload" / "rank0").iterdir()))   # the swap files
 """)
 
 

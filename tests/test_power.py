@@ -16,7 +16,7 @@ from zero_offload.zero.delayed_update import DelayedParamUpdate
 from zero_offload.zero import ZeroOptimizer
 from zero_offload.zero.averaging import GradAveraging
 from zero_offload.zero.stage3 import Stage3Optimizer
-from zero_offload.zero.stage3.fetcher import ParameterFetcher
+from zero_offload.zero.stage3.lifecycle import UnitLifecycle
 
 
 def _wrap(monkeypatch, owner, name: str, make):
@@ -82,7 +82,7 @@ def unit_released_before_backward(mp):
     """Backward runs on released units: neither the pre-backward hook nor a saved-tensor unpack gathers them."""
     from zero_offload.zero.stage3.saved_params import SavedParameterGuard
 
-    mp.setattr(ParameterFetcher, "_pre_backward", lambda self, units, grad: grad)
+    mp.setattr(UnitLifecycle, "_pre_backward", lambda self, units, grad: grad)
     mp.setattr(SavedParameterGuard, "_unpack", lambda self, packed: packed[0])
 
 

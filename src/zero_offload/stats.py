@@ -23,12 +23,15 @@ class StepStats:
         bytes_down: bytes copied from the device to host memory (gradients to the host partition).
         bytes_up: bytes copied from host memory to the device (updated parameters, stage-3 host shards).
         host_syncs: times the host blocked on a device copy's event (0 without an accelerator).
+        regathers: stage-3 units gathered again because backward read a parameter autograd had saved after
+            the unit's release (a parameter used outside its module; counted in ``gathers`` too).
     """
     gathers: int = 0
     reductions: int = 0
     bytes_down: int = 0
     bytes_up: int = 0
     host_syncs: int = 0
+    regathers: int = 0
 
     @classmethod
     def between(cls, before: dict[str, int], after: dict[str, int]) -> "StepStats":

@@ -120,7 +120,7 @@ IGNORED_ZERO = {
     "legacy_stage1": "there is one stage-1 implementation",
     "zero_quantized_nontrainable_weights": "no quantized weights; frozen weights keep their dtype",
     "override_module_apply": "module.apply is not patched",
-    "log_trace_cache_warnings": "the stage-3 fetcher warns once when the module order changes",
+    "log_trace_cache_warnings": "the stage-3 fetch schedule warns once when the module order changes",
     "enable_sanity_checks": "no extra internal checks",
     "save_muon_momentum_buffer_in_memory": "no Muon optimizer",
     "leaf_module": "every module that owns parameters is its own gather unit",

@@ -76,7 +76,12 @@ class ZeroOptimizerBase:
         (`gather_count`, `reduction_count` of each stage), bytes copied each way and host waits on copies."""
         c = self.copies.counts
         return {"gathers": self.gather_count(), "reductions": self.reduction_count(),
-                "bytes_down": c.bytes_down, "bytes_up": c.bytes_up, "host_syncs": c.host_syncs}
+                "bytes_down": c.bytes_down, "bytes_up": c.bytes_up, "host_syncs": c.host_syncs,
+                "regathers": self.regather_count()}
+
+    def regather_count(self) -> int:
+        """Units gathered again by backward (stage 3 only; 0 at stages 0-2)."""
+        return 0
 
     # -- the boundary ----------------------------------------------------------------------------------
     def finalize_backward(self) -> None:

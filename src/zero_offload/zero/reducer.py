@@ -8,7 +8,6 @@ DDP does, so collectives always match across ranks even when hooks fire in a dif
 """
 from __future__ import annotations
 
-import time
 
 import torch
 
@@ -74,7 +73,6 @@ class GradientReducer:
         self.first_micro_step = True
         self.next_launch = 0
         self.in_flight: InFlight[GradBucket] = InFlight(max_in_flight, self._complete)
-        self.launch_times: list[float] = []   # perf_counter() of each launch in the last micro-step
         self.hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
                       for f in flats for p in f.params]
 
@@ -83,7 +81,6 @@ class GradientReducer:
         """Arm the hooks for one backward; ``reduce`` says whether this micro-step's buckets are reduced."""
         self.reducing, self.first_micro_step = reduce, first_micro_step
         self.next_launch = 0
-        self.launch_times = []
         if self.flat_grads is not None:
             self._attach_grad_views()
         for b in self.buckets:
@@ -148,7 +145,6 @@ class GradientReducer:
             self.next_launch += 1
 
     def _launch(self, b: GradBucket) -> None:
-        self.launch_times.append(time.perf_counter())
         b.reduction = reduce_bucket(self.ctx, self._buffer(b), self.averaging, self.comm_dtype, b.owner)
         self.in_flight.push(b)
         if not self.overlap:

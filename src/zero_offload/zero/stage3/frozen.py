@@ -13,6 +13,8 @@ after the module's backward). A unit released too early is gathered again when b
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch.utils._pytree import tree_flatten
 
@@ -33,10 +35,9 @@ def build_frozen_units(model: torch.nn.Module, first_index: int, world_size: int
         if not own:
             continue
         seen.update(id(p) for p in own)
-        u = ShardedUnit(first_index + len(units), -1, name, own, [position[id(p)][1] for p in own],
-                        [position[id(p)][0] for p in own], world_size, device, dtype, persistence_threshold)
-        u.frozen = True
-        units.append(u)
+        units.append(ShardedUnit(first_index + len(units), -1, name, own, [position[id(p)][1] for p in own],
+                                 [position[id(p)][0] for p in own], world_size, device, dtype, persistence_threshold,
+                                 frozen=True))
     return units
 
 
@@ -55,8 +56,8 @@ def frozen_names(model: torch.nn.Module, units: list[ShardedUnit]) -> dict[str, 
 class FrozenRelease:
     """Releases a module's non-persistent frozen units after its backward (see the module docstring)."""
 
-    def __init__(self, fetcher, module_units: dict[torch.nn.Module, list[ShardedUnit]]):
-        self.fetcher = fetcher
+    def __init__(self, release: Callable[[ShardedUnit], None], module_units: dict[torch.nn.Module, list[ShardedUnit]]):
+        self.release = release            # the life cycle's release (it keeps the count of gathered bytes)
         self.hooks = []
         for module, units in module_units.items():
             frozen = [u for u in units if u.frozen and not u.persistent]
@@ -72,12 +73,12 @@ class FrozenRelease:
             return      # nothing flows back through this module: the forward's release is the last
         fired = [False]
 
-        def release(grad, units=units, fired=fired):
+        def release_after_backward(grad, units=units, fired=fired):
             if not fired[0]:
                 fired[0] = True
                 for u in units:
                     if u.gathered and not u.persistent:
-                        self.fetcher.release(u)
+                        self.release(u)
             return grad
         for t in inputs:
-            t.register_hook(release)
+            t.register_hook(release_after_backward)

@@ -2,7 +2,8 @@
 
 Same face as the stage 0-2 `ZeroOptimizer`, so the engine drives both alike. Each param group's partition
 on a rank is the concatenation of its shards of every unit in the group; the optimizer steps that
-partition in place, and the next forward gathers the updated shards.
+partition in place, and the next forward gathers the updated shards. What happens to a unit between steps
+(gather, release, prefetch, its gradients' reduce-scatter) is `UnitLifecycle`'s alone.
 """
 from __future__ import annotations
 
@@ -20,14 +21,13 @@ from zero_offload.zero.builder import build_partition_optimizer
 from zero_offload.zero.grad_partition import GradPartition
 from zero_offload.zero.layout import GroupLayout, place_slots
 from zero_offload.zero.averaging import GradAveraging
-from zero_offload.zero.collectives import InFlight, finish, reduce_scatter_grad
-from zero_offload.zero.stage3.fetcher import ParameterFetcher, units_by_module
-from zero_offload.zero.stage3.frozen import FrozenRelease, build_frozen_units, frozen_names
+from zero_offload.zero.stage3.frozen import build_frozen_units, frozen_names
+from zero_offload.zero.stage3.lifecycle import UnitLifecycle
 from zero_offload.zero.stage3.materialize import materialize
 from zero_offload.zero.stage3.partition_store import ResidentStore
-from zero_offload.zero.stage3.saved_params import SavedParameterGuard
+from zero_offload.zero.stage3.schedule import FetchSchedule
 from zero_offload.zero.stage3 import registry
-from zero_offload.zero.stage3.units import ShardedUnit
+from zero_offload.zero.stage3.units import ShardedUnit, units_by_module
 from zero_offload.zero.zero_optimizer import communication_dtype
 
 __all__ = ["Stage3Optimizer"]
@@ -63,8 +63,8 @@ class Stage3Optimizer(ZeroOptimizerBase):
         module_units = units_by_module(model, self.units)
         self.peak_materialize_bytes = materialize(model, self.units, module_units, self._bind, ctx.device, dtype,
                                                   param_init_fn)
-        self._attach(model, module_units, zc)
         self._build_step(config, groups, dtype, gradient_accumulation)
+        self._attach(model, module_units, config)
 
     def _build_all_units(self, model, groups, dtype, threshold: int) -> None:
         """The trainable units of every group, in module order, then the frozen ones."""
@@ -85,31 +85,28 @@ class Stage3Optimizer(ZeroOptimizerBase):
         for units in self.group_units:
             numel = 0
             for u in units:
-                u.partition_offset, numel = numel, numel + u.shard_numel
+                numel = u.place(numel)
             self.parts.append(torch.empty(numel, dtype=dtype, device="meta") if self.param_nvme
                               else self._param_storage(numel, dtype))
         numel = 0
         for u in self.frozen_units:
-            u.partition_offset, numel = numel, numel + u.shard_numel
+            numel = u.place(numel)
         self.frozen_part = self._param_storage(numel, dtype)
 
-    def _attach(self, model, module_units, zc) -> None:
-        """The unit life cycle's hooks: gather before use and release after (the fetcher), regather of saved
-        tensors, frozen release, the registry, and each trainable parameter's gradient hook."""
-        self.fetcher = ParameterFetcher(self.ctx, self.copies, self.units, module_units,
-                                        zc.stage3_prefetch_bucket_size, zc.stage3_max_live_parameters,
-                                        zc.stage3_max_reuse_distance, self.store)
-        self.saved_params = SavedParameterGuard(self.units, self.fetcher.gather)
-        self.frozen_release = FrozenRelease(self.fetcher, module_units)
-        model.register_forward_pre_hook(self._root_pre_forward)
+    def _attach(self, model, module_units, config: Config) -> None:
+        """The unit life cycle (its module and gradient hooks) and the registry of managed parameters."""
+        zc = config.zero_optimization
+        schedule = FetchSchedule(self.units, zc.stage3_prefetch_bucket_size, zc.stage3_max_live_parameters,
+                                 zc.stage3_max_reuse_distance)
+        self.lifecycle = UnitLifecycle(self.ctx, self.copies, self.units, module_units, schedule, self.store,
+                                       self.partitions, GradAveraging.from_config(config, self.ctx.world_size),
+                                       communication_dtype(config))
+        model.register_forward_pre_hook(self.lifecycle.root_pre_forward)
         self.unit_by_param = WeakIdKeyDictionary({p: u for u in self.units for p in u.params})
         registry.manage(self.unit_by_param.keys(), self)   # for `gathered_parameters` and external parameters
-        for u in self.trainable_units:
-            for p in u.params:
-                p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
     def _build_step(self, config: Config, groups, dtype, gradient_accumulation: int) -> None:
-        """Gradient partitions, the partition optimizer, and the reduce-scatter order and bound."""
+        """Gradient partitions and the partition optimizer."""
         # The step runs where the states are; with parameters on the host it runs there too.
         host_step = self.offload or self.offload_param
         self.partitions = [GradPartition(p.numel(), dtype, self.ctx.device, 3, host_step,
@@ -117,16 +114,6 @@ class Stage3Optimizer(ZeroOptimizerBase):
         self.adam = build_partition_optimizer(config, self.parts, [g.hparams for g in groups], self.copies,
                                               self.ctx.rank, offload=host_step, host_params=self.offload_param,
                                               param_store=self.store if self.param_nvme else None)
-        self.averaging = GradAveraging.from_config(config, self.ctx.world_size)
-        self.comm_dtype = communication_dtype(config)
-        self.in_flight = InFlight(2, self._complete)   # reduce-scatters in flight, each unit's gradient kept
-        # Reduce-scatters go out in one fixed order on every rank (last unit first, as backward mostly runs),
-        # each once its unit's gradients are ready and all units before it have gone: a module whose output
-        # reaches the loss on some ranks only then cannot make the ranks' collectives disagree.
-        self.reduce_order = sorted(self.trainable_units, key=lambda u: -u.index)
-        self.next_reduce = 0
-        self.first_micro_step = True
-        self.reducing = False
 
     def _build_units(self, model, g: int, group, dtype, threshold: int) -> list[ShardedUnit]:
         """One unit per module that owns (first holds) some of the group's parameters, in module order."""
@@ -173,11 +160,14 @@ class Stage3Optimizer(ZeroOptimizerBase):
 
     def gather_count(self) -> int:
         """Unit gathers so far (every fetch, prefetches included)."""
-        return self.fetcher.fetch_count
+        return self.lifecycle.fetch_count
 
     def reduction_count(self) -> int:
         """Unit reduce-scatters launched so far."""
-        return self.in_flight.launched
+        return self.lifecycle.reduction_count
+
+    def regather_count(self) -> int:
+        return self.lifecycle.regathered
 
     # -- parameters used outside their module's forward ---------------------------------------------------
     def manages(self, p: torch.Tensor) -> bool:
@@ -194,9 +184,10 @@ class Stage3Optimizer(ZeroOptimizerBase):
             if u is not None and u not in units:
                 units.append(u)
         opened = [u for u in units if not u.gathered]
+        life = self.lifecycle
         for u in units:
             if u in opened:
-                self.fetcher.gather(u)
+                life.gather(u)
             else:
                 u.wait()
         try:
@@ -206,91 +197,51 @@ class Stage3Optimizer(ZeroOptimizerBase):
                     self.write_back(u, modifier_rank)
         finally:
             for u in opened:
-                self.fetcher.release(u)
+                life.release(u)
             if modifier_rank is None:
                 for u in units:
                     if u not in opened:      # a unit that stays gathered: drop the writes made to it
-                        self.fetcher.release(u)
-                        self.fetcher.gather(u)
+                        life.release(u)
+                        life.gather(u)
 
     def add_external(self, module: torch.nn.Module, p: torch.nn.Parameter) -> None:
         """Gather ``p``'s unit before ``module``'s forward too (``register_external_parameter``)."""
         u = self.unit_by_param.get(p)
         if u is not None:
-            self.fetcher.add_external(module, u)
+            self.lifecycle.add_external(module, u)
 
     @property
     def partitions_count(self) -> int:
         return self.ctx.world_size
 
-    # -- micro-steps -----------------------------------------------------------------------------------
+    # -- micro-steps (the engine's calls; the unit life cycle does the work) -------------------------------
     def begin_forward(self) -> None:
-        """A forward starts: the fetch order is recorded (first one) or replayed from here."""
-        self.fetcher.begin_micro_step()
-        self.saved_params.start()
-
-    def _root_pre_forward(self, module, args) -> None:
-        if not torch.is_grad_enabled():
-            self.fetcher.begin_eval_forward()
+        """A training forward starts: the fetch order is recorded (first one) or replayed from here."""
+        self.lifecycle.begin_forward()
 
     def begin_micro_step(self, boundary: bool, first_micro_step: bool) -> None:
-        self.first_micro_step, self.reducing = first_micro_step, True
-        self.next_reduce = 0
-        for u in self.trainable_units:
-            u.grads_pending = len(u.params)
-
-    @torch.no_grad()
-    def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
-        u = self.unit_by_param[param]
-        u.grads_pending -= 1
-        if u.grads_pending == 0:
-            self._reduce_ready()
-
-    def _reduce_ready(self) -> None:
-        """Launch, in the fixed order, every unit whose gradients are ready and whose predecessors went."""
-        while self.next_reduce < len(self.reduce_order) and self.reduce_order[self.next_reduce].grads_pending == 0:
-            self._reduce(self.reduce_order[self.next_reduce])
-            self.next_reduce += 1
-
-    def _reduce(self, u: ShardedUnit) -> None:
-        """Reduce-scatter the unit's gradient so each rank keeps its shard's, and release the unit."""
-        u.grads_pending = -1                       # done for this micro-step
-        flat = u.flat_grad()
-        if not u.persistent and u.gathered:
-            self.fetcher.release(u)
-        self.in_flight.push((u, reduce_scatter_grad(self.ctx, flat, self.averaging, self.comm_dtype)))
-
-    def _complete(self, item) -> None:
-        u, reduction = item
-        self.partitions[u.group].accumulate(u.partition_offset, finish(reduction), self.first_micro_step)
+        self.lifecycle.begin_backward(first_micro_step)
 
     def end_micro_step(self) -> None:
-        """After backward: units whose parameters got no gradient reduce zeros, then wait for all."""
-        for u in self.trainable_units:
-            if u.grads_pending > 0:
-                u.grads_pending = 0
-        self._reduce_ready()
-        self.in_flight.drain()
-        self.saved_params.stop()
-        self.fetcher.end_micro_step()
+        self.lifecycle.end_backward()
 
     # -- the step --------------------------------------------------------------------------------------
     def step(self, grad_scale: float) -> None:
         # Gathered copies go stale, and the host must not rewrite a host shard a copy up still reads.
-        self.fetcher.invalidate()
+        self.lifecycle.invalidate()
         self.adam.step(self.partitions, grad_scale)
 
     # -- the delayed parameter update (see zero_offload.zero.delayed_update) --------------------------------
     def publish(self) -> None:
         """Write the parameters of the last detached step into the shards; the next forward gathers them."""
-        self.fetcher.invalidate()
+        self.lifecycle.invalidate()
         self.adam.publish()
 
     def zero_grad(self) -> None:
         pass   # partitions are overwritten by the first micro-step of the next accumulation
 
     def after_load(self) -> None:
-        self.fetcher.invalidate()
+        self.lifecycle.invalidate()
 
     # -- frozen parameters (zero_offload.state.PartitionedOptimizerState) ----------------------------------
     def frozen_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -306,21 +257,21 @@ class Stage3Optimizer(ZeroOptimizerBase):
         for u in self.frozen_units:
             opened = not u.gathered
             if opened:
-                self.fetcher.gather(u)
+                self.lifecycle.gather(u)
             else:
                 u.wait()
             if keep:
                 for i, s in enumerate(u.slots):
                     host[u.index, i] = u.full[s.offset:s.end].view(s.shape).to("cpu", copy=True)
             if opened:
-                self.fetcher.release(u)
+                self.lifecycle.release(u)
         return {name: host[u.index, i] for name, (u, i) in self.frozen_by_name.items() if (u.index, i) in host}
 
     @torch.no_grad()
     def load_frozen_state(self, values: dict[str, torch.Tensor]) -> None:
         """Write this rank's shard of each frozen parameter named in ``values`` (full tensors, any float dtype);
         frozen parameters not named keep their values. Local: every rank reads the same full values."""
-        self.fetcher.invalidate()
+        self.lifecycle.invalidate()
         lo_of = lambda u: self.ctx.rank * u.shard_numel   # noqa: E731
         for u in self.frozen_units:
             if not any(s.name in values for s in u.slots):
@@ -361,8 +312,8 @@ class Stage3Optimizer(ZeroOptimizerBase):
         aliased = {p.data_ptr() for p in self.parts}
         kinds["master"] = (side, [m for m in masters if m.data_ptr() not in aliased])
         return {**params,
-                "gathered": {"bytes": self.fetcher.live_bytes(), "numel": self.fetcher.live_numel, "side": "device"},
-                "peak_gathered": {"bytes": self.fetcher.peak_live_bytes, "numel": 0, "side": "device"},
+                "gathered": {"bytes": self.lifecycle.live_bytes, "numel": self.lifecycle.live_numel, "side": "device"},
+                "peak_gathered": {"bytes": self.lifecycle.peak_live_bytes, "numel": 0, "side": "device"},
                 **kinds,
                 "frozen_params": (param_side, [self.frozen_part]),
                 "nvme_buffers": kinds.get("nvme_buffers", ("host", []))}

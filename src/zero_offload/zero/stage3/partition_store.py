@@ -4,7 +4,7 @@ Two stores fill the role: `ResidentStore` (the shard is a view of the rank's par
 host memory with ``offload_param.device = cpu``: always readable) and
 `zero_offload.nvme.param_store.NvmeParamStore` (``offload_param.device = nvme``: the shard lives in a swap
 file and is read into a small pool of host buffers only around its gather, ZeRO-Infinity's parameter
-offload, arXiv 2104.07857 Sec. 5). The fetcher asks the store, never the unit, where a shard is.
+offload, arXiv 2104.07857 Sec. 5). The unit life cycle asks the store, never the unit, where a shard is.
 """
 from __future__ import annotations
 

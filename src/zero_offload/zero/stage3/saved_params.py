@@ -27,7 +27,7 @@ class SavedParameterGuard:
     """
 
     def __init__(self, units: list[ShardedUnit], gather: Callable[[ShardedUnit], None]):
-        self.gather = gather              # the fetcher's gather, outside the recorded order
+        self.gather = gather              # the life cycle's gather, outside the recorded order
         # A unit's storage object survives release/gather (only its size changes), so it identifies the unit.
         self.by_storage = {u.full.untyped_storage()._cdata: u for u in units}
         self._hooks = None

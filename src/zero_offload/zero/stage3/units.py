@@ -10,6 +10,7 @@ instead of touching freed memory (use `gathered_parameters`).
 """
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
@@ -17,8 +18,9 @@ import torch
 from zero_offload.comm import DistContext
 from zero_offload.flat import pack, partition_numel
 from zero_offload.offload.copies import CopyHandle, Copies
+from zero_offload.zero.stage3 import registry
 
-__all__ = ["ShardedUnit", "GatherHandle"]
+__all__ = ["ShardedUnit", "GatherHandle", "units_by_module"]
 
 
 @dataclass
@@ -48,14 +50,13 @@ class ShardedUnit:
             memory with ``offload_param``); bound by `bind`.
         persistent: numel <= ``stage3_param_persistence_threshold``: gathered once per step and kept.
         frozen: the parameters have ``requires_grad=False``: gathered for forward and backward, never reduced.
+        partition_offset: where `shard` starts in the group's partition (set by `place`).
     """
-
-    frozen = False
 
     def __init__(self, index: int, group: int, module_name: str, params: list[torch.nn.Parameter],
                  names: list[str], indices: list[int], world_size: int, device: torch.device,
-                 dtype: torch.dtype, persistence_threshold: int):
-        self.index, self.group, self.module_name = index, group, module_name
+                 dtype: torch.dtype, persistence_threshold: int, frozen: bool = False):
+        self.index, self.group, self.module_name, self.frozen = index, group, module_name, frozen
         self.params = params
         self.slots, self.numel, self.padded_numel = pack(params, indices, names, world_size)
         self.shard_numel = partition_numel([self.numel], world_size)
@@ -68,8 +69,7 @@ class ShardedUnit:
         self.gathered = False
         self.handle: GatherHandle | None = None
         self.shard: torch.Tensor | None = None
-        self.partition_offset = 0     # where `shard` starts in the group's partition
-        self.grads_pending = 0
+        self.partition_offset = 0
         self.copy_handle: CopyHandle | None = None   # the last copy up of a host shard
 
     def open(self) -> None:
@@ -92,6 +92,12 @@ class ShardedUnit:
                 view.copy_(p.data)
             p.data = view
 
+    def place(self, partition_offset: int) -> int:
+        """Put this unit's shard at ``partition_offset`` of its group's partition; returns where the next
+        unit's shard starts."""
+        self.partition_offset = partition_offset
+        return partition_offset + self.shard_numel
+
     def bind(self, shard: torch.Tensor, partition_offset: int, rank: int) -> None:
         """Give the unit its shard (a view of the group partition) and fill it from ``full``."""
         self.shard, self.partition_offset = shard, partition_offset
@@ -102,15 +108,19 @@ class ShardedUnit:
         for p, s in zip(self.params, self.slots):
             p.data = self.full[s.offset:s.end].view(s.shape) if at_full else self._empty
 
-    def gather(self, ctx: DistContext, copies: Copies, async_op: bool, stream=None) -> GatherHandle | None:
+    def gather(self, ctx: DistContext, copies: Copies, async_op: bool, stream=None,
+               source: torch.Tensor | None = None) -> GatherHandle | None:
         """Refill ``full`` from every rank's shard (a host shard is copied up first, on the copy stream).
+
+        ``source`` stands in for `shard` (a swapped shard read into a store buffer); the caller waits with
+        `shard_readable` before giving that buffer back.
 
         With ``stream`` (CUDA's all-gather stream) the gather is queued there after the shard's copy
         event and the handle holds an event; the compute stream waits on it only in `wait`.
         """
         self.full.untyped_storage().resize_(self.nbytes)
         self._point_params(True)
-        src, copy = self.shard, None
+        src, copy = (self.shard if source is None else source), None
         if src.device != self.full.device:
             staging = torch.empty(self.shard_numel, dtype=src.dtype, device=self.full.device)
             copy = self.copy_handle = copies.to_device(staging, src)
@@ -173,3 +183,16 @@ class ShardedUnit:
                 flat[s.offset:s.end].copy_(p.grad.reshape(-1))
                 p.grad = None
         return flat
+
+
+def units_by_module(model: torch.nn.Module, units: list[ShardedUnit]) -> dict[torch.nn.Module, list[ShardedUnit]]:
+    """Every module that holds a unit's parameter directly, with the units it needs gathered."""
+    owner_of = {id(p): u for u in units for p in u.params}
+    needs: dict[torch.nn.Module, list[ShardedUnit]] = defaultdict(list)
+    for module in model.modules():
+        external = registry.external_params(module)   # register_external_parameter
+        for p in [*module.parameters(recurse=False), *external]:
+            u = owner_of.get(id(p))
+            if u is not None and u not in needs[module]:
+                needs[module].append(u)
+    return dict(needs)

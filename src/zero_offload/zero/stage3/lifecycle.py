@@ -1,0 +1,245 @@
+"""`UnitLifecycle`: the one owner of the stage-3 unit life cycle, from gather to reduce-scatter.
+
+FSDP2 gives one ``FSDPParamGroup`` the whole life of its parameters (unshard, wait, reshard, the pre/post
+forward and backward hooks, the post-backward reduce-scatter); here one object does the same for every unit
+of a model:
+
+- **gather, wait, release.** Before a module's forward its units are gathered; after it they are released
+  unless persistent or reused soon (``stage3_max_reuse_distance``). In backward, a hook on the module's
+  outputs gathers them again before the module's backward runs. `FetchSchedule` records the order of fetches
+  on the first micro-step; later ones replay it and gather up to ``stage3_prefetch_bucket_size`` elements
+  ahead asynchronously (DeepSpeed's ``PartitionedParameterCoordinator``). Parameters autograd saved are
+  gathered again when backward reads them (`saved_params`); frozen units are released after their module's
+  backward (`frozen`).
+- **gradients.** A post-accumulate-grad hook per trainable parameter counts the unit's gradients; when the
+  last one is in, the unit is reduce-scattered (`zero.collectives`) and released. Reduce-scatters go out in
+  one fixed order on every rank (last unit first, as backward mostly runs), each once its unit is ready and
+  every unit before it has gone, so a module whose output reaches the loss on some ranks only cannot make
+  the ranks' collectives disagree. At most two are in flight; each one finished is added into the rank's
+  `GradPartition`.
+"""
+from __future__ import annotations
+
+import torch
+from torch.profiler import record_function
+from torch.utils._pytree import tree_flatten
+
+from zero_offload.comm import DistContext
+from zero_offload.offload.copies import Copies
+from zero_offload.zero.averaging import GradAveraging
+from zero_offload.zero.collectives import InFlight, finish, reduce_scatter_grad
+from zero_offload.zero.grad_partition import GradPartition
+from zero_offload.zero.stage3.frozen import FrozenRelease
+from zero_offload.zero.stage3.partition_store import PartitionStore
+from zero_offload.zero.stage3.saved_params import SavedParameterGuard
+from zero_offload.zero.stage3.schedule import FetchSchedule
+from zero_offload.zero.stage3.units import ShardedUnit
+
+__all__ = ["UnitLifecycle"]
+
+DONE = -1     # a unit's pending-gradient count once it has been reduce-scattered this micro-step
+
+
+def _in_backward() -> bool:
+    """True while autograd is running a backward pass (e.g. recomputing a checkpointed forward)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class UnitLifecycle:
+    """Gathers, releases and reduce-scatters the units of one model through module and gradient hooks.
+
+    Args:
+        units: every unit (trainable, then frozen), indexed by ``ShardedUnit.index``.
+        module_units: for every module that uses parameters directly, the units holding them (a module whose
+            weight is tied to another module's lists that module's unit too).
+        schedule: the recorded fetch order and the prefetch and reuse decisions.
+        store: where the shards live between gathers; a store that is not resident (NVMe) is read ahead in the
+            recorded order and its buffer is taken back after each gather.
+        partitions: the rank's gradient partition of each param group; each reduce-scatter lands there.
+    """
+
+    def __init__(self, ctx: DistContext, copies: Copies, units: list[ShardedUnit],
+                 module_units: dict[torch.nn.Module, list[ShardedUnit]], schedule: FetchSchedule,
+                 store: PartitionStore, partitions: list[GradPartition], averaging: GradAveraging,
+                 comm_dtype: torch.dtype | None):
+        self.ctx, self.copies, self.units, self.store = ctx, copies, units, store
+        self.module_units, self.schedule = module_units, schedule
+        self.partitions, self.averaging, self.comm_dtype = partitions, averaging, comm_dtype
+        self.trainable = [u for u in units if not u.frozen]
+        # CUDA: all-gathers run on their own stream, so a prefetch never queues behind compute (FSDP2's way).
+        self.gather_stream = torch.cuda.Stream(ctx.device) if ctx.device.type == "cuda" else None
+        self.live_numel = sum(u.padded_numel for u in units if u.gathered)   # the persistent ones
+        self.live_bytes = sum(u.nbytes for u in units if u.gathered)
+        self.peak_live_bytes = 0               # the most gathered bytes at once, measured
+        self.fetch_count = 0
+        self.reduce_order = sorted(self.trainable, key=lambda u: -u.index)
+        self.pending = {u.index: 0 for u in self.trainable}   # gradients still to come, this micro-step
+        self.next_reduce = 0
+        self.first_micro_step = True
+        self.in_flight = InFlight(2, self._accumulate)   # reduce-scatters in flight, each unit's gradient kept
+        self.saved_params = SavedParameterGuard(units, self.gather)
+        self.frozen_release = FrozenRelease(self.release, module_units)
+        self.unit_of = {id(p): u for u in self.trainable for p in u.params}
+        self.hooks = []
+        for module in module_units:
+            self._hook_module(module)
+        for u in self.trainable:
+            for p in u.params:
+                self.hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+
+    def _hook_module(self, module: torch.nn.Module) -> None:
+        self.hooks.append(module.register_forward_pre_hook(self._pre_forward))
+        self.hooks.append(module.register_forward_hook(self._post_forward))
+
+    def add_external(self, module: torch.nn.Module, u: ShardedUnit) -> None:
+        """Gather ``u`` before ``module``'s forward too (``register_external_parameter``)."""
+        if module not in self.module_units:
+            self.module_units[module] = []
+            self._hook_module(module)
+        if u not in self.module_units[module]:
+            self.module_units[module].append(u)
+
+    # -- gather / wait / release -----------------------------------------------------------------------
+    def gather(self, u: ShardedUnit, async_op: bool = False) -> None:
+        """All-gather unit ``u`` into its full buffer now (``async_op``: in flight until `ShardedUnit.wait`),
+        out of the recorded order: nothing is traced or prefetched."""
+        swapped = not self.store.resident
+        with record_function("zero_offload.stage3.gather"):
+            # A swapped shard's buffer goes back to the store right after: its gather cannot stay in flight.
+            u.gather(self.ctx, self.copies, async_op and not swapped, self.gather_stream,
+                     source=self.store.acquire(u) if swapped else None)
+        if swapped:
+            u.shard_readable()
+            self.store.release(u)
+        self.fetch_count += 1
+        self.live_numel += u.padded_numel
+        self.live_bytes += u.nbytes
+        self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes)
+
+    def release(self, u: ShardedUnit) -> None:
+        """Free ``u``'s full buffer (waiting for its gather in flight first)."""
+        u.release()
+        self.live_numel -= u.padded_numel
+        self.live_bytes -= u.nbytes
+
+    def fetch(self, units: list[ShardedUnit]) -> None:
+        """Make ``units`` gathered (waiting for a prefetch in flight), then prefetch what comes next."""
+        training = torch.is_grad_enabled() or _in_backward()
+        for u in units:
+            self.schedule.follow(u, training)
+            if u.gathered:
+                u.wait()
+            else:
+                self.gather(u)
+        upcoming = self.schedule.upcoming(training)
+        self._read_ahead(upcoming)
+        for pos in self.schedule.to_prefetch(upcoming, self.live_numel):
+            self._read_ahead(upcoming[pos:])     # the reads after this one overlap its gather
+            self.gather(upcoming[pos], async_op=True)
+
+    def _read_ahead(self, upcoming: list[ShardedUnit]) -> None:
+        """A store that is not resident starts reading the next shards while it has buffers free."""
+        if self.store.resident:
+            return
+        for u in upcoming:
+            if not u.gathered and not self.store.prefetch(u):
+                break
+
+    def invalidate(self) -> None:
+        """Shards changed (optimizer step, checkpoint load): drop every gathered copy, persistent too, and
+        wait until no copy up reads a host shard (the host rewrites them next)."""
+        for u in self.units:
+            if u.gathered:
+                self.release(u)
+            u.shard_readable()
+
+    # -- module hooks ------------------------------------------------------------------------------------
+    def root_pre_forward(self, module, args) -> None:
+        """A forward without autograd starts at the root module: the evaluation trace restarts."""
+        if not torch.is_grad_enabled():
+            self.schedule.begin_eval_forward()
+
+    def _pre_forward(self, module, args):
+        self.fetch(self.module_units[module])
+
+    def _post_forward(self, module, args, output):
+        units = self.module_units[module]
+        if _in_backward():
+            return output           # a recomputed forward: its backward follows at once, keep the units
+        if torch.is_grad_enabled():
+            for t in tree_flatten(output)[0]:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(lambda grad, units=units: self._pre_backward(units, grad))
+        for u in units:
+            if not u.persistent and not self.schedule.reused_soon(u, self.live_numel):
+                self.release(u)
+        return output
+
+    def _pre_backward(self, units: list[ShardedUnit], grad):
+        self.fetch(units)
+        return grad
+
+    # -- micro-steps -------------------------------------------------------------------------------------
+    def begin_forward(self) -> None:
+        """A training forward starts: the fetch order is recorded (first one) or replayed from here."""
+        self.schedule.begin_micro_step()
+        self.saved_params.start()
+
+    def begin_backward(self, first_micro_step: bool) -> None:
+        """Backward starts: every trainable unit waits for all its gradients; ``first_micro_step`` of an
+        accumulation overwrites the gradient partitions instead of adding."""
+        self.first_micro_step = first_micro_step
+        self.next_reduce = 0
+        for u in self.trainable:
+            self.pending[u.index] = len(u.params)
+
+    def end_backward(self) -> None:
+        """After backward: units whose parameters got no gradient reduce zeros, all reduce-scatters are
+        waited for, and every unit that is not persistent is released."""
+        for index, left in self.pending.items():
+            if left > 0:
+                self.pending[index] = 0
+        self._reduce_ready()
+        self.in_flight.drain()
+        self.saved_params.stop()
+        for u in self.units:
+            u.wait()
+            if u.gathered and not u.persistent:
+                self.release(u)
+
+    # -- gradients ---------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
+        u = self.unit_of[id(param)]
+        self.pending[u.index] -= 1
+        if self.pending[u.index] == 0:
+            self._reduce_ready()
+
+    def _reduce_ready(self) -> None:
+        """Launch, in the fixed order, every unit whose gradients are ready and whose predecessors went."""
+        order = self.reduce_order
+        while self.next_reduce < len(order) and self.pending[order[self.next_reduce].index] == 0:
+            self._reduce(order[self.next_reduce])
+            self.next_reduce += 1
+
+    def _reduce(self, u: ShardedUnit) -> None:
+        """Reduce-scatter the unit's gradient so each rank keeps its shard's, and release the unit."""
+        self.pending[u.index] = DONE
+        flat = u.flat_grad()
+        if not u.persistent and u.gathered:
+            self.release(u)
+        self.in_flight.push((u, reduce_scatter_grad(self.ctx, flat, self.averaging, self.comm_dtype)))
+
+    def _accumulate(self, item) -> None:
+        u, reduction = item
+        self.partitions[u.group].accumulate(u.partition_offset, finish(reduction), self.first_micro_step)
+
+    @property
+    def reduction_count(self) -> int:
+        """Unit reduce-scatters launched so far."""
+        return self.in_flight.launched
+
+    @property
+    def regathered(self) -> int:
+        """Units gathered again because backward read a parameter autograd saved after its unit's release."""
+        return self.saved_params.regathered

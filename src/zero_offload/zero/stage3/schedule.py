@@ -1,0 +1,137 @@
+"""The stage-3 fetch order: recorded on the first micro-step, replayed after, and what to prefetch from it.
+
+A policy with no side effects on the units (DeepSpeed's ``PartitionedParameterCoordinator`` trace, FSDP2's
+implicit forward order): `UnitLifecycle` tells it each fetch and asks it what to gather ahead and whether a
+unit comes back soon enough to stay gathered. The first training micro-step records the order in which units
+are fetched; later ones replay it. If the order changes (data-dependent control flow), replaying stops with
+one warning and every unit is fetched on demand: the results stay exact. Forwards without autograd
+(evaluation, each token of ``generate()``) keep a trace of their own, so that they prefetch too.
+"""
+from __future__ import annotations
+
+import warnings
+
+from zero_offload.zero.stage3.units import ShardedUnit
+
+__all__ = ["FetchSchedule", "RECORDING", "REPLAYING", "ON_DEMAND"]
+
+RECORDING, REPLAYING, ON_DEMAND = "recording", "replaying", "on-demand"
+
+
+class Trace:
+    """One recorded order of unit fetches and the position a replay has reached in it."""
+
+    def __init__(self):
+        self.mode = RECORDING
+        self.order: list[int] = []
+        self.position = 0
+
+    def restart(self) -> bool:
+        """A new pass starts; True when it is the first replay (recording just ended)."""
+        first = self.mode == RECORDING and bool(self.order)
+        if first:
+            self.mode = REPLAYING
+        self.position = 0
+        return first
+
+    def follow(self, index: int) -> bool:
+        """Record or check the next fetch; False when it departs from the recorded order (now on demand)."""
+        if self.mode == RECORDING:
+            self.order.append(index)
+        elif self.mode == REPLAYING:
+            if self.position < len(self.order) and self.order[self.position] == index:
+                self.position += 1
+            else:
+                self.mode = ON_DEMAND
+                return False
+        return True
+
+    def upcoming(self) -> list[int]:
+        """The unit indices still to come in a replay, next first (empty unless replaying)."""
+        return self.order[self.position:] if self.mode == REPLAYING else []
+
+
+class FetchSchedule:
+    """The training and evaluation fetch orders of one model's units, and the prefetch and reuse decisions.
+
+    Args:
+        units: every unit, indexed by ``ShardedUnit.index``.
+        prefetch_numel: elements gathered ahead of use (``stage3_prefetch_bucket_size``).
+        max_live_numel: most elements gathered at once by prefetching (``stage3_max_live_parameters``).
+        reuse_distance: keep a unit gathered if the trace uses it again within this many elements
+            (``stage3_max_reuse_distance``).
+    """
+
+    def __init__(self, units: list[ShardedUnit], prefetch_numel: int, max_live_numel: int, reuse_distance: int):
+        self.units = units
+        self.prefetch_numel, self.max_live_numel, self.reuse_distance = prefetch_numel, max_live_numel, reuse_distance
+        self.train, self.eval = Trace(), Trace()
+        self.next_use: list[int] = []             # per trace position: elements fetched until the unit recurs
+        self.last_position: dict[int, int] = {}   # unit index -> its latest position in this micro-step's replay
+
+    @property
+    def mode(self) -> str:
+        """The training trace's mode: ``recording``, ``replaying`` or ``on-demand``."""
+        return self.train.mode
+
+    def begin_micro_step(self) -> None:
+        if self.train.restart():
+            self._index_reuse()
+        self.last_position.clear()
+
+    def begin_eval_forward(self) -> None:
+        self.eval.restart()
+
+    def follow(self, u: ShardedUnit, training: bool) -> None:
+        """``u`` is fetched now, in a training pass (forward or backward) or an evaluation forward."""
+        trace = self.train if training else self.eval
+        position = trace.position
+        if trace.follow(u.index):
+            if training and trace.mode == REPLAYING:
+                self.last_position[u.index] = position
+        elif training:
+            warnings.warn("ZeRO stage 3: modules ran in a different order than in the first step "
+                          "(data-dependent control flow); prefetching is off and parameters are "
+                          "fetched on demand from now on", stacklevel=5)
+
+    def upcoming(self, training: bool) -> list[ShardedUnit]:
+        """The units the replay fetches next, in order (empty when not replaying)."""
+        return [self.units[i] for i in (self.train if training else self.eval).upcoming()]
+
+    def to_prefetch(self, upcoming: list[ShardedUnit], live_numel: int) -> list[int]:
+        """Positions in ``upcoming`` to gather now: not yet gathered, within ``prefetch_numel`` elements of the
+        next fetch and within ``max_live_numel`` elements gathered at once (``live_numel`` are gathered now)."""
+        chosen, picked, ahead = [], set(), 0
+        for pos, u in enumerate(upcoming):
+            if ahead >= self.prefetch_numel:
+                break
+            ahead += u.numel
+            if u.gathered or u.index in picked:
+                continue
+            if live_numel + u.padded_numel > self.max_live_numel:
+                break
+            live_numel += u.padded_numel
+            picked.add(u.index)
+            chosen.append(pos)
+        return chosen
+
+    def reused_soon(self, u: ShardedUnit, live_numel: int) -> bool:
+        """Keep ``u`` gathered after its forward: the replay fetches it again within ``reuse_distance``."""
+        pos = self.last_position.get(u.index)
+        if self.train.mode != REPLAYING or pos is None or self.reuse_distance <= 0:
+            return False
+        return self.next_use[pos] <= self.reuse_distance and live_numel <= self.max_live_numel
+
+    def _index_reuse(self) -> None:
+        """For each trace position, the elements fetched before the same unit is fetched again."""
+        order = self.train.order
+        last: dict[int, int] = {}
+        fetched = [0]
+        for idx in order:
+            fetched.append(fetched[-1] + self.units[idx].numel)
+        self.next_use = [1 << 62] * len(order)
+        for pos in range(len(order) - 1, -1, -1):
+            idx = order[pos]
+            if idx in last:
+                self.next_use[pos] = fetched[last[idx]] - fetched[pos + 1]
+            last[idx] = pos

@@ -59,6 +59,11 @@ class GradPartition:
     earlier one) has landed -- checked without blocking as new buckets arrive, and waited for in `ready`.
     So no micro-step synchronises the host per bucket.
 
+    Offloaded, the partition also keeps the sum of squares of what each micro-step wrote, piece by piece as
+    the buckets land (DeepSpeed's offload computes its norm on the device as buckets are reduced): a bucket
+    copied over the partition is summed on the device before it goes down, one added on the host is summed
+    right after its add. So `sq_norm` at the boundary reads two scalars, not the partition.
+
     Shape (numel,) where numel is ``partition_numel`` (stage >= 1) or ``padded_numel`` (stage 0).
     """
 
@@ -70,6 +75,10 @@ class GradPartition:
         self.pending: deque[tuple[CopyHandle, torch.Tensor | None, int]] = deque()
         self.staging: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
         self.spare: torch.Tensor | None = None
+        self.tracks_norm = offload and not self.in_place
+        self.sq_device: torch.Tensor | None = None   # 0-dim fp32: buckets summed on the device, this micro-step
+        self.sq_host: torch.Tensor | None = None     # 0-dim fp32: slices summed on the host after their add
+        self.sq_covered = -1                         # elements summed this micro-step; -1: not tracked
         if self.in_place:
             self.buffer = in_place
         else:
@@ -85,6 +94,15 @@ class GradPartition:
         view = flat_grad[lo:hi] if (stage < 2 and not offload) else None
         return cls(hi - lo, flat.dtype, flat.device, stage, offload, accumulate_fp32, copies, view, lo)
 
+    def begin_micro_step(self) -> None:
+        """A micro-step that reduces into this partition starts: its writes replace the norm's pieces."""
+        self.sq_device = self.sq_host = None
+        self.sq_covered = 0 if self.tracks_norm else -1
+
+    def forget_norm(self) -> None:
+        """The partition was changed outside `accumulate` (set aside and added back): `sq_norm` reads it whole."""
+        self.sq_covered = -1
+
     def consume(self, bucket: GradBucket, reduced: torch.Tensor, first_micro_step: bool) -> None:
         """Take this rank's reduced ``bucket`` (already waited for) into the partition."""
         if not self.in_place:
@@ -99,6 +117,10 @@ class GradPartition:
             dst.copy_(reduced) if overwrite else dst.add_(reduced)
             return
         if overwrite:
+            if self.sq_covered >= 0:
+                values = reduced if reduced.dtype == dst.dtype else reduced.to(dst.dtype)   # as stored
+                self.sq_device = _add_sq(self.sq_device, values)
+                self.sq_covered += reduced.numel()
             self.pending.append((self.copies.to_host(dst, reduced), None, offset))
         else:
             staging = self._staging(reduced.numel(), reduced.dtype)
@@ -118,7 +140,11 @@ class GradPartition:
             handle.synchronize()
             self.pending.popleft()
             if staging is not None:
-                self.buffer[offset:offset + staging.numel()].add_(staging)
+                dst = self.buffer[offset:offset + staging.numel()]
+                dst.add_(staging)
+                if self.sq_covered >= 0:
+                    self.sq_host = _add_sq(self.sq_host, dst)
+                    self.sq_covered += dst.numel()
                 self.staging.setdefault((staging.numel(), staging.dtype), []).append(staging)
 
     def finalize(self) -> None:
@@ -156,6 +182,7 @@ class GradPartition:
                           else torch.empty_like(done))
         self.buffer = self.spare
         self.spare = done
+        self.sq_covered = -1       # the pieces summed belong to the buffer handed out
         return ReadyGrad(done)
 
     def sq_norm(self) -> torch.Tensor:
@@ -169,6 +196,10 @@ class GradPartition:
             RuntimeError: as `ready` (copies into the partition still in flight).
         """
         buffer = self.ready()
+        if self.sq_covered == buffer.numel():     # summed piece by piece as the buckets landed
+            pieces = [t for t in (self.sq_device, self.sq_host) if t is not None]
+            device = pieces[0].device if pieces else buffer.device
+            return sum((t.to(device) for t in pieces), torch.zeros((), dtype=torch.float32, device=device))
         if buffer.dtype == torch.float32 or buffer.is_cuda:
             return torch.linalg.vector_norm(buffer, dtype=torch.float32).square()
         total = torch.zeros((), dtype=torch.float32, device=buffer.device)
@@ -182,3 +213,13 @@ class GradPartition:
             return []
         extra = [b for stack in self.staging.values() for b in stack]
         return [self.buffer] + ([self.spare] if self.spare is not None else []) + extra
+
+
+def _add_sq(total: torch.Tensor | None, values: torch.Tensor) -> torch.Tensor:
+    """``total`` (None: 0) plus the sum of squares of ``values`` in fp32, on ``values``' device; in chunks of
+    NORM_CHUNK on the CPU (see `GradPartition.sq_norm`)."""
+    chunks = values.split(NORM_CHUNK) if values.device.type == "cpu" and values.dtype != torch.float32 else (values,)
+    for chunk in chunks:
+        sq = torch.linalg.vector_norm(chunk, dtype=torch.float32).square()
+        total = sq if total is None else total + sq
+    return total

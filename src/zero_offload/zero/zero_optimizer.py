@@ -93,7 +93,11 @@ class ZeroOptimizer(ZeroOptimizerBase):
             self._set_aside = [p.buffer.clone() for p in self.partitions]
             for g in self.flat_grads:
                 g.zero_()
-        self.reducer.begin_micro_step(reduce=boundary or self.stage == 2, first_micro_step=first_micro_step)
+        reduce = boundary or self.stage == 2
+        if reduce:
+            for p in self.partitions:
+                p.begin_micro_step()
+        self.reducer.begin_micro_step(reduce=reduce, first_micro_step=first_micro_step)
         self._reduced = self._reduced or (boundary and self.stage < 2)
 
     def end_micro_step(self) -> None:
@@ -102,6 +106,7 @@ class ZeroOptimizer(ZeroOptimizerBase):
             for p, kept in zip(self.partitions, self._set_aside):
                 p.finalize()
                 p.buffer.add_(kept)
+                p.forget_norm()
             self._set_aside = None
 
     def step(self, grad_scale: float) -> None:

@@ -190,6 +190,8 @@ class UnitLifecycle:
         accumulation overwrites the gradient partitions instead of adding."""
         self.first_micro_step = first_micro_step
         self.next_reduce = 0
+        for partition in self.partitions:
+            partition.begin_micro_step()
         for u in self.trainable:
             self.pending[u.index] = len(u.params)
 

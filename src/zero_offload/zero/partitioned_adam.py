@@ -53,8 +53,9 @@ class PartitionedAdam(WholeGroupState):
             (the LR schedule writes into them).
         masters: per group, the fp32 master partition, shape (partition numel,).
         outs: per group, the 16-bit tensor the host kernel writes updated parameters into (the partition
-            itself on a CPU device or for host shards), or None: offloaded 16-bit parameters headed for the
-            device are rounded from the masters chunk by chunk into a small pinned `StagingRing`.
+            itself on a CPU device or for host shards; with the delayed update, a pinned 16-bit copy of a device
+            partition that `publish` copies up), or None: offloaded 16-bit parameters headed for the device
+            are rounded from the masters chunk by chunk into a small pinned `StagingRing`.
 
     Raises:
         ValueError: ``bias_correction = false`` with the states on an accelerator (torch's Adam has no
@@ -77,15 +78,18 @@ class PartitionedAdam(WholeGroupState):
                 master = (copies.host_empty(part.numel(), torch.float32) if not sixteen_bit
                           else torch.empty(part.numel(), dtype=torch.float32)).copy_(part)
                 # 16-bit parameter partitions offloaded too (stage 3): the kernel writes straight into
-                # them (unless deferred); device partitions are filled through the staging ring.
+                # them (unless deferred); device partitions are filled through the staging ring, or with the
+                # delayed update from a pinned 16-bit copy the kernel writes (`publish` only copies it up).
                 out = part if (sixteen_bit and host_params and not deferred) else None
+                if sixteen_bit and deferred and not host_params:
+                    out = copies.host_empty(part.numel(), part.dtype)
             elif not sixteen_bit:
                 master, out = part, None     # fp32 where the step runs: the parameters are their own master
             else:
                 master, out = part.float(), (part if self.on_host else None)
             self.masters.append(master)
             self.outs.append(out)
-        if offload and not host_params and parts[0].dtype != torch.float32:
+        if offload and not host_params and not deferred and parts[0].dtype != torch.float32:
             self.ring = StagingRing(copies, parts[0].dtype, max(p.numel() for p in parts))
         groups = [{"params": [m], **h} for m, h in zip(self.masters, hparams)]
         if self.on_host:
@@ -164,12 +168,18 @@ class PartitionedAdam(WholeGroupState):
 
     @torch.no_grad()
     def publish(self) -> None:
-        """Deferred mode: copy the parameters of the last (finished) step into the parts."""
+        """Deferred mode: copy the parameters of the last (finished) step into the parts.
+
+        For device parts in 16 bits the host step already wrote them, rounded, into pinned buffers (``outs``):
+        publishing only queues their copies up, so the training thread does no pass over the partition. The
+        next host step waits for those copies before its kernel rewrites the buffers."""
         self._wait_copies_up()
         with record_function("zero_offload.optimizer.publish"):
             for g, part in enumerate(self.parts):
                 if self.host_params:
                     part.copy_(self.masters[g])       # host shards: rounded in place
+                elif self.outs[g] is not None:
+                    self.in_flight.append(self.copies.to_device(part, self.outs[g]))
                 else:
                     self._copy_up(g, 0, part.numel())
             if self.in_flight:
@@ -189,8 +199,13 @@ class PartitionedAdam(WholeGroupState):
         return "adam"
 
     def staging_tensors(self) -> list[torch.Tensor]:
-        """Host buffers that only carry updated parameters towards the device (the ring's slots)."""
-        return self.ring.tensors() if self.ring is not None else []
+        """Host buffers that only carry updated parameters towards the device: the ring's slots, or with the
+        delayed update the pinned 16-bit copies of the device partitions (2 bytes per element)."""
+        if self.ring is not None:
+            return self.ring.tensors()
+        if self.deferred and not self.host_params:
+            return [o for o in self.outs if o is not None]
+        return []
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         """The tensors this optimizer holds, by kind: master, exp_avg, exp_avg_sq (one per group)."""

@@ -108,7 +108,7 @@ class NvmeAdam(FailStop, WholeGroupState):
         for g, p in enumerate(parts):
             for kind in KINDS:
                 self.swapper.open(self._name(g, kind), self.file_bytes(p.numel()))
-        self.pool = BufferPool(buffer_count, 3 * self.sub * _FP32)
+        self.pool = BufferPool(buffer_count, 3 * self.sub * _FP32, pin=copies.pin)   # DeepSpeed pins them too
         self.staging = [None] * buffer_count
         self._writes: list[Pending | None] = [None] * buffer_count
         self.steps = [0] * len(parts)
@@ -254,7 +254,7 @@ class NvmeAdam(FailStop, WholeGroupState):
 
     def _staging(self, slot: int, dtype: torch.dtype) -> torch.Tensor:
         if self.staging[slot] is None:
-            self.staging[slot] = torch.empty(self.sub, dtype=dtype)
+            self.staging[slot] = self.copies.host_empty(self.sub, dtype)   # copied up from: pinned on CUDA
         return self.staging[slot]
 
     # -- state, streamed -------------------------------------------------------------------------------

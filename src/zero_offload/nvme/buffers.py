@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from zero_offload.offload.pinned import host_empty
+
 __all__ = ["ALIGNMENT", "align_up", "AlignedBuffer", "BufferPool"]
 
 ALIGNMENT = 4096
@@ -18,17 +20,19 @@ def align_up(nbytes: int, alignment: int = ALIGNMENT) -> int:
 
 
 class AlignedBuffer:
-    """``nbytes`` (rounded up to 4096) of host memory whose address is a multiple of 4096.
+    """``nbytes`` (rounded up to 4096) of host memory whose address is a multiple of 4096, page-locked with
+    ``pin`` when CUDA is present (DeepSpeed pins its swap buffers: copies to and from the device then run
+    asynchronously, straight from the buffer).
 
     Attributes:
         raw: the uint8 tensor of shape (nbytes,) at the aligned address; `view` gives typed views.
     """
 
-    def __init__(self, nbytes: int):
+    def __init__(self, nbytes: int, pin: bool = False):
         self.nbytes = align_up(max(nbytes, 1))
         # Written once here so the whole buffer is resident from the start, as page-locked buffers are: the
         # memory it costs is known at initialize (`estimate_memory` counts it), not discovered mid-run.
-        self._storage = torch.empty(self.nbytes + ALIGNMENT, dtype=torch.uint8).zero_()
+        self._storage = host_empty(self.nbytes + ALIGNMENT, torch.uint8, pin).zero_()
         skip = (-self._storage.data_ptr()) % ALIGNMENT
         self.raw = self._storage[skip:skip + self.nbytes]
         assert self.raw.data_ptr() % ALIGNMENT == 0
@@ -44,13 +48,14 @@ class AlignedBuffer:
 class BufferPool:
     """``count`` aligned buffers of ``nbytes`` each, handed out in turn (round robin).
 
-    The pool bounds the host memory of everything swapped through it: ``count x nbytes`` bytes.
+    The pool bounds the host memory of everything swapped through it: ``count x nbytes`` bytes (page-locked
+    with ``pin`` when CUDA is present).
     """
 
-    def __init__(self, count: int, nbytes: int):
+    def __init__(self, count: int, nbytes: int, pin: bool = False):
         if count < 1:
             raise ValueError(f"BufferPool: count must be >= 1, got {count}")
-        self.buffers = [AlignedBuffer(nbytes) for _ in range(count)]
+        self.buffers = [AlignedBuffer(nbytes, pin) for _ in range(count)]
         self._next = 0
 
     def __len__(self) -> int:

@@ -62,6 +62,8 @@ class NvmeParamStore(FailStop):
             (``offload_param.max_in_cpu``); the shard being gathered is always allowed.
         block_size / thread_count / queue_depth: the swapper's request piece (bytes), I/O threads
             and requests in flight per thread (``aio``).
+        pin: page-lock the read buffers (``offload_param.pin_memory`` with CUDA present): each shard is
+            copied up from its buffer asynchronously.
 
     Raises:
         ValueError: ``buffer_count`` < 1 or a unit shard larger than ``buffer_size`` (naming the key and the
@@ -75,7 +77,7 @@ class NvmeParamStore(FailStop):
 
     def __init__(self, numels: list[int], units: list, dtype: torch.dtype, directory: Path, buffer_count: int,
                  buffer_size: int, max_in_cpu: int, block_size: int = 1 << 20, thread_count: int = 1,
-                 queue_depth: int = 1):
+                 queue_depth: int = 1, pin: bool = False):
         largest = max((u.shard_numel for u in units), default=0)
         if buffer_count < 1:
             raise ValueError(f"config key 'zero_optimization.offload_param.buffer_count' = {buffer_count}: the "
@@ -94,7 +96,7 @@ class NvmeParamStore(FailStop):
         self._finalizer = weakref.finalize(self, self.swapper.close)
         for g, n in enumerate(numels):
             self.swapper.open(self._name(g), align_up(max(n, 1) * self.itemsize))
-        self.buffers = [AlignedBuffer(self.buffer_bytes(largest, dtype)) for _ in range(buffer_count)]
+        self.buffers = [AlignedBuffer(self.buffer_bytes(largest, dtype), pin) for _ in range(buffer_count)]
         self.window = WRITE_WINDOW      # read once: tests shrink it to make the ring wrap at small sizes
         self.ring = [AlignedBuffer(self.window) for _ in range(WRITE_RING)]
         # per ring buffer: the write still behind from it, (file name, start byte, stop byte, request)

@@ -96,6 +96,7 @@ def build_param_store(units: list, numels: list[int], dtype: torch.dtype, config
     try:
         return NvmeParamStore(numels, units, dtype, directory, op.buffer_count, op.buffer_size, op.max_in_cpu,
                               block_size=config.aio.block_size, thread_count=config.aio.threads,
-                              queue_depth=config.aio.queue_depth)
+                              queue_depth=config.aio.queue_depth,
+                              pin=op.pin_memory and torch.cuda.is_available())   # shards go up from there
     except ValueError as e:
         raise ConfigError(str(e)) from e

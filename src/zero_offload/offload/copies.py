@@ -69,11 +69,14 @@ class Copies(Protocol):
     """What the optimizer and the gradient partitions need from a copy engine."""
     device: torch.device
     cuda: bool
+    pin: bool          # host buffers made for copies are page-locked (CUDA with ``pin_memory``)
     counts: "TransferCounts"
 
     def to_host(self, dst: torch.Tensor, src: torch.Tensor) -> CopyHandle: ...
 
     def to_device(self, dst: torch.Tensor, src: torch.Tensor) -> CopyHandle: ...
+
+    def upload(self, src: torch.Tensor) -> tuple[torch.Tensor, CopyHandle]: ...
 
     def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor: ...
 
@@ -84,7 +87,7 @@ class HostCopies:
     cuda = False
 
     def __init__(self, device: torch.device, pin: bool = False):
-        self.device = device
+        self.device, self.pin = device, False      # nothing to page-lock for: the device is the host
         self.counts = TransferCounts()
 
     def to_host(self, dst: torch.Tensor, src: torch.Tensor) -> CopyHandle:
@@ -96,6 +99,11 @@ class HostCopies:
         dst.copy_(src)
         self.counts.bytes_up += dst.numel() * dst.element_size()
         return DONE
+
+    def upload(self, src: torch.Tensor) -> tuple[torch.Tensor, CopyHandle]:
+        """A new device copy of host tensor ``src`` (see `CudaCopies.upload`)."""
+        dst = torch.empty_like(src, device=self.device)
+        return dst, self.to_device(dst, src)
 
     def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype)
@@ -136,6 +144,18 @@ class CudaCopies:
         ``dst`` (the caller has synchronised the handle of whatever wrote ``src``)."""
         self.counts.bytes_up += dst.numel() * dst.element_size()
         return self._copy(self.h2d, dst, src, device_side=dst)
+
+    def upload(self, src: torch.Tensor) -> tuple[torch.Tensor, CopyHandle]:
+        """A new device copy of host tensor ``src``, allocated and filled on the host-to-device stream: it waits
+        for no compute (the buffer is new; the caller has synchronised whatever wrote ``src``). Returns the
+        device tensor and the copy's handle; a stream that reads the tensor waits on the handle and
+        ``record_stream``-s it."""
+        self.counts.bytes_up += src.numel() * src.element_size()
+        with torch.cuda.stream(self.h2d):
+            dst = torch.empty_like(src, device=self.device)
+            dst.copy_(src, non_blocking=True)
+            event = self.h2d.record_event()
+        return dst, CopyHandle(event, self.counts)
 
     def synchronize(self) -> None:
         """Block the host until every copy queued so far has finished (a whole-stream wait; the NVMe

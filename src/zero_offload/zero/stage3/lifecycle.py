@@ -68,6 +68,7 @@ class UnitLifecycle:
         self.trainable = [u for u in units if not u.frozen]
         # CUDA: all-gathers run on their own stream, so a prefetch never queues behind compute (FSDP2's way).
         self.gather_stream = torch.cuda.Stream(ctx.device) if ctx.device.type == "cuda" else None
+        self.shards_written = None    # CUDA: an event after the last writes of the shards on the compute stream
         self.live_numel = sum(u.padded_numel for u in units if u.gathered)   # the persistent ones
         self.live_bytes = sum(u.nbytes for u in units if u.gathered)
         self.peak_live_bytes = 0               # the most gathered bytes at once, measured
@@ -104,10 +105,14 @@ class UnitLifecycle:
         """All-gather unit ``u`` into its full buffer now (``async_op``: in flight until `ShardedUnit.wait`),
         out of the recorded order: nothing is traced or prefetched."""
         swapped = not self.store.resident
+        if self.gather_stream is not None and self.shards_written is None:
+            # The first gather since the shards changed: everything queued so far (the step, a load) wrote
+            # them; the all-gather stream waits on this point, never on the compute queued after it.
+            self.shards_written = torch.cuda.current_stream(self.ctx.device).record_event()
         with record_function("zero_offload.stage3.gather"):
             # A swapped shard's buffer goes back to the store right after: its gather cannot stay in flight.
             u.gather(self.ctx, self.copies, async_op and not swapped, self.gather_stream,
-                     source=self.store.acquire(u) if swapped else None)
+                     source=self.store.acquire(u) if swapped else None, shards_written=self.shards_written)
         if swapped:
             u.shard_readable()
             self.store.release(u)
@@ -152,6 +157,11 @@ class UnitLifecycle:
             if u.gathered:
                 self.release(u)
             u.shard_readable()
+        self.shards_changed()
+
+    def shards_changed(self) -> None:
+        """The shards were written (or are about to be) on the compute stream: the next gather orders after it."""
+        self.shards_written = None
 
     # -- module hooks ------------------------------------------------------------------------------------
     def root_pre_forward(self, module, args) -> None:

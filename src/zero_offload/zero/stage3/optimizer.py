@@ -152,6 +152,7 @@ class Stage3Optimizer(ZeroOptimizerBase):
         if self.ctx.distributed:
             self.ctx.broadcast_from(u.full, src_rank)
         mine = u.full[self.ctx.rank * u.shard_numel:(self.ctx.rank + 1) * u.shard_numel]
+        self.lifecycle.shards_changed()
         if u.frozen:
             u.shard.copy_(mine)
             return            # no master weights

@@ -109,40 +109,30 @@ class ShardedUnit:
             p.data = self.full[s.offset:s.end].view(s.shape) if at_full else self._empty
 
     def gather(self, ctx: DistContext, copies: Copies, async_op: bool, stream=None,
-               source: torch.Tensor | None = None) -> GatherHandle | None:
+               source: torch.Tensor | None = None, shards_written=None) -> GatherHandle | None:
         """Refill ``full`` from every rank's shard (a host shard is copied up first, on the copy stream).
 
         ``source`` stands in for `shard` (a swapped shard read into a store buffer); the caller waits with
         `shard_readable` before giving that buffer back.
 
-        With ``stream`` (CUDA's all-gather stream) the gather is queued there after the shard's copy
-        event and the handle holds an event; the compute stream waits on it only in `wait`.
+        With ``stream`` (CUDA's all-gather stream) see `_gather_on_stream`; the compute stream waits for the
+        gather only in `wait`. ``shards_written``: the event recorded on the compute stream after the shards
+        were last written there (the optimizer step, a load).
         """
-        self.full.untyped_storage().resize_(self.nbytes)
-        self._point_params(True)
-        src, copy = (self.shard if source is None else source), None
-        if src.device != self.full.device:
-            staging = torch.empty(self.shard_numel, dtype=src.dtype, device=self.full.device)
-            copy = self.copy_handle = copies.to_device(staging, src)
-            src = staging
+        src = self.shard if source is None else source
         self.gathered = True
         if stream is not None:
-            stream.wait_event(torch.cuda.current_stream().record_event())   # ``full`` is free to write
-            if copy is not None:
-                copy.wait_stream(stream)
-            with torch.cuda.stream(stream):
-                if ctx.world_size == 1:
-                    self.full.copy_(src)
-                else:
-                    ctx.all_gather_into(self.full, src)
-                event = stream.record_event()
-            src.record_stream(stream)
-            self.handle = GatherHandle(None, src, event)
+            self.handle = self._gather_on_stream(ctx, copies, stream, src, shards_written)
             if not async_op:
                 self.wait()
             return self.handle
-        if copy is not None:
-            copy.wait_stream()
+        self.full.untyped_storage().resize_(self.nbytes)
+        self._point_params(True)
+        if src.device != self.full.device:
+            staging = torch.empty(self.shard_numel, dtype=src.dtype, device=self.full.device)
+            self.copy_handle = copies.to_device(staging, src)
+            self.copy_handle.wait_stream()
+            src = staging
         if ctx.world_size == 1:
             self.full.copy_(src)
             work = None
@@ -150,6 +140,29 @@ class ShardedUnit:
             work = ctx.all_gather_into(self.full, src, async_op=async_op)
         self.handle = GatherHandle(work, src) if async_op else None
         return self.handle
+
+    def _gather_on_stream(self, ctx: DistContext, copies: Copies, stream, src: torch.Tensor,
+                          shards_written) -> GatherHandle:
+        """FSDP2's way: the full buffer is allocated on the all-gather stream and a host shard's staging copy on
+        the copy stream, so neither waits for the compute queued so far. The buffer's previous use on the
+        compute stream is ordered by the allocator (`release` records it there), the host shard's copy by its
+        event, and a device shard by ``shards_written``: a prefetch starts while earlier modules compute."""
+        with torch.cuda.stream(stream):
+            self.full.untyped_storage().resize_(self.nbytes)
+        self._point_params(True)
+        if src.device != self.full.device:
+            src, self.copy_handle = copies.upload(src)
+            self.copy_handle.wait_stream(stream)
+        elif shards_written is not None:
+            stream.wait_event(shards_written)
+        with torch.cuda.stream(stream):
+            if ctx.world_size == 1:
+                self.full.copy_(src)
+            else:
+                ctx.all_gather_into(self.full, src)
+            event = stream.record_event()
+        src.record_stream(stream)
+        return GatherHandle(None, src, event)
 
     def shard_readable(self) -> None:
         """Block until no copy up reads the host shard any more (before the host rewrites it)."""
@@ -165,6 +178,8 @@ class ShardedUnit:
     def release(self) -> None:
         """Free the full buffer's memory; the parameters keep their shapes but no storage."""
         self.wait()
+        if self.full.is_cuda:   # read on the compute stream: its memory is not handed out before that is done
+            self.full.record_stream(torch.cuda.current_stream())
         self.full.untyped_storage().resize_(0)
         self._point_params(False)
         self.gathered = False

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-from zero_offload.compat import zero
+from zero_offload.compat import ops, zero
 from zero_offload.compat.engine import DeepSpeedEngine
 from zero_offload.compat.mpu import check_mpu
 from zero_offload.compat.optimizer import ClientScheduler, client_optimizer_config
@@ -28,7 +29,12 @@ from zero_offload.config import Config, ConfigError
 from zero_offload.config.io import decode_config_string, read_config_file
 from zero_offload.engine import Engine
 
-__all__ = ["initialize", "add_config_arguments", "init_distributed", "zero", "DeepSpeedEngine"]
+__all__ = ["initialize", "add_config_arguments", "init_distributed", "zero", "ops", "DeepSpeedEngine"]
+
+# ``from zero_offload.deepspeed.ops.adam import DeepSpeedCPUAdam``, as scripts import it from deepspeed.
+sys.modules.setdefault(f"{__name__}.ops", ops)
+sys.modules.setdefault(f"{__name__}.ops.adam", ops.adam)
+sys.modules.setdefault(f"{__name__}.ops.lamb", ops.lamb)
 
 
 def _raw_config(args, config, config_params) -> dict:
@@ -66,8 +72,10 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     Args:
         args: an object with ``deepspeed_config`` (a path), as ``add_config_arguments`` adds; optional.
         model: the ``nn.Module`` to train.
-        optimizer: a ``torch.optim`` optimizer over the model's parameters, or a callable that takes the
-            parameters and returns one; it replaces the config's ``optimizer`` section, as in DeepSpeed.
+        optimizer: a ``torch.optim`` optimizer over the model's parameters, DeepSpeed's ``DeepSpeedCPUAdam`` or
+            ``FusedLamb`` as `ops` names them, or a callable that takes the parameters and returns one; it
+            replaces the config's ``optimizer`` section, as in DeepSpeed (`compat.optimizer`): Adam/AdamW
+            run on the fused kernel (the host one with ``offload_optimizer``) with their param groups.
         model_parameters: parameters or param-group dicts (per-group lr / weight_decay are kept).
         training_data: a ``torch.utils.data.Dataset``; the returned loader has ``train_micro_batch_size_per_gpu``
             samples per batch and a ``DistributedSampler`` (DeepSpeed's dataloader).
@@ -78,8 +86,9 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     Raises:
         ConfigError: no config or two configs, or an invalid config (the key is named).
         ValueError: ``model`` is None, ``mesh_param`` given or an ``mpu`` with model, pipeline or sequence
-            parallelism (`compat.mpu.check_mpu`; an ``mpu`` of plain data parallelism is accepted), or an
-            optimizer that is not a ``torch.optim`` one.
+            parallelism (`compat.mpu.check_mpu`; an ``mpu`` of plain data parallelism is accepted), an
+            optimizer that is neither a ``torch.optim`` one nor one of `ops`, or groups of a DeepSpeed class
+            that differ in a key kept once per optimizer (``bias_correction``, Lamb's clamps).
     """
     if model is None:
         raise ValueError("deepspeed.initialize requires a model")

@@ -1,10 +1,13 @@
 """Every test starts from the same random state: a random tensor a test draws without its own generator is
-still seeded, so a failure reproduces on any machine (issue 18: tests that hold on any CPU)."""
+still seeded, so a failure reproduces on any machine (issue 18: tests that hold on any CPU). A process group a
+test leaves in the pytest process (``deepspeed.initialize`` creates a one-rank group, as DeepSpeed's does) is
+destroyed after it, so the ranks `dist_utils.run_ranks` forks later start without one."""
 import random
 
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 
 
 @pytest.fixture(autouse=True)
@@ -13,3 +16,5 @@ def _seeded():
     np.random.seed(0)
     torch.manual_seed(0)
     yield
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

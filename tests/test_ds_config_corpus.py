@@ -18,7 +18,6 @@ FILES = sorted(p.name for p in CORPUS.iterdir())
 
 # Refused, each for a setting docs/configs.md lists as not built (or one DeepSpeed 0.19.8 refuses itself).
 REFUSED = {
-    "dse_bing_bert_lamb.json": "'Lamb' is accepted by DeepSpeed but not implemented",
     "ds_docs_onebit_adam.json": "'OneBitAdam' is accepted by DeepSpeed but not implemented",
     "ds_removed_sparse_attention.json": "as DeepSpeed 0.19.8 refuses it",
     "ds_megatron_gpt2_zero2.json": "max_grad_norm' is not an optimizer parameter (DeepSpeed refuses it too)",

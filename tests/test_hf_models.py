@@ -112,12 +112,12 @@ def test_hf_model_with_a_frozen_base_at_stage_3(tmp_path, kind):
 
 
 def test_hf_model_under_zero_init_gets_hf_init_under_gathered_parameters():
-    """HF's post-construction init, run as transformers runs it under ZeRO-3 (gathered, modifier_rank=0),
-    reaches the engine: every value it wrote is trained from (bit-identity with a normal build is checked on
-    the toy model in test_deepspeed_compat; HF's own init order differs under ZeRO-3 in DeepSpeed too)."""
+    """HF's post-construction init, run again as transformers runs it under ZeRO-3 (gathered,
+    modifier_rank=0), reaches the engine: every value it wrote is trained from (the init run by the
+    constructor itself is kept too: bit-identity with a normal build is in test_sharded_init_parent)."""
     torch.manual_seed(0)
     with deepspeed.zero.Init():
-        model = transformers.GPT2LMHeadModel(_gpt2_config())     # HF's own init ran on meta tensors: no-op
+        model = transformers.GPT2LMHeadModel(_gpt2_config())     # HF's own init kept in the shards
     assert all(p.is_meta for p in model.parameters())
     for m in model.modules():                                 # HF marks modules done after its (no-op) init
         m.__dict__.pop("_is_hf_initialized", None)

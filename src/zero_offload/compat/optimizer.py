@@ -3,7 +3,11 @@
 A ``torch.optim`` optimizer becomes the config's ``optimizer`` section plus param groups: Adam/AdamW keep
 their hyper-parameters on the fused host kernel (torch's Adam ``weight_decay`` is L2, so ``adam_w_mode`` is
 false; ``amsgrad`` runs torch's AMSGrad on the partition); any other torch.optim class runs as itself on
-this rank's partition. The engine's optimizer then owns the live learning rates, so a client scheduler's
+this rank's partition. DeepSpeed's own classes as the compat layer names them (`zero_offload.compat.ops`:
+``DeepSpeedCPUAdam``, ``FusedLamb``) become Adam/AdamW (by their ``adamw_mode``) and Lamb. With
+``offload_optimizer`` set the Adam family runs on the host kernel, where DeepSpeed 0.19.8 refuses a client
+optimizer other than its DeepSpeedCPUAdam unless ``zero_force_ds_cpu_optimizer`` is false (the update is the
+same). The engine's optimizer then owns the live learning rates, so a client scheduler's
 rates are copied into it after every step.
 """
 from __future__ import annotations
@@ -12,6 +16,9 @@ import inspect
 import warnings
 
 import torch
+
+from zero_offload.compat.ops.adam import DeepSpeedCPUAdam
+from zero_offload.compat.ops.lamb import FusedLamb
 
 __all__ = ["client_optimizer_config", "ClientScheduler"]
 
@@ -33,6 +40,8 @@ def client_optimizer_config(optimizer: torch.optim.Optimizer, model: torch.nn.Mo
         ValueError: an optimizer that is not a ``torch.optim`` class (its step cannot run on the partitions).
     """
     cls = type(optimizer)
+    if isinstance(optimizer, (DeepSpeedCPUAdam, FusedLamb)):
+        return _deepspeed_class_config(optimizer)
     if getattr(torch.optim, cls.__name__, None) is not cls:
         raise ValueError(f"client optimizer {cls.__module__}.{cls.__name__} is not a torch.optim optimizer: "
                          f"zero-offload steps partitions with its own Adam or a torch.optim class; pass "
@@ -47,6 +56,30 @@ def client_optimizer_config(optimizer: torch.optim.Optimizer, model: torch.nn.Mo
         accepted = set(inspect.signature(cls.__init__).parameters) - {"self", "params"}
         section = {"type": cls.__name__, "params": {k: _plain(v) for k, v in d.items() if k in accepted}}
     groups = [{"params": list(g["params"]), **{k: _plain(g[k]) for k in _PER_GROUP if k in g}}
+              for g in optimizer.param_groups]
+    return section, groups
+
+
+def _deepspeed_class_config(optimizer) -> tuple[dict, list]:
+    """DeepSpeedCPUAdam or FusedLamb: its defaults as the section, its groups (lr, betas, eps, weight_decay per
+    group); the keys the engine keeps once per optimizer must agree between groups."""
+    d = optimizer.defaults
+    if isinstance(optimizer, DeepSpeedCPUAdam):
+        once = ("bias_correction",)
+        params = {"lr": d["lr"], "betas": _plain(d["betas"]), "eps": d["eps"], "weight_decay": d["weight_decay"],
+                  "adam_w_mode": optimizer.adam_w_mode, "bias_correction": d["bias_correction"]}
+        section = {"type": "AdamW" if optimizer.adam_w_mode else "Adam", "params": params}
+    else:
+        once = ("bias_correction", "eps_inside_sqrt", "max_coeff", "min_coeff")
+        params = {k: _plain(d[k]) for k in ("lr", "betas", "eps", "weight_decay", *once)}
+        section = {"type": "Lamb", "params": params}
+    for i, g in enumerate(optimizer.param_groups):
+        for key in once:
+            if g[key] != d[key]:
+                raise ValueError(f"client optimizer {type(optimizer).__name__}: param group {i} sets {key}="
+                                 f"{g[key]!r}, the others {d[key]!r}; per group only lr, betas, eps and "
+                                 f"weight_decay may differ")
+    groups = [{"params": list(g["params"]), **{k: _plain(g[k]) for k in _PER_GROUP}}
               for g in optimizer.param_groups]
     return section, groups
 

@@ -55,8 +55,8 @@ UNBUILT = {
     "sequence_parallel_size > 1": "no sequence parallelism (data parallel only)",
     "data_efficiency.enabled = true": "no curriculum / random-LTD data sampling",
     "weight_quantization": "no quantized weights",
-    "optimizer.type Lamb, OneBitAdam, OneBitLamb, ZeroOneAdam, Lion, Muon, MuAdam, MuAdamW, MuSGD":
-        "use Adam/AdamW or a torch.optim name (SGD, Adagrad, RMSprop, ...)",
+    "optimizer.type OneBitAdam, OneBitLamb, ZeroOneAdam, Lion, Muon, MuAdam, MuAdamW, MuSGD":
+        "use Adam/AdamW, Lamb or a torch.optim name (SGD, Adagrad, RMSprop, ...)",
 }
 
 

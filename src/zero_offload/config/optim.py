@@ -14,7 +14,7 @@ import torch
 
 from zero_offload.config.schema import ConfigError, from_dict, option
 
-__all__ = ["AdamParams", "OptimizerConfig", "SchedulerConfig", "WarmupLRParams", "WarmupDecayLRParams",
+__all__ = ["AdamParams", "LambParams", "OptimizerConfig", "SchedulerConfig", "WarmupLRParams", "WarmupDecayLRParams",
            "WarmupCosineLRParams", "OneCycleParams", "LRRangeTestParams", "SCHEDULER_PARAMS",
            "REFUSED_OPTIMIZERS"]
 
@@ -42,12 +42,34 @@ class AdamParams:
                               f"(torch's AMSGrad always corrects bias)")
 
 
+@dataclass
+class LambParams:
+    """DeepSpeed's ``FusedLamb`` arguments (``optimizer.type: "Lamb"``); see `zero_offload.optim.lamb`."""
+    lr: float = option(1e-3, "Learning rate (the schedule's max when a scheduler sets it).", min=0.0)
+    betas: tuple[float, float] = option((0.9, 0.999), "LAMB's (beta1, beta2).")
+    eps: float = option(1e-8, "Added to sqrt(v) (or to v with eps_inside_sqrt).", min=0.0)
+    weight_decay: float = option(0.0, "Added to the update before the trust ratio (weight_decay x p).", min=0.0)
+    bias_correction: bool = option(True, "Scale the step by sqrt(1 - beta2^t) / (1 - beta1^t).")
+    eps_inside_sqrt: bool = option(False, "Divide by sqrt(v + eps) instead of sqrt(v) + eps.")
+    max_coeff: float = option(10.0, "Upper clamp of the trust ratio ||p|| / ||update||.", min=0.0)
+    min_coeff: float = option(0.01, "Lower clamp of the trust ratio.", min=0.0)
+    amsgrad: bool = option(False, "Not supported by LAMB (DeepSpeed's FusedLamb raises too).",
+                           not_implemented={True: "LAMB has no AMSGrad variant"})
+
+    def validate(self, path):
+        for i, b in enumerate(self.betas):
+            if not 0.0 <= b < 1.0:
+                raise ConfigError(f"config key '{path}.betas[{i}]': got {b!r}, must be in [0, 1)")
+        if self.min_coeff > self.max_coeff:
+            raise ConfigError(f"config key '{path}.min_coeff': got {self.min_coeff!r}, must be <= "
+                              f"'{path}.max_coeff' ({self.max_coeff!r})")
+
+
 # DeepSpeed optimizer types with no counterpart here, and what to use instead.
 REFUSED_OPTIMIZERS = {
-    "lamb": "LAMB is not built; use 'AdamW' (or a client optimizer)",
     "onebitadam": "1-bit Adam's compressed communication is not built; use 'Adam' (the same update before "
                   "its freeze_step)",
-    "onebitlamb": "1-bit LAMB is not built; use 'AdamW'",
+    "onebitlamb": "1-bit LAMB's compressed communication is not built; use 'Lamb'",
     "zerooneadam": "0/1 Adam is not built; use 'Adam'",
     "lion": "Lion is not built; use 'AdamW' or pass a client optimizer",
     "muon": "Muon is not built; use 'AdamW'",
@@ -67,9 +89,10 @@ def _torch_optimizer(name: str):
 @dataclass
 class OptimizerConfig:
     torch_kwargs: ClassVar[dict | None] = None     # set per instance: the params of a torch.optim type
-    type: str = option("Adam", "Adam or AdamW (our fused kernel; AdamW forces adam_w_mode = true), or any "
-                               "torch.optim class name (SGD, Adagrad, RMSprop, ...), which then runs on this "
-                               "rank's partition, as DeepSpeed runs getattr(torch.optim, type).")
+    type: str = option("Adam", "Adam or AdamW (our fused kernel; AdamW forces adam_w_mode = true), Lamb "
+                               "(DeepSpeed's FusedLamb, stages 0-2), or any torch.optim class name (SGD, "
+                               "Adagrad, RMSprop, ...), which then runs on this rank's partition, as DeepSpeed "
+                               "runs getattr(torch.optim, type).")
     params: Any = option(factory=dict, help="The optimizer's hyper-parameters, as DeepSpeed names them.")
 
     def __post_init__(self):
@@ -93,13 +116,20 @@ class OptimizerConfig:
                 raise ConfigError(f"config key '{path}.params.adam_w_mode': false contradicts "
                                   f"'{path}.type' = 'AdamW'; use type 'Adam' for L2 weight decay")
             return
+        if lower == "lamb":
+            self.type = "Lamb"
+            lamb = from_dict(LambParams, raw, f"{path}.params")
+            self.torch_kwargs = {k: getattr(lamb, k) for k in raw}
+            self.params = AdamParams(lr=lamb.lr, betas=lamb.betas, eps=lamb.eps, weight_decay=lamb.weight_decay,
+                                     adam_w_mode=False, bias_correction=lamb.bias_correction)
+            return
         if lower in REFUSED_OPTIMIZERS:
             raise ConfigError(f"config key '{path}.type': {self.type!r} is accepted by DeepSpeed but not "
                               f"implemented in zero-offload ({REFUSED_OPTIMIZERS[lower]})")
         cls = _torch_optimizer(self.type)
         if cls is None:
-            raise ConfigError(f"config key '{path}.type': got {self.type!r}, allowed: 'Adam', 'AdamW' or a "
-                              f"torch.optim class name (SGD, Adagrad, RMSprop, ...)")
+            raise ConfigError(f"config key '{path}.type': got {self.type!r}, allowed: 'Adam', 'AdamW', 'Lamb' or "
+                              f"a torch.optim class name (SGD, Adagrad, RMSprop, ...)")
         accepted = set(inspect.signature(cls.__init__).parameters) - {"self", "params"}
         for key in raw:
             if key not in accepted:

@@ -26,6 +26,8 @@ class CPUAdam(torch.optim.Optimizer):
         ValueError: a hyper-parameter out of range, or a parameter that is not an fp32 CPU tensor.
     """
 
+    checks_params_at_init = True     # DeepSpeed's name for it (compat.ops.adam) checks them at step instead
+
     def __init__(
         self,
         params: Iterable[torch.Tensor] | Iterable[dict],
@@ -51,7 +53,7 @@ class CPUAdam(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         adamw_mode=adamw_mode, bias_correction=bias_correction)
         super().__init__(params, defaults)
-        for group in self.param_groups:
+        for group in self.param_groups if self.checks_params_at_init else ():
             for p in group["params"]:
                 if p.device.type != "cpu" or p.dtype != torch.float32:
                     raise ValueError(f"CPUAdam: parameters must be fp32 CPU tensors, got {p.dtype} on {p.device}")

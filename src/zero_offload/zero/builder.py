@@ -9,8 +9,8 @@ offload_optimizer.device   optimizer                   parameters   partition op
 none / cpu                 Adam, AdamW (no amsgrad)    in memory    `PartitionedAdam`: the fused host kernel where
                                                                     the states are on the host, else torch's fused
                                                                     device AdamW
-none / cpu                 amsgrad, or a torch.optim   in memory    `PartitionedTorchOptimizer`
-                           type by name
+none / cpu                 amsgrad, Lamb (stages 0-2)  in memory    `PartitionedTorchOptimizer`
+                           or a torch.optim type
 nvme                       Adam, AdamW (no amsgrad)    any          `NvmeAdam` (writing the parameter swap files
                                                                     itself when the parameters are on NVMe)
 none / cpu                 any of the above            NVMe         `WriteBackOptimizer` over one of the first two,
@@ -40,7 +40,8 @@ __all__ = ["build_partition_optimizer"]
 
 def build_partition_optimizer(config: Config, parts: list[torch.Tensor], hparams: list[dict], copies: Copies,
                               rank: int, *, offload: bool, host_params: bool = False,
-                              param_store: NvmeParamStore | None = None) -> PartitionOptimizer:
+                              param_store: NvmeParamStore | None = None, segments: list | None = None,
+                              all_reduce=None) -> PartitionOptimizer:
     """The partition optimizer ``config`` asks for, over this rank's ``parts``.
 
     Args:
@@ -53,14 +54,23 @@ def build_partition_optimizer(config: Config, parts: list[torch.Tensor], hparams
             also ``offload_param``).
         host_params: the parts are host memory themselves (stage 3 ``offload_param.device = cpu``).
         param_store: stage 3's parameter swap files (``offload_param.device = nvme``), or None.
+        segments, all_reduce: where each parameter's pieces sit in ``parts`` and how to sum per-parameter
+            norms over the ranks, for ``Lamb``'s per-tensor trust ratio (`PartitionedTorchOptimizer`);
+            stages 0-2 give them.
 
     Raises:
         ConfigError: ``offload_optimizer.delayed_param_update`` or ``offload_optimizer.device = nvme`` with an
-            optimizer the fused kernel does not run (amsgrad, a torch.optim type), naming the key; the swap
-            directory's checks (`zero_offload.nvme.setup.check_swap_directory`).
+            optimizer the fused kernel does not run (amsgrad, a torch.optim type, Lamb), naming the key; the
+            swap directory's checks (`zero_offload.nvme.setup.check_swap_directory`); ``optimizer.type``
+            ``Lamb`` without ``segments`` (stage 3: its units are not told apart in the partition yet).
         ValueError: ``bias_correction = false`` with the states on an accelerator.
     """
     opt = config.optimizer
+    if opt.type == "Lamb" and segments is None:
+        raise ConfigError("config key 'optimizer.type' = 'Lamb' is built at 'zero_optimization.stage' 0-2, not 3: "
+                          "LAMB's per-tensor trust ratio needs each parameter's pieces in the partition (DeepSpeed "
+                          "refuses Lamb under ZeRO too unless zero_allow_untested_optimizer, and then takes the "
+                          "ratio over whole partitions); use stage 2, or Adam/AdamW at stage 3")
     fused = opt.torch_kwargs is None and not opt.params.amsgrad
     if config.zero_optimization.offload_optimizer.device == "nvme":
         if not fused:
@@ -73,11 +83,11 @@ def build_partition_optimizer(config: Config, parts: list[torch.Tensor], hparams
         # back to the files after each step.
         masters = [param_store.read_range(g, 0, p.numel()).float() for g, p in enumerate(parts)]
         return WriteBackOptimizer(_in_memory(config, masters, hparams, True, copies, True), param_store)
-    return _in_memory(config, parts, hparams, offload, copies, host_params)
+    return _in_memory(config, parts, hparams, offload, copies, host_params, segments, all_reduce)
 
 
 def _in_memory(config: Config, parts: list[torch.Tensor], hparams: list[dict], offload: bool, copies: Copies,
-               host_params: bool) -> PartitionedAdam:
+               host_params: bool, segments: list | None = None, all_reduce=None) -> PartitionedAdam:
     """States in device or host memory: the fused kernel for Adam/AdamW, a torch optimizer otherwise."""
     opt = config.optimizer
     deferred = config.zero_optimization.offload_optimizer.delayed_param_update
@@ -89,4 +99,5 @@ def _in_memory(config: Config, parts: list[torch.Tensor], hparams: list[dict], o
                           f"optimizer type Adam/AdamW without amsgrad (got {opt.type!r}): only the fused host "
                           "kernel's step runs in the background")
     return PartitionedTorchOptimizer(parts, hparams, offload, copies, host_params=host_params,
-                                     type_name=opt.type, torch_kwargs=opt.torch_kwargs)
+                                     type_name=opt.type, torch_kwargs=opt.torch_kwargs, segments=segments,
+                                     all_reduce=all_reduce)

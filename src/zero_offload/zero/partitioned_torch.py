@@ -3,7 +3,9 @@
 DeepSpeed runs ``getattr(torch.optim, optimizer.type)(params, **optimizer.params)`` for a type it has no
 kernel of its own for, and torch's Adam for ``amsgrad``; here that optimizer steps the fp32 master
 partition (on the host when offloaded), exactly as `PartitionedAdam` steps it with the fused kernel, and the
-updated 16-bit partition is written back the same way.
+updated 16-bit partition is written back the same way. ``Lamb`` (`zero_offload.optim.lamb.Lamb`, DeepSpeed's
+FusedLamb) runs here too, told where each parameter's pieces sit in the partition so its per-tensor trust
+ratios cover whole tensors.
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from typing import Sequence
 
 import torch
 
+from zero_offload.optim.lamb import Lamb
 from zero_offload.state import fill_from_chunks
 from zero_offload.zero.grad_partition import GradSource
 from zero_offload.zero.partitioned_adam import PartitionedAdam
@@ -22,14 +25,17 @@ class PartitionedTorchOptimizer(PartitionedAdam):
     """`PartitionedAdam`'s partition, masters and write-back, stepped by a torch optimizer.
 
     Args:
-        type_name: ``Adam``/``AdamW`` (then with ``amsgrad=True``) or a torch.optim class name.
-        torch_kwargs: the config's ``optimizer.params`` for a torch.optim type (None for Adam/AdamW); each
-            group's ``lr`` (and ``weight_decay``) come from ``hparams``, so per-group values and the LR
-            schedule apply.
+        type_name: ``Adam``/``AdamW`` (then with ``amsgrad=True``), ``Lamb`` or a torch.optim class name.
+        torch_kwargs: the config's ``optimizer.params`` for a torch.optim type or Lamb (None for Adam/AdamW);
+            each group's ``lr`` (and ``weight_decay``; Lamb's ``betas`` and ``eps`` too) come from
+            ``hparams``, so per-group values and the LR schedule apply.
+        segments: Lamb only: per group, ``(pieces, count)``: the (start, end, tensor index) element ranges
+            of the partition and how many tensors the group holds (`zero_offload.optim.lamb.Lamb`).
+        all_reduce: Lamb only: sums the per-tensor squared norms over the ranks (None: tensors are whole).
     """
 
     def __init__(self, parts, hparams, offload, copies, host_params=False, *, type_name: str,
-                 torch_kwargs: dict | None):
+                 torch_kwargs: dict | None, segments: list | None = None, all_reduce=None):
         super().__init__(parts, hparams, offload, copies, host_params=host_params)
         self.type_name = type_name
         groups = []
@@ -39,14 +45,20 @@ class PartitionedTorchOptimizer(PartitionedAdam):
                 groups.append(dict(params=[master], lr=h["lr"], betas=h["betas"], eps=h["eps"],
                                    weight_decay=h["weight_decay"], amsgrad=True))
             else:
-                cls = getattr(torch.optim, type_name)
+                cls = Lamb if type_name == "Lamb" else getattr(torch.optim, type_name)
                 group = dict(torch_kwargs, params=[master], lr=h["lr"])
                 if "weight_decay" in torch_kwargs or h["weight_decay"]:
                     group["weight_decay"] = h["weight_decay"]
+                if cls is Lamb:
+                    group.update(betas=h["betas"], eps=h["eps"])
                 groups.append(group)
         # The config's params as constructor defaults too: some optimizers read them only from there when they
         # set up state (Adagrad's initial_accumulator_value).
-        self.optimizer = cls(groups, **(torch_kwargs or {}))
+        extra = {}
+        if type_name == "Lamb":
+            extra = dict(segments={m: seg for m, seg in zip(self.masters, segments)} if segments else None,
+                         all_reduce=all_reduce)
+        self.optimizer = cls(groups, **(torch_kwargs or {}), **extra)
         self.amsgrad = torch_kwargs is None
         self.steps = [0] * len(self.masters)         # optimizer steps taken, per group (SGD keeps no count)
         self._probe_state(cls, groups[0])

@@ -22,7 +22,7 @@ from zero_offload.zero.layout import GroupLayout, contiguous_layout
 from zero_offload.zero.averaging import GradAveraging
 from zero_offload.zero.reducer import GradientReducer
 
-__all__ = ["ParamGroup", "ZeroOptimizer", "communication_dtype"]
+__all__ = ["ParamGroup", "ZeroOptimizer", "communication_dtype", "param_segments"]
 
 _COMM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -39,6 +39,14 @@ class ParamGroup:
     names: list[str]
     indices: list[int]
     hparams: dict
+
+
+def param_segments(flat: FlatParams, lo: int, hi: int) -> tuple[list[tuple[int, int, int]], int]:
+    """Where each parameter of ``flat`` sits in the partition of elements [lo, hi): ((start, end, parameter
+    index) relative to ``lo``, for every parameter with elements there; the number of parameters)."""
+    pieces = [(max(s.offset, lo) - lo, min(s.end, hi) - lo, i) for i, s in enumerate(flat.slots)
+              if s.offset < hi and s.end > lo]
+    return pieces, len(flat.slots)
 
 
 class ZeroOptimizer(ZeroOptimizerBase):
@@ -66,12 +74,21 @@ class ZeroOptimizer(ZeroOptimizerBase):
                                        averaging=GradAveraging.from_config(config, ctx.world_size),
                                        comm_dtype=communication_dtype(config))
         parts = [f.buffer[p.lo:p.hi] for f, p in zip(self.flats, self.partitions)]
+        segments = [param_segments(f, p.lo, p.hi) for f, p in zip(self.flats, self.partitions)]
         self.adam = build_partition_optimizer(config, parts, [g.hparams for g in groups], self.copies, ctx.rank,
-                                              offload=self.offload)
+                                              offload=self.offload, segments=segments,
+                                              all_reduce=self._sum_over_ranks if self.stage >= 1 else None)
         self.gathers = 0                   # all-gathers of updated partitions issued (running count)
         self.trainable_ids = {id(p) for f in self.flats for p in f.params}   # the model holds them all alive
         self._reduced = False              # stages 0/1: the full gradient was reduced since the last step
         self._set_aside: list[torch.Tensor] | None = None
+
+    def _sum_over_ranks(self, t: torch.Tensor) -> None:
+        """Sum a small tensor over the data-parallel ranks in place (Lamb's per-parameter norms), through the
+        compute device (NCCL reduces device tensors only)."""
+        on_device = t.to(self.ctx.device)
+        self.ctx.all_reduce(on_device, async_op=False)
+        t.copy_(on_device)
 
     def begin_forward(self) -> None:
         """Nothing to prepare before a forward: stages 0-2 keep every parameter whole."""

@@ -21,7 +21,10 @@ def init_sharded(config=None) -> ShardedInit:
     bit-identical to a normal build with the same seed, as under DeepSpeed's ``zero.Init``. A parameter
     with no constructor values (created on the meta device) is initialised by ``param_init_fn(module)``
     (an argument of ``initialize``) or the module's ``reset_parameters()``; a given ``param_init_fn`` runs
-    on every module. Set values after construction under ``gathered_parameters(params, modifier_rank=0)``.
+    on every module. Writes a parent's ``__init__`` makes into its already-sharded children
+    (``self.apply(self._init_weights)``, Hugging Face's ``post_init``) are kept, one parameter gathered at a
+    time (`sharded_init.WriteThrough`); set values after the context under
+    ``gathered_parameters(params, modifier_rank=0)``.
     ``config`` is accepted for symmetry with ``deepspeed.zero.Init(config_dict_or_path=...)`` and unused.
 
     Example::

@@ -1,6 +1,6 @@
 """Stage-3 state of the user's parameters and modules, kept beside them, never on them.
 
-FSDP2 maps a module to its state through a registry instead of attributes; so does stage 3 here. Four weak
+FSDP2 maps a module to its state through a registry instead of attributes; so does stage 3 here. Five weak
 maps, keyed by object identity (`torch.utils.weak.WeakIdKeyDictionary`: a tensor's ``==`` is elementwise, so
 a plain ``WeakKeyDictionary`` cannot hold tensors), each entry gone when its object is:
 
@@ -8,6 +8,9 @@ a plain ``WeakKeyDictionary`` cannot hold tensors), each entry gone when its obj
 - a module -> the parameters its forward uses from other modules (`register_external`, DeepSpeed's
   ``register_external_parameter``);
 - a parameter built under `init_sharded` -> this rank's slice of its constructor values (`slice_of`);
+- a view of such a parameter made under `init_sharded` (``p.data``, ``p[i]``, ``p.view(...)``) -> the
+  parameter and how to take the same view of its full values (`alias_of`), so a write into the view
+  reaches the parameter's slice;
 - a module whose ``__init__`` runs under `init_sharded` -> how deep its constructors are nested
   (`init_depth`).
 """
@@ -19,11 +22,12 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = ["manage", "owner_of", "register_external", "external_params", "set_slice", "slice_of", "pop_slice",
-           "init_depth", "set_init_depth"]
+           "set_alias", "alias_of", "init_depth", "set_init_depth"]
 
 _OWNERS = WeakIdKeyDictionary()
 _EXTERNAL = WeakIdKeyDictionary()
 _SLICES = WeakIdKeyDictionary()
+_ALIASES = WeakIdKeyDictionary()
 _INIT_DEPTH = WeakIdKeyDictionary()
 
 
@@ -64,6 +68,17 @@ def pop_slice(p: torch.Tensor) -> tuple:
         KeyError: ``p`` was not built under `init_sharded` (or its slice was taken already).
     """
     return _SLICES.pop(p)
+
+
+def set_alias(view: torch.Tensor, target: tuple) -> None:
+    """Record that the meta tensor ``view`` is ``target = (parameter, fn)``: ``fn(full values)`` (None: the
+    values themselves)."""
+    _ALIASES[view] = target
+
+
+def alias_of(view: torch.Tensor) -> tuple | None:
+    """``(parameter, fn)`` recorded for ``view`` by `set_alias`, or None."""
+    return _ALIASES.get(view)
 
 
 def init_depth(module: torch.nn.Module) -> int:

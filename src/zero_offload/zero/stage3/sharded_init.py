@@ -6,8 +6,31 @@ this rank's 1/N slice of its flattened values, and the parameter itself becomes 
 shape (the same Python object, so ties and references survive). So the whole model never exists on one
 rank, and the initial weights are bit-identical to a normal build with the same seed, because the same
 constructors draw the same random numbers. `zero_offload.initialize` (stage 3) then assembles each unit
-from these slices (`fill_view`). Code that sets values after construction (Hugging Face's
-``post_init``) does it under ``gathered_parameters(params, modifier_rank=0)``.
+from these slices (`fill_view`).
+
+Writes into parameters already sharded (a parent's ``__init__`` that initialises its children after building
+them: ``self.apply(self._init_weights)``, Hugging Face's ``post_init()``, ``nn.init.normal_(self.head.weight)``)
+are kept. DeepSpeed 0.19.8 partitions each module as its ``__init__`` returns, as here, and wraps
+``Module.apply`` to gather each module's own parameters around the applied function, broadcast rank 0's
+values and partition again (``partition_parameters.py``, ``apply_with_gather``;
+``TestZero3InitForParentWeightInitialization``). Here the same gather, write, broadcast of rank 0's values,
+slice, is done per write instead of per ``apply`` call: a torch function mode (`WriteThrough`), active
+inside the context, sees every in-place operation (``normal_``, ``fill_``, ``copy_``, ``zero_``,
+``__setitem__``, ``torch.nn.init.*``, ``p.data = t``) whose tensor is a sharded parameter or a view of one
+(``p.data``, ``p[i]``, ``p.view(...)``, ``p.T``), runs it on the parameter's gathered full values and keeps
+the slice of the result. That also covers what ``apply`` wrapping misses: writes into a child's parameter
+from the parent module the function is applied to (GPT-2's ``c_proj`` scaling from its attention module),
+Hugging Face 5's ``smart_apply`` (not ``Module.apply``) and plain writes in ``__init__``. Random draws happen
+on the full tensor in the same order as in a normal build, so the weights stay bit-identical to it.
+
+Memory: one parameter's full values at a time (the gathered tensor and its padded flat copy), besides one
+module's constructor tensors before they are sliced, so the build never holds the whole model. Partitioning
+only when the outermost ``__init__`` returns would keep parent writes too, but holds the whole model on every
+rank for the whole build, the memory sharded init exists to avoid. Each write to a sharded parameter is a
+collective (gather, then broadcast), so every rank must run the same constructors, as under DeepSpeed.
+Not seen: code that skips meta tensors itself (``torch.nn.init.trunc_normal_`` returns early on them) and
+reads of a sharded parameter's values (they stay meta); set such values under
+``gathered_parameters(params, modifier_rank=0)``.
 """
 from __future__ import annotations
 
@@ -15,11 +38,13 @@ import functools
 import math
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from zero_offload.comm import all_gather_into, broadcast
 from zero_offload.zero.stage3 import registry
 
-__all__ = ["ShardedInit", "has_slice", "pop_slices", "fill_view", "open_full", "close_full", "shard_in_place"]
+__all__ = ["ShardedInit", "has_slice", "pop_slices", "fill_view", "open_full", "close_full", "shard_in_place",
+           "WriteThrough"]
 
 def _rank_world() -> tuple[int, int]:
     from zero_offload.comm import DistContext
@@ -35,14 +60,18 @@ def _chunk(numel: int, world: int) -> int:
     return max(1, math.ceil(numel / world))
 
 
-def _keep_slice(p: torch.nn.Parameter, full: torch.Tensor, rank: int, world: int) -> None:
+def _slice(full: torch.Tensor, rank: int, world: int) -> tuple:
     chunk = _chunk(full.numel(), world)
     flat = torch.zeros(chunk * world, dtype=full.dtype)
     flat[:full.numel()] = full.detach().reshape(-1).cpu()
+    return flat[rank * chunk:(rank + 1) * chunk].clone(), rank, world
+
+
+def _keep_slice(p: torch.nn.Parameter, full: torch.Tensor, rank: int, world: int) -> None:
     meta = torch.nn.Parameter(torch.empty(full.shape, dtype=full.dtype, device="meta"),
                               requires_grad=p.requires_grad)
     torch.utils.swap_tensors(p, meta)
-    registry.set_slice(p, (flat[rank * chunk:(rank + 1) * chunk].clone(), rank, world))
+    registry.set_slice(p, _slice(full, rank, world))
 
 
 def _shard_own(module: torch.nn.Module, rank: int, world: int) -> None:
@@ -114,6 +143,116 @@ def close_full(p: torch.nn.Parameter, state: tuple, src_rank: int | None) -> Non
         broadcast(full, src_rank)
     _keep_slice(p, full, rank, world)
 
+_DATA = torch.Tensor.data        # the getset descriptor behind ``p.data`` and ``p.data = t``
+_VIEWS = frozenset({"__getitem__", "view", "view_as", "reshape", "reshape_as", "flatten", "unflatten", "narrow",
+                    "select", "t", "transpose", "permute", "squeeze", "unsqueeze", "detach"})
+_IN_PLACE_OPERATORS = frozenset(f"__i{op}__" for op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow",
+                                                       "and", "or", "xor", "lshift", "rshift", "matmul"))
+_METADATA_ONLY = frozenset({"requires_grad_", "share_memory_", "retain_grad", "detach_", "rename_", "resize_",
+                            "resize_as_", "set_", "as_strided_", "record_stream"})
+
+
+def _is_write(name: str) -> bool:
+    if name == "__setitem__" or name in _IN_PLACE_OPERATORS:
+        return True
+    return name.endswith("_") and not name.startswith("_") and name not in _METADATA_ONLY
+
+
+def _target(t) -> tuple | None:
+    """``(parameter, view fn or None)`` when ``t`` is a sharded parameter or a view of one, else None."""
+    if not isinstance(t, torch.Tensor):
+        return None
+    if has_slice(t):
+        return t, None
+    alias = registry.alias_of(t)
+    if alias is not None and has_slice(alias[0]):
+        return alias
+    return None
+
+
+class WriteThrough(TorchFunctionMode):
+    """The torch function mode `ShardedInit` holds open: in-place writes into sharded parameters (or views of
+    them) run on the gathered full values and are sliced again, rank 0's values kept (see the module
+    docstring). Every other call passes through unchanged (reads of a sharded parameter stay meta)."""
+
+    def __init__(self, rank: int, world: int):
+        super().__init__()
+        self.rank, self.world, self.busy = rank, world, False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.busy or not args and not kwargs:
+            return func(*args, **kwargs)
+        name = getattr(func, "__name__", "")
+        attr = None                       # the tensor attribute when func is a descriptor's __get__/__set__
+        if name in ("__get__", "__set__") and isinstance(getattr(func, "__self__", None), type(_DATA)):
+            attr = func.__self__.__name__
+        if attr == "data" and name == "__set__":
+            return self._set_data(func, args)
+        if attr in ("data", "T", "mT") and name == "__get__" or attr is None and name in _VIEWS:
+            return self._view(func, args, kwargs, attr == "data")
+        if attr is None and _is_write(name):
+            return self._write(func, args, kwargs)
+        return func(*args, **kwargs)
+
+    def _view(self, func, args, kwargs, same: bool):
+        out = func(*args, **kwargs)
+        hit = _target(args[0]) if args else None
+        if hit is not None and isinstance(out, torch.Tensor):
+            p, inner = hit
+            if same:
+                fn = inner
+            else:
+                rest = args[1:]
+
+                def fn(full, inner=inner, rest=rest):
+                    return func(full if inner is None else inner(full), *rest, **kwargs)
+            registry.set_alias(out, (p, fn))
+        return out
+
+    def _write(self, func, args, kwargs):
+        target = args[0] if args else kwargs.get("tensor")
+        hits = [_target(a) for a in (*args, *kwargs.values())]
+        if not any(hits):
+            return func(*args, **kwargs)
+        self.busy = True
+        try:
+            fulls: dict[int, torch.Tensor] = {}
+
+            def sub(t):
+                hit = _target(t)
+                if hit is None:
+                    return t
+                p, fn = hit
+                if id(p) not in fulls:
+                    fulls[id(p)] = _gather(registry.slice_of(p), p.shape, p.numel()).clone()
+                return fulls[id(p)] if fn is None else fn(fulls[id(p)])
+            new_target = sub(target)
+            out = func(*[sub(a) for a in args], **{k: sub(v) for k, v in kwargs.items()})
+            hit = _target(target)
+            if hit is not None:
+                self._keep(hit[0], fulls[id(hit[0])])
+        finally:
+            self.busy = False
+        return target if out is new_target or out is fulls.get(id(target)) else out
+
+    def _set_data(self, func, args):
+        p, value = args
+        if has_slice(p) and isinstance(value, torch.Tensor) and not value.is_meta:
+            self.busy = True
+            try:
+                func(p, torch.empty(value.shape, dtype=value.dtype, device="meta"))
+                self._keep(p, value.detach().cpu().contiguous().clone())
+            finally:
+                self.busy = False
+            return None
+        return func(*args)
+
+    def _keep(self, p: torch.Tensor, full: torch.Tensor) -> None:
+        if self.world > 1:
+            broadcast(full, 0)            # rank 0's values, as DeepSpeed's apply_with_gather
+        registry.set_slice(p, _slice(full, self.rank, self.world))
+
 
 def _subclasses(cls):
     seen, todo = set(), [cls]
@@ -144,6 +283,8 @@ class ShardedInit:
             super(torch.nn.Module, cls).__init_subclass__(**kwargs)
             patch(cls, rank, world)
         torch.nn.Module.__init_subclass__ = classmethod(__init_subclass__)
+        self._mode = WriteThrough(rank, world)
+        self._mode.__enter__()
         return self
 
     def _patch(self, cls, rank: int, world: int) -> None:
@@ -167,6 +308,7 @@ class ShardedInit:
         return __init__
 
     def __exit__(self, *exc):
+        self._mode.__exit__(*exc)
         if self._had_hook:
             torch.nn.Module.__init_subclass__ = self._orig_hook
         else:

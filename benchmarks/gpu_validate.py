@@ -289,10 +289,11 @@ def two_gpu_body(args, rank: int) -> None:
     import torch
     import torch.distributed as dist
     import zero_offload
+    from zero_offload.train.model import GPT
     dist.init_process_group("nccl")
     cfg = gpt_config("gpt2", True)
     with zero_offload.init_sharded():
-        model = __import__("zero_offload.train.model", fromlist=["GPT"]).GPT(cfg)
+        model = GPT(cfg)
     engine = zero_offload.initialize(model, {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True},
                                              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
                                              "zero_optimization": {"stage": 3}})

@@ -42,16 +42,27 @@ def test_gpu_validate_tiny_cpu_smoke(tmp_path):
                            "--tiny", "--out", str(out)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads((out / "gpu_validate.json").read_text())
-    assert set(report["sections"]) == {"cuda_tests", "sanitizer", "gpt2", "largest", "gpt2_10b"}
+    assert set(report["sections"]) == {"cuda_tests", "sanitizer", "gpt2", "largest", "gpt2_10b", "two_gpus"}
     assert all(s["ok"] for s in report["sections"].values())
     runs = report["sections"]["gpt2"]["runs"]
     assert set(runs) == {"plain-adamw", "stage2-offload", "stage2-offload-dpu", "stage3-offload-both",
                          "stage3-offload-both-dpu"}
     assert all(r["tokens_per_s"] > 0 for r in runs.values())
-    assert all(r["estimate_device_bytes"] > 0 for k, r in runs.items() if k != "plain-adamw")
+    # Issue 20, section 6: every run reports host syncs (0 on the CPU: the count path ran) and the copy overlap
+    # (None: no copies on the CPU); engine runs the native kernel's state and engine.timings.
+    assert all(r["host_syncs_per_step"] == 0 and r["copy_overlap"] is None for r in runs.values())
+    for key, r in runs.items():
+        if key != "plain-adamw":
+            assert r["estimate_device_bytes"] > 0 and r["native_kernel"] == (not native_disabled())
+            t = r["timings"]
+            assert t["forward_s"] > 0 and t["forward_s"] + t["backward_s"] + t["optimizer_s"] <= t["step_s"] + 1e-6
+    largest = report["sections"]["largest"]
+    assert [a["layers"] for a in largest["attempts"]] == [1, 2, 4] and largest["largest"]["layers"] == 4
     big = report["sections"]["gpt2_10b"]
     assert big["plan"]["fits"] and big["plan"]["trained"] == "plan" and big["tokens_per_s"] > 0
-    assert big["plan"]["zero_optimization"]["stage"] in (0, 1, 2, 3)
+    assert big["plan"]["config"]["zero_optimization"]["stage"] in (0, 1, 2, 3)
+    assert big["attempts"] == [{"micro_batch": 1, "ok": True}]
+    assert report["sections"]["two_gpus"]["skipped"].startswith("needs 2 GPUs")
     md = (out / "gpu_validate.md").read_text()
     assert "(c) gpt2" in md
     # Issue 20: the missing libraries built by the run, and native_available() of both in its output.

@@ -61,11 +61,21 @@ def _estimate_parser(sub) -> None:
     p.add_argument("--host-mem", default=None, help="host memory for all ranks: 128GB, 64GiB, or a bare number "
                                                     "of GB (default: this machine's RAM)")
     p.add_argument("--nvme", default=None, help="NVMe space: 2TB, 500GiB, or a bare number of GB (default: none)")
-    p.add_argument("--micro-batch", type=int, default=None, help="sequences per micro-batch (default: the "
-                                                                 "config's, else 1)")
+    p.add_argument("--micro-batch", default=None, help="sequences per micro-batch (default: the config's, else "
+                                                       "chosen; without a GPU 1)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the preset's context)")
-    p.add_argument("--config", default=None, help="base config: its batch sizes, precision and optimizer are "
-                                                  "kept, the plan picks stage and offload (default: bf16, AdamW)")
+    p.add_argument("--grad-accum", default=None, help="gradient accumulation steps (default: the config's, "
+                                                      "else chosen to hide the host step behind device compute)")
+    p.add_argument("--activation-checkpointing", choices=("auto", "on", "off"), default="auto",
+                   help="recompute activations in backward (default auto: chosen for a GPT preset)")
+    p.add_argument("--gpu-tflops", default=None, help="sustained TFLOP/s of one GPU in training, for the step "
+                                                      "model (default 400)")
+    p.add_argument("--host-adam", default=None, help="host Adam parameters/s with fp32 moments, e.g. 1.9e9 "
+                                                     "(default 1.9e9; measure yours: zero-offload bench optimizer)")
+    p.add_argument("--pcie", default=None, help="host <-> GPU copy GB/s each way (default 25)")
+    p.add_argument("--config", default=None, help="base config: its precision and optimizer are kept, and its "
+                                                  "batch sizes when set; the plan picks stage, offload, and the "
+                                                  "batch settings it does not set (default: bf16, AdamW)")
     p.add_argument("--write-config", default=None, help="write the planned config to this JSON file")
     p.add_argument("--no-deepspeed", action="store_true", help="skip DeepSpeed's estimator columns")
 

@@ -2,7 +2,9 @@
 
 `DistContext.create()` uses the default process group when one exists; otherwise it creates one from the
 torchrun environment (NCCL on CUDA, gloo on CPU); with no such environment it is a single rank and no
-collective is ever issued.
+collective is ever issued. Either way a CUDA rank computes on ``cuda:LOCAL_RANK`` when the launcher set it
+(`choose_device`), and CPU tensors given to the module-level collectives under an NCCL-only group go through
+that device (`collective_device`).
 """
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["DistContext", "DoneWork", "CollectiveTimeoutError", "collective_timeout", "deadline", "all_gather_into",
-           "reduce_scatter", "broadcast", "gather_objects", "broadcast_object", "barrier"]
+           "reduce_scatter", "broadcast", "gather_objects", "broadcast_object", "barrier", "collective_device",
+           "choose_device"]
 
 DEFAULT_TIMEOUT_S = 600.0   # 10 minutes: long enough for a slow checkpoint, short enough to notice a stall
 
@@ -85,9 +88,34 @@ _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+def collective_device(tensor: torch.Tensor, group=None) -> torch.device:
+    """Where a collective on ``tensor`` runs for ``group``'s backend: the tensor's own device, except a CPU
+    tensor under a group with no CPU backend (NCCL only, as `DistContext.create` and torchrun scripts make on
+    GPUs): then this process's current CUDA device. A ``cpu:gloo,cuda:nccl`` group takes CPU tensors as they are.
+    FSDP2 and DeepSpeed's ``zero.Init`` likewise move what they broadcast at init to the accelerator."""
+    if tensor.device.type != "cpu" or not dist.is_initialized():
+        return tensor.device
+    backend = str(dist.get_backend(group)).lower()
+    if any(name in backend for name in ("gloo", "mpi", "cpu:")):
+        return tensor.device
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _on(device: torch.device, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [t if t.device == device else t.to(device) for t in tensors]
+
+
 def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group=None, async_op: bool = False):
-    """Fill ``out`` (world_size x ``inp.numel()`` elements) with every rank's ``inp``, in rank order."""
-    return _ALL_GATHER(out, inp, group=group, async_op=async_op)
+    """Fill ``out`` (world_size x ``inp.numel()`` elements) with every rank's ``inp``, in rank order. CPU tensors
+    under an NCCL-only group go through the current CUDA device (`collective_device`; then synchronously, and an
+    ``async_op`` handle is already done)."""
+    device = collective_device(out, group)
+    if device == out.device:
+        return _ALL_GATHER(out, inp, group=group, async_op=async_op)
+    staged_out, staged_in = _on(device, [out, inp])
+    _ALL_GATHER(staged_out, staged_in, group=group)
+    out.copy_(staged_out)
+    return DoneWork() if async_op else None
 
 
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, average: bool = False, group=None, async_op: bool = True):
@@ -97,8 +125,48 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, average: bool = False, 
 
 
 def broadcast(tensor: torch.Tensor, src: int, group=None) -> None:
-    """Give every rank global rank ``src``'s values of ``tensor``."""
-    dist.broadcast(tensor, src=src, group=group)
+    """Give every rank global rank ``src``'s values of ``tensor`` (a CPU tensor under an NCCL-only group goes
+    through the current CUDA device: `collective_device`)."""
+    device = collective_device(tensor, group)
+    if device == tensor.device:
+        dist.broadcast(tensor, src=src, group=group)
+        return
+    staged = tensor.to(device)
+    dist.broadcast(staged, src=src, group=group)
+    tensor.copy_(staged)
+
+
+def choose_device(backend: str | None, cuda: bool, environ=None) -> torch.device:
+    """This rank's compute device.
+
+    - no CUDA, or a gloo-only group (gloo reduces CPU tensors only): the CPU;
+    - else ``cuda:LOCAL_RANK`` when the launcher set ``LOCAL_RANK`` (torchrun, the deepspeed launcher), whoever
+      created the process group: DeepSpeed's engine binds the device from ``LOCAL_RANK`` the same way;
+    - else the current CUDA device (``torch.cuda.set_device`` before `initialize`, as with DDP).
+
+    Args:
+        backend: ``dist.get_backend()`` of the group (None: no group).
+        cuda: whether CUDA is available.
+        environ: the environment to read (default ``os.environ``).
+
+    Raises:
+        ValueError: ``LOCAL_RANK`` is not an integer, or names a GPU this process does not see.
+    """
+    environ = os.environ if environ is None else environ
+    if not cuda or (backend is not None and str(backend).lower() == "gloo"):
+        return torch.device("cpu")
+    raw = environ.get("LOCAL_RANK")
+    if raw is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    try:
+        index = int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable LOCAL_RANK={raw!r} must be an integer") from None
+    count = torch.cuda.device_count()
+    if not 0 <= index < count:
+        raise ValueError(f"environment variable LOCAL_RANK={index} names a GPU this process does not see "
+                         f"({count} visible: check CUDA_VISIBLE_DEVICES and --nproc_per_node)")
+    return torch.device("cuda", index)
 
 
 def gather_objects(obj, group=None) -> list:
@@ -172,17 +240,12 @@ class DistContext:
             else:
                 dist.init_process_group("gloo", timeout=timeout)
         if dist.is_initialized():
-            rank, world = dist.get_rank(), dist.get_world_size()
-            # A gloo group computes on the CPU even where CUDA exists (gloo reduces CPU tensors only).
-            cuda = cuda and dist.get_backend() != "gloo"
+            rank, world, backend = dist.get_rank(), dist.get_world_size(), dist.get_backend()
         else:
-            rank, world = 0, 1
-        if cuda:
-            # A group the user created keeps the device the user chose (torch.cuda.set_device before
-            # initialize, as with DDP); only a group made here was bound to LOCAL_RANK above.
-            device = torch.device("cuda", torch.cuda.current_device())
-        else:
-            device = torch.device("cpu")
+            rank, world, backend = 0, 1, None
+        device = choose_device(backend, cuda)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)      # a group the user created binds LOCAL_RANK's GPU too
         return cls(rank, world, device, timeout=timeout)
 
     def broadcast_from_first(self, tensors) -> None:

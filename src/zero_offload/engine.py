@@ -6,7 +6,6 @@ takes the optimizer step at the gradient-accumulation boundary and is a no-op ot
 """
 from __future__ import annotations
 
-import time
 from typing import Any, Iterable
 
 import torch
@@ -18,6 +17,7 @@ from zero_offload.config import AutoContext, Config, ConfigError
 from zero_offload.optim.lr_schedules import build_scheduler
 from zero_offload.precision import LossScaler, is_overflow, training_dtype
 from zero_offload.stats import StepStats
+from zero_offload.step_timer import StepTimer
 from zero_offload.zero import ParamGroup, ZeroOptimizer
 from zero_offload.zero.delayed_update import DelayedParamUpdate
 from zero_offload.zero.stage3 import Stage3Optimizer
@@ -55,8 +55,16 @@ class Engine:
         skipped_steps: steps skipped because the fp16 gradients overflowed.
         micro_steps: backward passes so far.
         last_grad_norm: the global gradient norm of the last boundary step (before clipping); None before.
-        timings: host wall-clock seconds in forward, backward and optimizer over the last optimizer step.
-            On CUDA the device is not synchronised for them, so they time the host's side of the work.
+        timings: {key: seconds} of the last optimizer step (of the one in progress until its ``step()``):
+            ``forward_s``, ``backward_s``, ``optimizer_s`` (host wall-clock in each, all micro-steps),
+            ``step_s`` (wall-clock from the step's first forward or backward to the end of ``step()``, so the
+            three phases sum to at most it) and ``exposed_host_step_s`` (wall-clock the training thread spent in
+            the host optimizer step or waiting for the delayed update's thread, part of ``optimizer_s``). On CUDA
+            also the device's time measured with CUDA events on the current stream: ``device_forward_s``,
+            ``device_backward_s``, ``device_optimizer_s``, ``device_step_s`` and ``device_exposed_host_step_s``
+            (how long the device waited on the host step or the delayed update). Reading them after a step
+            waits for that step's last event (`zero_offload.step_timer`); DeepSpeed's ``wall_clock_breakdown``
+            synchronises at every phase instead.
         stats: `zero_offload.stats.StepStats` of the last optimizer step (gathers, reductions, bytes copied
             each way, host syncs); all zero before the first.
     """
@@ -103,8 +111,9 @@ class Engine:
         self.micro_steps = 0
         self._boundary_pending = False
         self.last_grad_norm: float | None = None
-        self.timings = {"forward_s": 0.0, "backward_s": 0.0, "optimizer_s": 0.0}
-        self._timing_reset = False
+        self._timer = StepTimer(self.device)
+        self._host_step = offload_opt.device in ("cpu", "nvme") or self.device.type == "cpu" or (
+            stage3 and self.config.zero_optimization.offload_param.device != "none")
         self.stats = StepStats()
         self._counters = self.zero.counters()
 
@@ -116,14 +125,11 @@ class Engine:
     def forward(self, *args, **kwargs):
         """The wrapped model's forward. Tensor inputs on another device are moved to the engine's, as
         DDP's forward does."""
-        self._reset_timings_if_new_step()
-        start = time.perf_counter()
-        if torch.is_grad_enabled():
-            self.zero.begin_forward()
-        args, kwargs = tree_map(self._to_device, (args, kwargs))
-        out = self.module(*args, **kwargs)
-        self.timings["forward_s"] += time.perf_counter() - start
-        return out
+        with self._timer.phase("forward"):
+            if torch.is_grad_enabled():
+                self.zero.begin_forward()
+            args, kwargs = tree_map(self._to_device, (args, kwargs))
+            return self.module(*args, **kwargs)
 
     @deadline
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
@@ -140,8 +146,10 @@ class Engine:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError(f"engine.backward needs a scalar loss tensor, got {type(loss).__name__} "
                              f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
-        self._reset_timings_if_new_step()
-        start = time.perf_counter()
+        with self._timer.phase("backward"):
+            return self._backward(loss, retain_graph)
+
+    def _backward(self, loss: torch.Tensor, retain_graph: bool) -> torch.Tensor:
         gas = self.batch.gradient_accumulation_steps
         # Another backward after the boundary one and before step() adds to the gradients to be stepped (as
         # DeepSpeed's stage 3 does); it is not a new micro-step of the next accumulation.
@@ -156,7 +164,6 @@ class Engine:
         if not extra:
             self.micro_steps += 1
         self._boundary_pending = boundary
-        self.timings["backward_s"] += time.perf_counter() - start
         return scaled
 
     def is_gradient_accumulation_boundary(self) -> bool:
@@ -185,10 +192,22 @@ class Engine:
         """
         if not self._boundary_pending:
             return
-        start = time.perf_counter()
+        with self._timer.phase("optimizer"):
+            self._step()
+        self._timer.end_step()
+        counters = self.zero.counters()
+        self.stats, self._counters = StepStats.between(self._counters, counters), counters
+
+    @property
+    def timings(self) -> dict[str, float]:
+        """See the class docstring (a new dict at each read)."""
+        return self._timer.result()
+
+    def _step(self) -> None:
         self._boundary_pending = False
         if self._dpu is not None:
-            self._dpu.flush()   # the delayed step of the previous boundary: its parameters go up now
+            with self._timer.host_wait():
+                self._dpu.flush()   # the delayed step of the previous boundary: its parameters go up now
         self.zero.finalize_backward()   # gradients ready once; the norm and the step read them without waiting
         loss_scale = self.scaler.scale
         norm = self.zero.grad_sq_norm().sqrt() / loss_scale
@@ -204,6 +223,9 @@ class Engine:
             coef = min(1.0, clip / (float(norm) + 1e-6)) if clip > 0 else 1.0
             if self._dpu is not None and self._dpu.engaged(self.global_step):
                 self._dpu.launch(grad_scale=coef / loss_scale)   # runs while the next forward/backward do
+            elif self._host_step:
+                with self._timer.host_wait():
+                    self.zero.step(grad_scale=coef / loss_scale)
             else:
                 self.zero.step(grad_scale=coef / loss_scale)
             if self.lr_scheduler is not None:
@@ -211,10 +233,6 @@ class Engine:
         self.scaler.update(overflow)
         self.zero.zero_grad()
         self.global_step += 1
-        self.timings["optimizer_s"] += time.perf_counter() - start
-        self._timing_reset = True
-        counters = self.zero.counters()
-        self.stats, self._counters = StepStats.between(self._counters, counters), counters
 
     # -- state -----------------------------------------------------------------------------------------
     @property
@@ -337,11 +355,6 @@ class Engine:
     def _to_device(self, x):
         return x.to(self.device, non_blocking=True) if isinstance(x, torch.Tensor) and x.device != self.device \
             else x
-
-    def _reset_timings_if_new_step(self) -> None:
-        if self._timing_reset:
-            self.timings = dict.fromkeys(self.timings, 0.0)
-            self._timing_reset = False
 
     def _param_groups(self, model_parameters) -> list[ParamGroup]:
         named = list(self.module.named_parameters())

@@ -17,10 +17,12 @@ import torch
 
 from zero_offload.config import Config
 from zero_offload.flat import padded_numel, partition_numel
+from zero_offload.estimate.shape import ModelShape, model_shape
 from zero_offload.offload.copies import host_alloc_bytes
+from zero_offload.offload.grad_staging import grad_staging_shape, uses_grad_staging
 from zero_offload.offload.staging_ring import ring_shape
 from zero_offload.precision import training_dtype
-from zero_offload.presets import GPTConfig, gpt_units, preset
+from zero_offload.presets import GPTConfig
 from zero_offload.zero.buckets import bucket_spans
 
 __all__ = ["ModelShape", "MemoryEstimate", "estimate_memory", "model_shape", "activation_bytes",
@@ -29,82 +31,10 @@ __all__ = ["ModelShape", "MemoryEstimate", "estimate_memory", "model_shape", "ac
 # Kinds that `Engine.memory_breakdown()` also reports (measured from the tensors the engine holds).
 MODEL_STATE_KINDS = ("params", "grads", "buckets", "grad_partition", "master", "exp_avg", "exp_avg_sq",
                      "param_staging", "frozen_params", "nvme_buffers", "param_pool", "param_write_ring")
+# Lines of the estimate that the engine's breakdown counts as part of the gradient partition.
+GRAD_PARTITION_PARTS = {"grad_spare": "grad_partition", "grad_staging": "grad_partition"}
 # The gradient reducer's bound on buckets reduced at once (zero/reducer.py's ``max_in_flight``).
 REDUCER_IN_FLIGHT = 2
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What the memory model needs to know of a model.
-
-    Attributes:
-        units: ``(module name, param group, [numels])`` per stage-3 unit, in the engine's build order.
-        gpt: the transformer's shape when known (sizes activations), else None.
-        name: for messages and tables.
-        frozen: ``(module name, -1, [numels])`` per unit of ``requires_grad=False`` parameters (sharded at
-            stage 3 like trainable ones, `zero.stage3.frozen`; never optimized).
-    """
-    units: tuple[tuple[str, int, tuple[int, ...]], ...]
-    gpt: GPTConfig | None = None
-    name: str = "model"
-    frozen: tuple[tuple[str, int, tuple[int, ...]], ...] = ()
-
-    @property
-    def n_params(self) -> int:
-        return sum(sum(n) for _, _, n in self.units)
-
-    def group_numels(self) -> list[list[int]]:
-        groups: dict[int, list[int]] = {}
-        for _, g, numels in self.units:
-            groups.setdefault(g, []).extend(numels)
-        return [groups[g] for g in sorted(groups)]
-
-    @property
-    def largest_unit(self) -> int:
-        return max(sum(n) for _, _, n in self.units)
-
-
-def model_shape(model) -> ModelShape:
-    """A `ModelShape` from an ``nn.Module`` (any device, meta included; one param group, as
-    `initialize` makes without ``model_parameters``), a preset name, a `GPTConfig`, or a parameter count.
-
-    Raises:
-        ValueError: an unknown preset name (the message lists the valid ones), a count < 1, or a module with
-            no trainable parameters.
-        TypeError: anything else.
-    """
-    if isinstance(model, str):
-        cfg = preset(model)
-        return ModelShape(tuple((m, g, tuple(n)) for m, g, n in gpt_units(cfg)), cfg, model)
-    if isinstance(model, GPTConfig):
-        return ModelShape(tuple((m, g, tuple(n)) for m, g, n in gpt_units(model)), model, "gpt")
-    if isinstance(model, bool) or not isinstance(model, (int, torch.nn.Module)):
-        if isinstance(model, float) and model.is_integer():
-            model = int(model)
-        else:
-            raise TypeError(f"estimate_memory needs an nn.Module, a preset name or a parameter count, "
-                            f"got {type(model).__name__}")
-    if isinstance(model, int):
-        if model < 1:
-            raise ValueError(f"a model needs at least 1 parameter, got {model}")
-        return ModelShape((("model", 0, (model,)),), None, f"{model / 1e9:.3g}B params")
-    units, frozen = _module_units(model, trainable=True), _module_units(model, trainable=False)
-    if not units:
-        raise ValueError(f"{type(model).__name__} has no trainable parameters")
-    gpt = getattr(model, "config", None)
-    return ModelShape(units, gpt if isinstance(gpt, GPTConfig) else None, type(model).__name__, frozen)
-
-
-def _module_units(model: torch.nn.Module, trainable: bool) -> tuple[tuple[str, int, tuple[int, ...]], ...]:
-    """Stage 3's unit rule: a parameter belongs to the first module that holds it (tied ones count once)."""
-    seen: set[int] = set()
-    units = []
-    for name, module in model.named_modules():
-        own = [p for p in module.parameters(recurse=False) if p.requires_grad == trainable and id(p) not in seen]
-        if own:
-            seen.update(id(p) for p in own)
-            units.append((name, 0 if trainable else -1, tuple(p.numel() for p in own)))
-    return tuple(units)
 
 
 @dataclass
@@ -139,10 +69,12 @@ class MemoryEstimate:
         return sum(self.nvme.values())
 
     def model_states(self) -> dict[str, int]:
-        """{kind: bytes} over all sides for the kinds `Engine.memory_breakdown()` reports."""
+        """{kind: bytes} over all sides for the kinds `Engine.memory_breakdown()` reports (which counts the
+        delayed update's spare partition and the gradient staging under ``grad_partition``)."""
         out = {}
         for side in (self.device, self.host, self.nvme):
             for k, v in side.items():
+                k = GRAD_PARTITION_PARTS.get(k, k)
                 if k in MODEL_STATE_KINDS:
                     out[k] = out.get(k, 0) + v
         return out
@@ -193,6 +125,16 @@ def _stage2_bucket_bytes(group_numels: list[list[int]], world_size: int, bucket_
     return (sum(held) + sum(others[:REDUCER_IN_FLIGHT])) * d
 
 
+def _stage2_largest_bucket(group_numels: list[list[int]], world_size: int, bucket_numel: int) -> int:
+    """Elements of the largest stage-2 bucket (a bucket never crosses a partition: `zero.buckets`)."""
+    out = 1
+    for numels in group_numels:
+        part = partition_numel(numels, world_size)
+        spans = bucket_spans([(r * part, (r + 1) * part) for r in range(world_size)], bucket_numel)
+        out = max([out] + [hi - lo for _, lo, hi in spans])
+    return out
+
+
 def estimate_memory(model, config: "Config | dict | str | None" = None, world_size: int = 1, *,
                     micro_batch: int | None = None, seq_len: int | None = None,
                     activation_checkpointing: bool | None = None, accelerator: bool | None = None
@@ -212,7 +154,9 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
 
     Kinds: ``params`` (16-bit flat buffers, or this rank's stage-3 shards), ``grads`` (full gradients,
     stages 0/1), ``buckets`` (stage-2 bucket buffers), ``grad_partition``, ``master``, ``exp_avg``,
-    ``exp_avg_sq``, ``param_staging`` (host copies of updated parameters), ``frozen_params`` (parameters with
+    ``exp_avg_sq``, ``param_staging`` (host copies of updated parameters), ``grad_spare`` (the delayed parameter
+    update's second gradient partition), ``grad_staging`` (pinned buffers that later micro-steps' reduced gradients
+    land in before they are added: `zero_offload.offload.grad_staging`), ``frozen_params`` (parameters with
     ``requires_grad=False``: whole below stage 3, this rank's shards at stage 3), ``live_params`` (stage 3: gathered
     units, persistent ones and the prefetch / live-parameter budget), ``reduce_buffers`` (stage 3: unit
     gradients being reduce-scattered), ``pinned_rounding``, ``activations``.
@@ -318,6 +262,21 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
                 if d < 4:
                     est.add("device", "master", p * 4)
             moments(p, on_host=host_step)
+    grads_on_host = offload_opt or offload_param
+    if grads_on_host and zc.offload_optimizer.delayed_param_update:
+        # The delayed update hands this step's gradient partitions to the host step and the next backward fills
+        # a second set (`GradPartition.take`): one spare partition of the same size and dtype per group.
+        for p in parts:
+            host("grad_spare", p, grad_dtype if zc.stage >= 2 else dtype)
+        est.formulas["grad_spare"] = "delayed update: a second gradient partition (P x the partition's dtype)"
+    if uses_grad_staging(zc.stage, grads_on_host, gas):
+        largest = (_stage2_largest_bucket(groups, world_size, zc.reduce_bucket_size) if zc.stage == 2 else
+                   max(padded_numel(sum(n), world_size) // world_size for _, _, n in shape.units))
+        slots, numel = grad_staging_shape(largest)
+        for _ in range(slots):
+            host("grad_staging", numel, dtype)
+        est.formulas["grad_staging"] = (f"gradient accumulation: {slots} pinned buffers (one per reduction in "
+                                        f"flight) x the largest reduced piece ({numel:,} elements) x d")
     ring_used = offload_opt and not offload_param   # a 16-bit partition on the device is filled through it
     if ring_used and d < 4 and not state_nvme and parts:
         # Updated 16-bit parameters go up through a small pinned ring, not a partition-sized copy.

@@ -14,8 +14,8 @@ import re
 from dataclasses import dataclass, field
 
 from zero_offload.config import Config, ConfigError
-from zero_offload.estimate.dpu import (DEFAULT_GPU_FLOPS, EXPOSED_FRACTION, device_step_seconds, host_step_seconds,
-                                       measure_host_bandwidth)
+from zero_offload.estimate.batching import BatchChoice, Knobs, choose_batch
+from zero_offload.estimate.throughput import Assumptions
 from zero_offload.estimate.memory import MemoryEstimate, ModelShape, default_plan_config, estimate_memory, model_shape
 
 __all__ = ["Candidate", "Plan", "plan", "candidates", "parse_bytes", "fmt_bytes", "HEADROOM"]
@@ -63,6 +63,7 @@ class Candidate:
     short: dict[str, int] = field(default_factory=dict)     # side -> bytes missing
     error: str | None = None                                # a config the engine does not accept here
     bf16: dict = field(default_factory=dict)                # merged into the base config's bf16 section
+    batch: BatchChoice | None = None                        # the batch setting the estimate is of
 
 
 def candidates() -> list[Candidate]:
@@ -112,6 +113,9 @@ class Plan:
         rows: every candidate with its estimate and whether it fits (the `zero-offload estimate` table).
         missing: when nothing fits, {side: bytes short} for the candidate that came closest.
         ranks: ranks sharing the host's memory.
+        capacity: {side: bytes} the plan was made for (device None: no accelerator).
+        batch: the chosen micro-batch, accumulation, checkpointing and delayed update, with the predicted step
+            (``batch.timing``, None without an accelerator or a sequence length).
     """
     config: dict | None
     name: str | None
@@ -120,6 +124,7 @@ class Plan:
     missing: dict[str, int]
     ranks: int
     capacity: dict[str, int | None]
+    batch: BatchChoice | None = None
 
     @property
     def fits(self) -> bool:
@@ -168,43 +173,77 @@ def _zero_section(base: dict, zero: dict) -> dict:
     return out
 
 
+def _knobs(base: dict, user_config: bool, gpus: int, accelerator: bool, shape: ModelShape, micro_batch,
+           gradient_accumulation, activation_checkpointing) -> Knobs:
+    """What the plan chooses and what is fixed: a value given as an argument or in the user's config is kept;
+    without an accelerator nothing is chosen (the host computes: no step model, the config's batch)."""
+    sizes = Config.load(base).batch_sizes(gpus)
+    given = lambda *keys: user_config and any(k in base for k in keys)          # noqa: E731
+    micro = micro_batch if micro_batch is not None else (
+        sizes.micro_batch_per_gpu if given("train_micro_batch_size_per_gpu", "train_batch_size") or not accelerator
+        else None)
+    gas = gradient_accumulation if gradient_accumulation is not None else (
+        sizes.gradient_accumulation_steps if given("gradient_accumulation_steps", "train_batch_size")
+        or not accelerator else None)
+    dpu = base.get("zero_optimization", {}).get("offload_optimizer", {})
+    dpu = dpu.get("delayed_param_update") if isinstance(dpu, dict) else None
+    return Knobs(micro, gas, activation_checkpointing, dpu if (dpu is not None or accelerator) else False,
+                 choose_checkpointing=accelerator and shape.gpt is not None)
+
+
+def _positive_int(value, name: str) -> None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
 def plan(model, gpus: int = 1, gpu_memory=None, host_memory=None, nvme=None, micro_batch: int | None = None,
          seq_len: int | None = None, config: "dict | str | Config | None" = None,
-         headroom: float = HEADROOM, host_bandwidth: float | None = None,
-         gpu_flops: float = DEFAULT_GPU_FLOPS) -> Plan:
+         headroom: float = HEADROOM, *, gradient_accumulation: int | None = None,
+         activation_checkpointing: bool | None = None, gpu_flops: float | None = None,
+         host_adam: float | None = None, pcie: float | None = None) -> Plan:
     """The fastest config for ``model`` on ``gpus`` ranks of one machine that fits with ``headroom`` free.
+
+    The stage and offload follow the order of `candidates`; for the first config that fits, the plan also
+    chooses the micro-batch, gradient accumulation, activation checkpointing and the delayed parameter update
+    (`zero_offload.estimate.batching`, by the step model of `zero_offload.estimate.throughput`), each unless
+    given here or in ``config``.
 
     Args:
         model: an ``nn.Module``, a preset name, a `GPTConfig` or a parameter count (see `estimate_memory`).
         gpus: data-parallel ranks on this machine (>= 1); they share its host memory.
         gpu_memory: bytes (or a string like ``80GB``) per accelerator; None or 0: no accelerator, the ranks
-            compute on the host.
+            compute on the host (then nothing but stage and offload is chosen).
         host_memory: host bytes for all ranks together (required).
         nvme: NVMe bytes available (None: no NVMe).
-        micro_batch, seq_len: size the activations (default: the config's micro-batch, the model's context).
-        config: the base config whose batch sizes, precision and optimizer the plan keeps (default: the
-            seed's, bf16); the planner chooses its ``zero_optimization`` stage and offload keys.
-        host_bandwidth: host memory bandwidth in bytes/s for the delayed-parameter-update rule (default:
-            measured on this machine, `estimate.dpu.measure_host_bandwidth`).
-        gpu_flops: sustained FLOP/s of one accelerator for that rule (default `DEFAULT_GPU_FLOPS`).
+        micro_batch: sequences per micro-batch (default: the config's when it sets one, else chosen).
+        seq_len: tokens per sequence (default: the model's context).
+        config: the base config whose precision and optimizer the plan keeps (default: the seed's, bf16); its
+            batch keys and ``delayed_param_update``, when set, are kept too.
+        gradient_accumulation: micro-steps per optimizer step (default: the config's when set, else chosen).
+        activation_checkpointing: fix it (default: chosen for a GPT shape on an accelerator, else the model's).
+        gpu_flops, host_adam, pcie: the step model's figures: sustained FLOP/s per accelerator, host Adam
+            parameters/s (fp32 moments), host <-> device bytes/s (defaults: `Assumptions`).
 
     Returns:
-        A `Plan`: ``plan.config`` is the chosen DeepSpeed-style dict, ``plan.reasons`` says why; when nothing
-        fits ``plan.config`` is None and ``plan.missing`` / ``plan.message()`` say how much is missing where.
+        A `Plan`: ``plan.config`` is the chosen DeepSpeed-style dict, ``plan.reasons`` says why, ``plan.batch``
+        the chosen setting and its predicted step; when nothing fits ``plan.config`` is None and
+        ``plan.missing`` / ``plan.message()`` say how much is missing where.
 
     Raises:
-        ValueError: ``gpus`` < 1, a negative memory size, no ``host_memory``, or a bad model (see
-            `model_shape`); ConfigError: a bad base config.
+        ValueError: ``gpus``, ``micro_batch`` or ``gradient_accumulation`` < 1, a throughput figure <= 0, a
+            negative memory size, no ``host_memory``, or a bad model (see `model_shape`); ConfigError: a bad
+            base config.
     """
-    if not isinstance(gpus, int) or gpus < 1:
-        raise ValueError(f"gpus must be an integer >= 1, got {gpus!r}")
+    _positive_int(gpus, "gpus")
+    _positive_int(micro_batch, "micro_batch")
+    _positive_int(gradient_accumulation, "gradient_accumulation")
+    figures = Assumptions(**{k: v for k, v in (("gpu_flops", gpu_flops), ("host_adam", host_adam),
+                                               ("pcie", pcie)) if v is not None})
     gpu_bytes = parse_bytes(gpu_memory, "gpu_memory") if gpu_memory is not None else 0
     if host_memory is None:
         raise ValueError("host_memory is required (bytes, or a size such as '128GB')")
     host_bytes = parse_bytes(host_memory, "host_memory")
     nvme_bytes = parse_bytes(nvme, "nvme") if nvme is not None else 0
-    if micro_batch is not None and micro_batch < 1:
-        raise ValueError(f"micro_batch must be >= 1, got {micro_batch}")
     accelerator = gpu_bytes > 0
     shape = model if isinstance(model, ModelShape) else model_shape(model)
     if isinstance(config, dict):
@@ -213,10 +252,19 @@ def plan(model, gpus: int = 1, gpu_memory=None, host_memory=None, nvme=None, mic
     else:
         base = Config.load(config).to_dict() if config is not None else default_plan_config()
         base = {k: v for k, v in base.items() if v is not None}
-    if micro_batch is not None:
-        base.pop("train_batch_size", None)
-        base["train_micro_batch_size_per_gpu"] = micro_batch
+    knobs = _knobs(base, config is not None, gpus, accelerator, shape, micro_batch, gradient_accumulation,
+                   activation_checkpointing)
+    seq = seq_len or (shape.gpt.block_size if shape.gpt is not None else None)
     keep = 1 - headroom
+
+    def measure(raw: dict, micro: int, ckpt: bool | None):
+        est = estimate_memory(shape, raw, gpus, micro_batch=micro, seq_len=seq_len, activation_checkpointing=ckpt,
+                              accelerator=accelerator)
+        need = est.need()
+        return est, {"device": max(0, int(need["device"] - gpu_bytes * keep)) if accelerator else 0,
+                     "host": max(0, int(need["host"] * gpus - host_bytes * keep)),
+                     "nvme": max(0, int(need["nvme"] * gpus - nvme_bytes * keep))}
+
     rows = candidates()
     chosen = None
     for cand in rows:
@@ -228,58 +276,26 @@ def plan(model, gpus: int = 1, gpu_memory=None, host_memory=None, nvme=None, mic
             raw["bf16"] = {**base["bf16"], **cand.bf16}
         try:
             Config.load(raw)
+            # Only the plan's config is searched; the rows after it show their smallest setting.
+            batch = choose_batch(shape, raw, gpus, seq if accelerator and chosen is None else None, knobs, figures,
+                                 measure)
         except ConfigError as e:
             cand.error = str(e)
             continue
-        est = estimate_memory(shape, raw, gpus, micro_batch=micro_batch, seq_len=seq_len, accelerator=accelerator)
-        need = est.need()
-        cand.estimate = est
-        cand.short = {"device": max(0, int(need["device"] - gpu_bytes * keep)) if accelerator else 0,
-                      "host": max(0, int(need["host"] * gpus - host_bytes * keep)),
-                      "nvme": max(0, int(need["nvme"] * gpus - nvme_bytes * keep))}
-        cand.fits = not any(cand.short.values())
+        cand.batch, cand.estimate, cand.short, cand.fits = batch, batch.estimate, batch.short, batch.fits
         if cand.fits and chosen is None:
-            chosen = (cand, raw)
+            chosen = cand
     capacity = {"device": gpu_bytes if accelerator else None, "host": host_bytes, "nvme": nvme_bytes or None}
     if chosen is None:
         scored = [c for c in rows if c.estimate is not None]
         best = min(scored, key=lambda c: sum(c.short.values()))
         return Plan(None, None, {}, rows, {k: v for k, v in best.short.items() if v}, gpus, capacity)
-    cand, raw = chosen
-    reasons = {"zero_optimization": cand.reason}
-    passed = [c.name for c in rows[:rows.index(cand)] if c.estimate is not None]
+    reasons = {"zero_optimization": chosen.reason}
+    passed = [c.name for c in rows[:rows.index(chosen)] if c.estimate is not None]
     if passed:
         reasons["rejected"] = "does not fit: " + ", ".join(passed)
-    need = cand.estimate.need()
+    need = chosen.estimate.need()
     reasons["memory"] = (f"per rank {fmt_bytes(need['device'])} device, {fmt_bytes(need['host'])} host"
                          + (f", {fmt_bytes(need['nvme'])} NVMe" if need["nvme"] else ""))
-    if accelerator:
-        _delayed_update_if_exposed(raw, reasons, shape, gpus, seq_len, host_bandwidth, gpu_flops)
-    return Plan(raw, cand.name, reasons, rows, {}, gpus, capacity)
-
-
-def _delayed_update_if_exposed(raw: dict, reasons: dict, shape: ModelShape, gpus: int, seq_len: int | None,
-                               host_bandwidth: float | None, gpu_flops: float) -> None:
-    """Turn on ``offload_optimizer.delayed_param_update`` in ``raw`` when the host step would be exposed
-    (see `zero_offload.estimate.dpu`); DPU needs the optimizer on the CPU and the parameters on the device."""
-    zero = raw["zero_optimization"]
-    if zero.get("offload_optimizer", {}).get("device") != "cpu" or "offload_param" in zero:
-        return
-    seq = seq_len or (shape.gpt.block_size if shape.gpt is not None else None)
-    if seq is None:
-        return     # tokens per step unknown: no basis for the rule
-    cfg = Config.load(raw)
-    batch = cfg.batch_sizes(gpus)
-    tokens = batch.micro_batch_per_gpu * batch.gradient_accumulation_steps * seq
-    param_bytes = 4 if cfg.precision == "fp32" else 2
-    moment_bytes = 2 if cfg.bf16.bf16_optimizer_states else 4
-    bandwidth = host_bandwidth or measure_host_bandwidth()
-    host_s = host_step_seconds(-(-shape.n_params // gpus), moment_bytes, param_bytes, bandwidth)
-    device_s = device_step_seconds(shape.n_params, tokens, gpu_flops, checkpointing=True)
-    if host_s > EXPOSED_FRACTION * device_s:
-        zero["offload_optimizer"] = {**zero["offload_optimizer"], "delayed_param_update": True}
-        reasons["delayed_param_update"] = (
-            f"the host step (~{host_s:.2f} s at {bandwidth / 1e9:.0f} GB/s) exceeds {EXPOSED_FRACTION:.0%} of "
-            f"the device compute (~{device_s:.2f} s at {gpu_flops / 1e12:.0f} TFLOP/s): it runs one step "
-            f"behind, overlapped with the next forward and backward, after "
-            f"{cfg.zero_optimization.offload_optimizer.dpu_warmup_steps} synchronous warm-up steps")
+    reasons.update(chosen.batch.notes)
+    return Plan(chosen.batch.raw, chosen.name, reasons, rows, {}, gpus, capacity, chosen.batch)

@@ -14,7 +14,7 @@ from zero_offload.estimate.memory import ModelShape, model_shape
 from zero_offload.estimate.planner import Plan, fmt_bytes, parse_bytes, plan
 
 __all__ = ["this_machine", "render", "deepspeed_estimates", "hf_config_shape", "parse_size_flag",
-           "run_estimate"]
+           "parse_count_flag", "parse_rate_flag", "run_estimate"]
 
 
 def this_machine() -> dict:
@@ -112,6 +112,12 @@ def render(result: Plan, shape: ModelShape, ds: dict | None) -> str:
         out.append("DeepSpeed: estimate_zero2/3_model_states_mem_needs (model states only, host with its 1.5x "
                    "buffer factor, for all ranks)")
     chosen = result.chosen
+    timed = chosen is not None and chosen.batch is not None and chosen.batch.timing is not None
+    if timed and len([c for c in result.rows if c.estimate]) > 1:
+        b = chosen.batch
+        ckpt = {True: "on", False: "off", None: "as the model sets it"}[b.checkpointing]
+        out.append(f"(the plan's row at its micro-batch {b.micro}, accumulation {b.gas}, activation checkpointing "
+                   f"{ckpt}{', delayed update' if b.delayed else ''}; every other row at its smallest setting)")
     if chosen is not None:
         out.append(f"plan: {result.name}")
         out += [f"  {k}: {v}" for k, v in result.reasons.items()]
@@ -148,6 +154,41 @@ def parse_size_flag(value: str, flag: str) -> int:
     return parse_bytes(value, flag, bare_unit=10**9)
 
 
+def parse_count_flag(value, flag: str) -> int | None:
+    """A whole number >= 1 from a count flag (``--micro-batch``, ``--grad-accum``); None stays None.
+
+    Raises:
+        ValueError: not a whole number >= 1 (the message names ``flag`` and the value).
+    """
+    if value is None:
+        return None
+    try:
+        n = int(str(value).strip())
+    except ValueError:
+        raise ValueError(f"{flag} must be a whole number >= 1, got {value!r}") from None
+    if n < 1:
+        raise ValueError(f"{flag} must be a whole number >= 1, got {value!r}")
+    return n
+
+
+def parse_rate_flag(value, flag: str, scale: float = 1.0) -> float | None:
+    """A positive rate from a throughput flag (``--gpu-tflops 400``, ``--host-adam 1.9e9``, ``--pcie 25``) times
+    ``scale`` (10^12 for TFLOP/s, 10^9 for GB/s); None stays None.
+
+    Raises:
+        ValueError: not a number > 0 (the message names ``flag`` and the value).
+    """
+    if value is None:
+        return None
+    try:
+        x = float(str(value).strip())
+    except ValueError:
+        raise ValueError(f"{flag} must be a number > 0, got {value!r}") from None
+    if not x > 0 or x == float("inf"):
+        raise ValueError(f"{flag} must be a number > 0, got {value!r}")
+    return x * scale
+
+
 def run_estimate(ns) -> int:
     """The `zero-offload estimate` command (argparse namespace from `cli.py`)."""
     given = sum(x is not None for x in (ns.model, ns.params, ns.hf_config))
@@ -164,8 +205,17 @@ def run_estimate(ns) -> int:
     gpu_mem = parse_size_flag(ns.gpu_mem, "--gpu-mem") if ns.gpu_mem is not None else machine["gpu_memory"]
     host_mem = parse_size_flag(ns.host_mem, "--host-mem") if ns.host_mem is not None else machine["host_memory"]
     nvme = parse_size_flag(ns.nvme, "--nvme") if ns.nvme is not None else None
+    if gpus < 1:
+        raise ValueError(f"--gpus must be >= 1, got {gpus}")
+    if ns.seq_len is not None and ns.seq_len < 1:
+        raise ValueError(f"--seq-len must be >= 1, got {ns.seq_len}")
+    ckpt = {"auto": None, "on": True, "off": False}[ns.activation_checkpointing]
     result = plan(shape, gpus=gpus, gpu_memory=gpu_mem, host_memory=host_mem, nvme=nvme,
-                  micro_batch=ns.micro_batch, seq_len=ns.seq_len, config=ns.config)
+                  micro_batch=parse_count_flag(ns.micro_batch, "--micro-batch"), seq_len=ns.seq_len,
+                  config=ns.config, gradient_accumulation=parse_count_flag(ns.grad_accum, "--grad-accum"),
+                  activation_checkpointing=ckpt, gpu_flops=parse_rate_flag(ns.gpu_tflops, "--gpu-tflops", 1e12),
+                  host_adam=parse_rate_flag(ns.host_adam, "--host-adam"),
+                  pcie=parse_rate_flag(ns.pcie, "--pcie", 1e9))
     ds = deepspeed_estimates(shape, gpus) if not ns.no_deepspeed else None
     print(render(result, shape, ds))
     if not result.fits:

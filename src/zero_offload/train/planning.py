@@ -46,8 +46,9 @@ def choose_config(model: GPTConfig, name: str, base: dict, user_config: str | No
     hint = (f"run `zero-offload estimate --model {name} --seq-len {seq_len} --micro-batch {micro}` "
             f"to see what fits")
     if user_config is None:
+        # The main job's model is built with its own checkpointing setting: the plan keeps it.
         result = plan(model, gpus=world_size, gpu_memory=gpu or None, host_memory=host, micro_batch=micro,
-                      seq_len=seq_len, config=base)
+                      seq_len=seq_len, config=base, activation_checkpointing=model.activation_checkpointing)
         if not result.fits:
             raise ValueError(f"model {name} fits nowhere on this machine: {result.message()}; {hint}")
         return Choice(result.config, result.message())

@@ -1,0 +1,253 @@
+"""What `gpu_validate.py` measures of one training run: tokens/s, peak device memory against `estimate_memory`,
+`engine.timings` (device time from CUDA events), host syncs per step and the share of copy time that overlaps
+compute kernels (both from a `torch.profiler` trace of one step), and whether the native host kernel ran. Every
+engine is freed (``del``, ``gc.collect()``, ``torch.cuda.empty_cache()``) before the caller measures the next.
+
+Definitions:
+- host syncs per step: ``cudaStreamSynchronize`` + ``cudaDeviceSynchronize`` calls in the profiled step (CUDA
+  runtime events of the trace; ``cudaEventSynchronize`` reported apart); 0 on the CPU, where there are none;
+- copy overlap: the time of ``Memcpy DtoH``/``HtoD`` intervals that intersects the union of kernel intervals,
+  over the copies' total time; None where the trace has no copy (the CPU).
+"""
+from __future__ import annotations
+
+import gc
+import json
+import tempfile
+import time
+from pathlib import Path
+
+__all__ = ["free", "trace_figures", "copy_compute_overlap", "profile_steps", "run_engine", "run_plain", "batches",
+           "build_model", "native_state", "out_of_memory"]
+
+SYNC_NAMES = ("cudaStreamSynchronize", "cudaDeviceSynchronize")
+
+
+def _torch():
+    import torch
+    return torch
+
+
+def free() -> None:
+    """Drop what the last run left: unreachable engines (cycles), then the allocator's cached blocks."""
+    gc.collect()
+    torch = _torch()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def native_state() -> dict:
+    """Whether the host Adam kernel is the native one in this process, and its instruction set."""
+    from zero_offload.optim.fused_adam import active_isa, native_available
+    return {"native_kernel": native_available(), "isa": active_isa() if native_available() else None}
+
+
+def _merge(intervals):
+    out = []
+    for lo, hi in sorted(intervals):
+        if out and lo <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], hi)
+        else:
+            out.append([lo, hi])
+    return out
+
+
+def copy_compute_overlap(events: list[dict]) -> tuple[float | None, float]:
+    """(overlapping share, copy seconds) of the memcpy events of a chrome trace's ``traceEvents`` against its
+    kernel events (``ts``/``dur`` in microseconds): the share is None when there is no copy."""
+    kernels = _merge((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "kernel")
+    copies = [(e["ts"], e["ts"] + e["dur"]) for e in events
+              if e.get("cat") == "gpu_memcpy" and ("DtoH" in e.get("name", "") or "HtoD" in e.get("name", ""))]
+    total = sum(hi - lo for lo, hi in copies)
+    if total <= 0:
+        return None, 0.0
+    hidden = 0.0
+    for lo, hi in copies:
+        for klo, khi in kernels:
+            if khi <= lo:
+                continue
+            if klo >= hi:
+                break
+            hidden += min(hi, khi) - max(lo, klo)
+    return hidden / total, total / 1e6
+
+
+def trace_figures(events: list[dict], steps: int) -> dict:
+    """Host syncs per step and the copy overlap of a chrome trace (see the module docstring)."""
+    names = [e.get("name", "") for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")]
+    syncs = sum(n in SYNC_NAMES for n in names)
+    share, copy_s = copy_compute_overlap(events)
+    return {"host_syncs_per_step": syncs / max(steps, 1),
+            "event_syncs_per_step": names.count("cudaEventSynchronize") / max(steps, 1),
+            "copy_overlap": share, "copy_s_per_step": copy_s / max(steps, 1)}
+
+
+def profile_steps(one_step, device, steps: int = 1) -> dict:
+    """Run ``one_step()`` ``steps`` times under `torch.profiler` (CPU and, on CUDA, CUDA activity) and return
+    `trace_figures` of its trace."""
+    torch = _torch()
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            one_step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        events = json.loads(path.read_text()).get("traceEvents", [])
+    return trace_figures(events, steps)
+
+
+def _sync(device):
+    torch = _torch()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _reset_peak(device) -> None:
+    torch = _torch()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _peak(device) -> int:
+    torch = _torch()
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+
+
+def _peak_rss_bytes() -> int:
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # Linux reports KiB
+
+
+def build_model(cfg, device, dtype, sharded: bool):
+    """The GPT built where it will live: on the meta device under stage 3, else straight on ``device``."""
+    torch = _torch()
+    import zero_offload
+    from zero_offload.train.model import GPT
+    if sharded:
+        with zero_offload.init_sharded():
+            return GPT(cfg)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            return GPT(cfg)
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def batches(vocab: int, micro: int, seq: int, device, n: int):
+    torch = _torch()
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(n):
+        data = torch.randint(0, vocab, (micro, seq + 1), generator=g)
+        out.append((data[:, :-1].to(device), data[:, 1:].to(device)))
+    return out
+
+
+def run_engine(cfg_model, config: dict, device, steps: int, split_steps: int, sharded: bool,
+               profile: bool = True) -> dict:
+    """Train with the engine: tokens/s over ``steps`` timed steps (after 2 warm-up steps), `engine.timings`
+    averaged over ``split_steps`` more, one profiled step, and the memory figures; the engine is freed."""
+    import zero_offload
+    from zero_offload.estimate import estimate_memory
+    from zero_offload.train.model import flops_per_token
+    torch = _torch()
+    _reset_peak(device)
+    model = build_model(cfg_model, device, torch.bfloat16, sharded)
+    engine = zero_offload.initialize(model, config)
+    micro, gas, seq = engine.train_micro_batch_size_per_gpu, engine.gradient_accumulation_steps, cfg_model.block_size
+    data = batches(cfg_model.vocab_size, micro, seq, device, 4)
+    losses = []
+
+    def one_step():
+        for k in range(gas):
+            x, y = data[k % len(data)]
+            _, loss = engine(x, y)
+            engine.backward(loss)
+        engine.step()
+        losses.append(loss)
+
+    for _ in range(2):
+        one_step()
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        one_step()
+    _sync(device)
+    elapsed = time.perf_counter() - start
+    resident = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    timings: dict = {}
+    for _ in range(split_steps):
+        one_step()
+        for k, v in engine.timings.items():
+            timings[k] = timings.get(k, 0.0) + v / split_steps
+    traced = profile_steps(one_step, device) if profile else {}
+    breakdown = {k: v["bytes"] for k, v in engine.memory_breakdown().items()}
+    host_state = sum(v["bytes"] for v in engine.memory_breakdown().values() if v["side"] == "host")
+    estimate = estimate_memory(cfg_model, config, micro_batch=micro, seq_len=seq,
+                               accelerator=device.type == "cuda").device_bytes
+    n_params = sum(u.numel for u in engine.zero.units) if sharded else sum(p.numel() for p in model.parameters())
+    peak = _peak(device)
+    result = {"tokens_per_s": micro * gas * seq * steps / elapsed, "step_s": elapsed / steps,
+              "losses": [float(x) for x in losses[-steps:]], "micro_batch": micro, "gradient_accumulation": gas,
+              "peak_device_bytes": peak, "resident_device_bytes": resident, "estimate_device_bytes": estimate,
+              "estimate_over_peak": estimate / peak if peak else None, "peak_rss_bytes": _peak_rss_bytes(),
+              "host_state_bytes": host_state, "params": n_params,
+              "host_bytes_per_param": host_state / max(n_params, 1),
+              "flops_per_token": flops_per_token(cfg_model, seq), "timings": timings,
+              "stats": engine.stats.as_dict(), "memory_breakdown": breakdown, **traced, **native_state()}
+    engine.flush_delayed_update()
+    del engine, model, data, losses
+    free()
+    return result
+
+
+def run_plain(cfg_model, device, micro: int, steps: int, profile: bool = True) -> dict:
+    """Plain torch: fp32 weights, bf16 autocast, torch.optim.AdamW(fused=True) on the device; freed after."""
+    torch = _torch()
+    from zero_offload.train.model import flops_per_token
+    _reset_peak(device)
+    model = build_model(cfg_model, device, torch.float32, sharded=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=device.type == "cuda")
+    seq = cfg_model.block_size
+    data = batches(cfg_model.vocab_size, micro, seq, device, 4)
+    it = iter(range(10**9))
+
+    def one_step():
+        x, y = data[next(it) % len(data)]
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            _, loss = model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(2):
+        one_step()
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        one_step()
+    _sync(device)
+    elapsed = time.perf_counter() - start
+    traced = profile_steps(one_step, device) if profile else {}
+    result = {"tokens_per_s": micro * seq * steps / elapsed, "step_s": elapsed / steps, "micro_batch": micro,
+              "peak_device_bytes": _peak(device), "peak_rss_bytes": _peak_rss_bytes(),
+              "params": sum(p.numel() for p in model.parameters()), "flops_per_token": flops_per_token(cfg_model, seq),
+              **traced}
+    del model, opt, data
+    free()
+    return result
+
+
+def out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is the device (or host) running out of memory."""
+    torch = _torch()
+    return isinstance(exc, (torch.cuda.OutOfMemoryError, MemoryError)) or "out of memory" in str(exc).lower()

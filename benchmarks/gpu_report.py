@@ -1,0 +1,91 @@
+"""The markdown tables of `gpu_validate.py`'s report (``gpu_validate.md``)."""
+from __future__ import annotations
+
+__all__ = ["markdown"]
+
+SECTIONS = ("cuda_tests", "sanitizer", "gpt2", "largest", "gpt2_10b", "two_gpus")
+
+
+def _gib(n) -> str:
+    return "-" if n is None else f"{n / 2**30:.2f}"
+
+
+def _num(x, fmt: str = ".2f") -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def _build_note(build: dict) -> str:
+    if not build["built"]:
+        return ""
+    if build["still_missing"]:
+        return f" (this run's build failed, exit {build['returncode']}: {', '.join(build['still_missing'])} missing)"
+    return " (built by this run)"
+
+
+RUN_HEAD = ("| run | native | tokens/s | vs plain | MFU | peak dev GiB | estimate / peak | device fwd s "
+            "| device bwd s | device opt s | exposed host step s | host syncs / step | copy overlap |")
+
+
+def _run_row(key: str, r: dict) -> str:
+    t = r.get("timings") or {}
+    dev = "device_" if "device_step_s" in t else ""
+    return (f"| {key} | {r.get('native_kernel', '-')} | {r['tokens_per_s']:.0f} | "
+            f"{_num(r.get('tokens_per_s_vs_plain'))} | {_num(r.get('mfu'), '.3f')} | {_gib(r['peak_device_bytes'])} | "
+            f"{_num(r.get('estimate_over_peak'))} | {_num(t.get(dev + 'forward_s'), '.4f')} | "
+            f"{_num(t.get(dev + 'backward_s'), '.4f')} | {_num(t.get(dev + 'optimizer_s'), '.4f')} | "
+            f"{_num(t.get(dev + 'exposed_host_step_s'), '.4f')} | {_num(r.get('host_syncs_per_step'), '.1f')} | "
+            f"{_num(r.get('copy_overlap'))} |")
+
+
+def markdown(report: dict) -> str:
+    """The report as markdown: sections, then each section's table."""
+    lines = [f"# gpu_validate ({report['device_name']}, torch {report['torch']})", "",
+             f"Command: `{report['command']}`; total {report['wall_s']} s.", "",
+             "native_available(): " + ", ".join(f"{k} {v}" for k, v in report["native"]["available"].items())
+             + _build_note(report["native"]["build"]), "",
+             "Timings are device time from CUDA events on a GPU (wall-clock on the CPU); host syncs and copy overlap "
+             "come from a torch.profiler trace of one step.", "",
+             "| section | ok | wall s |", "| --- | --- | --- |"]
+    sections = report["sections"]
+    for name in SECTIONS:
+        if name in sections:
+            s = sections[name]
+            lines.append(f"| {name} | {s.get('ok')} | {s.get('wall_s')} |" + (f" {s['skipped']} |"
+                                                                              if s.get("skipped") else ""))
+    gpt2 = sections.get("gpt2", {})
+    if gpt2.get("runs"):
+        lines += ["", f"## (c) gpt2, bf16, seq {gpt2['seq_len']}, micro-batch {gpt2['micro_batch']}", "", RUN_HEAD,
+                  "| --- |" + " --- |" * 12]
+        lines += [_run_row(key, r) for key, r in gpt2["runs"].items()]
+    largest = sections.get("largest", {})
+    if largest.get("attempts"):
+        tried = ", ".join(f"{a['layers']} {'ok' if a['ok'] else 'failed'} ({a.get('wall_s', 0):.0f} s)"
+                          for a in largest["attempts"])
+        lines += ["", f"## (d) largest GPT, stage 3 + both offloads (tries: {tried})"]
+        b = largest.get("largest")
+        if b:
+            lines += ["", f"{b['layers']} layers, {b['params'] / 1e9:.2f} B params, peak device "
+                          f"{_gib(b['peak_device_bytes'])} GiB (estimate / peak {_num(b.get('estimate_over_peak'))}), "
+                          f"peak host RSS {_gib(b['peak_rss_bytes'])} GiB, {b['step_s']:.1f} s per step, host syncs "
+                          f"per step {_num(b.get('host_syncs_per_step'), '.1f')}, copy overlap "
+                          f"{_num(b.get('copy_overlap'))}, native kernel {b.get('native_kernel')}"]
+    big = sections.get("gpt2_10b", {})
+    if big.get("ok"):
+        p = big["plan"]
+        lines += ["", f"## (e) 10B GPT-2 in the plan for this machine: {p['name']} ({p['trained']}; micro-batch "
+                      f"{big['micro_batch']}, accumulation {big['gradient_accumulation']})", "",
+                  f"{big['params'] / 1e9:.2f} B params; {big['tflops']:.1f} TFLOP/s; MFU {big['mfu']:.3f}; "
+                  f"{big['step_s']:.2f} s per step (predicted {_num(p.get('predicted_step_s'))}, exposed share "
+                  f"predicted {_num(p.get('predicted_exposed_share'))}); peak device {_gib(big['peak_device_bytes'])} "
+                  f"GiB (estimate / peak {_num(big.get('estimate_over_peak'))}); peak host RSS "
+                  f"{_gib(big['peak_rss_bytes'])} GiB; host state {big['host_bytes_per_param']:.2f} B/param", "",
+                  RUN_HEAD, "| --- |" + " --- |" * 12, _run_row("plan", big)]
+    two = sections.get("two_gpus", {})
+    if two.get("ranks"):
+        lines += ["", "## (f) two GPUs, NCCL-only group, init_sharded, stage 3", ""]
+        lines += [f"- {r}" for r in two["ranks"]]
+    for name, s in sections.items():
+        if not s.get("ok") and s.get("error"):
+            lines += ["", f"## {name} failed", "", "```", *map(str, s["error"] if isinstance(s["error"], list)
+                                                               else [s["error"]]), "```"]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,208 @@
+"""The planner's choice of micro-batch, gradient accumulation, activation checkpointing and the delayed parameter
+update for one ZeRO config (`zero_offload.estimate.planner` calls `choose_batch` per candidate).
+
+Every setting tried is checked against memory with the engine's own model (`estimate_memory`), with the delayed
+update's spare gradient partition and the gradient staging of accumulation counted, so a plan never turns on
+something that does not fit. Among the settings that fit, the step model of `zero_offload.estimate.throughput`
+predicts tokens/s; the plan takes the fewest tokens per optimizer step within `TIE` of the best prediction
+(larger batches than needed change the training, not only its speed), then checkpointing off, then the delayed
+update off (no stale step), then the larger micro-batch.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Callable
+
+from zero_offload.config import Config
+from zero_offload.estimate.memory import MemoryEstimate, ModelShape
+from zero_offload.estimate.throughput import (EXPOSED_FRACTION, MAX_GRADIENT_ACCUMULATION, Assumptions, StepTiming,
+                                              accumulation_to_hide, host_step_seconds, micro_step_seconds,
+                                              step_timing)
+from zero_offload.flat import partition_numel
+
+__all__ = ["Knobs", "BatchChoice", "choose_batch", "MICRO_BATCHES", "TIE"]
+
+# Micro-batch sizes the planner tries when it chooses one.
+MICRO_BATCHES = (1, 2, 4, 8, 16, 32, 64)
+# Predicted throughputs this close to the best count as equal.
+TIE = 0.03
+
+# (estimate, {side: bytes short}) of a config dict at a micro-batch and checkpointing setting.
+Measure = Callable[[dict, int, "bool | None"], "tuple[MemoryEstimate, dict[str, int]]"]
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """What the planner may choose (None) and what is fixed (a value).
+
+    Attributes:
+        micro_batch: sequences per micro-batch.
+        gradient_accumulation: micro-steps per optimizer step.
+        checkpointing: activation checkpointing (None for a shape without a transformer: not modelled).
+        delayed_update: ``offload_optimizer.delayed_param_update``.
+        choose_checkpointing: whether ``checkpointing`` None means "choose" (a GPT shape) or "the model's own".
+    """
+    micro_batch: int | None = None
+    gradient_accumulation: int | None = None
+    checkpointing: bool | None = None
+    delayed_update: bool | None = None
+    choose_checkpointing: bool = True
+
+
+@dataclass
+class BatchChoice:
+    """One setting of the knobs for a config, with its memory and predicted step.
+
+    Attributes:
+        raw: the config dict with the micro-batch, accumulation and delayed update written in.
+        micro, gas, checkpointing, delayed: the setting (checkpointing None: the model's own).
+        estimate, short: `estimate_memory` of it and {side: bytes missing} (all 0: it fits).
+        timing: the predicted step (None without a throughput model: no accelerator or no sequence length).
+        notes: {reason key: why}, for `Plan.reasons`.
+    """
+    raw: dict
+    micro: int
+    gas: int
+    checkpointing: bool | None
+    delayed: bool
+    estimate: MemoryEstimate
+    short: dict[str, int]
+    timing: StepTiming | None = None
+    notes: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def fits(self) -> bool:
+        return not any(self.short.values())
+
+
+def _with(raw: dict, micro: int, gas: int, delayed: bool | None) -> dict:
+    out = copy.deepcopy(raw)
+    out.pop("train_batch_size", None)
+    out["train_micro_batch_size_per_gpu"], out["gradient_accumulation_steps"] = micro, gas
+    offload = out["zero_optimization"].get("offload_optimizer")
+    if delayed and isinstance(offload, dict):
+        offload["delayed_param_update"] = True
+    elif delayed is False and isinstance(offload, dict):
+        offload.pop("delayed_param_update", None)          # off is the default
+    return out
+
+
+def _host_step(shape: ModelShape, cfg: Config, gpus: int, gas: int, a: Assumptions) -> tuple[float, int]:
+    """(host-step seconds, gradient bytes copied down per micro-step) of this rank; (0, 0) when the step runs on
+    the device."""
+    zc = cfg.zero_optimization
+    offload_param = zc.stage == 3 and zc.offload_param.device in ("cpu", "nvme")
+    if zc.offload_optimizer.device not in ("cpu", "nvme") and not offload_param:
+        return 0.0, 0
+    d = 4 if cfg.precision == "fp32" else 2
+    part = sum(partition_numel(n, gpus) for n in shape.group_numels())
+    moments = 2 if cfg.bf16.bf16_optimizer_states else 4
+    grad = 4 if gas > 1 and zc.stage >= 2 else d
+    return host_step_seconds(part, moments, grad, d, a.host_adam), part * d
+
+
+def choose_batch(shape: ModelShape, raw: dict, gpus: int, seq: int | None, knobs: Knobs, a: Assumptions,
+                 measure: Measure) -> BatchChoice:
+    """The best setting of the free knobs for config ``raw`` on ``gpus`` ranks (see the module docstring), or,
+    when even the smallest setting does not fit, that smallest setting (``fits`` False, ``short`` says where).
+
+    ``seq`` None (no sequence length known) or fixed knobs only: the fixed setting, checked, with no timing.
+    """
+    base = Config.load(raw)
+    gas0 = knobs.gradient_accumulation or 1
+    free_ckpt = knobs.checkpointing is None and knobs.choose_checkpointing and shape.gpt is not None
+    ckpts = [False, True] if free_ckpt else [knobs.checkpointing]
+    micros = list(MICRO_BATCHES) if knobs.micro_batch is None else [knobs.micro_batch]
+    zc = base.zero_optimization
+    dpu_possible = (zc.offload_optimizer.device == "cpu" and not (zc.stage == 3 and zc.offload_param.device != "none"))
+    fixed_dpu = knobs.delayed_update is not None
+    default_dpu = knobs.delayed_update if fixed_dpu else (False if dpu_possible else None)
+    dpu_options = [default_dpu] if fixed_dpu or not dpu_possible else [False, True]
+
+    def make(micro: int, gas: int, ckpt, delayed) -> BatchChoice:
+        cfg_raw = _with(raw, micro, gas, delayed)
+        est, short = measure(cfg_raw, micro, ckpt)
+        return BatchChoice(cfg_raw, micro, gas, ckpt, bool(delayed), est, short)
+
+    smallest = make(micros[0], gas0, ckpts[-1], default_dpu)
+    if not smallest.fits or seq is None:
+        return smallest
+    options: list[BatchChoice] = []
+    for ckpt in ckpts:
+        for micro in micros:
+            first = make(micro, gas0, ckpt, default_dpu)
+            if not first.fits:
+                break                          # activations only grow with the micro-batch
+            options.append(_timed(first, shape, gpus, seq, a))
+            for delayed in dpu_options:
+                gases = {gas0}
+                if knobs.gradient_accumulation is None:
+                    need = accumulation_to_hide(first.timing.micro_s, first.timing.host_s, bool(delayed))
+                    gases.add(min(MAX_GRADIENT_ACCUMULATION, need))
+                for gas in sorted(gases - ({gas0} if delayed == default_dpu else set())):
+                    c = make(micro, gas, ckpt, delayed)
+                    if c.fits:
+                        options.append(_timed(c, shape, gpus, seq, a))
+    if not options:
+        return smallest
+    best = max(c.timing.tokens_per_s for c in options)
+    near = [c for c in options if c.timing.tokens_per_s >= (1 - TIE) * best]
+    chosen = min(near, key=lambda c: (c.timing.tokens, bool(c.checkpointing), c.delayed, -c.micro))
+    chosen.notes = _explain(chosen, options, seq, free_ckpt, knobs, dpu_possible, a)
+    return chosen
+
+
+def _timed(c: BatchChoice, shape: ModelShape, gpus: int, seq: int, a: Assumptions) -> BatchChoice:
+    """``c`` with its predicted step (`zero_offload.estimate.throughput`)."""
+    host_s, down = _host_step(shape, Config.load(c.raw), gpus, c.gas, a)
+    tokens = c.micro * seq
+    ckpt = c.checkpointing if c.checkpointing is not None else bool(shape.gpt and shape.gpt.activation_checkpointing)
+    micro_s = micro_step_seconds(shape.n_params, tokens, ckpt, a, down)
+    c.timing = step_timing(micro_s, c.gas, host_s, c.delayed, tokens * c.gas)
+    return c
+
+
+def _explain(c: BatchChoice, options: list[BatchChoice], seq: int, free_ckpt: bool, knobs: Knobs,
+             dpu_possible: bool, a: Assumptions) -> dict[str, str]:
+    t = c.timing
+    notes = {"batch": (f"micro-batch {c.micro} x {seq} tokens, gradient accumulation {c.gas}: {t.tokens:,} tokens "
+                       f"per optimizer step and rank ({'chosen' if knobs.micro_batch is None else 'given'} "
+                       f"micro-batch, {'chosen' if knobs.gradient_accumulation is None else 'given'} "
+                       f"accumulation; the fewest tokens per step within {TIE:.0%} of the best predicted "
+                       f"throughput)")}
+    if knobs.gradient_accumulation is None and t.exposed_share > EXPOSED_FRACTION and c.gas == 1 and \
+            not any(o.gas > 1 for o in options):
+        notes["batch"] += ("; more accumulation does not fit: it keeps the gradient partition in fp32 (2 more "
+                           "host bytes per parameter) and adds the gradient staging")
+    if free_ckpt:
+        other = [o for o in options if o.checkpointing != c.checkpointing]
+        alt = max(other, key=lambda o: o.timing.tokens_per_s, default=None)
+        if c.checkpointing:
+            why = ("without it the largest micro-batch that fits is "
+                   f"{max(o.micro for o in other)} (~{alt.timing.tokens_per_s:,.0f} tokens/s predicted)"
+                   if alt is not None else "without it not even micro-batch 1 fits")
+            notes["activation_checkpointing"] = f"on (recompute each block in backward): {why}"
+        else:
+            notes["activation_checkpointing"] = "off: the chosen micro-batch fits without recomputing activations"
+    if dpu_possible and t.host_s > 0:
+        if c.delayed:
+            notes["delayed_param_update"] = ("on: the host step runs one step behind, beside the next step's "
+                                             "forward and backward (its spare gradient partition counted in "
+                                             "host memory)")
+        elif knobs.delayed_update is None:
+            dpu = [o for o in options if o.delayed]
+            notes["delayed_param_update"] = ("off: the host step hides well enough without it" if dpu else
+                                             "off: with it the config does not fit (its spare gradient partition "
+                                             "needs host memory that is not there)")
+    share = f"{t.exposed_share:.0%}"
+    notes["step"] = (f"~{t.step_s:.2f} s per optimizer step: {t.compute_s:.2f} s device compute "
+                     f"({t.micro_s:.3f} s per micro-step at {a.gpu_flops / 1e12:.0f} TFLOP/s"
+                     + (f", gradients down at {a.pcie / 1e9:.0f} GB/s" if t.host_s else "") + ")"
+                     + (f", host step {t.host_s:.2f} s at {a.host_adam / 1e9:.2f} Gparam/s (fp32 moments)"
+                        if t.host_s else "")
+                     + (f"; the host step leaves {share} of the step exposed" if t.host_s else
+                        "; no host step (the optimizer steps on the device)")
+                     + (f" (target {EXPOSED_FRACTION:.0%})" if t.exposed_share > EXPOSED_FRACTION else "")
+                     + f"; ~{t.tokens_per_s:,.0f} tokens/s per rank predicted")
+    return notes

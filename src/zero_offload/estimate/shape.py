@@ -1,0 +1,85 @@
+"""What the memory model needs to know of a model: its parameters as the engine groups them (`ModelShape`), from
+an ``nn.Module``, a preset name, a `GPTConfig` or a bare parameter count (`model_shape`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from zero_offload.presets import GPTConfig, gpt_units, preset
+
+__all__ = ["ModelShape", "model_shape"]
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the memory model needs to know of a model.
+
+    Attributes:
+        units: ``(module name, param group, [numels])`` per stage-3 unit, in the engine's build order.
+        gpt: the transformer's shape when known (sizes activations), else None.
+        name: for messages and tables.
+        frozen: ``(module name, -1, [numels])`` per unit of ``requires_grad=False`` parameters (sharded at
+            stage 3 like trainable ones, `zero.stage3.frozen`; never optimized).
+    """
+    units: tuple[tuple[str, int, tuple[int, ...]], ...]
+    gpt: GPTConfig | None = None
+    name: str = "model"
+    frozen: tuple[tuple[str, int, tuple[int, ...]], ...] = ()
+
+    @property
+    def n_params(self) -> int:
+        return sum(sum(n) for _, _, n in self.units)
+
+    def group_numels(self) -> list[list[int]]:
+        groups: dict[int, list[int]] = {}
+        for _, g, numels in self.units:
+            groups.setdefault(g, []).extend(numels)
+        return [groups[g] for g in sorted(groups)]
+
+    @property
+    def largest_unit(self) -> int:
+        return max(sum(n) for _, _, n in self.units)
+
+
+def model_shape(model) -> ModelShape:
+    """A `ModelShape` from an ``nn.Module`` (any device, meta included; one param group, as
+    `initialize` makes without ``model_parameters``), a preset name, a `GPTConfig`, or a parameter count.
+
+    Raises:
+        ValueError: an unknown preset name (the message lists the valid ones), a count < 1, or a module with
+            no trainable parameters.
+        TypeError: anything else.
+    """
+    if isinstance(model, str):
+        cfg = preset(model)
+        return ModelShape(tuple((m, g, tuple(n)) for m, g, n in gpt_units(cfg)), cfg, model)
+    if isinstance(model, GPTConfig):
+        return ModelShape(tuple((m, g, tuple(n)) for m, g, n in gpt_units(model)), model, "gpt")
+    if isinstance(model, bool) or not isinstance(model, (int, torch.nn.Module)):
+        if isinstance(model, float) and model.is_integer():
+            model = int(model)
+        else:
+            raise TypeError(f"estimate_memory needs an nn.Module, a preset name or a parameter count, "
+                            f"got {type(model).__name__}")
+    if isinstance(model, int):
+        if model < 1:
+            raise ValueError(f"a model needs at least 1 parameter, got {model}")
+        return ModelShape((("model", 0, (model,)),), None, f"{model / 1e9:.3g}B params")
+    units, frozen = _module_units(model, trainable=True), _module_units(model, trainable=False)
+    if not units:
+        raise ValueError(f"{type(model).__name__} has no trainable parameters")
+    gpt = getattr(model, "config", None)
+    return ModelShape(units, gpt if isinstance(gpt, GPTConfig) else None, type(model).__name__, frozen)
+
+
+def _module_units(model: torch.nn.Module, trainable: bool) -> tuple[tuple[str, int, tuple[int, ...]], ...]:
+    """Stage 3's unit rule: a parameter belongs to the first module that holds it (tied ones count once)."""
+    seen: set[int] = set()
+    units = []
+    for name, module in model.named_modules():
+        own = [p for p in module.parameters(recurse=False) if p.requires_grad == trainable and id(p) not in seen]
+        if own:
+            seen.update(id(p) for p in own)
+            units.append((name, 0 if trainable else -1, tuple(p.numel() for p in own)))
+    return tuple(units)

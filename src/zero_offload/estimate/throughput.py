@@ -1,0 +1,126 @@
+"""How long an optimizer step takes, by a stated model: the planner's basis for the micro-batch, gradient
+accumulation, activation checkpointing and the delayed parameter update (DPU, ZeRO-Offload paper arXiv
+2101.06840, Sec. 5.2).
+
+Per rank and optimizer step of ``gas`` micro-steps of ``t`` tokens each:
+
+- **device compute of a micro-step**: ``k x N x t`` FLOPs (k = 6 for forward and backward, 8 with activation
+  checkpointing's recompute; N = all parameters, data parallelism replicates the compute) at
+  ``gpu_flops x min(1, t / saturation_tokens)``: a micro-batch of fewer tokens than ``saturation_tokens`` leaves
+  the device's matmuls short of their sustained rate and costs as much as one of ``saturation_tokens``;
+- **gradient copies down** (gradients on the host): every micro-step moves this rank's reduced gradient partition
+  to the host, ``P x d`` bytes at ``pcie`` bytes/s, overlapped with backward: a micro-step takes the longer of
+  the two;
+- **host step**: the fused Adam kernel streams ``8 + 4 x moment bytes + gradient bytes + d`` bytes per parameter
+  of the partition (28 B for bf16 with fp32 moments, 20 B with bf16 moments, 30 B with fp32 accumulated
+  gradients), at ``host_adam x 28`` bytes/s (``host_adam``: the kernel's parameters/s with fp32 moments);
+- **the step**: ``compute = gas x micro-step``. Without DPU the host step follows it: ``step = compute + host``.
+  With DPU it runs beside the next step's compute: ``exposed = max(0, host - compute)``,
+  ``step = compute + exposed``. The exposed share is ``exposed / step`` (all of ``host / step`` without DPU).
+
+Not modelled: collectives between ranks, the copies up of updated parameters, and the Python overhead of a
+micro-step. The default figures and where they come from are in docs/estimate.md.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+__all__ = ["Assumptions", "StepTiming", "EXPOSED_FRACTION", "MAX_GRADIENT_ACCUMULATION", "host_step_seconds",
+           "micro_step_seconds", "step_timing", "accumulation_to_hide"]
+
+# The share of a step the host step may leave exposed in a plan.
+EXPOSED_FRACTION = 0.10
+# The most micro-steps per optimizer step the planner chooses.
+MAX_GRADIENT_ACCUMULATION = 64
+
+
+@dataclass(frozen=True)
+class Assumptions:
+    """The throughput figures the step model uses (defaults: docs/estimate.md says where each comes from).
+
+    Attributes:
+        gpu_flops: sustained bf16 FLOP/s of one accelerator in training.
+        host_adam: parameters/s of the host Adam step with fp32 moments and a bf16 gradient (28 bytes/param);
+            other layouts scale by their bytes per parameter.
+        pcie: bytes/s of host <-> device copies, each direction, per accelerator.
+        saturation_tokens: tokens per micro-batch from which the device reaches ``gpu_flops``.
+
+    Raises:
+        ValueError: a figure <= 0 (the message names it).
+    """
+    gpu_flops: float = 4.0e14
+    host_adam: float = 1.9e9
+    pcie: float = 25e9
+    saturation_tokens: int = 8192
+
+    def __post_init__(self) -> None:
+        for name in ("gpu_flops", "host_adam", "pcie", "saturation_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+                raise ValueError(f"{name} must be a number > 0, got {value!r}")
+
+
+def host_step_seconds(params: int, moment_bytes: int, grad_bytes: int, param_bytes: int, host_adam: float) -> float:
+    """Seconds of one host Adam step over ``params`` elements: its bytes per parameter over the kernel's
+    bandwidth, ``host_adam`` params/s x 28 bytes (the measured layout)."""
+    return params * (8 + 4 * moment_bytes + grad_bytes + param_bytes) / (host_adam * 28)
+
+
+def micro_step_seconds(n_params: int, tokens: int, checkpointing: bool, a: Assumptions,
+                       grad_down_bytes: int = 0) -> float:
+    """Seconds of one micro-step of ``tokens`` tokens: device compute (with the saturation rule), or the copy
+    of ``grad_down_bytes`` of gradients to the host when that is longer."""
+    rate = a.gpu_flops * min(1.0, tokens / a.saturation_tokens)
+    compute = (8 if checkpointing else 6) * n_params * tokens / rate
+    return max(compute, grad_down_bytes / a.pcie)
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    """One optimizer step by the model above, per rank.
+
+    Attributes:
+        micro_s: seconds of one micro-step; compute_s: of all ``gas`` of them.
+        host_s: seconds of the host step (0: the step runs on the device).
+        delayed: the host step runs beside the next step's compute (DPU).
+        exposed_s: host-step seconds the device waits; step_s: seconds per optimizer step.
+        tokens: tokens per optimizer step and rank.
+    """
+    micro_s: float
+    compute_s: float
+    host_s: float
+    delayed: bool
+    exposed_s: float
+    step_s: float
+    tokens: int
+
+    @property
+    def exposed_share(self) -> float:
+        """The share of the step the device waits on the host step (0 to 1)."""
+        return self.exposed_s / self.step_s if self.step_s > 0 else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Tokens per second and rank."""
+        return self.tokens / self.step_s if self.step_s > 0 else 0.0
+
+
+def step_timing(micro_s: float, gas: int, host_s: float, delayed: bool, tokens: int) -> StepTiming:
+    """The step of ``gas`` micro-steps of ``micro_s`` seconds and a host step of ``host_s`` seconds, delayed
+    (DPU) or not, carrying ``tokens`` tokens per rank."""
+    compute = gas * micro_s
+    exposed = max(0.0, host_s - compute) if delayed else host_s
+    return StepTiming(micro_s, compute, host_s, delayed, exposed, compute + exposed, tokens)
+
+
+def accumulation_to_hide(micro_s: float, host_s: float, delayed: bool,
+                         exposed_fraction: float = EXPOSED_FRACTION) -> int:
+    """The fewest micro-steps per optimizer step that leave at most ``exposed_fraction`` of the step to the
+    host step: with DPU ``gas x micro_s >= (1 - f) x host_s``; without, ``host_s <= f x (gas x micro_s +
+    host_s)``. May exceed `MAX_GRADIENT_ACCUMULATION` (the caller caps it)."""
+    if host_s <= 0:
+        return 1
+    f = exposed_fraction
+    need = (1 - f) * host_s if delayed else host_s * (1 - f) / f
+    return max(1, math.ceil(need / micro_s - 1e-9))

@@ -1,0 +1,179 @@
+"""Issue 20, section 5: the memory model counts the delayed update's spare gradient partition and the gradient
+staging of accumulation; the planner checks the fit with the delayed update on, and chooses the micro-batch,
+gradient accumulation and activation checkpointing, saying how much of the step the host step leaves exposed."""
+from __future__ import annotations
+
+import pytest
+
+import zero_offload
+from zero_offload.cli import main
+from zero_offload.estimate import estimate_memory
+from zero_offload.estimate.memory import default_plan_config
+from zero_offload.estimate.throughput import Assumptions, accumulation_to_hide, step_timing
+from zero_offload.flat import padded_numel, partition_numel
+from zero_offload.offload.grad_staging import STAGING_SLOTS, grad_staging_shape, uses_grad_staging
+from zero_offload.presets import gpt_units, preset
+
+GiB = 2**30
+SEED = dict(gpus=1, gpu_memory="80GB", host_memory="128GB")      # the seed's demo machine
+XL = dict(gpus=1, gpu_memory="24GB", host_memory="64GB")
+
+
+def _config(stage=2, gas=1, dpu=False, offload="cpu", offload_param=None, bucket=50_000_000):
+    cfg = default_plan_config()
+    cfg["gradient_accumulation_steps"] = gas
+    zero = {"stage": stage, "reduce_bucket_size": bucket, "offload_optimizer": {"device": offload}}
+    if dpu:
+        zero["offload_optimizer"]["delayed_param_update"] = True
+    if offload_param:
+        zero["offload_param"] = {"device": offload_param}
+    cfg["zero_optimization"] = zero
+    return cfg
+
+
+def test_the_delayed_update_counts_a_spare_gradient_partition():
+    plain = estimate_memory("gpt2-xl", _config(), 1, accelerator=True)
+    dpu = estimate_memory("gpt2-xl", _config(dpu=True), 1, accelerator=True)
+    assert "grad_spare" not in plain.host
+    assert dpu.host["grad_spare"] == dpu.host["grad_partition"] == plain.host["grad_partition"]
+    assert dpu.host_bytes - plain.host_bytes == dpu.host["grad_spare"]
+    # Under accumulation the partition and its spare are fp32; the engine's breakdown counts both as grad_partition.
+    acc = estimate_memory("gpt2-xl", _config(gas=4, dpu=True), 1, accelerator=True)
+    assert acc.host["grad_spare"] == acc.host["grad_partition"] == 2 * plain.host["grad_partition"]
+    states = acc.model_states()
+    assert states["grad_partition"] == acc.host["grad_partition"] + acc.host["grad_spare"] + acc.host["grad_staging"]
+    assert "grad_spare" not in states and "grad_staging" not in states
+
+
+def test_gradient_staging_is_one_bucket_per_reduction_in_flight():
+    for gas in (1, 2):
+        assert ("grad_staging" in estimate_memory("gpt2", _config(gas=gas), 1, accelerator=True).host) == (gas > 1)
+    est = estimate_memory("gpt2", _config(gas=2, bucket=1_000_000), 1, accelerator=True)
+    slots, numel = grad_staging_shape(1_000_000)
+    assert (slots, numel) == (STAGING_SLOTS, 1_000_000)
+    assert est.host["grad_staging"] == slots * numel * 2                # bf16 pieces
+    # A bucket never crosses a partition: with 2 ranks the largest piece is at most the partition.
+    est2 = estimate_memory("tiny", _config(gas=2, bucket=10**9), 2, accelerator=True)
+    part = max(partition_numel(n, 2) for n in zero_offload.estimate.model_shape("tiny").group_numels())
+    assert est2.host["grad_staging"] == STAGING_SLOTS * part * 2
+    # Stage 3: the largest piece is the largest unit's shard.
+    est3 = estimate_memory("gpt2", _config(stage=3, gas=2, offload_param="cpu"), 2, accelerator=True)
+    largest = max(sum(n) for _, _, n in gpt_units(preset("gpt2")))
+    assert est3.host["grad_staging"] == STAGING_SLOTS * (padded_numel(largest, 2) // 2) * 2
+    # Nothing on the host, or stage 1 (it overwrites at the boundary): no staging.
+    assert "grad_staging" not in estimate_memory("gpt2", _config(gas=2, offload="none"), 1, accelerator=True).host
+    assert not uses_grad_staging(1, True, 4) and not uses_grad_staging(2, False, 4) and uses_grad_staging(3, True, 2)
+    with pytest.raises(ValueError, match="pieces and slots >= 1"):
+        grad_staging_shape(0)
+
+
+def test_the_seeds_demo_plans_without_a_config():
+    p = zero_offload.plan("gpt2-10b", **SEED)
+    assert p.fits and p.name == "stage 2 + offload opt, bf16 moments"
+    b = p.batch
+    assert b.checkpointing is True and b.micro > 1                # recompute buys a micro-batch that fills the GPU
+    assert p.config["train_micro_batch_size_per_gpu"] == b.micro
+    assert p.config["gradient_accumulation_steps"] == b.gas
+    assert "activation_checkpointing" in p.reasons and p.reasons["activation_checkpointing"].startswith("on")
+    assert "exposed" in p.reasons["step"]
+    zero_offload.Config.load(p.config)
+    # Checked after the delayed update: 12 host bytes/param with its spare partition do not fit 128 GB, so it is
+    # off, and the plan says why.
+    assert not b.delayed and "does not fit" in p.reasons["delayed_param_update"]
+    with_dpu = estimate_memory("gpt2-10b", {**p.config, "zero_optimization": {
+        **p.config["zero_optimization"], "offload_optimizer": {"device": "cpu", "delayed_param_update": True}}},
+        1, micro_batch=b.micro, accelerator=True)
+    assert with_dpu.host_bytes > 0.9 * 128e9
+    assert b.estimate.host_bytes <= 0.9 * 128e9 and b.estimate.device_bytes <= 0.9 * 80e9
+    # With room for the spare partition the delayed update goes on and the host step is hidden.
+    roomy = zero_offload.plan("gpt2-10b", gpus=1, gpu_memory="80GB", host_memory="256GB")
+    assert roomy.batch.delayed and roomy.batch.timing.exposed_share <= 0.10
+    assert roomy.batch.estimate.host.get("grad_spare", 0) > 0
+
+
+def test_accumulation_hides_the_host_step():
+    """gpt2-xl on a 24 GB GPU: micro-batch 1 without accumulation left the device idle ~98 % of the step."""
+    p = zero_offload.plan("gpt2-xl", **XL)
+    t = p.batch.timing
+    assert p.name == "stage 2 + offload opt" and p.batch.delayed
+    assert p.batch.gas > 1 and p.batch.micro * p.batch.gas * 1024 == t.tokens
+    assert t.compute_s >= 0.9 * t.host_s and t.exposed_share <= 0.10
+    assert t.exposed_s == max(0.0, t.host_s - t.compute_s) and t.step_s == t.compute_s + t.exposed_s
+    assert p.batch.estimate.host["grad_staging"] > 0 and p.batch.estimate.host["grad_spare"] > 0
+    # A faster host needs fewer tokens per step; a faster GPU more.
+    fast_host = zero_offload.plan("gpt2-xl", host_adam=2e10, **XL).batch.timing
+    fast_gpu = zero_offload.plan("gpt2-xl", gpu_flops=1.6e15, **XL).batch.timing
+    assert fast_host.tokens < t.tokens < fast_gpu.tokens
+
+
+def test_exposed_share_of_the_step_model():
+    t = step_timing(micro_s=0.25, gas=2, host_s=1.0, delayed=True, tokens=4096)
+    assert (t.compute_s, t.exposed_s, t.step_s) == (0.5, 0.5, 1.0) and t.exposed_share == 0.5
+    t = step_timing(micro_s=0.25, gas=2, host_s=1.0, delayed=False, tokens=4096)
+    assert t.exposed_s == 1.0 and t.step_s == 1.5 and abs(t.exposed_share - 2 / 3) < 1e-12
+    assert accumulation_to_hide(0.25, 1.0, delayed=True) == 4          # 4 x 0.25 >= 0.9 x 1.0
+    assert accumulation_to_hide(0.25, 1.0, delayed=False) == 36        # 1.0 <= 0.1 x (36 x 0.25 + 1.0)
+    assert accumulation_to_hide(0.25, 0.0, delayed=True) == 1
+    with pytest.raises(ValueError, match="gpu_flops must be a number > 0"):
+        Assumptions(gpu_flops=0)
+
+
+def test_given_settings_are_kept():
+    p = zero_offload.plan("gpt2-xl", micro_batch=2, gradient_accumulation=3, activation_checkpointing=True, **XL)
+    assert (p.batch.micro, p.batch.gas, p.batch.checkpointing) == (2, 3, True)
+    assert "given micro-batch, given accumulation" in p.reasons["batch"]
+    off = zero_offload.plan("gpt2-xl", activation_checkpointing=False, **XL)
+    assert off.batch.checkpointing is False and "activation_checkpointing" not in off.reasons
+    # A config's batch keys and its delayed-update choice are kept.
+    cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "bf16": {"enabled": True},
+           "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "delayed_param_update": False}}}
+    p = zero_offload.plan("gpt2-xl", config=cfg, **XL)
+    assert (p.batch.micro, p.batch.gas, p.batch.delayed) == (4, 2, False)
+    # Without an accelerator nothing but stage and offload is chosen: the config's batch, no step model.
+    cpu = zero_offload.plan("tiny", gpus=1, gpu_memory=None, host_memory="24GiB")
+    assert cpu.batch.timing is None and cpu.batch.micro == 1 and "batch" not in cpu.reasons
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(gradient_accumulation=0), "gradient_accumulation must be an integer >= 1"),
+    (dict(micro_batch=0), "micro_batch must be an integer >= 1"),
+    (dict(host_adam=-1.0), "host_adam must be a number > 0"),
+    (dict(pcie=0.0), "pcie must be a number > 0"),
+])
+def test_bad_batch_input(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        zero_offload.plan("gpt2", **XL, **kwargs)
+
+
+def _cli(capsys, *argv):
+    rc = main(["estimate", "--no-deepspeed", *argv])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_cli_plans_the_demo_and_says_what_is_exposed(capsys):
+    rc, out, _ = _cli(capsys, "--model", "gpt2-10b", "--gpus", "1", "--gpu-mem", "80GB", "--host-mem", "128GB")
+    assert rc == 0 and "plan: stage 2 + offload opt, bf16 moments" in out
+    assert "activation_checkpointing: on" in out and "of the step exposed" in out and "grad_partition" not in out
+    rc, out, _ = _cli(capsys, "--model", "gpt2-xl", "--gpus", "1", "--gpu-mem", "24GB", "--host-mem", "64GB")
+    assert rc == 0 and "gradient accumulation" in out and "leaves 0% of the step exposed" in out
+    assert "grad_spare:" in out and "grad_staging:" in out
+    rc, out, _ = _cli(capsys, "--model", "gpt2-xl", "--gpu-mem", "24", "--host-mem", "64", "--micro-batch", "2",
+                      "--grad-accum", "3", "--activation-checkpointing", "off", "--gpu-tflops", "200",
+                      "--host-adam", "4e9", "--pcie", "50")
+    assert rc == 0 and "micro-batch 2 x 1024 tokens, gradient accumulation 3" in out
+    assert "at 200 TFLOP/s" in out and "at 4.00 Gparam/s" in out and "at 50 GB/s" in out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--grad-accum", "0"], "--grad-accum must be a whole number >= 1, got '0'"),
+    (["--micro-batch", "two"], "--micro-batch must be a whole number >= 1, got 'two'"),
+    (["--gpu-tflops", "0"], "--gpu-tflops must be a number > 0, got '0'"),
+    (["--host-adam", "fast"], "--host-adam must be a number > 0, got 'fast'"),
+    (["--pcie=-5"], "--pcie must be a number > 0, got '-5'"),
+    (["--gpus", "0"], "--gpus must be >= 1, got 0"),
+    (["--seq-len", "0"], "--seq-len must be >= 1, got 0"),
+])
+def test_cli_bad_batch_flags_name_the_flag(capsys, argv, message):
+    rc, _, err = _cli(capsys, "--model", "gpt2", "--gpu-mem", "80GB", "--host-mem", "64GB", *argv)
+    assert rc == 2 and message in err, err

@@ -210,24 +210,26 @@ def test_every_shipped_config_loads():
 
 
 def test_sharded_build_initialises_like_gpt():
+    """The main job builds large models under init_sharded and passes no param_init_fn: GPT's own
+    initialisation (written by its __init__ into already-sharded children) gives a normal build's weights."""
     import math
 
     import torch
 
     from zero_offload.train.model import GPT, GPTConfig
-    from zero_offload.train.planning import gpt_param_init_fn
     cfg = GPTConfig(vocab_size=512, block_size=16, n_layer=2, n_head=4, n_embd=128)
+    torch.manual_seed(0)
+    normal = GPT(cfg).state_dict()
+    torch.manual_seed(0)
     with zero_offload.init_sharded():
         model = GPT(cfg)
     engine = zero_offload.initialize(model, {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam"},
-                                             "zero_optimization": {"stage": 3}},
-                                     param_init_fn=gpt_param_init_fn(model, cfg.n_layer))
+                                             "zero_optimization": {"stage": 3}})
     state = engine.full_state_dict()
-    assert abs(state["transformer.h.0.attn.c_attn.weight"].std().item() - 0.02) < 0.002
+    for name, value in state.items():
+        assert torch.equal(value, normal[name].float()), name
     residual = 0.02 / math.sqrt(2 * cfg.n_layer)
     assert abs(state["transformer.h.1.mlp.c_proj.weight"].std().item() - residual) < 0.1 * residual
-    assert torch.equal(state["transformer.h.0.ln_1.weight"], torch.ones(cfg.n_embd))
-    assert torch.equal(state["transformer.h.0.attn.c_attn.bias"], torch.zeros(3 * cfg.n_embd))
     g = torch.Generator().manual_seed(0)
     x, y = (torch.randint(0, cfg.vocab_size, (2, cfg.block_size), generator=g) for _ in range(2))
     _, loss = engine(x, y)

@@ -36,7 +36,10 @@ def test_the_delayed_update_counts_a_spare_gradient_partition():
     dpu = estimate_memory("gpt2-xl", _config(dpu=True), 1, accelerator=True)
     assert "grad_spare" not in plain.host
     assert dpu.host["grad_spare"] == dpu.host["grad_partition"] == plain.host["grad_partition"]
-    assert dpu.host_bytes - plain.host_bytes == dpu.host["grad_spare"]
+    # ... and the 16-bit partition its host step writes for publish, in place of the small staging ring.
+    assert dpu.host["param_staging"] == plain.host["grad_partition"] > plain.host["param_staging"]
+    assert dpu.host_bytes - plain.host_bytes == (dpu.host["grad_spare"] + dpu.host["param_staging"]
+                                                 - plain.host["param_staging"])
     # Under accumulation the partition and its spare are fp32; the engine's breakdown counts both as grad_partition.
     acc = estimate_memory("gpt2-xl", _config(gas=4, dpu=True), 1, accelerator=True)
     assert acc.host["grad_spare"] == acc.host["grad_partition"] == 2 * plain.host["grad_partition"]

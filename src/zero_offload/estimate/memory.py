@@ -278,7 +278,12 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
         est.formulas["grad_staging"] = (f"gradient accumulation: {slots} pinned buffers (one per reduction in "
                                         f"flight) x the largest reduced piece ({numel:,} elements) x d")
     ring_used = offload_opt and not offload_param   # a 16-bit partition on the device is filled through it
-    if ring_used and d < 4 and not state_nvme and parts:
+    if ring_used and d < 4 and not state_nvme and parts and zc.offload_optimizer.delayed_param_update:
+        # The delayed update's host step writes the 16-bit partition into pinned memory that publish copies up.
+        for p in parts:
+            host("param_staging", p, dtype)
+        est.formulas["param_staging"] = "delayed update: the 16-bit partition the host step writes (P x d)"
+    elif ring_used and d < 4 and not state_nvme and parts:
         # Updated 16-bit parameters go up through a small pinned ring, not a partition-sized copy.
         slots, slot_numel = ring_shape(max(parts))
         host("param_staging", slots * slot_numel, dtype)

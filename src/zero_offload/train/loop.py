@@ -18,7 +18,7 @@ from zero_offload.comm import DistContext, barrier, broadcast_object
 from zero_offload.config import Config, ConfigError
 from zero_offload.train.data import prepare_data
 from zero_offload.train.model import GPT, count_parameters, flops_per_token, preset
-from zero_offload.train.planning import choose_config, gpt_param_init_fn, needs_sharded_init, peak_flops
+from zero_offload.train.planning import choose_config, needs_sharded_init, peak_flops
 from zero_offload.train.report import plot_losses, write_sample
 
 __all__ = ["TrainArgs", "default_config", "train"]
@@ -161,11 +161,10 @@ def _train(args: TrainArgs, ctx: DistContext, config: Config, choice, out: Path,
     data = _prepare(args, ctx, out)
     torch.manual_seed(args.seed)
     model_cfg = preset(args.model, vocab_size=data.vocab_size)
-    init_fn = None
     if needs_sharded_init(model_cfg, choice.raw, ctx.world_size):
-        with zero_offload.init_sharded():       # no rank holds the whole model: built unit by unit
+        # No rank holds the whole model: built unit by unit; GPT's own initialisation writes through.
+        with zero_offload.init_sharded():
             model = GPT(model_cfg)
-        init_fn = gpt_param_init_fn(model, model_cfg.n_layer)
     else:
         model = GPT(model_cfg)
     counts = count_parameters(model.config)
@@ -173,8 +172,7 @@ def _train(args: TrainArgs, ctx: DistContext, config: Config, choice, out: Path,
                    f"({counts.non_embedding / 1e6:.2f}M non-embedding), vocab {data.vocab_size}, "
                    f"context {seq_len}, {ctx.world_size} rank(s) on {ctx.device.type}")
     wd = config.optimizer.params.weight_decay
-    engine = zero_offload.initialize(model, config, model_parameters=model.optimizer_groups(wd),
-                                     param_init_fn=init_fn)
+    engine = zero_offload.initialize(model, config, model_parameters=model.optimizer_groups(wd))
     start = 0
     if args.resume:
         start = engine.load_checkpoint(ckpt_dir)["step"]

@@ -2,19 +2,17 @@
 it fits before any work is done. Also how a preset too large for host memory is built (`init_sharded`)."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import psutil
 import torch
-import torch.nn as nn
 
 from zero_offload.config import Config
 from zero_offload.estimate import estimate_memory, fmt_bytes, plan
 from zero_offload.estimate.planner import HEADROOM
 from zero_offload.presets import GPTConfig, count_parameters
 
-__all__ = ["Choice", "choose_config", "needs_sharded_init", "gpt_param_init_fn", "peak_flops"]
+__all__ = ["Choice", "choose_config", "needs_sharded_init", "peak_flops"]
 
 
 @dataclass
@@ -79,25 +77,6 @@ def needs_sharded_init(model: GPTConfig, raw: dict, world_size: int, host_availa
         return False
     host = psutil.virtual_memory().available if host_available is None else host_available
     return 4 * count_parameters(model).total * world_size > host / 2
-
-
-def gpt_param_init_fn(model: nn.Module, n_layer: int):
-    """``param_init_fn`` for a GPT built under `init_sharded`: the same GPT-2 initialisation as
-    ``GPT.init_weights``, one module at a time (projections into the residual stream scaled by
-    1/sqrt(2 n_layer))."""
-    names = {id(m): n for n, m in model.named_modules()}
-    residual_std = 0.02 / math.sqrt(2 * n_layer)
-
-    def init(module: nn.Module) -> None:
-        if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, 0.0, residual_std if names.get(id(module), "").endswith("c_proj") else 0.02)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, 0.0, 0.02)
-        elif isinstance(module, nn.LayerNorm):
-            module.reset_parameters()
-    return init
 
 
 # Dense peak TFLOP/s of 16-bit tensor-core matmuls (vendor data sheets; SXM parts), for MFU.

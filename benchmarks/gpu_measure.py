@@ -107,6 +107,18 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
+def timed_steps(one_step, device, steps: int, warmup: int = 2) -> float:
+    """Seconds for ``steps`` calls of ``one_step`` after ``warmup`` untimed ones, synchronised at both ends."""
+    for _ in range(warmup):
+        one_step()
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        one_step()
+    _sync(device)
+    return time.perf_counter() - start
+
+
 def _reset_peak(device) -> None:
     torch = _torch()
     if device.type == "cuda":
@@ -174,14 +186,7 @@ def run_engine(cfg_model, config: dict, device, steps: int, split_steps: int, sh
         engine.step()
         losses.append(loss)
 
-    for _ in range(2):
-        one_step()
-    _sync(device)
-    start = time.perf_counter()
-    for _ in range(steps):
-        one_step()
-    _sync(device)
-    elapsed = time.perf_counter() - start
+    elapsed = timed_steps(one_step, device, steps)
     resident = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     timings: dict = {}
     for _ in range(split_steps):
@@ -229,14 +234,7 @@ def run_plain(cfg_model, device, micro: int, steps: int, profile: bool = True) -
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    for _ in range(2):
-        one_step()
-    _sync(device)
-    start = time.perf_counter()
-    for _ in range(steps):
-        one_step()
-    _sync(device)
-    elapsed = time.perf_counter() - start
+    elapsed = timed_steps(one_step, device, steps)
     traced = profile_steps(one_step, device) if profile else {}
     result = {"tokens_per_s": micro * seq * steps / elapsed, "step_s": elapsed / steps, "micro_batch": micro,
               "peak_device_bytes": _peak(device), "peak_rss_bytes": _peak_rss_bytes(),

@@ -111,7 +111,7 @@ def main() -> None:
         __import__("transformers").GPT2Config(vocab_size=args.vocab, n_positions=args.seq, n_embd=args.dim,
                                               n_layer=args.layers, n_head=args.dim // 64)).parameters())
     print(f"GPT-2 {params / 1e6:.1f}M params, batch {args.batch} x {args.seq}, {args.threads} threads, "
-          f"{args.rounds} rounds x {args.steps - args.warmup} timed steps; {platform.processor() or platform.machine()}")
+          f"{args.rounds} rounds x {args.steps - args.warmup} timed steps; {platform.machine()}")
     print(f"{'variant':<22}{'median step (s)':>16}{'ratio to plain':>16}")
     result = {"args": vars(args), "params": params, "variants": {}}
     for v in variants:

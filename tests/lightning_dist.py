@@ -39,3 +39,7 @@ def main(out_path: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    import torch.distributed as dist
+    if dist.is_initialized():       # an orderly exit: gloo's threads stopped before the interpreter ends
+        dist.barrier()
+        dist.destroy_process_group()

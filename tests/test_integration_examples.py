@@ -1,6 +1,7 @@
 """The README's runnable examples for the Hugging Face Trainer and Lightning (examples/), run as users run them:
 a tiny GPT-2 built from a config (nothing downloaded) fine-tuned at stage 3 with everything offloaded, saved and
-loaded back with from_pretrained; a LightningModule at stage 2 with ModelCheckpoint."""
+loaded back with from_pretrained; a LightningModule at stage 2 with ModelCheckpoint. And ``import
+zero_offload`` needs neither extra."""
 import os
 import subprocess
 import sys
@@ -12,7 +13,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _run(script, *args):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")   # run as users do
+    env = {k: v for k, v in os.environ.items() if k not in launcher}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])
     return subprocess.run([sys.executable, str(ROOT / "examples" / script), *args], capture_output=True, text=True,
                           timeout=600, env=env)
 
@@ -31,3 +34,25 @@ def test_lightning_example_trains_and_checkpoints(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert "trained 8 steps" in out.stdout
     assert (tmp_path / "checkpoints" / "epoch=0-step=8.ckpt" / "checkpoint" / "manifest.json").is_file()
+
+
+def test_import_zero_offload_needs_neither_extra():
+    code = ("import sys\n"
+            "class Block:\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name.split('.')[0] in ('transformers', 'accelerate', 'lightning', 'pytorch_lightning'):\n"
+            "            raise ImportError('blocked: ' + name)\n"
+            "sys.meta_path.insert(0, Block())\n"
+            "import zero_offload, zero_offload.deepspeed, zero_offload.cli\n"
+            "try:\n"
+            "    import zero_offload.hf\n"
+            "except ImportError as e:\n"
+            "    assert \"pip install 'zero-offload[hf]'\" in str(e), e\n"
+            "try:\n"
+            "    import zero_offload.lightning\n"
+            "except ImportError as e:\n"
+            "    assert \"pip install 'zero-offload[lightning]'\" in str(e), e\n"
+            "print('ok')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]

@@ -24,6 +24,19 @@ ROOT = Path(__file__).resolve().parent.parent
 _REF: dict = {}
 
 
+@pytest.fixture(autouse=True)
+def _leave_no_process_group():
+    """Lightning's DDP-based strategies create a one-rank gloo group and set MASTER_PORT, LOCAL_RANK, ... in this
+    process; later tests (the forked multi-rank ones) need neither."""
+    env = dict(os.environ)
+    yield
+    import torch.distributed as dist
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(env)
+
+
 def _fit(strategy=None, n=10, module_kw=None, fit_kw=None, **overrides):
     module = runs.make_module(**(module_kw or {}))
     trainer = runs.trainer(strategy, **overrides)

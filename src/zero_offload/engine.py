@@ -132,13 +132,17 @@ class Engine:
             return self.module(*args, **kwargs)
 
     @deadline
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False,
+                 end_accumulation: bool = False) -> torch.Tensor:
         """Backward of ``loss`` / gradient_accumulation_steps (x loss scale under fp16).
 
         Gradients are reduced across ranks while backward runs (stage 2: every micro-step; stages 0/1:
         on the boundary micro-step). Returns the scaled loss that was back-propagated. ``retain_graph`` is
         torch's: the graph stays for another backward through it (at stage 3 the parameters it saved are
-        gathered again when that backward reads them).
+        gathered again when that backward reads them). ``end_accumulation=True`` makes this backward the
+        boundary even before gradient_accumulation_steps micro-steps ran (a shorter last accumulation of an
+        epoch, as accelerate's ``set_gradient_accumulation_boundary(True)`` under transformers' ``Trainer``);
+        the loss is still divided by gradient_accumulation_steps, and the next accumulation starts afresh.
 
         Raises:
             ValueError: ``loss`` is not a scalar tensor.
@@ -154,7 +158,8 @@ class Engine:
         # Another backward after the boundary one and before step() adds to the gradients to be stepped (as
         # DeepSpeed's stage 3 does); it is not a new micro-step of the next accumulation.
         extra = self._boundary_pending
-        boundary = extra or (self.micro_steps + 1) % gas == 0
+        counted = (self.micro_steps + 1) % gas == 0
+        boundary = extra or counted or end_accumulation
         scaled = loss.float() / gas if gas > 1 else loss.float()
         if self.scaler.enabled:
             scaled = scaled * self.scaler.scale
@@ -163,6 +168,8 @@ class Engine:
         self.zero.end_micro_step()
         if not extra:
             self.micro_steps += 1
+            if boundary and not counted:
+                self.micro_steps += -self.micro_steps % gas     # a shortened accumulation: realign the count
         self._boundary_pending = boundary
         return scaled
 

@@ -131,8 +131,11 @@ def _validate(m) -> None:
         _number(_need(scaler, key, None, "engine.loss_scaler"), f"engine.loss_scaler.{key}")
     if engine["lr_scheduler"] is not None:
         sched = _need(engine, "lr_scheduler", dict, "engine")
-        _number(_need(sched, "last_batch_iteration", None, "engine.lr_scheduler"),
-                "engine.lr_scheduler.last_batch_iteration")
+        # DeepSpeed's schedules count last_batch_iteration; a torch LRScheduler (a client's or transformers'
+        # Trainer's own schedule) counts last_epoch.
+        key = "last_epoch" if "last_epoch" in sched and "last_batch_iteration" not in sched \
+            else "last_batch_iteration"
+        _number(_need(sched, key, None, "engine.lr_scheduler"), f"engine.lr_scheduler.{key}")
 
 
 def _validate_group(group, path: str, partitions: int, names: set) -> None:

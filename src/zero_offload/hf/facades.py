@@ -1,0 +1,90 @@
+"""What transformers' ``Trainer`` loop holds while zero-offload's engine trains: the model, optimizer and schedule.
+
+The Trainer calls ``model(**inputs)``, ``optimizer.step()``, ``lr_scheduler.step()``, ``model.zero_grad()``
+and ``lr_scheduler.get_last_lr()``. Under DeepSpeed, accelerate runs ``engine.step()`` inside
+``accelerator.backward`` at the accumulation boundary and turns the optimizer and schedule calls into no-ops;
+these facades do the same for our `Engine` (see `zero_offload.hf.trainer`). They hold no state of their own.
+"""
+from __future__ import annotations
+
+import torch
+
+from zero_offload.engine import Engine
+
+__all__ = ["EngineModule", "EngineOptimizer", "EngineSchedule"]
+
+
+class EngineModule(torch.nn.Module):
+    """``trainer.model_wrapped``: an ``nn.Module`` whose only child is the model (``.module``), whose forward is
+    the engine's (`Engine.forward`: at stage 3 the first micro-step records the gather order).
+
+    ``zero_grad()`` is a no-op: the engine clears its gradients at each step, and at stages 0/1 a parameter's
+    ``.grad`` is a view into the engine's flat gradient buffer, which ``module.zero_grad()`` would drop.
+    """
+
+    def __init__(self, engine: Engine):
+        super().__init__()
+        self.engine = engine            # a plain attribute: Engine is not an nn.Module
+        self.module = engine.module
+
+    def forward(self, *args, **kwargs):
+        return self.engine(*args, **kwargs)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        return None
+
+    def _get_name(self) -> str:         # nn.Module's hook for repr; the Trainer reads it for label smoothing
+        return type(self.module).__name__
+
+
+class EngineOptimizer:
+    """``trainer.optimizer``: the engine's live param groups (``param_groups``, read by callbacks and for the
+    learning rate); ``step()`` and ``zero_grad()`` are no-ops, since the engine stepped at the boundary
+    backward (as ``accelerate.utils.DeepSpeedOptimizerWrapper``)."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.engine.optimizer.param_groups
+
+    @property
+    def defaults(self) -> dict:
+        return self.engine.optimizer.defaults
+
+    def step(self, closure=None) -> None:
+        return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        return None
+
+
+class EngineSchedule:
+    """``trainer.lr_scheduler``: ``get_last_lr()`` gives the learning rates the last optimizer step used (what
+    plain ``Trainer`` logs, read after ``optimizer.step()`` and before ``lr_scheduler.step()``), or the current
+    ones before the first step. ``step()`` is a no-op: the engine steps its schedule (the config's, or the
+    Trainer's own ``lr_scheduler_type`` set as ``engine.lr_scheduler``). ``state_dict()`` is that schedule's."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.last_lrs = list(engine.get_lr())
+
+    def record(self) -> None:
+        """Remember the learning rates of the step about to run (call right before ``engine.step()``)."""
+        self.last_lrs = list(self.engine.get_lr())
+
+    def get_last_lr(self) -> list[float]:
+        return list(self.last_lrs)
+
+    def step(self, *args, **kwargs) -> None:
+        return None
+
+    def state_dict(self) -> dict:
+        sched = self.engine.lr_scheduler
+        return sched.state_dict() if sched is not None else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        sched = self.engine.lr_scheduler
+        if sched is not None and state:
+            sched.load_state_dict(state)

@@ -160,6 +160,34 @@ def test_boundary_grad_norm_and_skipped_steps():
     engine.zero_grad()
 
 
+@pytest.mark.parametrize("stage,offload", [(2, "cpu"), (3, "none")])
+def test_forced_boundary_on_a_first_micro_step_steps_that_micro_batch_alone(stage, offload):
+    """set_gradient_accumulation_boundary(True) right after a step: a one-micro-step accumulation whose gradient
+    is that micro-batch's alone (divided by gradient_accumulation_steps, as DeepSpeed's backward does), not added
+    onto the previous accumulation's partition."""
+    engine, *_ = deepspeed.initialize(model=make_model(), config={
+        "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}},
+        "zero_optimization": {"stage": stage, "offload_optimizer": {"device": offload}}})
+    ref = make_model()
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD)
+    x, y = batch(0, 3 * MICRO)
+    rows = [slice(k * MICRO, (k + 1) * MICRO) for k in range(3)]
+    for accumulation in ([rows[0], rows[1]], [rows[2]]):
+        for k, r in enumerate(accumulation):
+            if len(accumulation) == 1:
+                engine.set_gradient_accumulation_boundary(True)
+            engine.backward(engine(x[r], y[r]))
+            engine.step()
+            (ref(x[r], y[r]) / 2).backward()
+        opt.step()
+        opt.zero_grad()
+    assert engine.global_steps == 2
+    with zero_offload.gathered_parameters(engine.module.parameters()):
+        for (name, p), q in zip(engine.module.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=1e-5, msg=name)
+
+
 def test_save_16bit_model_and_load_checkpoint(tmp_path):
     cfg = {**CFG, **ADAM, "zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}
     engine, *_ = deepspeed.initialize(model=make_model(), config=cfg)

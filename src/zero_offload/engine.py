@@ -151,9 +151,9 @@ class Engine:
             raise ValueError(f"engine.backward needs a scalar loss tensor, got {type(loss).__name__} "
                              f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
         with self._timer.phase("backward"):
-            return self._backward(loss, retain_graph)
+            return self._backward(loss, retain_graph, end_accumulation)
 
-    def _backward(self, loss: torch.Tensor, retain_graph: bool) -> torch.Tensor:
+    def _backward(self, loss: torch.Tensor, retain_graph: bool, end_accumulation: bool) -> torch.Tensor:
         gas = self.batch.gradient_accumulation_steps
         # Another backward after the boundary one and before step() adds to the gradients to be stepped (as
         # DeepSpeed's stage 3 does); it is not a new micro-step of the next accumulation.
@@ -172,6 +172,11 @@ class Engine:
                 self.micro_steps += -self.micro_steps % gas     # a shortened accumulation: realign the count
         self._boundary_pending = boundary
         return scaled
+
+    def next_backward_is_boundary(self) -> bool:
+        """True when the next backward completes gradient_accumulation_steps micro-steps (or adds to a boundary
+        backward not yet stepped)."""
+        return self._boundary_pending or (self.micro_steps + 1) % self.batch.gradient_accumulation_steps == 0
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """True when the last backward completed a full set of micro-batches."""

@@ -60,20 +60,14 @@ class DeepSpeedEngine(torch.nn.Module):
         if not scale_wrt_gas:
             raise ValueError("engine.backward(scale_wrt_gas=False) is not built in zero-offload: every "
                              "backward is divided by gradient_accumulation_steps")
+        end = False
         if self._boundary_override is not None:
-            self._force_boundary(self._boundary_override)
-        self.engine.backward(loss, retain_graph=retain_graph)
+            end = self._boundary_override and not self.engine.next_backward_is_boundary()
+            if not self._boundary_override and self.engine.next_backward_is_boundary():
+                raise ValueError("set_gradient_accumulation_boundary(False) on the last micro-step of an "
+                                 "accumulation is not built: the accumulation length is gradient_accumulation_steps")
+        self.engine.backward(loss, retain_graph=retain_graph, end_accumulation=end)
         return loss
-
-    def _force_boundary(self, boundary: bool) -> None:
-        """Make the next backward a boundary (or not) by placing it in the accumulation cycle."""
-        gas = self.engine.gradient_accumulation_steps
-        pos = self.engine.micro_steps % gas
-        if boundary and pos != gas - 1:
-            self.engine.micro_steps += gas - 1 - pos
-        elif not boundary and pos == gas - 1:
-            raise ValueError("set_gradient_accumulation_boundary(False) on the last micro-step of an "
-                             "accumulation is not built: the accumulation length is gradient_accumulation_steps")
 
     def step(self, lr_kwargs: dict | None = None) -> None:
         """The optimizer step at the accumulation boundary (a no-op between boundaries); call it after every

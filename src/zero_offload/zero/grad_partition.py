@@ -8,7 +8,7 @@ import torch
 from torch.profiler import record_function
 
 from zero_offload.flat import FlatParams
-from zero_offload.offload.copies import CopyHandle, Copies
+from zero_offload.offload.copies import DONE, CopyHandle, Copies
 from zero_offload.zero.buckets import GradBucket
 
 __all__ = ["GradPartition", "GradSource", "ReadyGrad"]
@@ -85,25 +85,31 @@ class GradPartition:
         view = flat_grad[lo:hi] if (stage < 2 and not offload) else None
         return cls(hi - lo, flat.dtype, flat.device, stage, offload, accumulate_fp32, copies, view, lo)
 
-    def consume(self, bucket: GradBucket, reduced: torch.Tensor, first_micro_step: bool) -> None:
-        """Take this rank's reduced ``bucket`` (already waited for) into the partition."""
-        if not self.in_place:
-            self.accumulate(bucket.lo - self.lo, reduced, first_micro_step)
+    def consume(self, bucket: GradBucket, reduced: torch.Tensor, first_micro_step: bool) -> CopyHandle:
+        """Take this rank's reduced ``bucket`` (already waited for) into the partition; returns the handle of
+        the copy that still reads ``reduced`` (`DONE` when none does): ``reduced`` is not rewritten before it."""
+        if self.in_place:
+            return DONE
+        return self.accumulate(bucket.lo - self.lo, reduced, first_micro_step)
 
     @record_function("zero_offload.grad_partition.accumulate")
-    def accumulate(self, offset: int, reduced: torch.Tensor, first_micro_step: bool) -> None:
-        """Copy (first micro-step, or stage 1) or add ``reduced`` into the partition at ``offset``."""
+    def accumulate(self, offset: int, reduced: torch.Tensor, first_micro_step: bool) -> CopyHandle:
+        """Copy (first micro-step, or stage 1) or add ``reduced`` into the partition at ``offset``; returns the
+        handle of the copy down that reads ``reduced`` (`DONE` when nothing reads it any more)."""
         dst = self.buffer[offset:offset + reduced.numel()]
         overwrite = first_micro_step or self.stage < 2
         if not self.offload:
             dst.copy_(reduced) if overwrite else dst.add_(reduced)
-            return
+            return DONE
         if overwrite:
-            self.pending.append((self.copies.to_host(dst, reduced), None, offset))
+            handle = self.copies.to_host(dst, reduced)
+            self.pending.append((handle, None, offset))
         else:
             staging = self._staging(reduced.numel(), reduced.dtype)
-            self.pending.append((self.copies.to_host(staging, reduced), staging, offset))
+            handle = self.copies.to_host(staging, reduced)
+            self.pending.append((handle, staging, offset))
         self._drain(block=False)
+        return handle
 
     def _staging(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         free = self.staging.get((numel, dtype))

@@ -1,0 +1,117 @@
+"""Stream ordering checked on the CPU (issue 20, section 2): with ``ZERO_OFFLOAD_SIMULATE_STREAMS=1`` every
+asynchronous copy, collective and NVMe request lands later, on a worker thread (`zero_offload.offload.simulated`).
+
+- bf16 runs with gradient accumulation 2 of ZeRO-2 + offload, ZeRO-2 + offload + the delayed parameter update,
+  stage 3 with the optimizer and the parameters offloaded (one rank, and two ranks, where the gathers and
+  reduce-scatters are simulated collectives) and NVMe offload end **bitwise** equal with and without the
+  simulation: masters, 16-bit weights, every step's loss and gradient norm;
+- the same runs with every wait skipped (``ZERO_OFFLOAD_SIMULATE_STREAMS_SKIP_WAITS=1``) differ: the simulation
+  sees a missing wait (without this the first check would prove nothing);
+- the exactness matrix of `test_exact16` (its cases with copies in flight: every offloaded case, and stage 3 at
+  two ranks) holds under the simulation against the 16-bit reference.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from dist_utils import run_ranks
+from reference import engine_run
+from reference16 import lockstep_runs
+from test_exact16 import DPU_WARMUP, STEPS, Case, case_config, check, reference_kwargs
+from zero_offload.offload import simulated
+
+MODES = {"off": {}, "sim": {simulated.ENV: "1"}, "skip": {simulated.ENV: "1", simulated.SKIP_WAITS_ENV: "1"}}
+
+# bf16, gradient accumulation 2: (name, case, world size)
+RUNS = [("zero2-offload", Case("bf16", 2, "cpu", 2, True), 1),
+        ("zero2-offload-dpu", Case("bf16", 2, "cpu", 2, True, dpu=True), 1),
+        ("zero3-offload-params", Case("bf16", 3, "cpu", 2, True), 1),
+        ("zero3-offload-params-2ranks", Case("bf16", 3, "cpu", 2, True), 2),
+        ("zero2-nvme", Case("bf16", 2, "nvme", 2, True), 1),
+        ("zero3-nvme-params", Case("bf16", 3, "nvme", 2, True), 1)]
+
+
+def in_mode(mode: str, fn, *args):
+    """``fn(*args)`` with the simulation's variables set as ``mode`` says (restored after)."""
+    saved = {k: os.environ.pop(k, None) for k in (simulated.ENV, simulated.SKIP_WAITS_ENV)}
+    os.environ.update(MODES[mode])
+    try:
+        return fn(*args)
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k, None)
+            if v is not None:
+                os.environ[k] = v
+
+
+def summary(config: dict) -> dict:
+    """What one run ends with: fp32 masters, 16-bit weights, per-step losses and gradient norms."""
+    masters, params, losses, norms = engine_run(config, STEPS, with_norms=True)
+    return {"masters": masters, "params": params, "losses": losses, "norms": norms}
+
+
+def run_in_mode(mode: str, config: dict, ws: int) -> dict:
+    if ws == 1:
+        return in_mode(mode, summary, config)
+    return run_ranks(in_mode, ws, mode, summary, config)[0]
+
+
+def differences(a: dict, b: dict) -> list[str]:
+    """What differs, bitwise, between two run summaries."""
+    out = [f"{kind}.{n}" for kind in ("masters", "params") for n in a[kind]
+           if not torch.equal(a[kind][n], b[kind][n])]
+    return out + [k for k in ("losses", "norms") if a[k] != b[k]]
+
+
+@pytest.fixture(scope="module")
+def summaries(tmp_path_factory):
+    out = {}
+    for name, case, ws in RUNS:
+        config = case_config(case, ws, str(tmp_path_factory.mktemp(f"nvme-{name}")))
+        out[name] = {mode: run_in_mode(mode, config, ws) for mode in MODES}
+    return out
+
+
+@pytest.mark.parametrize("name", [r[0] for r in RUNS])
+def test_simulated_streams_change_nothing(summaries, name):
+    runs = summaries[name]
+    assert differences(runs["off"], runs["sim"]) == []
+
+
+@pytest.mark.parametrize("name", [r[0] for r in RUNS])
+def test_skipped_waits_are_seen(summaries, name):
+    runs = summaries[name]
+    assert differences(runs["off"], runs["skip"]), "skipping every wait changed nothing: the simulation is blind"
+
+
+def test_simulation_delays_work(tmp_path):
+    """The simulated runs really went through the delayed paths: copies, collectives and NVMe pieces."""
+    before = simulated.counts()
+    in_mode("sim", summary, case_config(Case("bf16", 2, "nvme", 2, True), 1, str(tmp_path)))
+    after = simulated.counts()
+    assert after.copies > before.copies and after.collectives > before.collectives and after.io > before.io
+
+
+# test_exact16's cases that have work in flight: every offloaded case (copies down and up, NVMe requests), and
+# at two ranks the stage-3 cases too (gathers and reduce-scatters are then simulated collectives).
+SIM_EXACT = [(c, 1) for c in (Case(p, 2, "cpu", 3, False) for p in ("bf16", "fp16"))] + \
+    [(Case("bf16", *s), ws) for ws in (1, 2) for s in
+     [(1, "cpu", 1, True, False), (2, "cpu", 1, True, True), (2, "nvme", 3, True, False),
+      (3, "cpu", 3, True, True), (3, "nvme", 1, True, False)]] + [(Case("fp16", 3, "none", 3, True), 2)]
+
+
+def test_exactness_matrix_under_simulation(tmp_path):
+    path = str(tmp_path)
+    for ws in (1, 2):
+        cases = [c for c, w in SIM_EXACT if w == ws]
+        args = [(case_config(c, ws, path), reference_kwargs(c), DPU_WARMUP if c.dpu else None) for c in cases]
+        results = (in_mode("sim", lockstep_runs, args, STEPS) if ws == 1
+                   else run_ranks(in_mode, 2, "sim", lockstep_runs, args, STEPS)[0])
+        for case, steps in zip(cases, results):
+            try:
+                check(steps)
+            except AssertionError as e:
+                raise AssertionError(f"{case} at {ws} rank(s) under simulated streams: {e}") from None

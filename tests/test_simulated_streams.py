@@ -21,7 +21,7 @@ from dist_utils import run_ranks
 from reference import engine_run
 from reference16 import lockstep_runs
 from test_exact16 import DPU_WARMUP, STEPS, Case, case_config, check, reference_kwargs
-from zero_offload.offload import simulated
+from zero_offload.offload import simulated, staging_ring
 
 MODES = {"off": {}, "sim": {simulated.ENV: "1"}, "skip": {simulated.ENV: "1", simulated.SKIP_WAITS_ENV: "1"}}
 
@@ -66,12 +66,24 @@ def differences(a: dict, b: dict) -> list[str]:
     return out + [k for k in ("losses", "norms") if a[k] != b[k]]
 
 
+# Updated parameters pass through the staging ring in slots this small, so that its slots are reused within a
+# step (the toy model's partition would fit one default slot, and the ring's own wait would never matter).
+RING_SLOT = 1024
+
+
+@pytest.fixture(autouse=True)
+def small_ring_slots(monkeypatch):
+    monkeypatch.setattr(staging_ring, "SLOT_NUMEL", RING_SLOT)
+
+
 @pytest.fixture(scope="module")
 def summaries(tmp_path_factory):
     out = {}
-    for name, case, ws in RUNS:
-        config = case_config(case, ws, str(tmp_path_factory.mktemp(f"nvme-{name}")))
-        out[name] = {mode: run_in_mode(mode, config, ws) for mode in MODES}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(staging_ring, "SLOT_NUMEL", RING_SLOT)
+        for name, case, ws in RUNS:
+            config = case_config(case, ws, str(tmp_path_factory.mktemp(f"nvme-{name}")))
+            out[name] = {mode: run_in_mode(mode, config, ws) for mode in MODES}
     return out
 
 
@@ -115,3 +127,77 @@ def test_exactness_matrix_under_simulation(tmp_path):
                 check(steps)
             except AssertionError as e:
                 raise AssertionError(f"{case} at {ws} rank(s) under simulated streams: {e}") from None
+
+
+# -- one missing wait at a time -------------------------------------------------------------------------------
+# Each fault drops one kind of wait (monkeypatched in this process; forked ranks inherit it); the run under the
+# simulation must then differ from the run without it. Skipping every wait at once (above) could hide that
+# some single wait is never exercised.
+
+def bucket_reused_before_its_copy(mp):
+    """A stage-2 bucket is handed out again while its copy down still reads it (the bug the simulation found:
+    the CPU pool reused buckets at once)."""
+    from zero_offload.zero import reducer
+    mp.setattr(reducer._BufferPool, "release", lambda self, buf, handle=None: self.free.setdefault(
+        buf.numel(), []).append((buf, simulated.SimulatedHandle())))
+
+
+def partition_read_before_its_copies(mp):
+    """The boundary reads the gradient partition without waiting for the copies down into it."""
+    from collections import deque
+
+    from zero_offload.offload.copies import DONE
+    from zero_offload.zero.grad_partition import GradPartition
+    original = GradPartition.finalize
+
+    def finalize(self):
+        self.pending = deque((DONE, staging, offset) for _, staging, offset in self.pending)
+        original(self)
+    mp.setattr(GradPartition, "finalize", finalize)
+
+
+def compute_does_not_wait_for_copies_up(mp):
+    """The compute stream (the host here) does not wait for the updated parameters' copies up."""
+    mp.setattr(simulated.SimulatedHandle, "wait_stream", lambda self, stream=None: None)
+
+
+def ring_slot_rewritten_in_flight(mp):
+    """A staging-ring slot is rewritten while its previous copy up still reads it."""
+    from zero_offload.offload.staging_ring import StagingRing
+
+    def copy_up(self, dst, src):      # StagingRing.copy_up without its wait on the slot's previous copy
+        for lo in range(0, src.numel(), self.slot_numel):
+            hi = min(src.numel(), lo + self.slot_numel)
+            i, self.next = self.next, (self.next + 1) % len(self.slots)
+            self.slots[i][:hi - lo].copy_(src[lo:hi])
+            self.handles[i] = self.last = self.copies.to_device(dst[lo:hi], self.slots[i][:hi - lo])
+        return self.last
+    mp.setattr(StagingRing, "copy_up", copy_up)
+
+
+def collective_not_waited(mp):
+    """A reduce-scatter's or gather's result is read without waiting for the collective."""
+    mp.setattr(simulated.SimulatedWork, "wait", lambda self: True)
+
+
+def nvme_request_not_waited(mp):
+    """An NVMe read or write is taken as done without waiting for it."""
+    from zero_offload.nvme.swapper import Swapper
+
+    def wait(self, pending):
+        if pending in self.pending:
+            self.pending.remove(pending)
+    mp.setattr(Swapper, "wait", wait)
+
+
+FAULTS = [(bucket_reused_before_its_copy, "zero2-offload"), (partition_read_before_its_copies, "zero2-offload"),
+          (compute_does_not_wait_for_copies_up, "zero2-offload-dpu"), (ring_slot_rewritten_in_flight, "zero2-offload"),
+          (collective_not_waited, "zero3-offload-params-2ranks"), (nvme_request_not_waited, "zero2-nvme")]
+
+
+@pytest.mark.parametrize("fault,name", FAULTS, ids=[f.__name__ for f, _ in FAULTS])
+def test_one_missing_wait_is_seen(summaries, monkeypatch, tmp_path, fault, name):
+    case, ws = next((c, w) for n, c, w in RUNS if n == name)
+    fault(monkeypatch)
+    faulty = run_in_mode("sim", case_config(case, ws, str(tmp_path)), ws)
+    assert differences(summaries[name]["off"], faulty), f"{fault.__name__} went unseen in {name}"

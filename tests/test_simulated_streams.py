@@ -151,7 +151,7 @@ def partition_read_before_its_copies(mp):
     original = GradPartition.finalize
 
     def finalize(self):
-        self.pending = deque((DONE, staging, offset) for _, staging, offset in self.pending)
+        self.pending = deque((DONE, *rest) for _, *rest in self.pending)
         original(self)
     mp.setattr(GradPartition, "finalize", finalize)
 
@@ -201,3 +201,30 @@ def test_one_missing_wait_is_seen(summaries, monkeypatch, tmp_path, fault, name)
     fault(monkeypatch)
     faulty = run_in_mode("sim", case_config(case, ws, str(tmp_path)), ws)
     assert differences(summaries[name]["off"], faulty), f"{fault.__name__} went unseen in {name}"
+
+
+# -- pools sized once ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("stage", (2, 3))
+def test_gradient_staging_and_buckets_never_grow(stage):
+    """Under gradient accumulation 2 with copies in flight (simulated), the pinned gradient staging and the
+    stage-2 bucket pool hold after the first step what they hold after five, and the memory model counts the
+    staging exactly (`estimate_memory`'s ``grad_staging``)."""
+    import zero_offload
+    from reference import train_step
+    from toy_model import make_model
+    from zero_offload.estimate import estimate_memory
+
+    config = case_config(Case("bf16", stage, "cpu", 2, True), 1, "")
+
+    def run():
+        engine = zero_offload.initialize(make_model(), config)
+        seen = []
+        for step in range(STEPS):
+            train_step(engine, step, 0, 1)
+            mem = engine.memory_breakdown()
+            seen.append((mem["grad_staging"]["bytes"], mem.get("buckets", {}).get("bytes", 0)))
+        return seen
+    seen = in_mode("sim", run)
+    assert seen[0][0] > 0 and all(s == seen[0] for s in seen), seen
+    assert estimate_memory(make_model(), config, 1, accelerator=False).host["grad_staging"] == seen[0][0]

@@ -22,13 +22,14 @@ from zero_offload.offload.staging_ring import ring_shape
 from zero_offload.precision import training_dtype
 from zero_offload.presets import GPTConfig, gpt_units, preset
 from zero_offload.zero.buckets import bucket_spans
+from zero_offload.zero.grad_partition import staging_shape
 
 __all__ = ["ModelShape", "MemoryEstimate", "estimate_memory", "model_shape", "activation_bytes",
            "activation_formula", "MODEL_STATE_KINDS", "REDUCER_IN_FLIGHT"]
 
 # Kinds that `Engine.memory_breakdown()` also reports (measured from the tensors the engine holds).
-MODEL_STATE_KINDS = ("params", "grads", "buckets", "grad_partition", "master", "exp_avg", "exp_avg_sq",
-                     "param_staging", "frozen_params", "nvme_buffers", "param_pool", "param_write_ring")
+MODEL_STATE_KINDS = ("params", "grads", "buckets", "grad_partition", "grad_staging", "master", "exp_avg",
+                     "exp_avg_sq", "param_staging", "frozen_params", "nvme_buffers", "param_pool", "param_write_ring")
 # The gradient reducer's bound on buckets reduced at once (zero/reducer.py's ``max_in_flight``).
 REDUCER_IN_FLIGHT = 2
 
@@ -211,7 +212,8 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
             Pinned host buffers round up to a power of two only then.
 
     Kinds: ``params`` (16-bit flat buffers, or this rank's stage-3 shards), ``grads`` (full gradients,
-    stages 0/1), ``buckets`` (stage-2 bucket buffers), ``grad_partition``, ``master``, ``exp_avg``,
+    stages 0/1), ``buckets`` (stage-2 bucket buffers), ``grad_partition``, ``grad_staging`` (the pinned pool
+    later micro-steps' gradients come down through), ``master``, ``exp_avg``,
     ``exp_avg_sq``, ``param_staging`` (host copies of updated parameters), ``frozen_params`` (parameters with
     ``requires_grad=False``: whole below stage 3, this rank's shards at stage 3), ``live_params`` (stage 3: gathered
     units, persistent ones and the prefetch / live-parameter budget), ``reduce_buffers`` (stage 3: unit
@@ -263,6 +265,12 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
         est.add(side, "exp_avg", numel * moment_bytes)
         est.add(side, "exp_avg_sq", numel * moment_bytes)
 
+    def grad_staging(numel: int) -> None:
+        # Later micro-steps' gradients come down through a fixed pinned pool (`GradPartition`).
+        slots, slot_bytes = staging_shape(numel)
+        host("grad_staging", slots * slot_bytes, torch.uint8)
+        est.formulas["grad_staging"] = "4 slots x min(4 MiB, P x 4 / 4) bytes per offloaded partition, gas > 1"
+
     grad_dtype = torch.float32 if grad_dtype_bytes == 4 else dtype
     groups = shape.group_numels()
     if zc.stage < 3:
@@ -280,6 +288,8 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
         for p in parts:
             if offload_opt:
                 host("grad_partition", p, grad_dtype if zc.stage == 2 else dtype)
+                if zc.stage == 2 and gas > 1:
+                    grad_staging(p)
                 host("master", p, torch.float32)
             else:
                 if zc.stage == 2:
@@ -311,6 +321,8 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
                 est.add("device", "params", p * d)
             if host_step:
                 host("grad_partition", p, grad_dtype)
+                if gas > 1:
+                    grad_staging(p)
                 if not (offload_param and d == 4 and not param_nvme):   # fp32 shards in memory are their masters
                     host("master", p, torch.float32)
             else:

@@ -11,9 +11,18 @@ from zero_offload.flat import FlatParams
 from zero_offload.offload.copies import DONE, CopyHandle, Copies
 from zero_offload.zero.buckets import GradBucket
 
-__all__ = ["GradPartition", "GradSource", "ReadyGrad"]
+__all__ = ["GradPartition", "GradSource", "ReadyGrad", "staging_shape"]
 
 NORM_CHUNK = 1 << 20
+STAGING_SLOTS, STAGING_SLOT_BYTES = 4, 4 << 20
+
+
+def staging_shape(numel: int, slots: int = STAGING_SLOTS, slot_bytes: int = STAGING_SLOT_BYTES) -> tuple[int, int]:
+    """(slot count, bytes per slot) of the pinned staging of an offloaded partition of ``numel`` elements that
+    accumulates (stage >= 2, gradient accumulation > 1): at most ``slot_bytes`` per slot, and all slots together
+    at most the partition in fp32. The memory model (`zero_offload.estimate`) sizes it with this too."""
+    per_slot = min(slot_bytes, -(-max(numel, 1) * 4 // slots))
+    return slots, -(-per_slot // 64) * 64
 
 
 class GradSource(Protocol):
@@ -55,9 +64,13 @@ class GradPartition:
       in fp32).
 
     Offloaded, every copy down is asynchronous and carries its own event: a later micro-step's bucket is
-    copied into a small host staging buffer and added into the partition only once its copy (and every
-    earlier one) has landed -- checked without blocking as new buckets arrive, and waited for in `ready`.
-    So no micro-step synchronises the host per bucket.
+    copied into a slot of a small pinned staging pool and added into the partition only once its copy (and
+    every earlier one) has landed -- checked without blocking as new buckets arrive, and waited for in `ready`.
+    So no micro-step synchronises the host per bucket. The pool is allocated once, at construction when the
+    partition accumulates (`staging_shape`: a few slots of at most 4 MiB, never more than the partition in
+    fp32), and never grows: a bucket larger than a slot goes down in slot-sized pieces, and a slot is reused
+    only after the add of its previous piece (blocking on that copy's event when every slot is in flight).
+    DeepSpeed's offloaded stage 2 keeps pinned buffers of fixed size for the same hand-off.
 
     Shape (numel,) where numel is ``partition_numel`` (stage >= 1) or ``padded_numel`` (stage 0).
     """
@@ -67,8 +80,12 @@ class GradPartition:
         self.lo, self.hi = lo, lo + numel
         self.stage, self.offload, self.copies = stage, offload, copies
         self.in_place = in_place is not None
-        self.pending: deque[tuple[CopyHandle, torch.Tensor | None, int]] = deque()
-        self.staging: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+        # (copy's handle, staging slot or None, offset in the partition, the staged piece's elements and dtype)
+        self.pending: deque[tuple[CopyHandle, int | None, int, int, torch.dtype]] = deque()
+        self.staging: list[torch.Tensor] = []          # uint8 slots, viewed as the dtype of what they carry
+        self.staging_busy: list[bool] = []
+        self.staging_next = 0
+        self.staging_allocations = 0                   # slots ever allocated (a test holds it fixed)
         self.spare: torch.Tensor | None = None
         if self.in_place:
             self.buffer = in_place
@@ -76,6 +93,14 @@ class GradPartition:
             dtype = torch.float32 if (stage >= 2 and accumulate_fp32) else dtype
             self.buffer = (copies.host_empty(numel, dtype) if offload
                            else torch.empty(numel, dtype=dtype, device=device)).zero_()
+            if offload and stage >= 2 and accumulate_fp32:
+                self._allocate_staging()
+
+    def _allocate_staging(self) -> None:
+        slots, slot_bytes = staging_shape(self.hi - self.lo)
+        self.staging = [self.copies.host_empty(slot_bytes, torch.uint8) for _ in range(slots)]
+        self.staging_busy = [False] * slots
+        self.staging_allocations += slots
 
     @classmethod
     def for_flat(cls, flat: FlatParams, rank: int, stage: int, flat_grad: torch.Tensor | None, offload: bool,
@@ -103,29 +128,45 @@ class GradPartition:
             return DONE
         if overwrite:
             handle = self.copies.to_host(dst, reduced)
-            self.pending.append((handle, None, offset))
+            self.pending.append((handle, None, offset, reduced.numel(), reduced.dtype))
         else:
-            staging = self._staging(reduced.numel(), reduced.dtype)
-            handle = self.copies.to_host(staging, reduced)
-            self.pending.append((handle, staging, offset))
+            if not self.staging:
+                self._allocate_staging()           # a second backward at one micro-step per step
+            handle = DONE
+            per_slot = self.staging[0].numel() // reduced.element_size()
+            for lo in range(0, reduced.numel(), per_slot):
+                piece = reduced[lo:lo + per_slot]
+                i = self._free_slot()
+                slot = self.staging[i][:piece.numel() * piece.element_size()].view(piece.dtype)
+                handle = self.copies.to_host(slot, piece)
+                self.staging_busy[i] = True
+                self.pending.append((handle, i, offset + lo, piece.numel(), piece.dtype))
         self._drain(block=False)
-        return handle
+        return handle                                # one stream: the last copy down finishes last
 
-    def _staging(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        free = self.staging.get((numel, dtype))
-        return free.pop() if free else self.copies.host_empty(numel, dtype)
+    def _free_slot(self) -> int:
+        """The next staging slot in turn, once the add of its previous piece is done (blocking if need be)."""
+        i = self.staging_next
+        self.staging_next = (i + 1) % len(self.staging)
+        while self.staging_busy[i]:
+            self._drain(block=True, one=True)
+        return i
 
-    def _drain(self, block: bool) -> None:
-        """Finish landed copies in order: adds of staged buckets into the partition, staging reused."""
+    def _drain(self, block: bool, one: bool = False) -> None:
+        """Finish landed copies in order: adds of staged pieces into the partition, their slots freed (``one``:
+        at most one copy)."""
         while self.pending:
-            handle, staging, offset = self.pending[0]
+            handle, slot, offset, numel, dtype = self.pending[0]
             if not block and not handle.query():
                 return
             handle.synchronize()
             self.pending.popleft()
-            if staging is not None:
-                self.buffer[offset:offset + staging.numel()].add_(staging)
-                self.staging.setdefault((staging.numel(), staging.dtype), []).append(staging)
+            if slot is not None:
+                staged = self.staging[slot][:numel * dtype.itemsize].view(dtype)
+                self.buffer[offset:offset + numel].add_(staged)
+                self.staging_busy[slot] = False
+            if one:
+                return
 
     def finalize(self) -> None:
         """Block until every gradient copied into the partition has landed and been added (offloaded copies
@@ -183,8 +224,11 @@ class GradPartition:
         return total
 
     def state_tensors(self) -> list[torch.Tensor]:
-        """The buffers this partition holds apart from the flat gradient (for memory accounting)."""
+        """The buffers this partition holds apart from the flat gradient and the staging (memory accounting)."""
         if self.in_place:
             return []
-        extra = [b for stack in self.staging.values() for b in stack]
-        return [self.buffer] + ([self.spare] if self.spare is not None else []) + extra
+        return [self.buffer] + ([self.spare] if self.spare is not None else [])
+
+    def staging_tensors(self) -> list[torch.Tensor]:
+        """The pinned staging slots (uint8) later micro-steps' gradients come down through (memory accounting)."""
+        return list(self.staging)

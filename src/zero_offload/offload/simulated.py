@@ -272,9 +272,9 @@ class SimulatedCollectives:
 
     def into(self, out: torch.Tensor, launch: Callable[[torch.Tensor], object] | None,
              inp: torch.Tensor | None = None) -> SimulatedWork:
-        """Run ``launch(scratch)`` (the collective writing into ``scratch``, shaped as ``out``; its async
+        """Run ``launch(scratch)`` (the collective writing into ``scratch``, shaped as ``out``; returns its async
         work handle) now, and land ``scratch`` in ``out`` later. Without ``launch`` (one rank), ``out`` gets
-        ``inp`` later, read then. ``out`` None: a collective whose result this rank does not receive."""
+        ``inp`` later, read then."""
         if launch is None:
             return SimulatedWork(self.stream.submit(delayed_copy(out, inp), "collectives"))
         scratch = torch.empty_like(out)

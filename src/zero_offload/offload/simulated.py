@@ -19,8 +19,9 @@ an earlier one on the same stream). A `SimulatedEvent` really blocks until its w
 in for the compute stream, so making "the compute stream" wait for an event blocks the host.
 
 ``ZERO_OFFLOAD_SIMULATE_STREAMS_SKIP_WAITS=1`` is fault injection on top: every wait on an event (and every
-whole-stream wait, and every NVMe request's wait) returns at once. Runs must then differ from runs that wait:
-that is the proof that the simulation sees a missing wait. ``query`` stays truthful.
+whole-stream wait, and every NVMe request's wait) returns at once, and a collective's result never lands (see
+`SimulatedCollectives`). Runs must then differ from runs that wait: that is the proof that the simulation sees
+a missing wait. ``query`` stays truthful.
 
 Counts of simulated work are kept per process (`counts`), for the benchmarks.
 """
@@ -199,6 +200,10 @@ def delayed_copy(dst: torch.Tensor, src: torch.Tensor) -> Callable[[], None]:
     return work
 
 
+def _nothing() -> None:
+    """The work of a collective with nothing to move (one rank's in-place reduce)."""
+
+
 class SimulatedHandle(CopyHandle):
     """A `CopyHandle` on a `SimulatedEvent`: the host is the compute stream, so `wait_stream` blocks it."""
 
@@ -265,10 +270,15 @@ class SimulatedCollectives:
     The real collective (gloo, or nothing at one rank) is launched at once into a scratch buffer; a work
     item on the stream waits for it and, after its delay, copies the result into the caller's output. So
     reading the output before ``wait`` sees the bytes that were there before, as with NCCL.
+
+    Under skipped waits a result never lands: a stage-3 gather's buffer may be freed (its storage resized to
+    zero) while the gather is in flight, and a late write could then race the free. Reads still see stale
+    bytes, which is what the fault injection is for.
     """
 
     def __init__(self):
         self.stream = SimulatedStream("comm")
+        self.lands = not self.stream.skip
 
     def into(self, out: torch.Tensor, launch: Callable[[torch.Tensor], object] | None,
              inp: torch.Tensor | None = None) -> SimulatedWork:
@@ -276,15 +286,16 @@ class SimulatedCollectives:
         work handle) now, and land ``scratch`` in ``out`` later. Without ``launch`` (one rank), ``out`` gets
         ``inp`` later, read then."""
         if launch is None:
-            return SimulatedWork(self.stream.submit(delayed_copy(out, inp), "collectives"))
+            return SimulatedWork(self.stream.submit(delayed_copy(out, inp) if self.lands else _nothing,
+                                                    "collectives"))
         scratch = torch.empty_like(out)
         handle = launch(scratch)
         land = delayed_copy(out, scratch)
 
         def work() -> None:
-            if handle is not None:
-                handle.wait()
-            land()
+            handle.wait()
+            if self.lands:
+                land()
         return SimulatedWork(self.stream.submit(work, "collectives"))
 
     def in_place(self, tensor: torch.Tensor, launch: Callable[[torch.Tensor], object] | None,
@@ -293,12 +304,12 @@ class SimulatedCollectives:
         ``tensor`` later where this rank ``receives`` it. Without ``launch`` (one rank) the identity: only
         the completion is delayed."""
         if launch is None:
-            return SimulatedWork(self.stream.submit(lambda: None, "collectives"))
+            return SimulatedWork(self.stream.submit(_nothing, "collectives"))
         scratch = tensor.clone()
         handle = launch(scratch)
 
         def work() -> None:
             handle.wait()
-            if receives:
+            if receives and self.lands:
                 tensor.copy_(scratch)
         return SimulatedWork(self.stream.submit(work, "collectives"))

@@ -11,7 +11,7 @@ from zero_offload.estimate import estimate_memory
 from zero_offload.estimate.memory import default_plan_config
 from zero_offload.estimate.throughput import Assumptions, accumulation_to_hide, step_timing
 from zero_offload.flat import padded_numel, partition_numel
-from zero_offload.offload.grad_staging import STAGING_SLOTS, grad_staging_shape, uses_grad_staging
+from zero_offload.offload.grad_staging import STAGING_SLOTS, staging_shape, uses_grad_staging
 from zero_offload.presets import gpt_units, preset
 
 GiB = 2**30
@@ -40,34 +40,44 @@ def test_the_delayed_update_counts_a_spare_gradient_partition():
     assert dpu.host["param_staging"] == plain.host["grad_partition"] > plain.host["param_staging"]
     assert dpu.host_bytes - plain.host_bytes == (dpu.host["grad_spare"] + dpu.host["param_staging"]
                                                  - plain.host["param_staging"])
-    # Under accumulation the partition and its spare are fp32; the engine's breakdown counts both as grad_partition.
+    # Under accumulation the partition and its spare are fp32; the engine's breakdown counts both as grad_partition
+    # and reports the staging pool on its own line.
     acc = estimate_memory("gpt2-xl", _config(gas=4, dpu=True), 1, accelerator=True)
     assert acc.host["grad_spare"] == acc.host["grad_partition"] == 2 * plain.host["grad_partition"]
     states = acc.model_states()
-    assert states["grad_partition"] == acc.host["grad_partition"] + acc.host["grad_spare"] + acc.host["grad_staging"]
-    assert "grad_spare" not in states and "grad_staging" not in states
+    assert states["grad_partition"] == acc.host["grad_partition"] + acc.host["grad_spare"]
+    assert states["grad_staging"] == acc.host["grad_staging"] > 0 and "grad_spare" not in states
 
 
-def test_gradient_staging_is_one_bucket_per_reduction_in_flight():
+def _pool(parts) -> int:
+    return sum(slots * nbytes for slots, nbytes in map(staging_shape, parts))
+
+
+def test_gradient_staging_is_a_fixed_pool_per_partition():
+    """The engine's pool (`offload.grad_staging.staging_shape`): 4 slots of at most 4 MiB per accumulating
+    offloaded partition, at most the partition in fp32; the bucket size does not change it."""
     for gas in (1, 2):
         assert ("grad_staging" in estimate_memory("gpt2", _config(gas=gas), 1, accelerator=True).host) == (gas > 1)
-    est = estimate_memory("gpt2", _config(gas=2, bucket=1_000_000), 1, accelerator=True)
-    slots, numel = grad_staging_shape(1_000_000)
-    assert (slots, numel) == (STAGING_SLOTS, 1_000_000)
-    assert est.host["grad_staging"] == slots * numel * 2                # bf16 pieces
-    # A bucket never crosses a partition: with 2 ranks the largest piece is at most the partition.
-    est2 = estimate_memory("tiny", _config(gas=2, bucket=10**9), 2, accelerator=True)
-    part = max(partition_numel(n, 2) for n in zero_offload.estimate.model_shape("tiny").group_numels())
-    assert est2.host["grad_staging"] == STAGING_SLOTS * part * 2
-    # Stage 3: the largest piece is the largest unit's shard.
+    shape = zero_offload.estimate.model_shape("gpt2")
+    small, large = (estimate_memory("gpt2", _config(gas=2, bucket=b), 1, accelerator=True) for b in (10**6, 10**9))
+    whole = [partition_numel(n, 1) for n in shape.group_numels()]
+    assert small.host["grad_staging"] == large.host["grad_staging"] == _pool(whole)
+    assert staging_shape(10**9) == (STAGING_SLOTS, 4 << 20)
+    # A small partition: the pool is at most the partition in fp32.
+    est2 = estimate_memory("tiny", _config(gas=2), 2, accelerator=True)
+    parts = [partition_numel(n, 2) for n in zero_offload.estimate.model_shape("tiny").group_numels()]
+    assert est2.host["grad_staging"] == _pool(parts) <= sum(4 * p for p in parts) + 64 * STAGING_SLOTS * len(parts)
+    # Stage 3: one pool per group partition (the concatenated unit shards).
     est3 = estimate_memory("gpt2", _config(stage=3, gas=2, offload_param="cpu"), 2, accelerator=True)
-    largest = max(sum(n) for _, _, n in gpt_units(preset("gpt2")))
-    assert est3.host["grad_staging"] == STAGING_SLOTS * (padded_numel(largest, 2) // 2) * 2
+    units = gpt_units(preset("gpt2"))
+    parts3 = [sum(padded_numel(sum(n), 2) // 2 for _, g, n in units if g == gi)
+              for gi in sorted({g for _, g, _ in units})]
+    assert est3.host["grad_staging"] == _pool(parts3)
     # Nothing on the host, or stage 1 (it overwrites at the boundary): no staging.
     assert "grad_staging" not in estimate_memory("gpt2", _config(gas=2, offload="none"), 1, accelerator=True).host
     assert not uses_grad_staging(1, True, 4) and not uses_grad_staging(2, False, 4) and uses_grad_staging(3, True, 2)
-    with pytest.raises(ValueError, match="pieces and slots >= 1"):
-        grad_staging_shape(0)
+    with pytest.raises(ValueError, match="slots and slot bytes >= 1"):
+        staging_shape(100, slots=0)
 
 
 def test_the_seeds_demo_plans_without_a_config():

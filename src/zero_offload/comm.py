@@ -5,6 +5,10 @@ torchrun environment (NCCL on CUDA, gloo on CPU); with no such environment it is
 collective is ever issued. Either way a CUDA rank computes on ``cuda:LOCAL_RANK`` when the launcher set it
 (`choose_device`), and CPU tensors given to the module-level collectives under an NCCL-only group go through
 that device (`collective_device`).
+
+With ``ZERO_OFFLOAD_SIMULATE_STREAMS=1`` on the CPU, every asynchronous collective's result (and at one rank, its
+identity copy) lands in the output later, on a worker thread (`zero_offload.offload.simulated`): a read before
+the handle's ``wait`` sees stale bytes, as with NCCL on a GPU.
 """
 from __future__ import annotations
 
@@ -15,6 +19,9 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from zero_offload.offload import simulated
+from zero_offload.offload.simulated import SimulatedCollectives
 
 __all__ = ["DistContext", "DoneWork", "CollectiveTimeoutError", "collective_timeout", "deadline", "all_gather_into",
            "reduce_scatter", "broadcast", "gather_objects", "broadcast_object", "barrier", "collective_device",
@@ -211,6 +218,8 @@ class DistContext:
     device: torch.device
     group: object = None  # the data-parallel process group; None means the default group
     timeout: timedelta | None = None   # the collectives' deadline, when this process created the group
+    # ZERO_OFFLOAD_SIMULATE_STREAMS: async collectives land later (`zero_offload.offload.simulated`); None: off
+    simulation: SimulatedCollectives | None = None
 
     @classmethod
     def create(cls) -> "DistContext":
@@ -246,7 +255,8 @@ class DistContext:
         device = choose_device(backend, cuda)
         if device.type == "cuda":
             torch.cuda.set_device(device)      # a group the user created binds LOCAL_RANK's GPU too
-        return cls(rank, world, device, timeout=timeout)
+        simulation = SimulatedCollectives() if simulated.enabled() and device.type == "cpu" else None
+        return cls(rank, world, device, timeout=timeout, simulation=simulation)
 
     def broadcast_from_first(self, tensors) -> None:
         """Give every rank rank 0's values (the initial weights, as DeepSpeed's _broadcast_model)."""
@@ -262,6 +272,9 @@ class DistContext:
     def all_gather_into(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
         """Fill ``out`` with every rank's ``inp`` in rank order (a copy on one rank); the work handle, or None
         when ``async_op`` is False."""
+        if async_op and self.simulation is not None:
+            launch = (lambda o: all_gather_into(o, inp, self.group, True)) if self.distributed else None
+            return self.simulation.into(out, launch, inp)
         if not self.distributed:
             out.copy_(inp)
             return DoneWork() if async_op else None
@@ -269,6 +282,9 @@ class DistContext:
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, average: bool = False, async_op: bool = True):
         """This rank's slice of ``inp`` summed (or averaged, see `native_average`) over ranks, into ``out``."""
+        if async_op and self.simulation is not None:
+            launch = (lambda o: reduce_scatter(o, inp, average, self.group, True)) if self.distributed else None
+            return self.simulation.into(out, launch, inp)
         if not self.distributed:
             out.copy_(inp)
             return DoneWork()
@@ -281,16 +297,24 @@ class DistContext:
     def reduce(self, tensor: torch.Tensor, owner: int, async_op: bool = True, average: bool = False):
         """Sum (or with ``average``, average: NCCL's ReduceOp.AVG, see `native_average`) ``tensor`` over
         ranks into ``owner``'s copy (the bucketed reduce-scatter's per-owner part)."""
+        op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
+        if async_op and self.simulation is not None:
+            launch = ((lambda t: dist.reduce(t, dst=self._global(owner), op=op, group=self.group, async_op=True))
+                      if self.distributed else None)
+            return self.simulation.in_place(tensor, launch, receives=owner == self.rank)
         if not self.distributed:
             return DoneWork()
-        op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
         return dist.reduce(tensor, dst=self._global(owner), op=op, group=self.group, async_op=async_op)
 
     def all_reduce(self, tensor: torch.Tensor, async_op: bool = True, average: bool = False):
         """Sum (or with ``average``, average) ``tensor`` over ranks in place, on every rank."""
+        op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
+        if async_op and self.simulation is not None:
+            launch = ((lambda t: dist.all_reduce(t, op=op, group=self.group, async_op=True))
+                      if self.distributed else None)
+            return self.simulation.in_place(tensor, launch)
         if not self.distributed:
             return DoneWork()
-        op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
         return dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
 
     def native_average(self, dtype: torch.dtype) -> bool:

@@ -19,7 +19,7 @@ from zero_offload.config import Config
 from zero_offload.flat import padded_numel, partition_numel
 from zero_offload.estimate.shape import ModelShape, model_shape
 from zero_offload.offload.copies import host_alloc_bytes
-from zero_offload.offload.grad_staging import grad_staging_shape, uses_grad_staging
+from zero_offload.offload.grad_staging import staging_shape
 from zero_offload.offload.staging_ring import ring_shape
 from zero_offload.precision import training_dtype
 from zero_offload.presets import GPTConfig
@@ -29,10 +29,10 @@ __all__ = ["ModelShape", "MemoryEstimate", "estimate_memory", "model_shape", "ac
            "activation_formula", "MODEL_STATE_KINDS", "REDUCER_IN_FLIGHT"]
 
 # Kinds that `Engine.memory_breakdown()` also reports (measured from the tensors the engine holds).
-MODEL_STATE_KINDS = ("params", "grads", "buckets", "grad_partition", "master", "exp_avg", "exp_avg_sq",
-                     "param_staging", "frozen_params", "nvme_buffers", "param_pool", "param_write_ring")
+MODEL_STATE_KINDS = ("params", "grads", "buckets", "grad_partition", "grad_staging", "master", "exp_avg",
+                     "exp_avg_sq", "param_staging", "frozen_params", "nvme_buffers", "param_pool", "param_write_ring")
 # Lines of the estimate that the engine's breakdown counts as part of the gradient partition.
-GRAD_PARTITION_PARTS = {"grad_spare": "grad_partition", "grad_staging": "grad_partition"}
+GRAD_PARTITION_PARTS = {"grad_spare": "grad_partition"}
 # The gradient reducer's bound on buckets reduced at once (zero/reducer.py's ``max_in_flight``).
 REDUCER_IN_FLIGHT = 2
 
@@ -153,10 +153,10 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
             Pinned host buffers round up to a power of two only then.
 
     Kinds: ``params`` (16-bit flat buffers, or this rank's stage-3 shards), ``grads`` (full gradients,
-    stages 0/1), ``buckets`` (stage-2 bucket buffers), ``grad_partition``, ``master``, ``exp_avg``,
-    ``exp_avg_sq``, ``param_staging`` (host copies of updated parameters), ``grad_spare`` (the delayed parameter
-    update's second gradient partition), ``grad_staging`` (pinned buffers that later micro-steps' reduced gradients
-    land in before they are added: `zero_offload.offload.grad_staging`), ``frozen_params`` (parameters with
+    stages 0/1), ``buckets`` (stage-2 bucket buffers), ``grad_partition``, ``grad_staging`` (the pinned pool
+    later micro-steps' gradients come down through: `zero_offload.offload.grad_staging`), ``master``,
+    ``exp_avg``, ``exp_avg_sq``, ``param_staging`` (host copies of updated parameters), ``grad_spare`` (the
+    delayed parameter update's second gradient partition), ``frozen_params`` (parameters with
     ``requires_grad=False``: whole below stage 3, this rank's shards at stage 3), ``live_params`` (stage 3: gathered
     units, persistent ones and the prefetch / live-parameter budget), ``reduce_buffers`` (stage 3: unit
     gradients being reduce-scattered), ``pinned_rounding``, ``activations``.
@@ -207,6 +207,12 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
         est.add(side, "exp_avg", numel * moment_bytes)
         est.add(side, "exp_avg_sq", numel * moment_bytes)
 
+    def grad_staging(numel: int) -> None:
+        # Later micro-steps' gradients come down through a fixed pinned pool (`GradPartition`).
+        slots, slot_bytes = staging_shape(numel)
+        host("grad_staging", slots * slot_bytes, torch.uint8)
+        est.formulas["grad_staging"] = "4 slots x min(4 MiB, P x 4 / 4) bytes per offloaded partition, gas > 1"
+
     grad_dtype = torch.float32 if grad_dtype_bytes == 4 else dtype
     groups = shape.group_numels()
     if zc.stage < 3:
@@ -224,6 +230,8 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
         for p in parts:
             if offload_opt:
                 host("grad_partition", p, grad_dtype if zc.stage == 2 else dtype)
+                if zc.stage == 2 and gas > 1:
+                    grad_staging(p)
                 host("master", p, torch.float32)
             else:
                 if zc.stage == 2:
@@ -255,6 +263,8 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
                 est.add("device", "params", p * d)
             if host_step:
                 host("grad_partition", p, grad_dtype)
+                if gas > 1:
+                    grad_staging(p)
                 if not (offload_param and d == 4 and not param_nvme):   # fp32 shards in memory are their masters
                     host("master", p, torch.float32)
             else:
@@ -269,14 +279,6 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
         for p in parts:
             host("grad_spare", p, grad_dtype if zc.stage >= 2 else dtype)
         est.formulas["grad_spare"] = "delayed update: a second gradient partition (P x the partition's dtype)"
-    if uses_grad_staging(zc.stage, grads_on_host, gas):
-        largest = (_stage2_largest_bucket(groups, world_size, zc.reduce_bucket_size) if zc.stage == 2 else
-                   max(padded_numel(sum(n), world_size) // world_size for _, _, n in shape.units))
-        slots, numel = grad_staging_shape(largest)
-        for _ in range(slots):
-            host("grad_staging", numel, dtype)
-        est.formulas["grad_staging"] = (f"gradient accumulation: {slots} pinned buffers (one per reduction in "
-                                        f"flight) x the largest reduced piece ({numel:,} elements) x d")
     ring_used = offload_opt and not offload_param   # a 16-bit partition on the device is filled through it
     if ring_used and d < 4 and not state_nvme and parts and zc.offload_optimizer.delayed_param_update:
         # The delayed update's host step writes the 16-bit partition into pinned memory that publish copies up.

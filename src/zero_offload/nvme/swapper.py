@@ -14,6 +14,11 @@ overlap. Files are opened with ``O_DIRECT`` (no page cache: the disk's bandwidth
 with the model) where the filesystem accepts it, checked at open with a probe; elsewhere (tmpfs, some network
 filesystems) with buffered I/O and one warning. Errors from the disk (ENOSPC, EIO, ...) are raised as
 `NvmeIOError`, which names the file.
+
+Under ``ZERO_OFFLOAD_SIMULATE_STREAMS=1`` (read when the swapper is made) each piece waits a random few
+milliseconds on its I/O thread before it moves, so a buffer read before its request's `Swapper.wait`, or
+rewritten while a write is in flight, shows; ``..._SKIP_WAITS=1`` makes `wait` return at once
+(`zero_offload.offload.simulated`).
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ import atexit
 import errno as errno_mod
 import os
 import threading
+import time
 import warnings
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -32,6 +38,7 @@ import torch
 
 from zero_offload.nvme import _native
 from zero_offload.nvme.buffers import ALIGNMENT, AlignedBuffer, align_up
+from zero_offload.offload import simulated
 
 __all__ = ["NvmeIOError", "SwapFile", "Pending", "Swapper"]
 
@@ -101,6 +108,7 @@ class Swapper:
         self._lock = threading.Lock()
         self._warned = False
         self._closed = False
+        self.simulated, self.skip_waits = simulated.enabled(), simulated.waits_skipped()
         atexit.register(_close_at_exit, weakref.ref(self))
         # A forked multiprocessing child leaves through os._exit (no atexit) after running these finalizers.
         mp_util.Finalize(None, _close_at_exit, args=(weakref.ref(self),), exitpriority=10)
@@ -191,6 +199,11 @@ class Swapper:
         """Block until ``pending`` completes; re-raise its first error as `NvmeIOError`."""
         if pending is None:
             return
+        if self.skip_waits and not self._closed:     # fault injection (the simulation's skipped waits)
+            with self._lock:
+                if pending in self.pending:
+                    self.pending.remove(pending)
+            return
         error = None
         for fut in pending.futures:
             e = fut.exception()
@@ -231,6 +244,8 @@ class Swapper:
             run, extra = _native_transfer, (self.block_size, self.queue_depth)
         else:
             step, run, extra = self.block_size, _transfer, ()
+        if self.simulated:
+            run, extra = _delayed, (run, *extra)
         for lo in range(0, nbytes, step):
             hi = min(nbytes, lo + step)
             pending.futures.append(self.pools[write].submit(run, f, flat[lo:hi], offset + lo, write, *extra))
@@ -259,6 +274,13 @@ def _transfer(f: SwapFile, piece: torch.Tensor, offset: int, write: bool) -> Non
             done += got
     except OSError as e:
         raise _io_error(e, "write" if write else "read", f.path, n, offset) from e
+
+
+def _delayed(f: SwapFile, piece: torch.Tensor, offset: int, write: bool, run, *extra) -> None:
+    """Run on an I/O thread under simulated streams: ``run`` after a random delay of a few milliseconds."""
+    simulated.count("io")
+    time.sleep(simulated.random_delay())
+    run(f, piece, offset, write, *extra)
 
 
 def _native_transfer(f: SwapFile, piece: torch.Tensor, offset: int, write: bool, block_size: int,

@@ -13,7 +13,9 @@ Each copy records an event when it is queued and returns it as a `CopyHandle`:
   does not hand its memory out again before the copy has read it.
 
 On a machine without an accelerator the device is the host: `HostCopies` copies synchronously and every
-handle is complete -- the same interface (`Copies`) with streams, events and pinning fallen away.
+handle is complete -- the same interface (`Copies`) with streams, events and pinning fallen away. To check
+the ordering there anyway, ``ZERO_OFFLOAD_SIMULATE_STREAMS=1`` makes every copy land later on a worker thread
+(`zero_offload.offload.simulated`).
 """
 from __future__ import annotations
 
@@ -179,5 +181,10 @@ class CudaCopies:
 
 
 def CopyEngine(device: torch.device, pin: bool = True) -> Copies:
-    """The copy engine for ``device``: `CudaCopies` on CUDA, `HostCopies` elsewhere."""
-    return CudaCopies(device, pin) if device.type == "cuda" else HostCopies(device, pin)
+    """The copy engine for ``device``: `CudaCopies` on CUDA, `HostCopies` elsewhere -- or, elsewhere with
+    ``ZERO_OFFLOAD_SIMULATE_STREAMS`` set, `zero_offload.offload.simulated.SimulatedCopies` (each copy lands
+    later, on a worker thread; the variable is read here, once per engine)."""
+    if device.type == "cuda":
+        return CudaCopies(device, pin)
+    from zero_offload.offload import simulated   # it builds on this module's handles
+    return simulated.SimulatedCopies(device, pin) if simulated.enabled() else HostCopies(device, pin)

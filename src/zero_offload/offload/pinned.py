@@ -1,11 +1,26 @@
-"""Page-locked host memory at its exact size.
+"""Page-locked host memory at its exact size, released without touching the device from a finalizer.
 
 ``torch.empty(pin_memory=True)`` goes through torch's caching host allocator, which rounds every request up
 to the next power of two (40 GiB of fp32 masters at 10B parameters become 64 GiB). `host_empty` instead
 allocates a plain host tensor of exactly the bytes asked for and page-locks it in place with
-``cudaHostRegister``; the registration is undone (``cudaHostUnregister``) when the returned tensor is
-garbage-collected. Copies from and to registered memory run asynchronously, as from the caching allocator's.
+``cudaHostRegister``. Copies from and to registered memory run asynchronously, as from the caching allocator's.
 Without CUDA (or with ``pin=False``) it is a plain host tensor.
+
+Release. An asynchronous copy may still read a block when its last tensor is garbage-collected, so the block
+must outlive that copy; and a garbage-collector finalizer runs at any allocation of any thread, where a device
+synchronisation stalls whatever the program was doing (issue 20: "nothing syncs the device from a finalizer").
+So the finalizer of a block only moves it, memory and registration intact, to a list of freed blocks: no
+CUDA call at all. The freed blocks are unregistered and dropped at one of two well-defined points, never inside
+a finalizer, with one ``torch.cuda.synchronize`` for all of them (every copy queued before is then done):
+
+- the next `host_empty` (engines are built, and their buffers made, outside the step loop);
+- `release_freed`, which a program may call when it is done with an engine (after ``del`` and ``gc.collect()``).
+
+A freed block is not handed out again: a view of it may outlive the tensor `host_empty` returned (its
+finalizer fires when that tensor goes, not its storage), so reuse could alias live memory; once unregistered,
+such a view still owns its memory, only pageable. torch's caching host allocator releases on the same rule (a
+block is free once the work queued on it has completed), with per-stream events where this keeps one explicit
+synchronisation.
 """
 from __future__ import annotations
 
@@ -13,40 +28,63 @@ import weakref
 
 import torch
 
-__all__ = ["host_empty", "host_alloc_bytes", "is_page_locked", "pinned_bytes"]
+__all__ = ["host_empty", "host_alloc_bytes", "is_page_locked", "pinned_bytes", "freed_bytes", "release_freed"]
 
-_registered: dict[int, int] = {}   # data_ptr -> bytes page-locked by host_empty and not yet released
+_registered: dict[int, int] = {}             # data_ptr -> bytes of live blocks page-locked by host_empty
+_freed: list[tuple[torch.Tensor, int]] = []  # (the block's memory, its bytes): garbage, still page-locked
 
 
 def _cudart():
     return torch.cuda.cudart()
 
 
-def _unregister(ptr: int) -> None:
-    if _registered.pop(ptr, None) is None:
-        return
-    # An asynchronous copy may still read the range: let it finish before the pages become pageable again.
-    torch.cuda.synchronize()
-    _cudart().cudaHostUnregister(ptr)
+def _on_collect(block: torch.Tensor) -> None:
+    """The finalizer of a returned tensor: keep its memory (``block``) on the freed list. No CUDA call."""
+    nbytes = _registered.pop(block.data_ptr(), None)
+    if nbytes is not None:
+        _freed.append((block, nbytes))
+
+
+def release_freed() -> int:
+    """Unregister and drop every page-locked block whose tensor was garbage-collected, after one device
+    synchronisation (none when there is nothing to release); returns the bytes released."""
+    if not _freed:
+        return 0
+    torch.cuda.synchronize()           # here, not in a finalizer: no copy still reads a freed block
+    nbytes = 0
+    while _freed:
+        block, n = _freed.pop()
+        _cudart().cudaHostUnregister(block.data_ptr())
+        nbytes += n
+    return nbytes
+
+
+def freed_bytes() -> int:
+    """Bytes of page-locked blocks whose tensors were garbage-collected and that are not yet released."""
+    return sum(n for _, n in _freed)
 
 
 def host_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
     """A 1-D host tensor of exactly ``numel`` elements of ``dtype``, page-locked when ``pin`` and CUDA is
-    available (``cudaHostRegister``, no power-of-two rounding).
+    available (``cudaHostRegister``, no power-of-two rounding). Blocks freed since the last call are released
+    first (`release_freed`).
 
     Raises:
         RuntimeError: CUDA refused to page-lock the range (the message gives the bytes and CUDA's error).
     """
-    t = torch.empty(numel, dtype=dtype)
-    if not (pin and torch.cuda.is_available()) or t.numel() == 0:
-        return t
-    ptr, nbytes = t.data_ptr(), t.numel() * t.element_size()
-    err = _cudart().cudaHostRegister(ptr, nbytes, 0)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if not (pin and torch.cuda.is_available()) or numel == 0:
+        return torch.empty(numel, dtype=dtype)
+    nbytes = numel * itemsize
+    release_freed()
+    block = torch.empty(nbytes, dtype=torch.uint8)
+    err = _cudart().cudaHostRegister(block.data_ptr(), nbytes, 0)
     if int(err) != 0:
         raise RuntimeError(f"cudaHostRegister of {nbytes} bytes of host memory failed with CUDA error "
                            f"{int(err)} (page-locked memory exhausted? set offload_*.pin_memory = false)")
-    _registered[ptr] = nbytes
-    weakref.finalize(t, _unregister, ptr)
+    t = block.view(dtype)
+    _registered[block.data_ptr()] = nbytes
+    weakref.finalize(t, _on_collect, block)
     return t
 
 
@@ -65,5 +103,6 @@ def is_page_locked(t: torch.Tensor) -> bool:
 
 
 def pinned_bytes() -> int:
-    """Bytes currently page-locked by `host_empty` in this process."""
+    """Bytes currently page-locked by `host_empty` in this process for live tensors (freed blocks not yet
+    released are `freed_bytes`)."""
     return sum(_registered.values())

@@ -18,10 +18,11 @@ __all__ = ["StagingRing", "ring_shape"]
 SLOT_NUMEL, SLOTS = 1 << 21, 4
 
 
-def ring_shape(largest: int, slot_numel: int = SLOT_NUMEL, slots: int = SLOTS) -> tuple[int, int]:
-    """(slot count, elements per slot) of the ring for tensors of at most ``largest`` elements; the memory
-    model (`zero_offload.estimate`) sizes the ring with this too."""
-    slot_numel = max(1, min(slot_numel, largest))
+def ring_shape(largest: int, slot_numel: int | None = None, slots: int = SLOTS) -> tuple[int, int]:
+    """(slot count, elements per slot) of the ring for tensors of at most ``largest`` elements (``slot_numel``
+    default: the module's `SLOT_NUMEL`, read at the call); the memory model (`zero_offload.estimate`) sizes the
+    ring with this too."""
+    slot_numel = max(1, min(SLOT_NUMEL if slot_numel is None else slot_numel, largest))
     return max(1, min(slots, math.ceil(largest / slot_numel))), slot_numel
 
 
@@ -33,7 +34,7 @@ class StagingRing:
         largest: elements of the largest tensor that will pass through (caps the slot size).
     """
 
-    def __init__(self, copies: Copies, dtype: torch.dtype, largest: int, slot_numel: int = SLOT_NUMEL,
+    def __init__(self, copies: Copies, dtype: torch.dtype, largest: int, slot_numel: int | None = None,
                  slots: int = SLOTS):
         self.copies = copies
         count, self.slot_numel = ring_shape(largest, slot_numel, slots)

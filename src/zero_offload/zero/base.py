@@ -170,12 +170,14 @@ class ZeroOptimizerBase:
                               self.export_stats)
 
     def partition_kinds(self) -> dict[str, MemoryKind]:
-        """The memory of the step's side, by kind: ``grad_partition`` (the reduced gradient partitions, their
-        spare and staging buffers), the partition optimizer's ``master``, ``exp_avg``, ``exp_avg_sq`` (and
-        ``nvme_buffers``, the pool NVMe states stream through), on the host when offloaded, and
-        ``param_staging`` (host copies of updated parameters headed to the device)."""
+        """The memory of the step's side, by kind: ``grad_partition`` (the reduced gradient partitions and
+        their spares), ``grad_staging`` (the pinned slots later micro-steps' gradients come down through), the
+        partition optimizer's ``master``, ``exp_avg``, ``exp_avg_sq`` (and ``nvme_buffers``, the pool NVMe
+        states stream through), on the host when offloaded, and ``param_staging`` (host copies of updated
+        parameters headed to the device)."""
         side = "host" if self.offload else "device"
         return {"grad_partition": (side, [t for p in self.partitions for t in p.state_tensors()]),
+                "grad_staging": ("host", [t for p in self.partitions for t in p.staging_tensors()]),
                 **{kind: (side, tensors) for kind, tensors in self.adam.state_tensors().items()},
                 "param_staging": ("host", self.adam.staging_tensors())}
 

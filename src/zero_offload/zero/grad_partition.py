@@ -8,7 +8,8 @@ import torch
 from torch.profiler import record_function
 
 from zero_offload.flat import FlatParams
-from zero_offload.offload.copies import CopyHandle, Copies
+from zero_offload.offload.grad_staging import staging_shape
+from zero_offload.offload.copies import DONE, CopyHandle, Copies
 from zero_offload.zero.buckets import GradBucket
 
 __all__ = ["GradPartition", "GradSource", "ReadyGrad"]
@@ -55,9 +56,13 @@ class GradPartition:
       in fp32).
 
     Offloaded, every copy down is asynchronous and carries its own event: a later micro-step's bucket is
-    copied into a small host staging buffer and added into the partition only once its copy (and every
-    earlier one) has landed -- checked without blocking as new buckets arrive, and waited for in `ready`.
-    So no micro-step synchronises the host per bucket.
+    copied into a slot of a small pinned staging pool and added into the partition only once its copy (and
+    every earlier one) has landed -- checked without blocking as new buckets arrive, and waited for in `ready`.
+    So no micro-step synchronises the host per bucket. The pool is allocated once, at construction when the
+    partition accumulates (`staging_shape`: a few slots of at most 4 MiB, never more than the partition in
+    fp32), and never grows: a bucket larger than a slot goes down in slot-sized pieces, and a slot is reused
+    only after the add of its previous piece (blocking on that copy's event when every slot is in flight).
+    DeepSpeed's offloaded stage 2 keeps pinned buffers of fixed size for the same hand-off.
 
     Offloaded, the partition also keeps the sum of squares of what each micro-step wrote, piece by piece as
     the buckets land (DeepSpeed's offload computes its norm on the device as buckets are reduced): a bucket
@@ -72,8 +77,12 @@ class GradPartition:
         self.lo, self.hi = lo, lo + numel
         self.stage, self.offload, self.copies = stage, offload, copies
         self.in_place = in_place is not None
-        self.pending: deque[tuple[CopyHandle, torch.Tensor | None, int]] = deque()
-        self.staging: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+        # (copy's handle, staging slot or None, offset in the partition, the staged piece's elements and dtype)
+        self.pending: deque[tuple[CopyHandle, int | None, int, int, torch.dtype]] = deque()
+        self.staging: list[torch.Tensor] = []          # uint8 slots, viewed as the dtype of what they carry
+        self.staging_busy: list[bool] = []
+        self.staging_next = 0
+        self.staging_allocations = 0                   # slots ever allocated (a test holds it fixed)
         self.spare: torch.Tensor | None = None
         self.tracks_norm = offload and not self.in_place
         self.sq_device: torch.Tensor | None = None   # 0-dim fp32: buckets summed on the device, this micro-step
@@ -85,6 +94,14 @@ class GradPartition:
             dtype = torch.float32 if (stage >= 2 and accumulate_fp32) else dtype
             self.buffer = (copies.host_empty(numel, dtype) if offload
                            else torch.empty(numel, dtype=dtype, device=device)).zero_()
+            if offload and stage >= 2 and accumulate_fp32:
+                self._allocate_staging()
+
+    def _allocate_staging(self) -> None:
+        slots, slot_bytes = staging_shape(self.hi - self.lo)
+        self.staging = [self.copies.host_empty(slot_bytes, torch.uint8) for _ in range(slots)]
+        self.staging_busy = [False] * slots
+        self.staging_allocations += slots
 
     @classmethod
     def for_flat(cls, flat: FlatParams, rank: int, stage: int, flat_grad: torch.Tensor | None, offload: bool,
@@ -103,49 +120,71 @@ class GradPartition:
         """The partition was changed outside `accumulate` (set aside and added back): `sq_norm` reads it whole."""
         self.sq_covered = -1
 
-    def consume(self, bucket: GradBucket, reduced: torch.Tensor, first_micro_step: bool) -> None:
-        """Take this rank's reduced ``bucket`` (already waited for) into the partition."""
-        if not self.in_place:
-            self.accumulate(bucket.lo - self.lo, reduced, first_micro_step)
+    def consume(self, bucket: GradBucket, reduced: torch.Tensor, first_micro_step: bool) -> CopyHandle:
+        """Take this rank's reduced ``bucket`` (already waited for) into the partition; returns the handle of
+        the copy that still reads ``reduced`` (`DONE` when none does): ``reduced`` is not rewritten before it."""
+        if self.in_place:
+            return DONE
+        return self.accumulate(bucket.lo - self.lo, reduced, first_micro_step)
 
     @record_function("zero_offload.grad_partition.accumulate")
-    def accumulate(self, offset: int, reduced: torch.Tensor, first_micro_step: bool) -> None:
-        """Copy (first micro-step, or stage 1) or add ``reduced`` into the partition at ``offset``."""
+    def accumulate(self, offset: int, reduced: torch.Tensor, first_micro_step: bool) -> CopyHandle:
+        """Copy (first micro-step, or stage 1) or add ``reduced`` into the partition at ``offset``; returns the
+        handle of the copy down that reads ``reduced`` (`DONE` when nothing reads it any more)."""
         dst = self.buffer[offset:offset + reduced.numel()]
         overwrite = first_micro_step or self.stage < 2
         if not self.offload:
             dst.copy_(reduced) if overwrite else dst.add_(reduced)
-            return
+            return DONE
         if overwrite:
             if self.sq_covered >= 0:
                 values = reduced if reduced.dtype == dst.dtype else reduced.to(dst.dtype)   # as stored
                 self.sq_device = _add_sq(self.sq_device, values)
                 self.sq_covered += reduced.numel()
-            self.pending.append((self.copies.to_host(dst, reduced), None, offset))
+            handle = self.copies.to_host(dst, reduced)
+            self.pending.append((handle, None, offset, reduced.numel(), reduced.dtype))
         else:
-            staging = self._staging(reduced.numel(), reduced.dtype)
-            self.pending.append((self.copies.to_host(staging, reduced), staging, offset))
+            if not self.staging:
+                self._allocate_staging()           # a second backward at one micro-step per step
+            handle = DONE
+            per_slot = self.staging[0].numel() // reduced.element_size()
+            for lo in range(0, reduced.numel(), per_slot):
+                piece = reduced[lo:lo + per_slot]
+                i = self._free_slot()
+                slot = self.staging[i][:piece.numel() * piece.element_size()].view(piece.dtype)
+                handle = self.copies.to_host(slot, piece)
+                self.staging_busy[i] = True
+                self.pending.append((handle, i, offset + lo, piece.numel(), piece.dtype))
         self._drain(block=False)
+        return handle                                # one stream: the last copy down finishes last
 
-    def _staging(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        free = self.staging.get((numel, dtype))
-        return free.pop() if free else self.copies.host_empty(numel, dtype)
+    def _free_slot(self) -> int:
+        """The next staging slot in turn, once the add of its previous piece is done (blocking if need be)."""
+        i = self.staging_next
+        self.staging_next = (i + 1) % len(self.staging)
+        while self.staging_busy[i]:
+            self._drain(block=True, one=True)
+        return i
 
-    def _drain(self, block: bool) -> None:
-        """Finish landed copies in order: adds of staged buckets into the partition, staging reused."""
+    def _drain(self, block: bool, one: bool = False) -> None:
+        """Finish landed copies in order: adds of staged pieces into the partition, their slots freed (``one``:
+        at most one copy)."""
         while self.pending:
-            handle, staging, offset = self.pending[0]
+            handle, slot, offset, numel, dtype = self.pending[0]
             if not block and not handle.query():
                 return
             handle.synchronize()
             self.pending.popleft()
-            if staging is not None:
-                dst = self.buffer[offset:offset + staging.numel()]
-                dst.add_(staging)
+            if slot is not None:
+                staged = self.staging[slot][:numel * dtype.itemsize].view(dtype)
+                dst = self.buffer[offset:offset + numel]
+                dst.add_(staged)
                 if self.sq_covered >= 0:
                     self.sq_host = _add_sq(self.sq_host, dst)
-                    self.sq_covered += dst.numel()
-                self.staging.setdefault((staging.numel(), staging.dtype), []).append(staging)
+                    self.sq_covered += numel
+                self.staging_busy[slot] = False
+            if one:
+                return
 
     def finalize(self) -> None:
         """Block until every gradient copied into the partition has landed and been added (offloaded copies
@@ -208,11 +247,14 @@ class GradPartition:
         return total
 
     def state_tensors(self) -> list[torch.Tensor]:
-        """The buffers this partition holds apart from the flat gradient (for memory accounting)."""
+        """The buffers this partition holds apart from the flat gradient and the staging (memory accounting)."""
         if self.in_place:
             return []
-        extra = [b for stack in self.staging.values() for b in stack]
-        return [self.buffer] + ([self.spare] if self.spare is not None else []) + extra
+        return [self.buffer] + ([self.spare] if self.spare is not None else [])
+
+    def staging_tensors(self) -> list[torch.Tensor]:
+        """The pinned staging slots (uint8) later micro-steps' gradients come down through (memory accounting)."""
+        return list(self.staging)
 
 
 def _add_sq(total: torch.Tensor | None, values: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ import torch
 
 from zero_offload.comm import DistContext
 from zero_offload.flat import FlatParams
+from zero_offload.offload.copies import DONE, CopyHandle
 from zero_offload.zero.averaging import GradAveraging
 from zero_offload.zero.buckets import GradBucket, plan_buckets
 from zero_offload.zero.collectives import InFlight, finish, reduce_bucket
@@ -22,25 +23,36 @@ __all__ = ["GradientReducer"]
 
 
 class _BufferPool:
-    """Reuses bucket buffers on the CPU; on CUDA the caching allocator (with record_stream) does it."""
+    """Bucket buffers reused once the copy that reads them has finished (its event), on every device.
+
+    A released buffer keeps the handle of the last copy that reads it; it is handed out again only after
+    that copy's event (`CopyHandle.wait_stream`: the compute stream waits for that copy alone on CUDA, the host
+    blocks on the CPU) -- the event-ordered reuse of FSDP2's reduce-scatter buffers, instead of
+    ``record_stream`` keeping every buffer alive. The pool grows only while one backward has more buckets
+    filling and in flight at once than it holds; from the second backward on it never allocates.
+    """
 
     def __init__(self, dtype: torch.dtype, device: torch.device):
         self.dtype, self.device = dtype, device
-        self.free: dict[int, list[torch.Tensor]] = {}
+        self.free: dict[int, list[tuple[torch.Tensor, CopyHandle]]] = {}
+        self.allocated = 0                 # buffers made so far (`buffers` lists the idle ones)
 
     def acquire(self, numel: int) -> torch.Tensor:
         stack = self.free.get(numel)
         if stack:
-            return stack.pop()
+            buf, handle = stack.pop(0)     # the oldest release: its copy is the likeliest to be done
+            handle.wait_stream()
+            return buf
+        self.allocated += 1
         return torch.empty(numel, dtype=self.dtype, device=self.device)
 
     def buffers(self) -> list[torch.Tensor]:
         """The idle buffers the pool holds (all of them between backward passes)."""
-        return [b for stack in self.free.values() for b in stack]
+        return [b for stack in self.free.values() for b, _ in stack]
 
-    def release(self, buf: torch.Tensor) -> None:
-        if self.device.type != "cuda":
-            self.free.setdefault(buf.numel(), []).append(buf)
+    def release(self, buf: torch.Tensor, handle: CopyHandle = DONE) -> None:
+        """Take ``buf`` back; ``handle``: the copy still reading it (`DONE`: none)."""
+        self.free.setdefault(buf.numel(), []).append((buf, handle))
 
 
 class GradientReducer:
@@ -152,10 +164,11 @@ class GradientReducer:
 
     def _complete(self, b: GradBucket) -> None:
         reduced, b.reduction = finish(b.reduction), None
+        reading = DONE
         if reduced is not None:
             if reduced is not b.buffer:
                 b.buffer.copy_(reduced)
-            self.partitions[b.group].consume(b, b.buffer, self.first_micro_step)
+            reading = self.partitions[b.group].consume(b, b.buffer, self.first_micro_step)
         if self.flat_grads is None:
-            self.pool.release(b.buffer)
+            self.pool.release(b.buffer, reading)
         b.buffer = None

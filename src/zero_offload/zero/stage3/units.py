@@ -133,11 +133,7 @@ class ShardedUnit:
             self.copy_handle = copies.to_device(staging, src)
             self.copy_handle.wait_stream()
             src = staging
-        if ctx.world_size == 1:
-            self.full.copy_(src)
-            work = None
-        else:
-            work = ctx.all_gather_into(self.full, src, async_op=async_op)
+        work = ctx.all_gather_into(self.full, src, async_op=async_op)   # one rank: a copy
         self.handle = GatherHandle(work, src) if async_op else None
         return self.handle
 
@@ -156,10 +152,7 @@ class ShardedUnit:
         elif shards_written is not None:
             stream.wait_event(shards_written)
         with torch.cuda.stream(stream):
-            if ctx.world_size == 1:
-                self.full.copy_(src)
-            else:
-                ctx.all_gather_into(self.full, src)
+            ctx.all_gather_into(self.full, src)   # one rank: a copy
             event = stream.record_event()
         src.record_stream(stream)
         return GatherHandle(None, src, event)

@@ -1,0 +1,320 @@
+"""Simulated streams: asynchronous copies and collectives that really finish later, so stream ordering is
+checked on a machine with no accelerator (issue 20, section 2).
+
+On the CPU every copy and every collective of one rank is synchronous (`HostCopies`, `comm.DoneWork`), so a
+read that forgot to wait for its copy's event still sees the right bytes, and a test on the CPU cannot tell.
+With ``ZERO_OFFLOAD_SIMULATE_STREAMS=1`` (read when an engine is built) every asynchronous transfer runs on a
+worker thread instead, after a random delay of up to `MAX_DELAY_S`:
+
+- copies down and up (`SimulatedCopies`, picked by `zero_offload.offload.copies.CopyEngine` on the CPU): the
+  copy reads its source at that later time, as a copy stream would, so rewriting a source or reading a
+  destination before the handle's wait changes the result;
+- asynchronous collectives (`SimulatedCollectives`, used by `zero_offload.comm.DistContext`): the collective
+  runs into a scratch buffer and its result lands in the output only later; at one rank the identity "collective"
+  is a delayed copy into the output;
+- NVMe reads and writes (`zero_offload.nvme.swapper.Swapper` sleeps `random_delay` before each piece).
+
+Like a CUDA stream, each `SimulatedStream` runs its work in submission order (a later copy never lands before
+an earlier one on the same stream). A `SimulatedEvent` really blocks until its work has run. The host stands
+in for the compute stream, so making "the compute stream" wait for an event blocks the host.
+
+``ZERO_OFFLOAD_SIMULATE_STREAMS_SKIP_WAITS=1`` is fault injection on top: every wait on an event (and every
+whole-stream wait, and every NVMe request's wait) returns at once, and a collective's result never lands (see
+`SimulatedCollectives`). Runs must then differ from runs that wait: that is the proof that the simulation sees
+a missing wait. ``query`` stays truthful.
+
+Counts of simulated work are kept per process (`counts`), for the benchmarks.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import random
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from zero_offload.offload.copies import CopyHandle, TransferCounts
+
+__all__ = ["ENV", "SKIP_WAITS_ENV", "MAX_DELAY_S", "enabled", "waits_skipped", "random_delay", "SimulationCounts",
+           "counts", "SimulatedEvent", "SimulatedStream", "SimulatedHandle", "SimulatedCopies", "SimulatedWork",
+           "SimulatedCollectives"]
+
+ENV = "ZERO_OFFLOAD_SIMULATE_STREAMS"
+SKIP_WAITS_ENV = "ZERO_OFFLOAD_SIMULATE_STREAMS_SKIP_WAITS"
+MAX_DELAY_S = 0.003          # a few milliseconds: longer than any gap the host code leaves between two steps
+IDLE_EXIT_S = 0.05           # a worker with nothing to do for this long ends (no thread outlives its work)
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def enabled() -> bool:
+    """True when ``ZERO_OFFLOAD_SIMULATE_STREAMS`` is set (to anything but 0/false/no/off)."""
+    return _flag(ENV)
+
+
+def waits_skipped() -> bool:
+    """True when ``ZERO_OFFLOAD_SIMULATE_STREAMS_SKIP_WAITS`` is set as well (fault injection)."""
+    return enabled() and _flag(SKIP_WAITS_ENV)
+
+
+_rng = random.Random()
+_rng_lock = threading.Lock()
+
+
+def random_delay() -> float:
+    """A delay in seconds, uniform in [0, `MAX_DELAY_S`)."""
+    with _rng_lock:
+        return _rng.uniform(0.0, MAX_DELAY_S)
+
+
+@dataclass
+class SimulationCounts:
+    """Work delayed by the simulation in this process: copies, collectives and NVMe request pieces."""
+    copies: int = 0
+    collectives: int = 0
+    io: int = 0
+
+
+_counts = SimulationCounts()
+_counts_lock = threading.Lock()
+
+
+def counts() -> SimulationCounts:
+    """The running totals of simulated work in this process (a copy of them)."""
+    with _counts_lock:
+        return SimulationCounts(_counts.copies, _counts.collectives, _counts.io)
+
+
+def count(kind: str) -> None:
+    """Add one to the running total of ``kind`` (``copies``, ``collectives`` or ``io``)."""
+    with _counts_lock:
+        setattr(_counts, kind, getattr(_counts, kind) + 1)
+
+
+class SimulatedEvent:
+    """The end of one piece of simulated work: set by the worker once the work has run.
+
+    Args:
+        skip: waits return at once (``ZERO_OFFLOAD_SIMULATE_STREAMS_SKIP_WAITS``).
+    """
+
+    __slots__ = ("done", "error", "skip")
+
+    def __init__(self, skip: bool):
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+        self.skip = skip
+
+    def query(self) -> bool:
+        """True once the work has run (never blocks, never skipped)."""
+        return self.done.is_set()
+
+    def synchronize(self) -> None:
+        """Block until the work has run (at once under skipped waits).
+
+        Raises:
+            RuntimeError: the work failed on its worker (chained to its exception).
+        """
+        if self.skip:
+            return
+        self.done.wait()
+        if self.error is not None:
+            raise RuntimeError("simulated asynchronous work failed on its worker thread") from self.error
+
+
+class SimulatedStream:
+    """A queue of work run in submission order by one worker thread, each item no earlier than its due time
+    (submission time + `random_delay`): a CUDA stream's ordering, with the device's latency made visible.
+
+    The worker is started on demand and ends after `IDLE_EXIT_S` without work, so no thread outlives its
+    work (and a forked process starts its own).
+    """
+
+    def __init__(self, name: str, skip: bool | None = None):
+        self.name = name
+        self.skip = waits_skipped() if skip is None else skip
+        self.items: queue.SimpleQueue = queue.SimpleQueue()
+        self.lock = threading.Lock()
+        self.worker: threading.Thread | None = None
+        self.pending = 0                    # items submitted and not yet run
+        self.last: SimulatedEvent | None = None
+
+    def submit(self, work: Callable[[], None], kind: str = "copies") -> SimulatedEvent:
+        """Queue ``work`` to run after a random delay; returns the event set once it has run."""
+        event = SimulatedEvent(self.skip)
+        count(kind)
+        with self.lock:
+            self.items.put((time.monotonic() + random_delay(), work, event))
+            self.pending += 1
+            self.last = event
+            if self.worker is None or self.worker.pid != os.getpid():
+                self.worker = threading.Thread(target=self._run, name=f"zero_offload-sim-{self.name}", daemon=True)
+                self.worker.pid = os.getpid()
+                self.worker.start()
+        return event
+
+    def synchronize(self) -> None:
+        """Block until everything submitted so far has run (at once under skipped waits)."""
+        last = self.last
+        if last is not None:
+            last.synchronize()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                due, work, event = self.items.get(timeout=IDLE_EXIT_S)
+            except queue.Empty:
+                with self.lock:
+                    if self.pending == 0:
+                        self.worker = None
+                        return
+                continue
+            wait = due - time.monotonic()
+            if wait > 0:
+                time.sleep(wait)
+            try:
+                with torch.no_grad():
+                    work()
+            except BaseException as e:      # re-raised by whoever waits on the event
+                event.error = e
+            finally:
+                with self.lock:
+                    self.pending -= 1
+                event.done.set()
+
+
+def delayed_copy(dst: torch.Tensor, src: torch.Tensor) -> Callable[[], None]:
+    """The work of one copy: ``dst.copy_(src)`` when it runs. A destination whose storage was freed meanwhile
+    (a stage-3 buffer released while its gather was, under skipped waits, still in flight) is left alone, as
+    a device would scribble into memory that is no longer anyone's."""
+    def work() -> None:
+        need = (dst.storage_offset() + dst.numel()) * dst.element_size()
+        if dst.untyped_storage().nbytes() >= need:
+            dst.copy_(src)
+    return work
+
+
+def _nothing() -> None:
+    """The work of a collective with nothing to move (one rank's in-place reduce)."""
+
+
+class SimulatedHandle(CopyHandle):
+    """A `CopyHandle` on a `SimulatedEvent`: the host is the compute stream, so `wait_stream` blocks it."""
+
+    __slots__ = ()
+
+    def wait_stream(self, stream=None) -> None:
+        """Block the host until the copy has run (the host computes; at once under skipped waits)."""
+        if self.event is not None:
+            self.event.synchronize()
+
+
+class SimulatedCopies:
+    """The `Copies` of a CPU run under simulation: `HostCopies`' buffers, each copy run later on a side
+    stream (one per direction, as `CudaCopies`), its handle waiting for real."""
+
+    cuda = False
+
+    def __init__(self, device: torch.device, pin: bool = False):
+        self.device, self.pin = device, False
+        self.counts = TransferCounts()
+        self.d2h, self.h2d = SimulatedStream("d2h"), SimulatedStream("h2d")
+
+    def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype)
+
+    def to_host(self, dst: torch.Tensor, src: torch.Tensor) -> CopyHandle:
+        """Copy ``src`` into ``dst`` later on the device-to-host stream; ``src`` is read then."""
+        self.counts.bytes_down += dst.numel() * dst.element_size()
+        return SimulatedHandle(self.d2h.submit(delayed_copy(dst, src)), self.counts)
+
+    def to_device(self, dst: torch.Tensor, src: torch.Tensor) -> CopyHandle:
+        """Copy ``src`` into ``dst`` later on the host-to-device stream; ``src`` is read then."""
+        self.counts.bytes_up += dst.numel() * dst.element_size()
+        return SimulatedHandle(self.h2d.submit(delayed_copy(dst, src)), self.counts)
+
+    def upload(self, src: torch.Tensor) -> tuple[torch.Tensor, CopyHandle]:
+        """A new "device" copy of ``src``, filled later on the host-to-device stream (as `CudaCopies.upload`)."""
+        dst = torch.empty_like(src, device=self.device)
+        return dst, self.to_device(dst, src)
+
+    def synchronize(self) -> None:
+        """Block until every copy queued so far has run (whole-stream waits, as `CudaCopies.synchronize`)."""
+        self.d2h.synchronize()
+        self.h2d.synchronize()
+
+    def wait_for_copies(self) -> None:
+        """The compute (the host) after every copy queued so far: the same as `synchronize` here."""
+        self.synchronize()
+
+
+class SimulatedWork:
+    """The handle of a simulated collective (torch's ``Work`` face: ``wait``, ``is_completed``)."""
+
+    def __init__(self, event: SimulatedEvent):
+        self.event = event
+
+    def wait(self) -> bool:
+        """Block until the result is in the output (at once under skipped waits)."""
+        self.event.synchronize()
+        return True
+
+    def is_completed(self) -> bool:
+        return self.event.query()
+
+
+class SimulatedCollectives:
+    """Asynchronous collectives whose results land later, on one simulated communication stream.
+
+    The real collective (gloo, or nothing at one rank) is launched at once into a scratch buffer; a work
+    item on the stream waits for it and, after its delay, copies the result into the caller's output. So
+    reading the output before ``wait`` sees the bytes that were there before, as with NCCL.
+
+    Under skipped waits a result never lands: a stage-3 gather's buffer may be freed (its storage resized to
+    zero) while the gather is in flight, and a late write could then race the free. Reads still see stale
+    bytes, which is what the fault injection is for.
+    """
+
+    def __init__(self):
+        self.stream = SimulatedStream("comm")
+        self.lands = not self.stream.skip
+
+    def into(self, out: torch.Tensor, launch: Callable[[torch.Tensor], object] | None,
+             inp: torch.Tensor | None = None) -> SimulatedWork:
+        """Run ``launch(scratch)`` (the collective writing into ``scratch``, shaped as ``out``; returns its async
+        work handle) now, and land ``scratch`` in ``out`` later. Without ``launch`` (one rank), ``out`` gets
+        ``inp`` later, read then."""
+        if launch is None:
+            return SimulatedWork(self.stream.submit(delayed_copy(out, inp) if self.lands else _nothing,
+                                                    "collectives"))
+        scratch = torch.empty_like(out)
+        handle = launch(scratch)
+        land = delayed_copy(out, scratch)
+
+        def work() -> None:
+            handle.wait()
+            if self.lands:
+                land()
+        return SimulatedWork(self.stream.submit(work, "collectives"))
+
+    def in_place(self, tensor: torch.Tensor, launch: Callable[[torch.Tensor], object] | None,
+                 receives: bool = True) -> SimulatedWork:
+        """An in-place collective (reduce, all-reduce) on a copy of ``tensor`` taken now; the result lands in
+        ``tensor`` later where this rank ``receives`` it. Without ``launch`` (one rank) the identity: only
+        the completion is delayed."""
+        if launch is None:
+            return SimulatedWork(self.stream.submit(_nothing, "collectives"))
+        scratch = tensor.clone()
+        handle = launch(scratch)
+
+        def work() -> None:
+            handle.wait()
+            if receives and self.lands:
+                tensor.copy_(scratch)
+        return SimulatedWork(self.stream.submit(work, "collectives"))

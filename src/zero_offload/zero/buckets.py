@@ -44,8 +44,6 @@ class GradBucket:
     order_key: tuple[int, int]    # launch order: later-used parameters first, as backward produces them
     filled: list[bool] = field(default_factory=list)
     pending: int = 0
-    buffer: torch.Tensor | None = None
-    reduction: object = None          # its `zero_offload.zero.collectives.PendingReduction` while in flight
 
     @property
     def numel(self) -> int:
@@ -54,8 +52,6 @@ class GradBucket:
     def reset(self) -> None:
         self.filled = [False] * len(self.pieces)
         self.pending = len(self.pieces)
-        self.buffer = None
-        self.reduction = None
 
     def fill(self, index: int) -> bool:
         """Mark piece ``index`` as arrived; True when the bucket has just become ready."""

@@ -16,7 +16,7 @@ from zero_offload.flat import FlatParams
 from zero_offload.offload.copies import DONE, CopyHandle
 from zero_offload.zero.averaging import GradAveraging
 from zero_offload.zero.buckets import GradBucket, plan_buckets
-from zero_offload.zero.collectives import InFlight, finish, reduce_bucket
+from zero_offload.zero.collectives import InFlight, PendingReduction, finish, reduce_bucket
 from zero_offload.zero.grad_partition import GradPartition
 
 __all__ = ["GradientReducer"]
@@ -85,6 +85,9 @@ class GradientReducer:
         self.first_micro_step = True
         self.next_launch = 0
         self.in_flight: InFlight[GradBucket] = InFlight(max_in_flight, self._complete)
+        # The reducer's state of each bucket this micro-step, kept here (buckets describe ranges only).
+        self.buffer_of: dict[GradBucket, torch.Tensor] = {}
+        self.reduction_of: dict[GradBucket, PendingReduction] = {}
         self.hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
                       for f in flats for p in f.params]
 
@@ -97,6 +100,8 @@ class GradientReducer:
             self._attach_grad_views()
         for b in self.buckets:
             b.reset()
+        self.buffer_of.clear()
+        self.reduction_of.clear()
         if reduce:
             self._launch_ready()   # buckets of padding alone are ready before any gradient arrives
 
@@ -142,14 +147,16 @@ class GradientReducer:
     # -- buckets ---------------------------------------------------------------------------------------
     def _buffer(self, b: GradBucket) -> torch.Tensor:
         """The bucket's gradient storage: a view of the flat gradient (stage 0/1) or a pooled buffer."""
-        if b.buffer is None:
+        buffer = self.buffer_of.get(b)
+        if buffer is None:
             if self.flat_grads is not None:
-                b.buffer = self.flat_grads[b.group][b.lo:b.hi]
+                buffer = self.flat_grads[b.group][b.lo:b.hi]
             else:
-                b.buffer = self.pool.acquire(b.numel)
+                buffer = self.pool.acquire(b.numel)
                 if b.pad_lo < b.numel:
-                    b.buffer[b.pad_lo:].zero_()
-        return b.buffer
+                    buffer[b.pad_lo:].zero_()
+            self.buffer_of[b] = buffer
+        return buffer
 
     def _launch_ready(self) -> None:
         while self.next_launch < len(self.buckets) and self.buckets[self.next_launch].ready:
@@ -157,18 +164,17 @@ class GradientReducer:
             self.next_launch += 1
 
     def _launch(self, b: GradBucket) -> None:
-        b.reduction = reduce_bucket(self.ctx, self._buffer(b), self.averaging, self.comm_dtype, b.owner)
+        self.reduction_of[b] = reduce_bucket(self.ctx, self._buffer(b), self.averaging, self.comm_dtype, b.owner)
         self.in_flight.push(b)
         if not self.overlap:
             self.in_flight.drain()
 
     def _complete(self, b: GradBucket) -> None:
-        reduced, b.reduction = finish(b.reduction), None
+        reduced, buffer = finish(self.reduction_of.pop(b)), self.buffer_of.pop(b)
         reading = DONE
         if reduced is not None:
-            if reduced is not b.buffer:
-                b.buffer.copy_(reduced)
-            reading = self.partitions[b.group].consume(b, b.buffer, self.first_micro_step)
+            if reduced is not buffer:
+                buffer.copy_(reduced)
+            reading = self.partitions[b.group].consume(b, buffer, self.first_micro_step)
         if self.flat_grads is None:
-            self.pool.release(b.buffer, reading)
-        b.buffer = None
+            self.pool.release(buffer, reading)

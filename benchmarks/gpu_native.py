@@ -23,7 +23,7 @@ def ensure_native(root: Path = ROOT) -> dict:
         {"missing": names missing before, "built": whether a build ran, "returncode": its exit status or None,
         "still_missing": names missing after, "log": the build's last output lines (on failure)}.
     """
-    from zero_offload.native import missing_libraries, native_disabled
+    from zero_offload.native_files import missing_libraries, native_disabled
     package = root / "src" / "zero_offload"
     missing = missing_libraries(package)
     result = {"missing": missing, "built": False, "returncode": None, "still_missing": missing, "log": []}

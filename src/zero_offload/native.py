@@ -1,4 +1,4 @@
-"""Finding the C libraries that setup.py builds at install time (loaded with ctypes; no Python headers used).
+"""Which native libraries this process uses, and where they are found (`zero_offload.native_files`).
 
 Two live in the package: the fused host Adam kernel (`zero_offload.optim._native`) and the NVMe swapper's
 native AIO path (`zero_offload.nvme._native`). ``ZERO_OFFLOAD_NO_NATIVE=1`` turns both off (their callers fall
@@ -7,41 +7,14 @@ directory (``benchmarks/gpu_validate.py`` builds them then); `native_available` 
 """
 from __future__ import annotations
 
-import importlib.machinery
-import os
-from pathlib import Path
+from zero_offload.native_files import LIBRARIES, missing_libraries, native_disabled, shared_library
+from zero_offload.nvme import _native as aio
+from zero_offload.optim import _native as adam
 
 __all__ = ["LIBRARIES", "missing_libraries", "native_available", "native_disabled", "shared_library"]
-
-# name -> (directory relative to the zero_offload package, file stem); setup.py builds each there.
-LIBRARIES = {"fused_adam": ("optim/_native", "_fused_adam"), "aio": ("nvme/_native", "_aio")}
-
-
-def native_disabled() -> bool:
-    """True when ``ZERO_OFFLOAD_NO_NATIVE`` is set to anything but "" or "0"."""
-    return os.environ.get("ZERO_OFFLOAD_NO_NATIVE", "") not in ("", "0")
-
-
-def shared_library(directory: Path, stem: str) -> Path | None:
-    """The built library ``stem`` + this interpreter's extension suffix in ``directory``, or None if the
-    build was skipped or failed (no C compiler)."""
-    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        candidate = directory / f"{stem}{suffix}"
-        if candidate.exists():
-            return candidate
-    return None
-
-
-def missing_libraries(package: Path | None = None) -> list[str]:
-    """Names (keys of `LIBRARIES`) of the native libraries not built for this interpreter in ``package``, a
-    ``zero_offload`` package directory (default: this one)."""
-    package = Path(__file__).resolve().parent if package is None else Path(package)
-    return [name for name, (sub, stem) in LIBRARIES.items() if shared_library(package / sub, stem) is None]
 
 
 def native_available() -> dict[str, bool]:
     """Whether each native library is loaded and used in this process: ``{"fused_adam": bool, "aio": bool}``;
     False when not built, not loadable, or ``ZERO_OFFLOAD_NO_NATIVE=1`` (each loader caches its answer)."""
-    from zero_offload.nvme import _native as aio          # the two loaders this module is the face of
-    from zero_offload.optim import _native as adam
     return {"fused_adam": adam.load() is not None, "aio": aio.available()}

@@ -19,52 +19,18 @@ the ordering there anyway, ``ZERO_OFFLOAD_SIMULATE_STREAMS=1`` makes every copy 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
+from zero_offload.offload import simulated
+from zero_offload.offload.handles import DONE, CopyHandle, TransferCounts
 from zero_offload.offload.pinned import host_alloc_bytes, host_empty
 
 __all__ = ["host_empty", "host_alloc_bytes", "TransferCounts", "CopyHandle", "DONE", "Copies", "CudaCopies",
            "HostCopies", "CopyEngine"]
 
 
-@dataclass
-class TransferCounts:
-    """Running totals of one copy engine: bytes each way, and host waits on a copy's event."""
-    bytes_down: int = 0
-    bytes_up: int = 0
-    host_syncs: int = 0
-
-
-class CopyHandle:
-    """One queued copy: an event on its copy stream (None when it completed synchronously), and the counts
-    its engine keeps (a host wait on the event is counted there)."""
-
-    __slots__ = ("event", "counts")
-
-    def __init__(self, event=None, counts: TransferCounts | None = None):
-        self.event, self.counts = event, counts
-
-    def query(self) -> bool:
-        """True when the copy has finished (never blocks)."""
-        return self.event is None or self.event.query()
-
-    def synchronize(self) -> None:
-        """Block the host until the copy has finished (before the host reads or rewrites its host side)."""
-        if self.event is not None:
-            if self.counts is not None and not self.event.query():
-                self.counts.host_syncs += 1
-            self.event.synchronize()
-
-    def wait_stream(self, stream=None) -> None:
-        """Make ``stream`` (default: the current stream) wait for this copy only."""
-        if self.event is not None:
-            (stream or torch.cuda.current_stream()).wait_event(self.event)
-
-
-DONE = CopyHandle()
 
 
 class Copies(Protocol):
@@ -186,5 +152,4 @@ def CopyEngine(device: torch.device, pin: bool = True) -> Copies:
     later, on a worker thread; the variable is read here, once per engine)."""
     if device.type == "cuda":
         return CudaCopies(device, pin)
-    from zero_offload.offload import simulated   # it builds on this module's handles
     return simulated.SimulatedCopies(device, pin) if simulated.enabled() else HostCopies(device, pin)

@@ -37,7 +37,7 @@ from typing import Callable
 
 import torch
 
-from zero_offload.offload.copies import CopyHandle, TransferCounts
+from zero_offload.offload.handles import CopyHandle, TransferCounts
 
 __all__ = ["ENV", "SKIP_WAITS_ENV", "MAX_DELAY_S", "enabled", "waits_skipped", "random_delay", "SimulationCounts",
            "counts", "SimulatedEvent", "SimulatedStream", "SimulatedHandle", "SimulatedCopies", "SimulatedWork",

@@ -14,7 +14,7 @@ import os
 import threading
 from pathlib import Path
 
-from zero_offload.native import native_disabled, shared_library
+from zero_offload.native_files import native_disabled, shared_library
 
 __all__ = ["available", "transfer"]
 

@@ -11,7 +11,7 @@ import ctypes
 import os
 from pathlib import Path
 
-from zero_offload.native import native_disabled, shared_library
+from zero_offload.native_files import native_disabled, shared_library
 
 __all__ = ["HParams", "ISA_NAMES", "load", "set_isa", "library_path"]
 

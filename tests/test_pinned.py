@@ -81,3 +81,17 @@ def test_unpinned_and_empty_requests_register_nothing(calls):
     assert pinned.host_empty(10, torch.float32, pin=False).numel() == 10
     assert pinned.host_empty(0, torch.float32, pin=True).numel() == 0
     assert calls == []
+
+
+def test_nvme_buffer_pools_and_parameter_buffers_are_page_locked_when_asked(calls):
+    """DeepSpeed pins its swap buffers: with ``pin`` (CUDA present) the NVMe optimizer's pool and the stage-3
+    parameter store's aligned buffers are registered whole; without it nothing is."""
+    from zero_offload.nvme.buffers import ALIGNMENT, AlignedBuffer, BufferPool
+    pool = BufferPool(3, 10_000, pin=True)
+    registered = [c for c in calls if c[0] == "register"]
+    assert len(registered) == 3 and all(c[2] == pool.buffers[0].nbytes + ALIGNMENT for c in registered)
+    assert all(b.raw.data_ptr() % ALIGNMENT == 0 for b in pool.buffers)
+    calls.clear()
+    AlignedBuffer(10_000)
+    BufferPool(2, 10_000)
+    assert calls == []

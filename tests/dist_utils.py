@@ -50,3 +50,15 @@ def run_ranks(fn, world_size: int, *args) -> list:
         if "error" in res:
             raise AssertionError(f"rank {r} failed:\n{res['error']}")
     return [res["ok"] for res in results]
+
+
+def finish_torchrun(result: dict, out_path: str) -> None:
+    """End a script run under ``torchrun``: rank 0 writes ``result`` as JSON to ``out_path``, then an orderly exit
+    (every rank at a barrier, the group destroyed, so gloo's threads stop before the interpreter ends)."""
+    import json
+    if int(os.environ.get("RANK", "0")) == 0:
+        with open(out_path, "w") as f:
+            json.dump(result, f)
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

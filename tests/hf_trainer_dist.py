@@ -1,7 +1,6 @@
 """Run under ``torchrun --nproc_per_node 2``: the plain Trainer (its own DDP, gloo on CPU) against
 zero_offload.hf.Trainer at stage 0, stage 2 + optimizer offload and stage 3 + optimizer and parameter offload,
 tiny GPT-2, gas 2, max_grad_norm 1.0. Rank 0 writes {losses, weight differences} as JSON to argv[1]."""
-import json
 import os
 import sys
 import tempfile
@@ -11,6 +10,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import hf_trainer_runs as runs  # noqa: E402
+from dist_utils import finish_torchrun  # noqa: E402
 
 torch.set_num_threads(1)        # the two ranks share two cores
 warnings.filterwarnings("ignore")
@@ -34,14 +34,8 @@ def main(out_path: str) -> None:
                                     "weight_diff": runs.max_weight_diff(ref_w, w),
                                     "weight_change": runs.max_weight_diff(ref_w, runs.initial_weights("gpt2")),
                                     "world_size": trainer.engine.world_size}
-    if int(os.environ.get("RANK", "0")) == 0:
-        with open(out_path, "w") as f:
-            json.dump(result, f)
+    finish_torchrun(result, out_path)
 
 
 if __name__ == "__main__":
     main(sys.argv[1])
-    import torch.distributed as dist
-    if dist.is_initialized():       # an orderly exit: gloo's threads stopped before the interpreter ends
-        dist.barrier()
-        dist.destroy_process_group()

@@ -1,7 +1,6 @@
 """Run under ``torchrun --nproc_per_node 2``: Lightning's DDP (gloo on CPU) against ZeroOffloadStrategy at stage 2
 with the optimizer offloaded and stage 3 with optimizer and parameters offloaded; accumulation 2 with a shorter
 last accumulation, clipping 1.0. Rank 0 writes {losses, weight differences} as JSON to argv[1]."""
-import json
 import os
 import sys
 import warnings
@@ -10,6 +9,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import lightning_runs as runs  # noqa: E402
+from dist_utils import finish_torchrun  # noqa: E402
 
 torch.set_num_threads(1)        # the two ranks share two cores
 warnings.filterwarnings("ignore")
@@ -32,14 +32,8 @@ def main(out_path: str) -> None:
         trainer, module, w = fit(strategy)
         result["runs"][name] = {"losses": module.losses, "steps": trainer.global_step,
                                 "weight_diff": runs.max_diff(ref_w, w), "world_size": strategy.engine.world_size}
-    if int(os.environ.get("RANK", "0")) == 0:
-        with open(out_path, "w") as f:
-            json.dump(result, f)
+    finish_torchrun(result, out_path)
 
 
 if __name__ == "__main__":
     main(sys.argv[1])
-    import torch.distributed as dist
-    if dist.is_initialized():       # an orderly exit: gloo's threads stopped before the interpreter ends
-        dist.barrier()
-        dist.destroy_process_group()

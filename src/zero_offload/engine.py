@@ -6,6 +6,7 @@ takes the optimizer step at the gradient-accumulation boundary and is a no-op ot
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Iterable
 
 import torch
@@ -235,11 +236,9 @@ class Engine:
             coef = min(1.0, clip / (float(norm) + 1e-6)) if clip > 0 else 1.0
             if self._dpu is not None and self._dpu.engaged(self.global_step):
                 self._dpu.launch(grad_scale=coef / loss_scale)   # runs while the next forward/backward do
-            elif self._host_step:
-                with self._timer.host_wait():
-                    self.zero.step(grad_scale=coef / loss_scale)
             else:
-                self.zero.step(grad_scale=coef / loss_scale)
+                with self._timer.host_wait() if self._host_step else contextlib.nullcontext():
+                    self.zero.step(grad_scale=coef / loss_scale)
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
         self.scaler.update(overflow)

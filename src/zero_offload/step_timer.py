@@ -56,30 +56,25 @@ class StepTimer:
                 self.start_event = self._event()
             self.pairs, self.start_wall, self.ended, self.unresolved = [], time.perf_counter(), False, False
 
-    @contextmanager
-    def phase(self, name: str) -> Iterator[None]:
+    def phase(self, name: str):
         """Bracket phase ``name`` (``forward``, ``backward``, ``optimizer``); the first of a step starts it."""
         self._begin()
-        start = time.perf_counter()
-        first = self._event() if self.cuda else None
-        try:
-            yield
-        finally:
-            self.wall[f"{name}_s"] += time.perf_counter() - start
-            if self.cuda:
-                self.pairs.append((f"device_{name}_s", first, self._event()))
+        return self._bracket(f"{name}_s", f"device_{name}_s")
+
+    def host_wait(self):
+        """Bracket a host step or a wait for the delayed update's thread, inside the ``optimizer`` phase."""
+        return self._bracket("exposed_host_step_s", "device_exposed_host_step_s")
 
     @contextmanager
-    def host_wait(self) -> Iterator[None]:
-        """Bracket a host step or a wait for the delayed update's thread, inside the ``optimizer`` phase."""
+    def _bracket(self, wall_key: str, device_key: str) -> Iterator[None]:
         start = time.perf_counter()
         first = self._event() if self.cuda else None
         try:
             yield
         finally:
-            self.wall["exposed_host_step_s"] += time.perf_counter() - start
+            self.wall[wall_key] += time.perf_counter() - start
             if self.cuda:
-                self.pairs.append(("device_exposed_host_step_s", first, self._event()))
+                self.pairs.append((device_key, first, self._event()))
 
     def end_step(self) -> None:
         """The optimizer step is over: fix its wall-clock span (and its last event on CUDA)."""

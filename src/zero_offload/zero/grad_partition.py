@@ -77,8 +77,10 @@ class GradPartition:
         self.lo, self.hi = lo, lo + numel
         self.stage, self.offload, self.copies = stage, offload, copies
         self.in_place = in_place is not None
-        # (copy's handle, staging slot or None, offset in the partition, the staged piece's elements and dtype)
-        self.pending: deque[tuple[CopyHandle, int | None, int, int, torch.dtype]] = deque()
+        # (copy's handle, staging slot or None, offset in the partition, the staged piece's elements and dtype,
+        # the micro-step it belongs to)
+        self.pending: deque[tuple[CopyHandle, int | None, int, int, torch.dtype, int]] = deque()
+        self.micro_step = 0                            # counts `begin_micro_step`s: a late piece is not this one's
         self.staging: list[torch.Tensor] = []          # uint8 slots, viewed as the dtype of what they carry
         self.staging_busy: list[bool] = []
         self.staging_next = 0
@@ -115,6 +117,7 @@ class GradPartition:
         """A micro-step that reduces into this partition starts: its writes replace the norm's pieces."""
         self.sq_device = self.sq_host = None
         self.sq_covered = 0 if self.tracks_norm else -1
+        self.micro_step += 1
 
     def forget_norm(self) -> None:
         """The partition was changed outside `accumulate` (set aside and added back): `sq_norm` reads it whole."""
@@ -142,7 +145,7 @@ class GradPartition:
                 self.sq_device = _add_sq(self.sq_device, values)
                 self.sq_covered += reduced.numel()
             handle = self.copies.to_host(dst, reduced)
-            self.pending.append((handle, None, offset, reduced.numel(), reduced.dtype))
+            self.pending.append((handle, None, offset, reduced.numel(), reduced.dtype, self.micro_step))
         else:
             if not self.staging:
                 self._allocate_staging()           # a second backward at one micro-step per step
@@ -154,7 +157,7 @@ class GradPartition:
                 slot = self.staging[i][:piece.numel() * piece.element_size()].view(piece.dtype)
                 handle = self.copies.to_host(slot, piece)
                 self.staging_busy[i] = True
-                self.pending.append((handle, i, offset + lo, piece.numel(), piece.dtype))
+                self.pending.append((handle, i, offset + lo, piece.numel(), piece.dtype, self.micro_step))
         self._drain(block=False)
         return handle                                # one stream: the last copy down finishes last
 
@@ -170,7 +173,7 @@ class GradPartition:
         """Finish landed copies in order: adds of staged pieces into the partition, their slots freed (``one``:
         at most one copy)."""
         while self.pending:
-            handle, slot, offset, numel, dtype = self.pending[0]
+            handle, slot, offset, numel, dtype, micro_step = self.pending[0]
             if not block and not handle.query():
                 return
             handle.synchronize()
@@ -179,7 +182,7 @@ class GradPartition:
                 staged = self.staging[slot][:numel * dtype.itemsize].view(dtype)
                 dst = self.buffer[offset:offset + numel]
                 dst.add_(staged)
-                if self.sq_covered >= 0:
+                if self.sq_covered >= 0 and micro_step == self.micro_step:   # an earlier one's lands late
                     self.sq_host = _add_sq(self.sq_host, dst)
                     self.sq_covered += numel
                 self.staging_busy[slot] = False
@@ -239,12 +242,7 @@ class GradPartition:
             pieces = [t for t in (self.sq_device, self.sq_host) if t is not None]
             device = pieces[0].device if pieces else buffer.device
             return sum((t.to(device) for t in pieces), torch.zeros((), dtype=torch.float32, device=device))
-        if buffer.dtype == torch.float32 or buffer.is_cuda:
-            return torch.linalg.vector_norm(buffer, dtype=torch.float32).square()
-        total = torch.zeros((), dtype=torch.float32, device=buffer.device)
-        for chunk in buffer.split(NORM_CHUNK):
-            total += torch.linalg.vector_norm(chunk, dtype=torch.float32).square()
-        return total
+        return _add_sq(None, buffer)
 
     def state_tensors(self) -> list[torch.Tensor]:
         """The buffers this partition holds apart from the flat gradient and the staging (memory accounting)."""
@@ -264,4 +262,4 @@ def _add_sq(total: torch.Tensor | None, values: torch.Tensor) -> torch.Tensor:
     for chunk in chunks:
         sq = torch.linalg.vector_norm(chunk, dtype=torch.float32).square()
         total = sq if total is None else total + sq
-    return total
+    return total if total is not None else torch.zeros((), dtype=torch.float32, device=values.device)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 from torch.profiler import record_function
 from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakIdKeyDictionary
 
 from zero_offload.comm import DistContext
 from zero_offload.offload.copies import Copies
@@ -80,7 +81,8 @@ class UnitLifecycle:
         self.in_flight = InFlight(2, self._accumulate)   # reduce-scatters in flight, each unit's gradient kept
         self.saved_params = SavedParameterGuard(units, self.gather)
         self.frozen_release = FrozenRelease(self.release, module_units)
-        self.unit_of = {id(p): u for u in self.trainable for p in u.params}
+        # Every parameter -> its unit (trainable and frozen), by identity: a tensor's == is elementwise.
+        self.unit_of = WeakIdKeyDictionary({p: u for u in units for p in u.params})
         self.hooks = []
         for module in module_units:
             self._hook_module(module)
@@ -222,7 +224,7 @@ class UnitLifecycle:
     # -- gradients ---------------------------------------------------------------------------------------
     @torch.no_grad()
     def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
-        u = self.unit_of[id(param)]
+        u = self.unit_of[param]
         self.pending[u.index] -= 1
         if self.pending[u.index] == 0:
             self._reduce_ready()

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from zero_offload.comm import DistContext
 from zero_offload.config import Config
@@ -102,8 +101,7 @@ class Stage3Optimizer(ZeroOptimizerBase):
                                        self.partitions, GradAveraging.from_config(config, self.ctx.world_size),
                                        communication_dtype(config))
         model.register_forward_pre_hook(self.lifecycle.root_pre_forward)
-        self.unit_by_param = WeakIdKeyDictionary({p: u for u in self.units for p in u.params})
-        registry.manage(self.unit_by_param.keys(), self)   # for `gathered_parameters` and external parameters
+        registry.manage(self.lifecycle.unit_of.keys(), self)   # for `gathered_parameters` and external parameters
 
     def _build_step(self, config: Config, groups, dtype, gradient_accumulation: int) -> None:
         """Gradient partitions and the partition optimizer."""
@@ -173,7 +171,7 @@ class Stage3Optimizer(ZeroOptimizerBase):
     # -- parameters used outside their module's forward ---------------------------------------------------
     def manages(self, p: torch.Tensor) -> bool:
         """True when ``p`` lives in one of this optimizer's units (trainable or frozen)."""
-        return p in self.unit_by_param
+        return p in self.lifecycle.unit_of
 
     @contextlib.contextmanager
     def gathered(self, params, modifier_rank: int | None):
@@ -181,7 +179,7 @@ class Stage3Optimizer(ZeroOptimizerBase):
         without it discarded (see `zero_offload.gathered_parameters`)."""
         units = []
         for p in params:
-            u = self.unit_by_param.get(p)
+            u = self.lifecycle.unit_of.get(p)
             if u is not None and u not in units:
                 units.append(u)
         opened = [u for u in units if not u.gathered]
@@ -207,7 +205,7 @@ class Stage3Optimizer(ZeroOptimizerBase):
 
     def add_external(self, module: torch.nn.Module, p: torch.nn.Parameter) -> None:
         """Gather ``p``'s unit before ``module``'s forward too (``register_external_parameter``)."""
-        u = self.unit_by_param.get(p)
+        u = self.lifecycle.unit_of.get(p)
         if u is not None:
             self.lifecycle.add_external(module, u)
 

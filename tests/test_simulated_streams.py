@@ -137,9 +137,9 @@ def test_exactness_matrix_under_simulation(tmp_path):
 def bucket_reused_before_its_copy(mp):
     """A stage-2 bucket is handed out again while its copy down still reads it (the bug the simulation found:
     the CPU pool reused buckets at once)."""
-    from zero_offload.zero import reducer
-    mp.setattr(reducer._BufferPool, "release", lambda self, buf, handle=None: self.free.setdefault(
-        buf.numel(), []).append((buf, simulated.SimulatedHandle())))
+    from zero_offload.zero.bucket_pool import BucketPool
+    release = BucketPool.release
+    mp.setattr(BucketPool, "release", lambda self, view, reading=None: release(self, view))   # as if read
 
 
 def partition_read_before_its_copies(mp):

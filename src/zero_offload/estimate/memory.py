@@ -23,18 +23,18 @@ from zero_offload.offload.grad_staging import staging_shape
 from zero_offload.offload.staging_ring import ring_shape
 from zero_offload.precision import training_dtype
 from zero_offload.presets import GPTConfig
+from zero_offload.zero.bucket_pool import bucket_pool_size
+from zero_offload.zero.collectives import MAX_IN_FLIGHT
 from zero_offload.zero.buckets import bucket_spans
 
 __all__ = ["ModelShape", "MemoryEstimate", "estimate_memory", "model_shape", "activation_bytes",
-           "activation_formula", "MODEL_STATE_KINDS", "REDUCER_IN_FLIGHT"]
+           "activation_formula", "MODEL_STATE_KINDS"]
 
 # Kinds that `Engine.memory_breakdown()` also reports (measured from the tensors the engine holds).
 MODEL_STATE_KINDS = ("params", "grads", "buckets", "grad_partition", "grad_staging", "master", "exp_avg",
                      "exp_avg_sq", "param_staging", "frozen_params", "nvme_buffers", "param_pool", "param_write_ring")
 # Lines of the estimate that the engine's breakdown counts as part of the gradient partition.
 GRAD_PARTITION_PARTS = {"grad_spare": "grad_partition"}
-# The gradient reducer's bound on buckets reduced at once (zero/reducer.py's ``max_in_flight``).
-REDUCER_IN_FLIGHT = 2
 
 
 @dataclass
@@ -108,31 +108,16 @@ def activation_bytes(gpt: GPTConfig, micro_batch: int, seq_len: int, dtype_bytes
     return (n * s * b * h * dtype_bytes + block if ckpt else n * block) + logits
 
 
-def _stage2_bucket_bytes(group_numels: list[list[int]], world_size: int, bucket_numel: int, d: int) -> int:
-    """Bytes of stage-2 bucket buffers alive at once: every bucket the largest parameter spans (its gradient
-    may come last -- a tied embedding's is complete only at the end of backward -- and its buckets wait for
-    it) plus the reducer's in-flight ones (the largest others)."""
-    spans = []          # (size, spans the largest parameter)
-    largest = max((n, g, i) for g, numels in enumerate(group_numels) for i, n in enumerate(numels))
-    for g, numels in enumerate(group_numels):
-        part = partition_numel(numels, world_size)
-        lo_p = sum(numels[:largest[2]]) if g == largest[1] else -1
-        hi_p = lo_p + largest[0]
-        for _, lo, hi in bucket_spans([(r * part, (r + 1) * part) for r in range(world_size)], bucket_numel):
-            spans.append((hi - lo, lo < hi_p and hi > lo_p))
-    held = [n for n, spanned in spans if spanned]
-    others = sorted((n for n, spanned in spans if not spanned), reverse=True)
-    return (sum(held) + sum(others[:REDUCER_IN_FLIGHT])) * d
-
-
-def _stage2_largest_bucket(group_numels: list[list[int]], world_size: int, bucket_numel: int) -> int:
-    """Elements of the largest stage-2 bucket (a bucket never crosses a partition: `zero.buckets`)."""
-    out = 1
+def _stage2_bucket_bytes(group_numels: list[list[int]], world_size: int, bucket_numel: int, overlap: bool,
+                        d: int) -> int:
+    """Bytes of the stage-2 bucket pool (`zero.bucket_pool`): `bucket_pool_size` buffers of the largest bucket,
+    where a bucket never crosses a partition (`zero.buckets.bucket_spans`)."""
+    sizes = []
     for numels in group_numels:
         part = partition_numel(numels, world_size)
-        spans = bucket_spans([(r * part, (r + 1) * part) for r in range(world_size)], bucket_numel)
-        out = max([out] + [hi - lo for _, lo, hi in spans])
-    return out
+        sizes += [hi - lo for _, lo, hi in bucket_spans([(r * part, (r + 1) * part) for r in range(world_size)],
+                                                        bucket_numel)]
+    return bucket_pool_size(overlap, len(sizes)) * max(sizes, default=0) * d
 
 
 def estimate_memory(model, config: "Config | dict | str | None" = None, world_size: int = 1, *,
@@ -211,7 +196,7 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
         # Later micro-steps' gradients come down through a fixed pinned pool (`GradPartition`).
         slots, slot_bytes = staging_shape(numel)
         host("grad_staging", slots * slot_bytes, torch.uint8)
-        est.formulas["grad_staging"] = "4 slots x min(4 MiB, P x 4 / 4) bytes per offloaded partition, gas > 1"
+        est.formulas["grad_staging"] = "gas > 1: 4 pinned slots x min(4 MiB, P x 4 bytes / 4) per offloaded partition"
 
     grad_dtype = torch.float32 if grad_dtype_bytes == 4 else dtype
     groups = shape.group_numels()
@@ -225,8 +210,10 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
         if shape.frozen:
             est.add("device", "frozen_params", sum(sum(n) for _, _, n in shape.frozen) * d)
         if zc.stage == 2:
-            est.add("device", "buckets", _stage2_bucket_bytes(groups, world_size, zc.reduce_bucket_size, d))
-            est.formulas["buckets"] = "(buckets the largest parameter spans + 2 in flight) x d"
+            est.add("device", "buckets", _stage2_bucket_bytes(groups, world_size, zc.reduce_bucket_size,
+                                                              bool(zc.overlap_comm), d))
+            est.formulas["buckets"] = ("largest bucket x (2 + 2 in flight with overlap_comm, at most the bucket "
+                                       "count) x d")
         for p in parts:
             if offload_opt:
                 host("grad_partition", p, grad_dtype if zc.stage == 2 else dtype)
@@ -255,7 +242,7 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
         est.add("device", "live_params", persistent + min(sum(unit_bytes), unit_bytes[0] + budget))
         est.formulas["live_params"] = ("persistent units + largest unit + min(stage3_max_live_parameters, "
                                        "stage3_prefetch_bucket_size) x d, at most the whole model")
-        est.add("device", "reduce_buffers", sum(unit_bytes[:REDUCER_IN_FLIGHT + 1]))
+        est.add("device", "reduce_buffers", sum(unit_bytes[:MAX_IN_FLIGHT + 1]))
         for p in parts:
             if offload_param:
                 host("params", p, dtype)

@@ -18,7 +18,11 @@ from torch.profiler import record_function
 from zero_offload.comm import DistContext
 from zero_offload.zero.averaging import GradAveraging
 
-__all__ = ["PendingReduction", "reduce_bucket", "reduce_scatter_grad", "finish", "InFlight"]
+__all__ = ["PendingReduction", "reduce_bucket", "reduce_scatter_grad", "finish", "InFlight", "MAX_IN_FLIGHT"]
+
+# Reductions in flight before the oldest is finished: stage 2's buckets and stage 3's reduce-scatters (the
+# memory model counts their buffers with it).
+MAX_IN_FLIGHT = 2
 
 
 @dataclass
@@ -109,6 +113,10 @@ class InFlight(Generic[T]):
         self.items.append(item)
         while len(self.items) > self.limit:
             self.on_finish(self.items.popleft())
+
+    def finish_oldest(self) -> None:
+        """Finish the oldest reduction in flight (its buffer is wanted now)."""
+        self.on_finish(self.items.popleft())
 
     def drain(self) -> None:
         """Finish every reduction in flight, oldest first."""

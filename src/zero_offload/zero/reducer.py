@@ -13,46 +13,14 @@ import torch
 
 from zero_offload.comm import DistContext
 from zero_offload.flat import FlatParams
-from zero_offload.offload.copies import DONE, CopyHandle
+from zero_offload.offload.copies import DONE
 from zero_offload.zero.averaging import GradAveraging
+from zero_offload.zero.bucket_pool import BucketPool, bucket_pool_size
 from zero_offload.zero.buckets import GradBucket, plan_buckets
-from zero_offload.zero.collectives import InFlight, PendingReduction, finish, reduce_bucket
+from zero_offload.zero.collectives import MAX_IN_FLIGHT, InFlight, PendingReduction, finish, reduce_bucket
 from zero_offload.zero.grad_partition import GradPartition
 
 __all__ = ["GradientReducer"]
-
-
-class _BufferPool:
-    """Bucket buffers reused once the copy that reads them has finished (its event), on every device.
-
-    A released buffer keeps the handle of the last copy that reads it; it is handed out again only after
-    that copy's event (`CopyHandle.wait_stream`: the compute stream waits for that copy alone on CUDA, the host
-    blocks on the CPU) -- the event-ordered reuse of FSDP2's reduce-scatter buffers, instead of
-    ``record_stream`` keeping every buffer alive. The pool grows only while one backward has more buckets
-    filling and in flight at once than it holds; from the second backward on it never allocates.
-    """
-
-    def __init__(self, dtype: torch.dtype, device: torch.device):
-        self.dtype, self.device = dtype, device
-        self.free: dict[int, list[tuple[torch.Tensor, CopyHandle]]] = {}
-        self.allocated = 0                 # buffers made so far (`buffers` lists the idle ones)
-
-    def acquire(self, numel: int) -> torch.Tensor:
-        stack = self.free.get(numel)
-        if stack:
-            buf, handle = stack.pop(0)     # the oldest release: its copy is the likeliest to be done
-            handle.wait_stream()
-            return buf
-        self.allocated += 1
-        return torch.empty(numel, dtype=self.dtype, device=self.device)
-
-    def buffers(self) -> list[torch.Tensor]:
-        """The idle buffers the pool holds (all of them between backward passes)."""
-        return [b for stack in self.free.values() for b, _ in stack]
-
-    def release(self, buf: torch.Tensor, handle: CopyHandle = DONE) -> None:
-        """Take ``buf`` back; ``handle``: the copy still reading it (`DONE`: none)."""
-        self.free.setdefault(buf.numel(), []).append((buf, handle))
 
 
 class GradientReducer:
@@ -67,7 +35,7 @@ class GradientReducer:
 
     def __init__(self, ctx: DistContext, flats: list[FlatParams], partitions: list[GradPartition],
                  flat_grads: list[torch.Tensor] | None, stage: int, bucket_numel: int, overlap: bool,
-                 max_in_flight: int = 2, averaging: GradAveraging | None = None,
+                 max_in_flight: int = MAX_IN_FLIGHT, averaging: GradAveraging | None = None,
                  comm_dtype: torch.dtype | None = None):
         self.ctx, self.flats, self.partitions = ctx, flats, partitions
         self.averaging = averaging or GradAveraging(ctx.world_size)
@@ -80,7 +48,10 @@ class GradientReducer:
         for b in self.buckets:
             for i, piece in enumerate(b.pieces):
                 self.pieces_of.setdefault(id(piece.param), []).append((b, i))
-        self.pool = _BufferPool(flats[0].dtype, flats[0].device)
+        # Stage 2's buckets come from a pool allocated once (stages 0/1 reduce views of the flat gradient).
+        count = bucket_pool_size(overlap, len(self.buckets), max_in_flight) if flat_grads is None else 0
+        self.pool = BucketPool(count, max((b.numel for b in self.buckets), default=0), flats[0].dtype,
+                               flats[0].device)
         self.reducing = False
         self.first_micro_step = True
         self.next_launch = 0
@@ -116,7 +87,7 @@ class GradientReducer:
                         piece = b.pieces[i]
                         self._buffer(b)[piece.bucket_lo:piece.bucket_hi].zero_()
                     b.fill(i)
-        self._launch_ready()
+            self._launch_ready()      # each bucket goes before the next takes a buffer: the pool suffices
         self.in_flight.drain()
         self.reducing = False
 
@@ -132,17 +103,15 @@ class GradientReducer:
     def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
         if not self.reducing:
             return
-        newly_ready = False
-        for bucket, i in self.pieces_of[id(param)]:
+        for bucket, i in self.pieces_of[id(param)]:      # in launch order
             if self.stage == 2:
                 piece = bucket.pieces[i]
                 self._buffer(bucket)[piece.bucket_lo:piece.bucket_hi].copy_(
                     param.grad.reshape(-1)[piece.param_lo:piece.param_hi])
-            newly_ready |= bucket.fill(i)
+            if bucket.fill(i):
+                self._launch_ready()   # before the next piece takes a buffer: a large parameter needs no more
         if self.stage == 2:
             param.grad = None   # its gradient now lives in buckets only: stage 2 keeps no full gradient
-        if newly_ready:
-            self._launch_ready()
 
     # -- buckets ---------------------------------------------------------------------------------------
     def _buffer(self, b: GradBucket) -> torch.Tensor:
@@ -152,10 +121,22 @@ class GradientReducer:
             if self.flat_grads is not None:
                 buffer = self.flat_grads[b.group][b.lo:b.hi]
             else:
-                buffer = self.pool.acquire(b.numel)
+                buffer = self._pooled(b.numel)
                 if b.pad_lo < b.numel:
                     buffer[b.pad_lo:].zero_()
             self.buffer_of[b] = buffer
+        return buffer
+
+    def _pooled(self, numel: int) -> torch.Tensor:
+        """A pool buffer; when all are in use, finish the oldest reductions in flight (which hands theirs back)
+        before growing the pool."""
+        buffer = self.pool.take(numel)
+        while buffer is None and len(self.in_flight):
+            self.in_flight.finish_oldest()
+            buffer = self.pool.take(numel)
+        if buffer is None:
+            self.pool.grow()
+            buffer = self.pool.take(numel)
         return buffer
 
     def _launch_ready(self) -> None:

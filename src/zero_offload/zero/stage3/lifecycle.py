@@ -28,7 +28,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from zero_offload.comm import DistContext
 from zero_offload.offload.copies import Copies
 from zero_offload.zero.averaging import GradAveraging
-from zero_offload.zero.collectives import InFlight, finish, reduce_scatter_grad
+from zero_offload.zero.collectives import MAX_IN_FLIGHT, InFlight, finish, reduce_scatter_grad
 from zero_offload.zero.grad_partition import GradPartition
 from zero_offload.zero.stage3.frozen import FrozenRelease
 from zero_offload.zero.stage3.partition_store import PartitionStore
@@ -78,7 +78,7 @@ class UnitLifecycle:
         self.pending = {u.index: 0 for u in self.trainable}   # gradients still to come, this micro-step
         self.next_reduce = 0
         self.first_micro_step = True
-        self.in_flight = InFlight(2, self._accumulate)   # reduce-scatters in flight, each unit's gradient kept
+        self.in_flight = InFlight(MAX_IN_FLIGHT, self._accumulate)   # reduce-scatters in flight, each unit's gradient kept
         self.saved_params = SavedParameterGuard(units, self.gather)
         self.frozen_release = FrozenRelease(self.release, module_units)
         # Every parameter -> its unit (trainable and frozen), by identity: a tensor's == is elementwise.

@@ -5,7 +5,11 @@ engine is freed (``del``, ``gc.collect()``, ``torch.cuda.empty_cache()``) before
 
 Definitions:
 - host syncs per step: ``cudaStreamSynchronize`` + ``cudaDeviceSynchronize`` calls in the profiled step (CUDA
-  runtime events of the trace; ``cudaEventSynchronize`` reported apart); 0 on the CPU, where there are none;
+  runtime events of the trace, less the one synchronisation that closes the trace; ``cudaEventSynchronize``
+  reported apart); 0 on the CPU, where there are none;
+- peak device memory: ``max_memory_allocated``, and ``max_memory_reserved`` beside it (blocks the allocator holds
+  for later reuse, as a block freed with ``record_stream`` is until its stream passes it);
+- peak RSS: this run's, sampled (`RssPeak`), not the process's lifetime peak;
 - copy overlap: the time of ``Memcpy DtoH``/``HtoD`` intervals that intersects the union of kernel intervals,
   over the copies' total time; None where the trace has no copy (the CPU).
 """
@@ -18,7 +22,7 @@ import time
 from pathlib import Path
 
 __all__ = ["free", "trace_figures", "copy_compute_overlap", "profile_steps", "run_engine", "run_plain", "batches",
-           "build_model", "native_state", "out_of_memory"]
+           "build_model", "native_state", "out_of_memory", "RssPeak"]
 
 SYNC_NAMES = ("cudaStreamSynchronize", "cudaDeviceSynchronize")
 
@@ -73,10 +77,11 @@ def copy_compute_overlap(events: list[dict]) -> tuple[float | None, float]:
     return hidden / total, total / 1e6
 
 
-def trace_figures(events: list[dict], steps: int) -> dict:
-    """Host syncs per step and the copy overlap of a chrome trace (see the module docstring)."""
+def trace_figures(events: list[dict], steps: int, own_syncs: int = 0) -> dict:
+    """Host syncs per step and the copy overlap of a chrome trace (see the module docstring); ``own_syncs``:
+    synchronisations the measurement itself made inside the trace (not counted)."""
     names = [e.get("name", "") for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")]
-    syncs = sum(n in SYNC_NAMES for n in names)
+    syncs = max(0, sum(n in SYNC_NAMES for n in names) - own_syncs)
     share, copy_s = copy_compute_overlap(events)
     return {"host_syncs_per_step": syncs / max(steps, 1),
             "event_syncs_per_step": names.count("cudaEventSynchronize") / max(steps, 1),
@@ -93,12 +98,12 @@ def profile_steps(one_step, device, steps: int = 1) -> dict:
         for _ in range(steps):
             one_step()
         if device.type == "cuda":
-            torch.cuda.synchronize(device)
+            torch.cuda.synchronize(device)     # so the trace holds the step's kernels: not one of its syncs
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(path))
         events = json.loads(path.read_text()).get("traceEvents", [])
-    return trace_figures(events, steps)
+    return trace_figures(events, steps, own_syncs=int(device.type == "cuda"))
 
 
 def _sync(device):
@@ -131,9 +136,39 @@ def _peak(device) -> int:
     return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
 
 
-def _peak_rss_bytes() -> int:
-    import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # Linux reports KiB
+def _peak_reserved(device) -> int:
+    """The allocator's peak reserved bytes: blocks held for reuse count here, not in ``max_memory_allocated``."""
+    torch = _torch()
+    return torch.cuda.max_memory_reserved(device) if device.type == "cuda" else 0
+
+
+class RssPeak:
+    """The largest resident set of this process while it runs (sampled from /proc/self/statm every 20 ms on a
+    thread): the peak of one run, where ``ru_maxrss`` would give the process's peak over every run before it."""
+
+    def __init__(self, interval_s: float = 0.02):
+        import os
+        import threading
+        self.page, self.interval_s, self.peak = os.sysconf("SC_PAGE_SIZE"), interval_s, 0
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+        self.thread.start()
+
+    def _rss(self) -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * self.page
+
+    def _sample(self) -> None:
+        while True:
+            self.peak = max(self.peak, self._rss())
+            if self.done.wait(self.interval_s):
+                return
+
+    def stop(self) -> int:
+        """Stop sampling; the peak in bytes."""
+        self.done.set()
+        self.thread.join()
+        return max(self.peak, self._rss())
 
 
 def build_model(cfg, device, dtype, sharded: bool):
@@ -167,6 +202,15 @@ def run_engine(cfg_model, config: dict, device, steps: int, split_steps: int, sh
                profile: bool = True) -> dict:
     """Train with the engine: tokens/s over ``steps`` timed steps (after 2 warm-up steps), `engine.timings`
     averaged over ``split_steps`` more, one profiled step, and the memory figures; the engine is freed."""
+    rss = RssPeak()
+    try:
+        return _run_engine(cfg_model, config, device, steps, split_steps, sharded, profile, rss)
+    finally:
+        rss.stop()          # also when the run fails (out of memory: the caller retries smaller)
+
+
+def _run_engine(cfg_model, config: dict, device, steps: int, split_steps: int, sharded: bool, profile: bool,
+                rss: RssPeak) -> dict:
     import zero_offload
     from zero_offload.estimate import estimate_memory
     from zero_offload.train.model import flops_per_token
@@ -203,7 +247,8 @@ def run_engine(cfg_model, config: dict, device, steps: int, split_steps: int, sh
     result = {"tokens_per_s": micro * gas * seq * steps / elapsed, "step_s": elapsed / steps,
               "losses": [float(x) for x in losses[-steps:]], "micro_batch": micro, "gradient_accumulation": gas,
               "peak_device_bytes": peak, "resident_device_bytes": resident, "estimate_device_bytes": estimate,
-              "estimate_over_peak": estimate / peak if peak else None, "peak_rss_bytes": _peak_rss_bytes(),
+              "estimate_over_peak": estimate / peak if peak else None, "peak_reserved_bytes": _peak_reserved(device),
+              "peak_rss_bytes": rss.stop(),
               "host_state_bytes": host_state, "params": n_params,
               "host_bytes_per_param": host_state / max(n_params, 1),
               "flops_per_token": flops_per_token(cfg_model, seq), "timings": timings,
@@ -216,6 +261,14 @@ def run_engine(cfg_model, config: dict, device, steps: int, split_steps: int, sh
 
 def run_plain(cfg_model, device, micro: int, steps: int, profile: bool = True) -> dict:
     """Plain torch: fp32 weights, bf16 autocast, torch.optim.AdamW(fused=True) on the device; freed after."""
+    rss = RssPeak()
+    try:
+        return _run_plain(cfg_model, device, micro, steps, profile, rss)
+    finally:
+        rss.stop()
+
+
+def _run_plain(cfg_model, device, micro: int, steps: int, profile: bool, rss: RssPeak) -> dict:
     torch = _torch()
     from zero_offload.train.model import flops_per_token
     _reset_peak(device)
@@ -237,7 +290,8 @@ def run_plain(cfg_model, device, micro: int, steps: int, profile: bool = True) -
     elapsed = timed_steps(one_step, device, steps)
     traced = profile_steps(one_step, device) if profile else {}
     result = {"tokens_per_s": micro * seq * steps / elapsed, "step_s": elapsed / steps, "micro_batch": micro,
-              "peak_device_bytes": _peak(device), "peak_rss_bytes": _peak_rss_bytes(),
+              "peak_device_bytes": _peak(device), "peak_reserved_bytes": _peak_reserved(device),
+              "peak_rss_bytes": rss.stop(),
               "params": sum(p.numel() for p in model.parameters()), "flops_per_token": flops_per_token(cfg_model, seq),
               **traced}
     del model, opt, data

@@ -130,6 +130,10 @@ def section_cuda_tests(args) -> dict:
 
 
 def section_sanitizer(args) -> dict:
+    """The CUDA sanitizer (CSAN) over the offload configurations. What it cannot see: it checks device tensors
+    only (a host write to a pinned slot racing its copy is the simulated streams' job: tests/test_simulated_
+    streams.py), it forgets a block's accesses when the block is freed (a missing ``record_stream`` does not show),
+    it compares exact data pointers (not overlapping slices), and it stops at the first race."""
     if args.device != "cuda":
         sanitize_body(args)    # CSAN exists only on CUDA: run the same steps without it
         return {"returncode": 0, "data_races": 0, "ok": True, "sanitizer": False}
@@ -180,8 +184,8 @@ def largest_body(args, layers: int) -> None:
                      block_size=1024, activation_checkpointing=True)
     result = gm.run_engine(cfg, engine_config(3, True, False, 1, bf16_states=True), device, steps=1,
                            split_steps=1, sharded=True)
-    keys = ("params", "peak_device_bytes", "estimate_over_peak", "peak_rss_bytes", "step_s", "tokens_per_s",
-            "timings", "host_syncs_per_step", "copy_overlap", "native_kernel")
+    keys = ("params", "peak_device_bytes", "peak_reserved_bytes", "estimate_over_peak", "peak_rss_bytes",
+            "step_s", "tokens_per_s", "timings", "host_syncs_per_step", "copy_overlap", "native_kernel")
     print(json.dumps({k: result.get(k) for k in keys}), flush=True)
 
 

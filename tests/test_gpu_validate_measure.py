@@ -27,6 +27,8 @@ def test_copy_overlap_intersects_copies_with_the_union_of_kernels():
     assert share == 0.5 and seconds == 20e-6
     figures = gpu_measure.trace_figures(events, steps=2)
     assert figures["host_syncs_per_step"] == 1.0 and figures["event_syncs_per_step"] == 0.5
+    # the synchronisation that closes the profiled steps is the measurement's own, not the step's
+    assert gpu_measure.trace_figures(events, steps=2, own_syncs=1)["host_syncs_per_step"] == 0.5
     assert gpu_measure.copy_compute_overlap([_ev("kernel", "k", 0, 5)]) == (None, 0.0)
 
 
@@ -34,6 +36,16 @@ def test_the_profiler_path_runs_on_the_cpu():
     x = torch.randn(64, 64)
     figures = gpu_measure.profile_steps(lambda: x @ x, torch.device("cpu"), steps=2)
     assert figures["host_syncs_per_step"] == 0 and figures["copy_overlap"] is None
+
+
+def test_rss_peak_is_this_runs_peak_not_the_processes():
+    big = gpu_measure.RssPeak()
+    block = torch.ones(64 << 20, dtype=torch.uint8)          # 64 MiB touched while sampled
+    first = big.stop()
+    del block
+    later = gpu_measure.RssPeak()
+    second = later.stop()
+    assert first - second >= 48 << 20, (first, second)
 
 
 def test_grow_doubles_then_bisects_within_its_budget():

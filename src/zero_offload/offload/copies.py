@@ -122,8 +122,7 @@ class CudaCopies:
         with torch.cuda.stream(self.h2d):
             dst = torch.empty_like(src, device=self.device)
             dst.copy_(src, non_blocking=True)
-            event = self.h2d.record_event()
-        return dst, CopyHandle(event, self.counts)
+        return dst, CopyHandle(_blocking_event(self.h2d), self.counts)
 
     def synchronize(self) -> None:
         """Block the host until every copy queued so far has finished (a whole-stream wait; the NVMe
@@ -141,9 +140,16 @@ class CudaCopies:
         stream.wait_event(torch.cuda.current_stream(self.device).record_event())
         with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
-            event = stream.record_event()
         device_side.record_stream(stream)
-        return CopyHandle(event, self.counts)
+        return CopyHandle(_blocking_event(stream), self.counts)
+
+
+def _blocking_event(stream) -> "torch.cuda.Event":
+    """An event recorded on ``stream`` whose host waits yield the core (``cudaEventBlockingSync``) instead of
+    spinning: the host Adam kernel and the delayed update's thread need every core while the host waits."""
+    event = torch.cuda.Event(blocking=True)
+    event.record(stream)
+    return event
 
 
 def CopyEngine(device: torch.device, pin: bool = True) -> Copies:

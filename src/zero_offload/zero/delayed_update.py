@@ -74,9 +74,13 @@ class DelayedParamUpdate:
         grads = self.zero.take_grads()
         lrs = [g["lr"] for g in self.zero.optimizer.param_groups]
         self.error = None
+        # The CUDA device is per host thread; a new thread would use (and create a context on) device 0.
+        device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
 
         def run() -> None:
             try:
+                if device is not None:
+                    torch.cuda.set_device(device)
                 self.zero.detached_step(grads, grad_scale, lrs)
             except BaseException as e:   # re-raised in the training thread by `wait`
                 self.error = e

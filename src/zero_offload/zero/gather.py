@@ -14,13 +14,23 @@ def global_grad_sq_norm(ctx: DistContext, partitions: list[GradPartition], parti
     """Squared L2 norm of the whole (loss-scaled) gradient, a 0-dim fp32 CPU tensor: the sum of this
     rank's partitions, all-reduced when the ranks hold different partitions.
 
+    The host pieces are added on the host and the device pieces on the device; one device read brings the total
+    to the host (the clip coefficient is needed there), and with several ranks the host sum goes up without a
+    sync (``non_blocking``) to join the one all-reduce -- no host sync before the boundary needs the norm.
+
     Raises:
         RuntimeError: a partition with copies still in flight (read before ``finalize_backward``).
     """
-    total = sum(p.sq_norm().to(ctx.device) for p in partitions)
-    if partitioned:
+    pieces = [t for p in partitions for t in p.sq_norm_pieces()]
+    host = sum((t for t in pieces if t.device.type == "cpu"), torch.zeros((), dtype=torch.float32))
+    on_device = [t for t in pieces if t.device.type != "cpu"]
+    if partitioned and ctx.world_size > 1:
+        total = host.to(ctx.device, non_blocking=True)
+        for t in on_device:
+            total = total + t.to(ctx.device)
         ctx.all_reduce(total, async_op=False)
-    return total.cpu()
+        return total.cpu()
+    return host + sum(on_device).cpu() if on_device else host
 
 
 def gather_masters(ctx: DistContext, layouts: list[GroupLayout], masters: list[torch.Tensor],

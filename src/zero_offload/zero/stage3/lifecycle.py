@@ -78,7 +78,8 @@ class UnitLifecycle:
         self.pending = {u.index: 0 for u in self.trainable}   # gradients still to come, this micro-step
         self.next_reduce = 0
         self.first_micro_step = True
-        self.in_flight = InFlight(MAX_IN_FLIGHT, self._accumulate)   # reduce-scatters in flight, each unit's gradient kept
+        # reduce-scatters in flight, each unit's gradient kept
+        self.in_flight = InFlight(MAX_IN_FLIGHT, self._accumulate)
         self.saved_params = SavedParameterGuard(units, self.gather)
         self.frozen_release = FrozenRelease(self.release, module_units)
         # Every parameter -> its unit (trainable and frozen), by identity: a tensor's == is elementwise.

@@ -71,10 +71,12 @@ class ShardedUnit:
         self.shard: torch.Tensor | None = None
         self.partition_offset = 0
         self.copy_handle: CopyHandle | None = None   # the last copy up of a host shard
+        self.gather_stream = None     # the CUDA stream ``full``'s memory was last allocated on (`_gather_on_stream`)
 
     def open(self) -> None:
         """Allocate ``full`` (zeroed) to materialise the unit: one unit at a time holds memory."""
         self.full.untyped_storage().resize_(self.nbytes)
+        self.gather_stream = None
         self.full.zero_()
         self.gathered = True
 
@@ -127,6 +129,7 @@ class ShardedUnit:
                 self.wait()
             return self.handle
         self.full.untyped_storage().resize_(self.nbytes)
+        self.gather_stream = None
         self._point_params(True)
         if src.device != self.full.device:
             staging = torch.empty(self.shard_numel, dtype=src.dtype, device=self.full.device)
@@ -140,11 +143,13 @@ class ShardedUnit:
     def _gather_on_stream(self, ctx: DistContext, copies: Copies, stream, src: torch.Tensor,
                           shards_written) -> GatherHandle:
         """FSDP2's way: the full buffer is allocated on the all-gather stream and a host shard's staging copy on
-        the copy stream, so neither waits for the compute queued so far. The buffer's previous use on the
-        compute stream is ordered by the allocator (`release` records it there), the host shard's copy by its
-        event, and a device shard by ``shards_written``: a prefetch starts while earlier modules compute."""
+        the copy stream, so neither waits for the compute queued so far. A buffer released earlier is reused
+        in stream order (`release` makes this stream wait for the compute that read it), the host shard's copy
+        is ordered by its event, and a device shard by ``shards_written``: a prefetch starts while earlier
+        modules compute."""
         with torch.cuda.stream(stream):
             self.full.untyped_storage().resize_(self.nbytes)
+        self.gather_stream = stream
         self._point_params(True)
         if src.device != self.full.device:
             src, self.copy_handle = copies.upload(src)
@@ -171,8 +176,11 @@ class ShardedUnit:
     def release(self) -> None:
         """Free the full buffer's memory; the parameters keep their shapes but no storage."""
         self.wait()
-        if self.full.is_cuda:   # read on the compute stream: its memory is not handed out before that is done
-            self.full.record_stream(torch.cuda.current_stream())
+        if self.gather_stream is not None:
+            # FSDP2's order, not record_stream: the gather stream waits for the compute that read the buffer, so
+            # the allocator can hand its block to the next gather on that stream at once. record_stream would
+            # keep it until the host sees that compute done, and a host running ahead would allocate anew.
+            self.gather_stream.wait_stream(torch.cuda.current_stream())
         self.full.untyped_storage().resize_(0)
         self._point_params(False)
         self.gathered = False

@@ -91,11 +91,13 @@ def test_host_step_copies_overlap_and_are_ordered():
     assert engine.zero.copies.h2d.query() and engine.zero.copies.d2h.query()
 
 
-def test_stage3_gathers_reuse_memory_while_the_host_runs_ahead():
+@pytest.mark.parametrize("offload_param", ("none", "cpu"))
+def test_stage3_gathers_reuse_memory_while_the_host_runs_ahead(offload_param):
     """Stage 3 with the device held back by a long kernel queued first: the host runs the whole forward ahead of
     the device. A released unit's memory goes to the next gather at once, in the gather stream's order (FSDP2's
-    way), so reserved memory grows by a few units, not by the whole model (record_stream would keep every
-    released block until the host saw the device pass it)."""
+    way), and so does a host shard's upload buffer, in the copy stream's order: reserved memory grows by a few
+    units, not by the whole model (record_stream would keep every released block until the host saw the device
+    pass it)."""
     import zero_offload
     layers, dim = 16, 1024
     unit_bytes = dim * dim * 4
@@ -104,7 +106,8 @@ def test_stage3_gathers_reuse_memory_while_the_host_runs_ahead():
     cfg = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
            "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": dim * dim,
                                  "stage3_max_live_parameters": 2 * dim * dim,
-                                 "stage3_param_persistence_threshold": 0}}
+                                 "stage3_param_persistence_threshold": 0,
+                                 "offload_param": {"device": offload_param}}}
     engine = zero_offload.initialize(model, cfg)
     x = torch.randn(4, dim)
     for _ in range(2):             # the first step records the order that prefetch replays

@@ -46,6 +46,8 @@ class Copies(Protocol):
 
     def upload(self, src: torch.Tensor) -> tuple[torch.Tensor, CopyHandle]: ...
 
+    def uploads_read(self, event) -> None: ...
+
     def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor: ...
 
 
@@ -72,6 +74,9 @@ class HostCopies:
         """A new device copy of host tensor ``src`` (see `CudaCopies.upload`)."""
         dst = torch.empty_like(src, device=self.device)
         return dst, self.to_device(dst, src)
+
+    def uploads_read(self, event) -> None:
+        """See `CudaCopies.uploads_read`: nothing to order on the CPU."""
 
     def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype)
@@ -116,13 +121,20 @@ class CudaCopies:
     def upload(self, src: torch.Tensor) -> tuple[torch.Tensor, CopyHandle]:
         """A new device copy of host tensor ``src``, allocated and filled on the host-to-device stream: it waits
         for no compute (the buffer is new; the caller has synchronised whatever wrote ``src``). Returns the
-        device tensor and the copy's handle; a stream that reads the tensor waits on the handle and
-        ``record_stream``-s it."""
+        device tensor and the copy's handle; a stream that reads the tensor waits on the handle, and before the
+        tensor is dropped its reader calls `uploads_read`."""
         self.counts.bytes_up += src.numel() * src.element_size()
         with torch.cuda.stream(self.h2d):
             dst = torch.empty_like(src, device=self.device)
             dst.copy_(src, non_blocking=True)
         return dst, CopyHandle(_blocking_event(self.h2d), self.counts)
+
+    def uploads_read(self, event) -> None:
+        """The `upload` buffers about to be dropped were last read before ``event`` (recorded on the stream that
+        read them): the copy stream waits for it, so the allocator hands their memory to the next upload at once
+        and in stream order -- FSDP2's order for its copy-in buffers, where ``record_stream`` would keep each
+        block until the host saw the reader pass it, and a host running ahead would allocate anew."""
+        self.h2d.wait_event(event)
 
     def synchronize(self) -> None:
         """Block the host until every copy queued so far has finished (a whole-stream wait; the NVMe

@@ -244,6 +244,9 @@ class SimulatedCopies:
         dst = torch.empty_like(src, device=self.device)
         return dst, self.to_device(dst, src)
 
+    def uploads_read(self, event) -> None:
+        """Nothing to order: a simulated upload's buffer is a host tensor, kept alive by whoever reads it."""
+
     def synchronize(self) -> None:
         """Block until every copy queued so far has run (whole-stream waits, as `CudaCopies.synchronize`)."""
         self.d2h.synchronize()

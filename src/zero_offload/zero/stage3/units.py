@@ -32,10 +32,13 @@ class GatherHandle:
     work: object
     staging: torch.Tensor | None   # the device copy of a host shard, kept alive until the gather is done
     event: object = None
+    copies: Copies | None = None   # CUDA, a host shard: its engine orders the staging's reuse after ``event``
 
     def wait(self) -> None:
         if self.event is not None:
             torch.cuda.current_stream().wait_event(self.event)
+            if self.copies is not None:
+                self.copies.uploads_read(self.event)
         elif self.work is not None:
             self.work.wait()
 
@@ -151,7 +154,8 @@ class ShardedUnit:
             self.full.untyped_storage().resize_(self.nbytes)
         self.gather_stream = stream
         self._point_params(True)
-        if src.device != self.full.device:
+        uploaded = src.device != self.full.device
+        if uploaded:
             src, self.copy_handle = copies.upload(src)
             self.copy_handle.wait_stream(stream)
         elif shards_written is not None:
@@ -159,8 +163,9 @@ class ShardedUnit:
         with torch.cuda.stream(stream):
             ctx.all_gather_into(self.full, src)   # one rank: a copy
             event = stream.record_event()
-        src.record_stream(stream)
-        return GatherHandle(None, src, event)
+        if not uploaded:
+            src.record_stream(stream)      # the shard itself: long-lived, nothing waits on its reuse
+        return GatherHandle(None, src, event, copies if uploaded else None)
 
     def shard_readable(self) -> None:
         """Block until no copy up reads the host shard any more (before the host rewrites it)."""

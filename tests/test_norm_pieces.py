@@ -68,3 +68,37 @@ def test_a_second_boundary_backward_falls_back_to_the_whole_partition():
     engine.step()
     want = torch.nn.utils.clip_grad_norm_(ref.parameters(), float("inf")).item()
     assert engine.last_grad_norm == pytest.approx(want, rel=1e-5)
+
+
+def test_backward_hook_does_not_wait_on_staged_copies(monkeypatch):
+    """Under accumulation (simulated copies, gas 2, fp32 so nothing converts) the hook of a later micro-step only
+    issues staged copies: no `CopyHandle.synchronize` from the training thread inside `GradPartition` during
+    its backward (the worker waits on them). Six buckets of a partition: more than the old pool of four slots,
+    which made the hook free slots itself."""
+    import sys
+    import threading
+
+    from zero_offload.offload.handles import CopyHandle
+
+    monkeypatch.setenv("ZERO_OFFLOAD_SIMULATE_STREAMS", "1")
+    cfg = _config(2, 2, "fp32")
+    engine = zero_offload.initialize(make_model(), cfg)
+    numel = engine.memory_breakdown()["grad_partition"]["numel"]
+    cfg["zero_optimization"]["reduce_bucket_size"] = -(-numel // 6)
+    engine = zero_offload.initialize(make_model(), cfg)
+    real = CopyHandle.synchronize
+    waits = []
+
+    def counted(self):
+        if threading.current_thread() is threading.main_thread():
+            waits.append(sys._getframe(1).f_code.co_filename)
+        return real(self)
+    x, y = batch(0, MICRO * 2)
+    engine.backward(engine(x[:MICRO], y[:MICRO]))
+    engine.step()
+    with monkeypatch.context() as mp:
+        mp.setattr(CopyHandle, "synchronize", counted)
+        engine.backward(engine(x[MICRO:], y[MICRO:]))
+    assert not [f for f in waits if f.endswith("grad_partition.py")], waits
+    engine.step()
+    assert engine.global_step == 1

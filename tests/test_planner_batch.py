@@ -49,35 +49,35 @@ def test_the_delayed_update_counts_a_spare_gradient_partition():
     assert states["grad_staging"] == acc.host["grad_staging"] > 0 and "grad_spare" not in states
 
 
-def _pool(parts) -> int:
-    return sum(slots * nbytes for slots, nbytes in map(staging_shape, parts))
+def _pool(pieces, nbytes=2) -> int:
+    return sum(slots * size for slots, size in (staging_shape(p, nbytes) for p in pieces))
 
 
-def test_gradient_staging_is_a_fixed_pool_per_partition():
-    """The engine's pool (`offload.grad_staging.staging_shape`): 4 slots of at most 4 MiB per accumulating
-    offloaded partition, at most the partition in fp32; the bucket size does not change it."""
+def test_gradient_staging_holds_two_whole_pieces_per_partition():
+    """The engine's pool (`offload.grad_staging.staging_shape`): two pinned slots per accumulating offloaded
+    partition, each the largest piece it receives in the reduced dtype (stage 2: its largest bucket, at most the
+    partition; stage 3: its largest unit shard, in the communication dtype across ranks)."""
     for gas in (1, 2):
         assert ("grad_staging" in estimate_memory("gpt2", _config(gas=gas), 1, accelerator=True).host) == (gas > 1)
     shape = zero_offload.estimate.model_shape("gpt2")
-    small, large = (estimate_memory("gpt2", _config(gas=2, bucket=b), 1, accelerator=True) for b in (10**6, 10**9))
     whole = [partition_numel(n, 1) for n in shape.group_numels()]
-    assert small.host["grad_staging"] == large.host["grad_staging"] == _pool(whole)
-    assert staging_shape(10**9) == (STAGING_SLOTS, 4 << 20)
-    # A small partition: the pool is at most the partition in fp32.
-    est2 = estimate_memory("tiny", _config(gas=2), 2, accelerator=True)
-    parts = [partition_numel(n, 2) for n in zero_offload.estimate.model_shape("tiny").group_numels()]
-    assert est2.host["grad_staging"] == _pool(parts) <= sum(4 * p for p in parts) + 64 * STAGING_SLOTS * len(parts)
-    # Stage 3: one pool per group partition (the concatenated unit shards).
-    est3 = estimate_memory("gpt2", _config(stage=3, gas=2, offload_param="cpu"), 2, accelerator=True)
+    small, large = (estimate_memory("gpt2", _config(gas=2, bucket=b), 1, accelerator=True) for b in (10**6, 10**9))
+    assert small.host["grad_staging"] == _pool([min(10**6, p) for p in whole]) < large.host["grad_staging"]
+    assert large.host["grad_staging"] == _pool(whole)                    # one bucket: the whole partition
+    assert staging_shape(10**9, 2) == (STAGING_SLOTS, 2 * 10**9) and staging_shape(3, 2) == (STAGING_SLOTS, 64)
+    # Stage 3: the largest unit shard per group partition, 16-bit, or fp32 when reduced in fp32.
     units = gpt_units(preset("gpt2"))
-    parts3 = [sum(padded_numel(sum(n), 2) // 2 for _, g, n in units if g == gi)
+    shards = [max(padded_numel(sum(n), 2) // 2 for _, g, n in units if g == gi)
               for gi in sorted({g for _, g, _ in units})]
-    assert est3.host["grad_staging"] == _pool(parts3)
+    est3 = estimate_memory("gpt2", _config(stage=3, gas=2, offload_param="cpu"), 2, accelerator=True)
+    assert est3.host["grad_staging"] == _pool(shards)
+    fp32 = dict(_config(stage=3, gas=2, offload_param="cpu"), communication_data_type="fp32")
+    assert estimate_memory("gpt2", fp32, 2, accelerator=True).host["grad_staging"] == _pool(shards, 4)
     # Nothing on the host, or stage 1 (it overwrites at the boundary): no staging.
     assert "grad_staging" not in estimate_memory("gpt2", _config(gas=2, offload="none"), 1, accelerator=True).host
     assert not uses_grad_staging(1, True, 4) and not uses_grad_staging(2, False, 4) and uses_grad_staging(3, True, 2)
-    with pytest.raises(ValueError, match="slots and slot bytes >= 1"):
-        staging_shape(100, slots=0)
+    with pytest.raises(ValueError, match="slots >= 1"):
+        staging_shape(100, 2, slots=0)
 
 
 def test_the_seeds_demo_plans_without_a_config():

@@ -143,10 +143,12 @@ def bucket_reused_before_its_copy(mp):
 
 
 def partition_read_before_its_copies(mp):
-    """The boundary reads the gradient partition without waiting for the copies down into it."""
+    """The boundary reads the gradient partition without waiting for the copies down into it, nor for the
+    staging worker's adds (under accumulation every piece goes through it)."""
     from collections import deque
 
     from zero_offload.offload.copies import DONE
+    from zero_offload.offload.grad_staging import StagingWorker
     from zero_offload.zero.grad_partition import GradPartition
     original = GradPartition.finalize
 
@@ -154,6 +156,19 @@ def partition_read_before_its_copies(mp):
         self.pending = deque((DONE, *rest) for _, *rest in self.pending)
         original(self)
     mp.setattr(GradPartition, "finalize", finalize)
+    mp.setattr(StagingWorker, "join", lambda self: None)
+    mp.setattr(StagingWorker, "busy", property(lambda self: False))
+
+
+def staged_piece_added_before_its_copy(mp):
+    """The staging worker adds a staged piece into the partition without waiting for its copy down."""
+    import threading
+    real = simulated.SimulatedHandle.synchronize
+
+    def synchronize(self):
+        if not threading.current_thread().name.startswith("zero_offload-grad-staging"):
+            real(self)
+    mp.setattr(simulated.SimulatedHandle, "synchronize", synchronize)
 
 
 def compute_does_not_wait_for_copies_up(mp):
@@ -191,6 +206,7 @@ def nvme_request_not_waited(mp):
 
 
 FAULTS = [(bucket_reused_before_its_copy, "zero2-offload"), (partition_read_before_its_copies, "zero2-offload"),
+          (staged_piece_added_before_its_copy, "zero2-offload"),
           (compute_does_not_wait_for_copies_up, "zero2-offload-dpu"), (ring_slot_rewritten_in_flight, "zero2-offload"),
           (collective_not_waited, "zero3-offload-params-2ranks"), (nvme_request_not_waited, "zero2-nvme")]
 

@@ -17,7 +17,8 @@ from typing import Callable
 from zero_offload.config import Config
 from zero_offload.estimate.memory import MemoryEstimate, ModelShape
 from zero_offload.estimate.throughput import (EXPOSED_FRACTION, MAX_GRADIENT_ACCUMULATION, Assumptions, StepTiming,
-                                              accumulation_to_hide, host_step_seconds, micro_step_seconds,
+                                              accumulation_to_hide, host_add_seconds, host_step_seconds,
+                                              micro_step_seconds,
                                               step_timing)
 from zero_offload.flat import partition_numel
 
@@ -88,18 +89,20 @@ def _with(raw: dict, micro: int, gas: int, delayed: bool | None) -> dict:
     return out
 
 
-def _host_step(shape: ModelShape, cfg: Config, gpus: int, gas: int, a: Assumptions) -> tuple[float, int]:
-    """(host-step seconds, gradient bytes copied down per micro-step) of this rank; (0, 0) when the step runs on
-    the device."""
+def _host_step(shape: ModelShape, cfg: Config, gpus: int, gas: int, a: Assumptions) -> tuple[float, int, float]:
+    """(host-step seconds, gradient bytes copied down per micro-step, host-accumulation seconds of each micro-step
+    after the first) of this rank; (0, 0, 0) when the step runs on the device."""
     zc = cfg.zero_optimization
     offload_param = zc.stage == 3 and zc.offload_param.device in ("cpu", "nvme")
     if zc.offload_optimizer.device not in ("cpu", "nvme") and not offload_param:
-        return 0.0, 0
+        return 0.0, 0, 0.0
     d = 4 if cfg.precision == "fp32" else 2
     part = sum(partition_numel(n, gpus) for n in shape.group_numels())
     moments = 2 if cfg.bf16.bf16_optimizer_states else 4
-    grad = 4 if gas > 1 and zc.stage >= 2 else d
-    return host_step_seconds(part, moments, grad, d, a.host_adam), part * d
+    accumulates = gas > 1 and zc.stage >= 2          # fp32 partitions added into on the host
+    grad = 4 if accumulates else d
+    add_s = host_add_seconds(part, d, a.host_adam) if accumulates else 0.0
+    return host_step_seconds(part, moments, grad, d, a.host_adam), part * d, add_s
 
 
 def choose_batch(shape: ModelShape, raw: dict, gpus: int, seq: int | None, knobs: Knobs, a: Assumptions,
@@ -155,11 +158,12 @@ def choose_batch(shape: ModelShape, raw: dict, gpus: int, seq: int | None, knobs
 
 def _timed(c: BatchChoice, shape: ModelShape, gpus: int, seq: int, a: Assumptions) -> BatchChoice:
     """``c`` with its predicted step (`zero_offload.estimate.throughput`)."""
-    host_s, down = _host_step(shape, Config.load(c.raw), gpus, c.gas, a)
+    host_s, down, add_s = _host_step(shape, Config.load(c.raw), gpus, c.gas, a)
     tokens = c.micro * seq
     ckpt = c.checkpointing if c.checkpointing is not None else bool(shape.gpt and shape.gpt.activation_checkpointing)
     micro_s = micro_step_seconds(shape.n_params, tokens, ckpt, a, down)
-    c.timing = step_timing(micro_s, c.gas, host_s, c.delayed, tokens * c.gas)
+    later_s = micro_step_seconds(shape.n_params, tokens, ckpt, a, down, add_s)   # adds beside backward
+    c.timing = step_timing(micro_s, c.gas, host_s, c.delayed, tokens * c.gas, later_s)
     return c
 
 
@@ -198,7 +202,9 @@ def _explain(c: BatchChoice, options: list[BatchChoice], seq: int, free_ckpt: bo
     share = f"{t.exposed_share:.0%}"
     notes["step"] = (f"~{t.step_s:.2f} s per optimizer step: {t.compute_s:.2f} s device compute "
                      f"({t.micro_s:.3f} s per micro-step at {a.gpu_flops / 1e12:.0f} TFLOP/s"
-                     + (f", gradients down at {a.pcie / 1e9:.0f} GB/s" if t.host_s else "") + ")"
+                     + (f", gradients down at {a.pcie / 1e9:.0f} GB/s" if t.host_s else "")
+                     + (f"; {t.later_micro_s:.3f} s for each later one, the host accumulation"
+                        if t.later_micro_s is not None and t.later_micro_s > t.micro_s else "") + ")"
                      + (f", host step {t.host_s:.2f} s at {a.host_adam / 1e9:.2f} Gparam/s (fp32 moments)"
                         if t.host_s else "")
                      + (f"; the host step leaves {share} of the step exposed" if t.host_s else

@@ -19,13 +19,14 @@ from zero_offload.config import Config
 from zero_offload.flat import padded_numel, partition_numel
 from zero_offload.estimate.shape import ModelShape, model_shape
 from zero_offload.offload.copies import host_alloc_bytes
-from zero_offload.offload.grad_staging import staging_shape
+from zero_offload.offload.grad_staging import STAGING_FORMULA, staging_shape
 from zero_offload.offload.staging_ring import ring_shape
 from zero_offload.precision import training_dtype
 from zero_offload.presets import GPTConfig
 from zero_offload.zero.bucket_pool import bucket_pool_size
 from zero_offload.zero.collectives import MAX_IN_FLIGHT
-from zero_offload.zero.buckets import bucket_spans
+from zero_offload.zero.buckets import bucket_spans, largest_bucket
+from zero_offload.zero.zero_optimizer import communication_dtype
 
 __all__ = ["ModelShape", "MemoryEstimate", "estimate_memory", "model_shape", "activation_bytes",
            "activation_formula", "MODEL_STATE_KINDS"]
@@ -192,11 +193,11 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
         est.add(side, "exp_avg", numel * moment_bytes)
         est.add(side, "exp_avg_sq", numel * moment_bytes)
 
-    def grad_staging(numel: int) -> None:
-        # Later micro-steps' gradients come down through a fixed pinned pool (`GradPartition`).
-        slots, slot_bytes = staging_shape(numel)
+    def grad_staging(piece_numel: int, piece_bytes: int) -> None:
+        # Accumulated gradients come down whole through two pinned slots of the largest piece (`GradPartition`).
+        slots, slot_bytes = staging_shape(piece_numel, piece_bytes)
         host("grad_staging", slots * slot_bytes, torch.uint8)
-        est.formulas["grad_staging"] = "gas > 1: 4 pinned slots x min(4 MiB, P x 4 bytes / 4) per offloaded partition"
+        est.formulas["grad_staging"] = STAGING_FORMULA
 
     grad_dtype = torch.float32 if grad_dtype_bytes == 4 else dtype
     groups = shape.group_numels()
@@ -218,7 +219,7 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
             if offload_opt:
                 host("grad_partition", p, grad_dtype if zc.stage == 2 else dtype)
                 if zc.stage == 2 and gas > 1:
-                    grad_staging(p)
+                    grad_staging(largest_bucket(p, zc.reduce_bucket_size), d)   # pieces: this rank's buckets
                 host("master", p, torch.float32)
             else:
                 if zc.stage == 2:
@@ -228,9 +229,13 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
             moments(p, on_host=offload_opt)
     else:
         host_step = offload_opt or offload_param
-        parts = []
+        parts, shards = [], []
         for g in range(len(groups)):
             parts.append(sum(partition_numel(n, world_size) for _, gi, n in shape.units if gi == g))
+            shards.append(max((partition_numel(n, world_size) for _, gi, n in shape.units if gi == g), default=0))
+        # Stage-3 pieces are reduce-scattered unit shards, in the communication dtype (one rank: uncast).
+        comm = communication_dtype(cfg) if world_size > 1 else None
+        shard_bytes = comm.itemsize if comm is not None else d
         if shape.frozen:
             frozen = sum(partition_numel(n, world_size) for _, _, n in shape.frozen) * d
             est.add("host" if offload_param else "device", "frozen_params", frozen)
@@ -243,7 +248,7 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
         est.formulas["live_params"] = ("persistent units + largest unit + min(stage3_max_live_parameters, "
                                        "stage3_prefetch_bucket_size) x d, at most the whole model")
         est.add("device", "reduce_buffers", sum(unit_bytes[:MAX_IN_FLIGHT + 1]))
-        for p in parts:
+        for p, shard in zip(parts, shards):
             if offload_param:
                 host("params", p, dtype)
             else:
@@ -251,7 +256,7 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
             if host_step:
                 host("grad_partition", p, grad_dtype)
                 if gas > 1:
-                    grad_staging(p)
+                    grad_staging(shard, shard_bytes)
                 if not (offload_param and d == 4 and not param_nvme):   # fp32 shards in memory are their masters
                     host("master", p, torch.float32)
             else:

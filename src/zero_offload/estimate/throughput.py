@@ -11,11 +11,17 @@ Per rank and optimizer step of ``gas`` micro-steps of ``t`` tokens each:
 - **gradient copies down** (gradients on the host): every micro-step moves this rank's reduced gradient partition
   to the host, ``P x d`` bytes at ``pcie`` bytes/s, overlapped with backward: a micro-step takes the longer of
   the two;
+- **host accumulation** (gradients on the host, ``gas`` > 1, stage >= 2): each micro-step after the first adds
+  the partition on the host, ``P x (d + 8)`` bytes (the staged piece, the fp32 partition read and written: 10 B
+  per element in bf16) at ``host_adam x 28`` bytes/s, the host step's bandwidth. The adds run on a worker
+  thread as the pieces land (`zero_offload.offload.grad_staging`, DeepSpeed's CPU accumulation), beside
+  backward: such a micro-step takes ``max(compute, copy down, host add)``; the first converts its pieces on the
+  same thread, no more bytes than its copy, and is not charged;
 - **host step**: the fused Adam kernel streams ``8 + 4 x moment bytes + gradient bytes + d`` bytes per parameter
   of the partition (28 B for bf16 with fp32 moments, 20 B with bf16 moments, 30 B with fp32 accumulated
   gradients), at ``host_adam x 28`` bytes/s (``host_adam``: the kernel's parameters/s with fp32 moments);
-- **the step**: ``compute = gas x micro-step``. Without DPU the host step follows it: ``step = compute + host``.
-  With DPU it runs beside the next step's compute: ``exposed = max(0, host - compute)``,
+- **the step**: ``compute = first micro-step + (gas - 1) x later micro-step``. Without DPU the host step follows
+  it: ``step = compute + host``. With DPU it runs beside the next step's compute: ``exposed = max(0, host - compute)``,
   ``step = compute + exposed``. The exposed share is ``exposed / step`` (all of ``host / step`` without DPU).
 
 Not modelled: collectives between ranks, the copies up of updated parameters, and the Python overhead of a
@@ -27,7 +33,7 @@ import math
 from dataclasses import dataclass
 
 __all__ = ["Assumptions", "StepTiming", "EXPOSED_FRACTION", "MAX_GRADIENT_ACCUMULATION", "host_step_seconds",
-           "micro_step_seconds", "step_timing", "accumulation_to_hide"]
+           "host_add_seconds", "micro_step_seconds", "step_timing", "accumulation_to_hide"]
 
 # The share of a step the host step may leave exposed in a plan.
 EXPOSED_FRACTION = 0.10
@@ -67,13 +73,21 @@ def host_step_seconds(params: int, moment_bytes: int, grad_bytes: int, param_byt
     return params * (8 + 4 * moment_bytes + grad_bytes + param_bytes) / (host_adam * 28)
 
 
+def host_add_seconds(params: int, piece_bytes: int, host_adam: float) -> float:
+    """Seconds of one micro-step's host accumulation into an fp32 gradient partition of ``params`` elements: the
+    staged piece (``piece_bytes`` per element) read, the fp32 partition read and written (10 B per element in
+    bf16), at the host step's bandwidth, ``host_adam`` params/s x 28 bytes."""
+    return params * (piece_bytes + 8) / (host_adam * 28)
+
+
 def micro_step_seconds(n_params: int, tokens: int, checkpointing: bool, a: Assumptions,
-                       grad_down_bytes: int = 0) -> float:
+                       grad_down_bytes: int = 0, host_add_s: float = 0.0) -> float:
     """Seconds of one micro-step of ``tokens`` tokens: device compute (with the saturation rule), or the copy
-    of ``grad_down_bytes`` of gradients to the host when that is longer."""
+    of ``grad_down_bytes`` of gradients to the host, or the ``host_add_s`` seconds of its host accumulation
+    (`host_add_seconds`; 0 for the first micro-step of a step), whichever is longest: all three overlap."""
     rate = a.gpu_flops * min(1.0, tokens / a.saturation_tokens)
     compute = (8 if checkpointing else 6) * n_params * tokens / rate
-    return max(compute, grad_down_bytes / a.pcie)
+    return max(compute, grad_down_bytes / a.pcie, host_add_s)
 
 
 @dataclass(frozen=True)
@@ -81,7 +95,7 @@ class StepTiming:
     """One optimizer step by the model above, per rank.
 
     Attributes:
-        micro_s: seconds of one micro-step; compute_s: of all ``gas`` of them.
+        micro_s: seconds of the first micro-step; compute_s: of all ``gas`` of them.
         host_s: seconds of the host step (0: the step runs on the device).
         delayed: the host step runs beside the next step's compute (DPU).
         exposed_s: host-step seconds the device waits; step_s: seconds per optimizer step.
@@ -94,6 +108,7 @@ class StepTiming:
     exposed_s: float
     step_s: float
     tokens: int
+    later_micro_s: float | None = None    # seconds of each micro-step after the first (None: ``micro_s``)
 
     @property
     def exposed_share(self) -> float:
@@ -106,12 +121,15 @@ class StepTiming:
         return self.tokens / self.step_s if self.step_s > 0 else 0.0
 
 
-def step_timing(micro_s: float, gas: int, host_s: float, delayed: bool, tokens: int) -> StepTiming:
-    """The step of ``gas`` micro-steps of ``micro_s`` seconds and a host step of ``host_s`` seconds, delayed
-    (DPU) or not, carrying ``tokens`` tokens per rank."""
-    compute = gas * micro_s
+def step_timing(micro_s: float, gas: int, host_s: float, delayed: bool, tokens: int,
+                later_micro_s: float | None = None) -> StepTiming:
+    """The step of ``gas`` micro-steps -- the first of ``micro_s`` seconds, the others of ``later_micro_s``
+    (default ``micro_s``; longer where the host accumulation is) -- and a host step of ``host_s`` seconds,
+    delayed (DPU) or not, carrying ``tokens`` tokens per rank."""
+    later = micro_s if later_micro_s is None else later_micro_s
+    compute = micro_s + (gas - 1) * later
     exposed = max(0.0, host_s - compute) if delayed else host_s
-    return StepTiming(micro_s, compute, host_s, delayed, exposed, compute + exposed, tokens)
+    return StepTiming(micro_s, compute, host_s, delayed, exposed, compute + exposed, tokens, later)
 
 
 def accumulation_to_hide(micro_s: float, host_s: float, delayed: bool,

@@ -12,7 +12,7 @@ import torch
 
 from zero_offload.flat import FlatParams
 
-__all__ = ["Piece", "GradBucket", "plan_buckets", "bucket_spans"]
+__all__ = ["Piece", "GradBucket", "plan_buckets", "bucket_spans", "largest_bucket"]
 
 
 @dataclass
@@ -78,6 +78,13 @@ def bucket_spans(spans: list[tuple[int, int]], bucket_numel: int) -> list[tuple[
             out.append((owner, lo, hi))
             hi = lo
     return out
+
+
+def largest_bucket(partition_numel: int, bucket_numel: int) -> int:
+    """Elements of the largest bucket `bucket_spans` cuts a partition of ``partition_numel`` elements into (a
+    bucket never crosses a partition boundary): the largest piece a stage-2 gradient partition receives. The
+    engine and the memory model size the gradient staging with it (`offload.grad_staging.staging_shape`)."""
+    return max((hi - lo for _, lo, hi in bucket_spans([(0, partition_numel)], bucket_numel)), default=0)
 
 
 def plan_buckets(flat: FlatParams, group: int, bucket_numel: int, partitioned: bool) -> list[GradBucket]:

@@ -1,16 +1,17 @@
 """This rank's reduced gradients for one param group: its partition (stage 1/2) or everything (stage 0)."""
 from __future__ import annotations
 
+import threading
 from collections import deque
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 from torch.profiler import record_function
 
 from zero_offload.flat import FlatParams
-from zero_offload.offload.grad_staging import staging_shape
+from zero_offload.offload.grad_staging import StagingWorker, staging_shape
 from zero_offload.offload.copies import DONE, CopyHandle, Copies
-from zero_offload.zero.buckets import GradBucket
+from zero_offload.zero.buckets import GradBucket, largest_bucket
 
 __all__ = ["GradPartition", "GradSource", "ReadyGrad"]
 
@@ -55,40 +56,54 @@ class GradPartition:
       accumulation, so accumulated 16-bit rounding does not build up (DeepSpeed's offload also accumulates
       in fp32).
 
-    Offloaded, every copy down is asynchronous and carries its own event: a later micro-step's bucket is
-    copied into a slot of a small pinned staging pool and added into the partition only once its copy (and
-    every earlier one) has landed -- checked without blocking as new buckets arrive, and waited for in `ready`.
-    So no micro-step synchronises the host per bucket. The pool is allocated once, at construction when the
-    partition accumulates (`staging_shape`: a few slots of at most 4 MiB, never more than the partition in
-    fp32), and never grows: a bucket larger than a slot goes down in slot-sized pieces, and a slot is reused
-    only after the add of its previous piece (blocking on that copy's event when every slot is in flight).
-    DeepSpeed's offloaded stage 2 keeps pinned buffers of fixed size for the same hand-off.
+    Offloaded, every copy down is asynchronous and carries its own event. With one micro-step per step a piece
+    is copied straight into the partition (same dtype). Under accumulation each piece goes down whole, in its
+    reduced dtype, into one of two pinned staging slots (`offload.grad_staging.staging_shape`: each the
+    largest piece this partition receives, ``piece_numel`` elements of ``piece_dtype``), and a host thread
+    (`offload.grad_staging.StagingWorker`) waits for that copy's event and converts (first micro-step) or adds
+    (the rest) it into the fp32 partition. The backward hook only issues the copy: it waits only when the slot's
+    previous piece -- two pieces behind -- has not been added yet, so the device keeps being fed while the host
+    adds (DeepSpeed's offloaded stage 2 accumulates on the CPU from fixed pinned buffers the same way). A piece
+    of the same dtype as the partition on the first micro-step (fp32 training) is copied straight in. The pool
+    is allocated once, at construction when the partition accumulates, and never grows: a piece larger than a
+    slot (not expected) goes down in slot-sized parts.
 
     Offloaded, the partition also keeps the sum of squares of what each micro-step wrote, piece by piece as
     the buckets land (DeepSpeed's offload computes its norm on the device as buckets are reduced): a bucket
-    copied over the partition is summed on the device before it goes down, one added on the host is summed
-    right after its add. So `sq_norm_pieces` at the boundary are two scalars, not a read of the partition.
+    copied straight over the partition is summed on the device before it goes down, a staged one is summed on
+    the worker right after its add. So `sq_norm_pieces` at the boundary are two scalars, not a read of the
+    partition.
 
     Shape (numel,) where numel is ``partition_numel`` (stage >= 1) or ``padded_numel`` (stage 0).
+
+    Args:
+        piece_numel: elements of the largest reduced piece this partition receives (stage 2: its largest
+            bucket, `zero.buckets.largest_bucket`; stage 3: its largest unit shard); default: ``numel``.
+        piece_dtype: the dtype pieces arrive in (communication dtype, else ``dtype``); default: ``dtype``.
     """
 
     def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, stage: int, offload: bool,
-                 accumulate_fp32: bool, copies: Copies, in_place: torch.Tensor | None = None, lo: int = 0):
+                 accumulate_fp32: bool, copies: Copies, in_place: torch.Tensor | None = None, lo: int = 0,
+                 piece_numel: int | None = None, piece_dtype: torch.dtype | None = None):
         self.lo, self.hi = lo, lo + numel
         self.stage, self.offload, self.copies = stage, offload, copies
         self.in_place = in_place is not None
-        # (copy's handle, staging slot or None, offset in the partition, the staged piece's elements and dtype,
-        # the micro-step it belongs to)
-        self.pending: deque[tuple[CopyHandle, int | None, int, int, torch.dtype, int]] = deque()
+        self.piece_numel = numel if piece_numel is None else min(piece_numel, numel)
+        self.piece_dtype = dtype if piece_dtype is None else piece_dtype
+        # Copies straight into the partition still in flight: (handle, offset, elements).
+        self.pending: deque[tuple[CopyHandle, int, int]] = deque()
         self.micro_step = 0                            # counts `begin_micro_step`s: a late piece is not this one's
         self.staging: list[torch.Tensor] = []          # uint8 slots, viewed as the dtype of what they carry
-        self.staging_busy: list[bool] = []
+        self.slot_free: list[threading.Event] = []     # set by the worker once a slot's piece has been added
         self.staging_next = 0
         self.staging_allocations = 0                   # slots ever allocated (a test holds it fixed)
+        self.worker = StagingWorker(f"grad-staging-{lo}", device)
         self.spare: torch.Tensor | None = None
         self.tracks_norm = offload and not self.in_place
+        # The norm pieces are written by the training thread and the worker: under this lock.
+        self.norm_lock = threading.Lock()
         self.sq_device: torch.Tensor | None = None   # 0-dim fp32: buckets summed on the device, this micro-step
-        self.sq_host: torch.Tensor | None = None     # 0-dim fp32: slices summed on the host after their add
+        self.sq_host: torch.Tensor | None = None     # 0-dim fp32: staged pieces summed on the host after their add
         self.sq_covered = -1                         # elements summed this micro-step; -1: not tracked
         if self.in_place:
             self.buffer = in_place
@@ -100,28 +115,35 @@ class GradPartition:
                 self._allocate_staging()
 
     def _allocate_staging(self) -> None:
-        slots, slot_bytes = staging_shape(self.hi - self.lo)
+        slots, slot_bytes = staging_shape(self.piece_numel, self.piece_dtype.itemsize)
         self.staging = [self.copies.host_empty(slot_bytes, torch.uint8) for _ in range(slots)]
-        self.staging_busy = [False] * slots
+        self.slot_free = [threading.Event() for _ in range(slots)]
+        for free in self.slot_free:
+            free.set()
         self.staging_allocations += slots
 
     @classmethod
     def for_flat(cls, flat: FlatParams, rank: int, stage: int, flat_grad: torch.Tensor | None, offload: bool,
-                 accumulate_fp32: bool, copies: Copies) -> "GradPartition":
-        """The partition of one stage 0-2 flat buffer that ``rank`` steps."""
+                 accumulate_fp32: bool, copies: Copies, bucket_numel: int | None = None) -> "GradPartition":
+        """The partition of one stage 0-2 flat buffer that ``rank`` steps; its pieces are the flat's buckets of
+        at most ``bucket_numel`` elements (default: one bucket per partition), in the flat's dtype."""
         lo, hi = flat.partition_range(rank) if stage >= 1 else (0, flat.padded_numel)
         view = flat_grad[lo:hi] if (stage < 2 and not offload) else None
-        return cls(hi - lo, flat.dtype, flat.device, stage, offload, accumulate_fp32, copies, view, lo)
+        piece = largest_bucket(hi - lo, bucket_numel or hi - lo)
+        return cls(hi - lo, flat.dtype, flat.device, stage, offload, accumulate_fp32, copies, view, lo,
+                   piece_numel=piece)
 
     def begin_micro_step(self) -> None:
         """A micro-step that reduces into this partition starts: its writes replace the norm's pieces."""
-        self.sq_device = self.sq_host = None
-        self.sq_covered = 0 if self.tracks_norm else -1
-        self.micro_step += 1
+        with self.norm_lock:
+            self.sq_device = self.sq_host = None
+            self.sq_covered = 0 if self.tracks_norm else -1
+            self.micro_step += 1
 
     def forget_norm(self) -> None:
         """The partition was changed outside `accumulate` (set aside and added back): its norm reads it whole."""
-        self.sq_covered = -1
+        with self.norm_lock:
+            self.sq_covered = -1
 
     def consume(self, bucket: GradBucket, reduced: torch.Tensor, first_micro_step: bool) -> CopyHandle:
         """Take this rank's reduced ``bucket`` (already waited for) into the partition; returns the handle of
@@ -132,69 +154,80 @@ class GradPartition:
 
     @record_function("zero_offload.grad_partition.accumulate")
     def accumulate(self, offset: int, reduced: torch.Tensor, first_micro_step: bool) -> CopyHandle:
-        """Copy (first micro-step, or stage 1) or add ``reduced`` into the partition at ``offset``; returns the
-        handle of the copy down that reads ``reduced`` (`DONE` when nothing reads it any more)."""
+        """Copy (first micro-step, or stage 1) or add ``reduced`` (1-D, the reduced dtype, on the device) into
+        the partition at ``offset``; returns the handle of the copy down that reads ``reduced`` (`DONE` when
+        nothing reads it any more). Offloaded, only issues copies (see the class docstring)."""
         dst = self.buffer[offset:offset + reduced.numel()]
         overwrite = first_micro_step or self.stage < 2
         if not self.offload:
             dst.copy_(reduced) if overwrite else dst.add_(reduced)
             return DONE
-        if overwrite:
-            if self.sq_covered >= 0:
-                values = reduced if reduced.dtype == dst.dtype else reduced.to(dst.dtype)   # as stored
-                self.sq_device = _add_sq(self.sq_device, values)
-                self.sq_covered += reduced.numel()
+        # Straight in: one micro-step per step, or an fp32 piece on the first micro-step (nothing to convert).
+        if overwrite and (not self.staging or reduced.dtype == dst.dtype):
+            with self.norm_lock:
+                if self.sq_covered >= 0:
+                    values = reduced if reduced.dtype == dst.dtype else reduced.to(dst.dtype)   # as stored
+                    self.sq_device = _add_sq(self.sq_device, values)
+                    self.sq_covered += reduced.numel()
             handle = self.copies.to_host(dst, reduced)
-            self.pending.append((handle, None, offset, reduced.numel(), reduced.dtype, self.micro_step))
-        else:
-            if not self.staging:
-                self._allocate_staging()           # a second backward at one micro-step per step
-            handle = DONE
-            per_slot = self.staging[0].numel() // reduced.element_size()
-            for lo in range(0, reduced.numel(), per_slot):
-                piece = reduced[lo:lo + per_slot]
-                i = self._free_slot()
-                slot = self.staging[i][:piece.numel() * piece.element_size()].view(piece.dtype)
-                handle = self.copies.to_host(slot, piece)
-                self.staging_busy[i] = True
-                self.pending.append((handle, i, offset + lo, piece.numel(), piece.dtype, self.micro_step))
-        self._drain(block=False)
+            self.pending.append((handle, offset, reduced.numel()))
+            while self.pending and self.pending[0][0].query():     # landed: forget them (never blocks)
+                self.pending.popleft()
+            return handle
+        if not self.staging:
+            self._allocate_staging()           # a second backward at one micro-step per step
+        handle = DONE
+        per_slot = self.staging[0].numel() // reduced.element_size()
+        for lo in range(0, reduced.numel(), per_slot):
+            piece = reduced[lo:lo + per_slot]
+            i = self._free_slot()
+            slot = self.staging[i][:piece.numel() * piece.element_size()].view(piece.dtype)
+            handle = self.copies.to_host(slot, piece)
+            self.worker.submit(self._host_side(handle, i, slot, dst[lo:lo + piece.numel()], overwrite))
         return handle                                # one stream: the last copy down finishes last
 
     def _free_slot(self) -> int:
-        """The next staging slot in turn, once the add of its previous piece is done (blocking if need be)."""
+        """The next staging slot in turn, once the worker has added its previous piece (backpressure: the only
+        wait of the training thread here, on the worker, never on a copy's event)."""
         i = self.staging_next
         self.staging_next = (i + 1) % len(self.staging)
-        while self.staging_busy[i]:
-            self._drain(block=True, one=True)
+        self.slot_free[i].wait()
+        self.slot_free[i].clear()
         return i
 
-    def _drain(self, block: bool, one: bool = False) -> None:
-        """Finish landed copies in order: adds of staged pieces into the partition, their slots freed (``one``:
-        at most one copy)."""
-        while self.pending:
-            handle, slot, offset, numel, dtype, micro_step = self.pending[0]
-            if not block and not handle.query():
-                return
-            handle.synchronize()
-            self.pending.popleft()
-            if slot is not None:
-                staged = self.staging[slot][:numel * dtype.itemsize].view(dtype)
-                dst = self.buffer[offset:offset + numel]
-                dst.add_(staged)
-                if self.sq_covered >= 0 and micro_step == self.micro_step:   # an earlier one's lands late
-                    self.sq_host = _add_sq(self.sq_host, dst)
-                    self.sq_covered += numel
-                self.staging_busy[slot] = False
-            if one:
-                return
+    def _host_side(self, handle: CopyHandle, i: int, staged: torch.Tensor, dst: torch.Tensor,
+                   overwrite: bool) -> Callable[[], None]:
+        """The worker's share of one staged piece: wait for its copy down, convert it into (``overwrite``) or add
+        it to ``dst`` (fp32, bound now: the delayed update may swap the buffer before it runs), free slot ``i``,
+        then sum the squares of ``dst`` into this micro-step's norm piece."""
+        micro_step = self.micro_step
+
+        def run() -> None:
+            try:
+                handle.synchronize()
+                dst.copy_(staged) if overwrite else dst.add_(staged)
+            finally:
+                self.slot_free[i].set()
+            if self.tracks_norm:
+                sq = _add_sq(None, dst)
+                with self.norm_lock:
+                    if self.sq_covered >= 0 and micro_step == self.micro_step:   # an earlier one's lands late
+                        self.sq_host = sq if self.sq_host is None else self.sq_host + sq
+                        self.sq_covered += dst.numel()
+        return run
 
     def finalize(self) -> None:
         """Block until every gradient copied into the partition has landed and been added (offloaded copies
         down), so that the host may read it: once per boundary, from the ZeRO optimizer's
-        ``finalize_backward`` (and before a second boundary backward sets the partition aside)."""
+        ``finalize_backward`` (and before a second boundary backward sets the partition aside).
+
+        Raises:
+            RuntimeError: the staging worker failed (chained to its exception).
+        """
         with record_function("zero_offload.grad_partition.finalize"):
-            self._drain(block=True)
+            while self.pending:
+                self.pending.popleft()[0].synchronize()
+            self.worker.join()
 
     def ready(self) -> torch.Tensor:
         """The finished partition (the `GradSource` role), without waiting.
@@ -202,9 +235,10 @@ class GradPartition:
         Raises:
             RuntimeError: copies into it are still in flight: `finalize` has not run since they were issued.
         """
-        if self.pending:
-            raise RuntimeError(f"a gradient partition was read with {len(self.pending)} copies into it in flight: "
-                               "the ZeRO optimizer's finalize_backward() runs first at every boundary")
+        if self.pending or self.worker.busy:
+            raise RuntimeError(f"a gradient partition was read with {len(self.pending) + self.worker.queued} copies "
+                               "into it in flight: the ZeRO optimizer's finalize_backward() runs first at every "
+                               "boundary")
         return self.buffer
 
     def take(self) -> ReadyGrad:

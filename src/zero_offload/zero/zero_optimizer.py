@@ -67,7 +67,8 @@ class ZeroOptimizer(ZeroOptimizerBase):
         self.copies = CopyEngine(ctx.device, zc.offload_optimizer.pin_memory)
         rank = ctx.rank if self.stage >= 1 else 0
         self.partitions = [GradPartition.for_flat(f, rank, self.stage, self.flat_grads[i] if self.flat_grads else None,
-                                                  self.offload, gradient_accumulation > 1, self.copies)
+                                                  self.offload, gradient_accumulation > 1, self.copies,
+                                                  bucket_numel=zc.reduce_bucket_size)
                            for i, f in enumerate(self.flats)]
         self.reducer = GradientReducer(ctx, self.flats, self.partitions, self.flat_grads, self.stage,
                                        zc.reduce_bucket_size, zc.overlap_comm,

@@ -107,8 +107,12 @@ class Stage3Optimizer(ZeroOptimizerBase):
         """Gradient partitions and the partition optimizer."""
         # The step runs where the states are; with parameters on the host it runs there too.
         host_step = self.offload or self.offload_param
-        self.partitions = [GradPartition(p.numel(), dtype, self.ctx.device, 3, host_step,
-                                         gradient_accumulation > 1, self.copies) for p in self.parts]
+        # Pieces arrive as reduce-scattered unit shards, in the communication dtype (one rank: uncast).
+        comm = communication_dtype(config) if self.ctx.world_size > 1 else None
+        self.partitions = [GradPartition(p.numel(), dtype, self.ctx.device, 3, host_step, gradient_accumulation > 1,
+                                         self.copies, piece_numel=max((u.shard_numel for u in units), default=0),
+                                         piece_dtype=comm or dtype)
+                           for p, units in zip(self.parts, self.group_units)]
         self.adam = build_partition_optimizer(config, self.parts, [g.hparams for g in groups], self.copies,
                                               self.ctx.rank, offload=host_step, host_params=self.offload_param,
                                               param_store=self.store if self.param_nvme else None)

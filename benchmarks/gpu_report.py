@@ -31,7 +31,8 @@ def _run_row(key: str, r: dict) -> str:
     dev = "device_" if "device_step_s" in t else ""
     return (f"| {key} | {r.get('native_kernel', '-')} | {r['tokens_per_s']:.0f} | "
             f"{_num(r.get('tokens_per_s_vs_plain'))} | {_num(r.get('mfu'), '.3f')} | {_gib(r['peak_device_bytes'])} | "
-            f"{_gib(r.get('peak_reserved_bytes', 0))} | {_num(r.get('estimate_over_peak'))} | {_num(t.get(dev + 'forward_s'), '.4f')} | "
+            f"{_gib(r.get('peak_reserved_bytes', 0))} | {_num(r.get('estimate_over_peak'))} | "
+            f"{_num(t.get(dev + 'forward_s'), '.4f')} | "
             f"{_num(t.get(dev + 'backward_s'), '.4f')} | {_num(t.get(dev + 'optimizer_s'), '.4f')} | "
             f"{_num(t.get(dev + 'exposed_host_step_s'), '.4f')} | {_num(r.get('host_syncs_per_step'), '.1f')} | "
             f"{_num(r.get('copy_overlap'))} |")

@@ -61,8 +61,10 @@ class StagingWorker:
     """One host thread that runs a partition's queued host-side work in submission order (wait for a staged
     copy, add it into the partition): the backward hook only queues.
 
-    The thread starts on demand and ends after `IDLE_EXIT_S` with nothing queued, so between steps none is alive
-    and none keeps the process from exiting (it is a daemon, idle in a queue wait when not running work). On CUDA
+    The thread starts on demand and ends after `IDLE_EXIT_S` with nothing queued, so between steps none is alive.
+    It is not a daemon: a process that ends mid-backward lets it finish the adds it holds and end, rather than
+    being cut inside a torch op at interpreter shutdown (the delayed update's thread is joined for the same
+    reason). On CUDA
     it first binds ``device`` (the current device is per host thread). An exception in a task is kept and later
     tasks still run (each frees its own slot), so the training thread never waits on a slot for ever; `join`
     re-raises it.
@@ -89,7 +91,7 @@ class StagingWorker:
             self.queued += 1
             if self.thread is None or self.pid != os.getpid():
                 self.pid = os.getpid()
-                self.thread = threading.Thread(target=self._run, name=f"zero_offload-{self.name}", daemon=True)
+                self.thread = threading.Thread(target=self._run, name=f"zero_offload-{self.name}", daemon=False)
                 self.thread.start()
             self.cond.notify_all()
 

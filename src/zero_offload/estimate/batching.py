@@ -18,8 +18,7 @@ from zero_offload.config import Config
 from zero_offload.estimate.memory import MemoryEstimate, ModelShape
 from zero_offload.estimate.throughput import (EXPOSED_FRACTION, MAX_GRADIENT_ACCUMULATION, Assumptions, StepTiming,
                                               accumulation_to_hide, host_add_seconds, host_step_seconds,
-                                              micro_step_seconds,
-                                              step_timing)
+                                              micro_step_seconds, step_timing)
 from zero_offload.flat import partition_numel
 
 __all__ = ["Knobs", "BatchChoice", "choose_batch", "MICRO_BATCHES", "TIE"]

@@ -24,7 +24,7 @@ from zero_offload.offload.staging_ring import ring_shape
 from zero_offload.precision import training_dtype
 from zero_offload.presets import GPTConfig
 from zero_offload.zero.bucket_pool import bucket_pool_size
-from zero_offload.zero.collectives import MAX_IN_FLIGHT
+from zero_offload.zero.collectives import MAX_IN_FLIGHT, scattered_dtype
 from zero_offload.zero.buckets import bucket_spans, largest_bucket
 from zero_offload.zero.zero_optimizer import communication_dtype
 
@@ -233,9 +233,8 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
         for g in range(len(groups)):
             parts.append(sum(partition_numel(n, world_size) for _, gi, n in shape.units if gi == g))
             shards.append(max((partition_numel(n, world_size) for _, gi, n in shape.units if gi == g), default=0))
-        # Stage-3 pieces are reduce-scattered unit shards, in the communication dtype (one rank: uncast).
-        comm = communication_dtype(cfg) if world_size > 1 else None
-        shard_bytes = comm.itemsize if comm is not None else d
+        # Stage-3 pieces are reduce-scattered unit shards.
+        shard_bytes = scattered_dtype(world_size, communication_dtype(cfg), dtype).itemsize
         if shape.frozen:
             frozen = sum(partition_numel(n, world_size) for _, _, n in shape.frozen) * d
             est.add("host" if offload_param else "device", "frozen_params", frozen)

@@ -43,11 +43,10 @@ class BucketPool:
         for _ in range(count):
             self._add()
 
-    def _add(self) -> torch.Tensor:
+    def _add(self) -> None:
         buf = torch.empty(self.numel, dtype=self.dtype, device=self.device)
         self.all.append(buf)
         self.free.append((buf, DONE))
-        return buf
 
     def take(self, numel: int) -> torch.Tensor | None:
         """A view of ``numel`` elements of the longest-released buffer, after its reader's event; None if
@@ -80,6 +79,3 @@ class BucketPool:
     def buffers(self) -> list[torch.Tensor]:
         """Every buffer the pool holds, in use or not (`memory_breakdown`'s ``buckets``)."""
         return list(self.all)
-
-    def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.all)

@@ -18,7 +18,8 @@ from torch.profiler import record_function
 from zero_offload.comm import DistContext
 from zero_offload.zero.averaging import GradAveraging
 
-__all__ = ["PendingReduction", "reduce_bucket", "reduce_scatter_grad", "finish", "InFlight", "MAX_IN_FLIGHT"]
+__all__ = ["PendingReduction", "reduce_bucket", "reduce_scatter_grad", "finish", "InFlight", "MAX_IN_FLIGHT",
+           "scattered_dtype"]
 
 # Reductions in flight before the oldest is finished: stage 2's buckets and stage 3's reduce-scatters (the
 # memory model counts their buffers with it).
@@ -68,6 +69,13 @@ def reduce_bucket(ctx: DistContext, grad: torch.Tensor, averaging: GradAveraging
         work = (ctx.all_reduce(comm, average=after is None) if owner is None
                 else ctx.reduce(comm, owner, average=after is None))
     return PendingReduction(comm, comm, work, after, divide_first, owner is None or owner == ctx.rank)
+
+
+def scattered_dtype(world_size: int, comm_dtype: torch.dtype | None, dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the shard `reduce_scatter_grad` hands back: ``comm_dtype`` across ranks (None: ``dtype``), the
+    gradient's own ``dtype`` at one rank, where nothing is cast. The stage-3 gradient staging and the memory model
+    size their pieces with it."""
+    return (comm_dtype or dtype) if world_size > 1 else dtype
 
 
 def reduce_scatter_grad(ctx: DistContext, flat: torch.Tensor, averaging: GradAveraging,

@@ -18,6 +18,7 @@ from zero_offload.offload.copies import CopyEngine
 from zero_offload.zero.base import MemoryKind, ZeroOptimizerBase
 from zero_offload.zero.builder import build_partition_optimizer
 from zero_offload.zero.grad_partition import GradPartition
+from zero_offload.zero.collectives import scattered_dtype
 from zero_offload.zero.layout import GroupLayout, place_slots
 from zero_offload.zero.averaging import GradAveraging
 from zero_offload.zero.stage3.frozen import build_frozen_units, frozen_names
@@ -107,11 +108,11 @@ class Stage3Optimizer(ZeroOptimizerBase):
         """Gradient partitions and the partition optimizer."""
         # The step runs where the states are; with parameters on the host it runs there too.
         host_step = self.offload or self.offload_param
-        # Pieces arrive as reduce-scattered unit shards, in the communication dtype (one rank: uncast).
-        comm = communication_dtype(config) if self.ctx.world_size > 1 else None
+        # Pieces arrive as reduce-scattered unit shards.
+        piece_dtype = scattered_dtype(self.ctx.world_size, communication_dtype(config), dtype)
         self.partitions = [GradPartition(p.numel(), dtype, self.ctx.device, 3, host_step, gradient_accumulation > 1,
                                          self.copies, piece_numel=max((u.shard_numel for u in units), default=0),
-                                         piece_dtype=comm or dtype)
+                                         piece_dtype=piece_dtype)
                            for p, units in zip(self.parts, self.group_units)]
         self.adam = build_partition_optimizer(config, self.parts, [g.hparams for g in groups], self.copies,
                                               self.ctx.rank, offload=host_step, host_params=self.offload_param,

@@ -220,6 +220,7 @@ class DistContext:
     timeout: timedelta | None = None   # the collectives' deadline, when this process created the group
     # ZERO_OFFLOAD_SIMULATE_STREAMS: async collectives land later (`zero_offload.offload.simulated`); None: off
     simulation: SimulatedCollectives | None = None
+    owns_group: bool = False           # made by `for_reductions`: `close` destroys it
 
     @classmethod
     def create(cls) -> "DistContext":
@@ -338,6 +339,30 @@ class DistContext:
             hi = min(lo + bucket_numel, partition_numel)
             views = list(parts[:, lo:hi].unbind(0))
             dist.all_gather(views, views[self.rank].clone(), group=self.group)
+
+    def for_reductions(self) -> "DistContext":
+        """A context over the same ranks on a process group of its own (made now: a collective call that every
+        rank of the default group makes), for stage 3's reduce-scatters, so that their order is checked against
+        each other only and never against the all-gathers. A unit whose gradients reach the loss on some ranks
+        only is reduced there during backward and elsewhere at its end; on one group that reordered the two
+        kinds of collective differently on each rank (issue 26). One rank: this context itself.
+        `close` destroys the group."""
+        if not self.distributed:
+            return self
+        ranks = [self._global(r) for r in range(self.world_size)]
+        group = dist.new_group(ranks, timeout=self.timeout) if self.timeout else dist.new_group(ranks)
+        return DistContext(self.rank, self.world_size, self.device, group, self.timeout,
+                           SimulatedCollectives() if self.simulation is not None else None, owns_group=True)
+
+    def close(self) -> None:
+        """Land the simulated collectives queued and end their thread (from `Engine.close`). A group made by
+        `for_reductions` is destroyed; the data-parallel group stays: whoever created it destroys it
+        (``dist.destroy_process_group``), as with DeepSpeed's engine."""
+        if self.simulation is not None:
+            self.simulation.close()
+        if self.owns_group and dist.is_initialized():
+            self.owns_group = False
+            dist.destroy_process_group(self.group)
 
     def _global(self, rank: int) -> int:
         return rank if self.group is None else dist.get_global_rank(self.group, rank)

@@ -117,6 +117,7 @@ class Engine:
             stage3 and self.config.zero_optimization.offload_param.device != "none")
         self.stats = StepStats()
         self._counters = self.zero.counters()
+        self._closed = False
 
     # -- the public step loop ----------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -148,6 +149,7 @@ class Engine:
         Raises:
             ValueError: ``loss`` is not a scalar tensor.
         """
+        self._check_open("backward")
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError(f"engine.backward needs a scalar loss tensor, got {type(loss).__name__} "
                              f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
@@ -203,6 +205,7 @@ class Engine:
         On fp16 overflow the step is skipped (parameters unchanged, the schedule not stepped) and counted in
         ``skipped_steps`` and ``global_step``, as DeepSpeed does.
         """
+        self._check_open("step")
         if not self._boundary_pending:
             return
         with self._timer.phase("optimizer"):
@@ -362,7 +365,39 @@ class Engine:
         if self._dpu is not None:
             self._dpu.flush()
 
+    def close(self) -> None:
+        """End the run: finish the delayed step in flight and copy its parameters up, let every copy, staged
+        add, collective and NVMe request in flight finish, join every thread the engine started and delete its
+        swap files. Idempotent; the module keeps its (16-bit) parameters, and `full_state_dict` and
+        `memory_breakdown` still work, but a further step raises. Called by `destroy` (DeepSpeed's name); a
+        run that neither calls it nor deletes the engine ends the same way at interpreter exit (every engine
+        thread is a `zero_offload.host_thread.HostThread`). The process group is left to whoever created it.
+
+        Raises:
+            HostThreadError: background work failed and was not raised before (everything is closed first).
+        """
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._dpu is not None:
+                self._dpu.close()
+        finally:
+            try:
+                self.zero.close()
+            finally:
+                self.ctx.close()
+
+    def destroy(self) -> None:
+        """DeepSpeed's ``engine.destroy()``: `close`."""
+        self.close()
+
     # -- internals -------------------------------------------------------------------------------------
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"engine.{what}() after engine.close(): the engine's threads and swap files are gone; "
+                               "build a new engine (zero_offload.initialize) to train on")
+
     def _to_device(self, x):
         return x.to(self.device, non_blocking=True) if isinstance(x, torch.Tensor) and x.device != self.device \
             else x

@@ -79,9 +79,10 @@ class OffloadConfig:
 @dataclass
 class OffloadOptimizerConfig(OffloadConfig):
     IGNORED: ClassVar[dict[str, str]] = IGNORED_OFFLOAD_OPTIMIZER
-    buffer_count: int = option(4, "NVMe: aligned host buffers in the pool the optimizer states stream through, "
-                                  "each one sub-group's master weights and both moments; host memory for "
-                                  "optimizer state is buffer_count x 12 bytes x sub_group_size. Needs "
+    buffer_count: int = option(4, "NVMe: the most aligned host buffers in the pool the optimizer states stream "
+                                  "through, each one sub-group's master weights and both moments; the pool holds "
+                                  "the ones in flight, 1 + pipeline_read + pipeline_write, so host memory for "
+                                  "optimizer state is that many x 12 bytes x sub_group_size. Needs at least "
                                   "1 + pipeline_read + pipeline_write.", min=0)
     pipeline_read: bool = option(False, "NVMe: read sub-group i+1 while sub-group i is stepped.")
     pipeline_write: bool = option(False, "NVMe: write sub-group i-1 while sub-group i is stepped.")

@@ -310,18 +310,20 @@ def _nvme_files(est: MemoryEstimate, cfg: Config, shape: ModelShape, parts: list
         sub = NvmeAdam.sub_group_numel(parts, zc.sub_group_size)
         for kind in ("master", "exp_avg", "exp_avg_sq"):
             est.add("nvme", kind, sum(-(-n // sub) * sub * 4 for n in parts))
-        count = zc.offload_optimizer.buffer_count
-        est.add("host", "nvme_buffers", NvmeAdam.pool_bytes(parts, zc.sub_group_size, count))
+        oo = zc.offload_optimizer
+        est.add("host", "nvme_buffers", NvmeAdam.pool_bytes(parts, zc.sub_group_size, oo.buffer_count,
+                                                            oo.pipeline_read, oo.pipeline_write))
         if d < 4 and (accelerator or param_nvme):    # 16-bit outputs leave through one staging slot per buffer
             sub_groups = sum(-(-n // sub) for n in parts)
-            est.add("host", "param_staging", min(count, sub_groups) * sub * d)
+            slots = NvmeAdam.pool_slots(oo.buffer_count, oo.pipeline_read, oo.pipeline_write)
+            est.add("host", "param_staging", min(slots, sub_groups) * sub * d)
     if param_nvme:
         est.add("nvme", "params", NvmeParamStore.bytes_needed(parts, dtype))
         largest = max(partition_numel(n, world_size) for _, _, n in shape.units)
         est.add("host", "param_pool", NvmeParamStore.pool_bytes(largest, dtype, zc.offload_param.buffer_count))
         est.add("host", "param_write_ring", NvmeParamStore.write_ring_bytes())
     est.formulas["nvme"] = ("states: 3 files of whole sub-groups (sub_group_size, aligned to 4 KiB) x 4 B; pool: "
-                            "buffer_count x 12 B x sub-group; params: one file per group, d B per element, read "
+                            "min(buffer_count, 1 + pipeline_read + pipeline_write) x 12 B x sub-group; params: one file per group, d B per element, read "
                             "through buffer_count buffers of the largest shard, written behind the step through a "
                             f"ring of {NvmeParamStore.write_ring_bytes() >> 20} MiB")
 

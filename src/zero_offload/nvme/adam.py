@@ -69,7 +69,8 @@ class NvmeAdam(FailStop, WholeGroupState):
         hparams: per group, dict(lr, betas, eps, weight_decay, adamw_mode, bias_correction).
         directory: this rank's swap directory (reclaimed: anything in it is deleted first).
         sub_group_size: elements per sub-group (the unit of swapping).
-        buffer_count: sub-group buffers in the pool, each 12 bytes x sub-group elements.
+        buffer_count: at most this many sub-group buffers in the pool, each 12 bytes x sub-group elements; the
+            pool holds the ones the pipeline has in flight (`pool_slots`).
         pipeline_read / pipeline_write: overlap the read of i+1 / the write of i-1 with the step of i.
         block_size / thread_count / queue_depth: the swapper's request piece (bytes), I/O threads
             and requests in flight per thread.
@@ -108,9 +109,10 @@ class NvmeAdam(FailStop, WholeGroupState):
         for g, p in enumerate(parts):
             for kind in KINDS:
                 self.swapper.open(self._name(g, kind), self.file_bytes(p.numel()))
-        self.pool = BufferPool(buffer_count, 3 * self.sub * _FP32, pin=copies.pin)   # DeepSpeed pins them too
-        self.staging = [None] * buffer_count
-        self._writes: list[Pending | None] = [None] * buffer_count
+        slots = self.pool_slots(buffer_count, pipeline_read, pipeline_write)
+        self.pool = BufferPool(slots, 3 * self.sub * _FP32, pin=copies.pin)   # DeepSpeed pins them too
+        self.staging = [None] * slots
+        self._writes: list[Pending | None] = [None] * slots
         self.steps = [0] * len(parts)
         self.broken: BaseException | None = None
         self.optimizer = CPUAdam([{"params": [torch.zeros(0)], **h} for h in hparams])   # live lrs
@@ -125,11 +127,21 @@ class NvmeAdam(FailStop, WholeGroupState):
         partition, rounded up to 1024 (4096 bytes of fp32, the O_DIRECT alignment)."""
         return align_up(min(sub_group_size, max(max(numels), 1)) * _FP32) // _FP32
 
+    @staticmethod
+    def pool_slots(buffer_count: int, pipeline_read: bool, pipeline_write: bool) -> int:
+        """Sub-group buffers the pool holds: those in flight at once -- the one stepped, one read ahead with
+        ``pipeline_read``, one written behind with ``pipeline_write`` -- and at most ``buffer_count``. A buffer
+        more would never overlap anything, yet the round robin would touch its pages (issue 26: 4 buffers held
+        where 1 was in use, 172 MiB at sub-groups of 5e6)."""
+        return max(1, min(buffer_count, 1 + pipeline_read + pipeline_write))
+
     @classmethod
-    def pool_bytes(cls, numels: list[int], sub_group_size: int, buffer_count: int) -> int:
-        """Host bytes of the sub-group pool for partitions of ``numels``: ``buffer_count`` aligned buffers of
-        the three fp32 states of one sub-group."""
-        return buffer_count * align_up(3 * cls.sub_group_numel(numels, sub_group_size) * _FP32)
+    def pool_bytes(cls, numels: list[int], sub_group_size: int, buffer_count: int, pipeline_read: bool = False,
+                   pipeline_write: bool = False) -> int:
+        """Host bytes of the sub-group pool for partitions of ``numels``: `pool_slots` aligned buffers of the
+        three fp32 states of one sub-group."""
+        slots = cls.pool_slots(buffer_count, pipeline_read, pipeline_write)
+        return slots * align_up(3 * cls.sub_group_numel(numels, sub_group_size) * _FP32)
 
     @classmethod
     def bytes_needed(cls, numels: list[int], sub_group_size: int) -> int:

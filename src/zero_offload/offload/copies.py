@@ -50,6 +50,8 @@ class Copies(Protocol):
 
     def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor: ...
 
+    def close(self) -> None: ...
+
 
 class HostCopies:
     """The compute device is the CPU: copies are plain synchronous copies between separate host buffers."""
@@ -86,6 +88,9 @@ class HostCopies:
 
     def wait_for_copies(self) -> None:
         """Whole-stream wait (kept for the NVMe optimizer): nothing is in flight on the CPU."""
+
+    def close(self) -> None:
+        """Nothing to end: no thread, no stream."""
 
 
 class CudaCopies:
@@ -147,6 +152,10 @@ class CudaCopies:
         current = torch.cuda.current_stream(self.device)
         current.wait_stream(self.d2h)
         current.wait_stream(self.h2d)
+
+    def close(self) -> None:
+        """Let every copy queued land (from `Engine.close`); the streams are CUDA's and need no ending."""
+        self.synchronize()
 
     def _copy(self, stream, dst: torch.Tensor, src: torch.Tensor, device_side: torch.Tensor) -> CopyHandle:
         stream.wait_event(torch.cuda.current_stream(self.device).record_event())

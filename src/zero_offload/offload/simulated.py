@@ -28,7 +28,6 @@ Counts of simulated work are kept per process (`counts`), for the benchmarks.
 from __future__ import annotations
 
 import os
-import queue
 import random
 import threading
 import time
@@ -37,6 +36,7 @@ from typing import Callable
 
 import torch
 
+from zero_offload.host_thread import HostThread
 from zero_offload.offload.handles import CopyHandle, TransferCounts
 
 __all__ = ["ENV", "SKIP_WAITS_ENV", "MAX_DELAY_S", "enabled", "waits_skipped", "random_delay", "SimulationCounts",
@@ -46,7 +46,6 @@ __all__ = ["ENV", "SKIP_WAITS_ENV", "MAX_DELAY_S", "enabled", "waits_skipped", "
 ENV = "ZERO_OFFLOAD_SIMULATE_STREAMS"
 SKIP_WAITS_ENV = "ZERO_OFFLOAD_SIMULATE_STREAMS_SKIP_WAITS"
 MAX_DELAY_S = 0.003          # a few milliseconds: longer than any gap the host code leaves between two steps
-IDLE_EXIT_S = 0.05           # a worker with nothing to do for this long ends (no thread outlives its work)
 
 
 def _flag(name: str) -> bool:
@@ -129,34 +128,34 @@ class SimulatedEvent:
 
 
 class SimulatedStream:
-    """A queue of work run in submission order by one worker thread, each item no earlier than its due time
+    """A queue of work run in submission order on one `HostThread`, each item no earlier than its due time
     (submission time + `random_delay`): a CUDA stream's ordering, with the device's latency made visible.
-
-    The worker is started on demand and ends after `IDLE_EXIT_S` without work, so no thread outlives its
-    work (and a forked process starts its own).
-    """
+    Its owner closes it (`close`), which runs what is queued."""
 
     def __init__(self, name: str, skip: bool | None = None):
         self.name = name
         self.skip = waits_skipped() if skip is None else skip
-        self.items: queue.SimpleQueue = queue.SimpleQueue()
-        self.lock = threading.Lock()
-        self.worker: threading.Thread | None = None
-        self.pending = 0                    # items submitted and not yet run
+        self.thread = HostThread(f"sim-{name}")
         self.last: SimulatedEvent | None = None
 
     def submit(self, work: Callable[[], None], kind: str = "copies") -> SimulatedEvent:
         """Queue ``work`` to run after a random delay; returns the event set once it has run."""
         event = SimulatedEvent(self.skip)
         count(kind)
-        with self.lock:
-            self.items.put((time.monotonic() + random_delay(), work, event))
-            self.pending += 1
-            self.last = event
-            if self.worker is None or self.worker.pid != os.getpid():
-                self.worker = threading.Thread(target=self._run, name=f"zero_offload-sim-{self.name}", daemon=True)
-                self.worker.pid = os.getpid()
-                self.worker.start()
+        due = time.monotonic() + random_delay()
+
+        def run() -> None:
+            wait = due - time.monotonic()
+            if wait > 0:
+                time.sleep(wait)
+            try:
+                work()
+            except BaseException as e:      # re-raised by whoever waits on the event
+                event.error = e
+            finally:
+                event.done.set()
+        self.thread.submit(run)
+        self.last = event
         return event
 
     def synchronize(self) -> None:
@@ -165,28 +164,9 @@ class SimulatedStream:
         if last is not None:
             last.synchronize()
 
-    def _run(self) -> None:
-        while True:
-            try:
-                due, work, event = self.items.get(timeout=IDLE_EXIT_S)
-            except queue.Empty:
-                with self.lock:
-                    if self.pending == 0:
-                        self.worker = None
-                        return
-                continue
-            wait = due - time.monotonic()
-            if wait > 0:
-                time.sleep(wait)
-            try:
-                with torch.no_grad():
-                    work()
-            except BaseException as e:      # re-raised by whoever waits on the event
-                event.error = e
-            finally:
-                with self.lock:
-                    self.pending -= 1
-                event.done.set()
+    def close(self) -> None:
+        """Run what is queued and end the stream's thread (from its owner's ``close``)."""
+        self.thread.close()
 
 
 def delayed_copy(dst: torch.Tensor, src: torch.Tensor) -> Callable[[], None]:
@@ -256,6 +236,11 @@ class SimulatedCopies:
         """The compute (the host) after every copy queued so far: the same as `synchronize` here."""
         self.synchronize()
 
+    def close(self) -> None:
+        """Run every copy queued and end both streams' threads."""
+        self.d2h.close()
+        self.h2d.close()
+
 
 class SimulatedWork:
     """The handle of a simulated collective (torch's ``Work`` face: ``wait``, ``is_completed``)."""
@@ -305,6 +290,10 @@ class SimulatedCollectives:
             if self.lands:
                 land()
         return SimulatedWork(self.stream.submit(work, "collectives"))
+
+    def close(self) -> None:
+        """Land what is queued and end the communication stream's thread (from `DistContext.close`)."""
+        self.stream.close()
 
     def in_place(self, tensor: torch.Tensor, launch: Callable[[torch.Tensor], object] | None,
                  receives: bool = True) -> SimulatedWork:

@@ -106,6 +106,15 @@ class ZeroOptimizerBase:
         """
         return global_grad_sq_norm(self.ctx, self.partitions, partitioned=self.stage >= 1)
 
+    def close(self) -> None:
+        """Let every copy, staged add and I/O in flight finish and end the threads the parts started (the
+        staging threads, the simulated streams, the NVMe I/O pools, whose swap files are deleted); from
+        `Engine.close`. The partitions stay readable."""
+        for p in self.partitions:
+            p.close()
+        self.adam.close()
+        self.copies.close()
+
     # -- the delayed parameter update (zero_offload.zero.delayed_update) ---------------------------------
     def take_grads(self) -> list[ReadyGrad]:
         """This step's gradient partitions, handed over whole; the next backward fills other buffers."""

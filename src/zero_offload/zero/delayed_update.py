@@ -12,21 +12,21 @@ backward fills a second set), the fp32 masters, the Adam moments and the 16-bit 
 learning rates are taken when the step is launched. The host kernel releases the GIL, so the step runs
 in parallel with the Python of the next forward.
 
-The thread is not a daemon: a process that ends with a step in flight waits for it at exit (Python joins
-non-daemon threads before it finalizes). A daemon thread would still be inside torch's C++ when the
-interpreter finalizes; on taking the GIL back it is made to exit by a forced unwind through C++ frames,
-which aborts the process ("terminate called without an active exception", exit 134: issue 20, 1 run in 6
-under ``ZERO_OFFLOAD_NO_NATIVE=1``).
+The step runs on one persistent `zero_offload.host_thread.HostThread`, made at the first delayed step and
+closed by `close` (`Engine.close`): no thread is created per step. A process that ends with a step in flight
+lets it finish at exit (the thread is not a daemon; a daemon thread inside torch's C++ when the interpreter
+finalizes aborts the process, "terminate called without an active exception": issues 20 and 26).
 
 DeepSpeed has no counterpart (no config key, no code path): this follows the paper. It schedules the step of
 the ZeRO optimizers (`ZeroOptimizer`, `Stage3Optimizer`), so it lives beside them in `zero/`.
 """
 from __future__ import annotations
 
-import threading
 from typing import Protocol
 
 import torch
+
+from zero_offload.host_thread import HostThread, HostThreadError
 
 __all__ = ["DelayedParamUpdate", "DeferrableOptimizer"]
 
@@ -55,8 +55,9 @@ class DelayedParamUpdate:
 
     def __init__(self, zero: DeferrableOptimizer, warmup_steps: int):
         self.zero, self.warmup_steps = zero, warmup_steps
-        self.thread: threading.Thread | None = None
-        self.error: BaseException | None = None
+        # The CUDA device is per host thread; the worker binds the one current now (where the engine runs).
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_initialized() else None
+        self.thread = HostThread("dpu-host-step", device)
         self.unpublished = False     # a finished step whose parameters the model does not run on yet
 
     def engaged(self, global_step: int) -> bool:
@@ -66,29 +67,15 @@ class DelayedParamUpdate:
     @property
     def pending(self) -> bool:
         """A step is running or finished but not yet copied up."""
-        return self.thread is not None or self.unpublished
+        return self.thread.busy or self.unpublished
 
     def launch(self, grad_scale: float) -> None:
         """Start this step's host step in the background on the gradients as they are now."""
         self.flush()
         grads = self.zero.take_grads()
         lrs = [g["lr"] for g in self.zero.optimizer.param_groups]
-        self.error = None
-        # The CUDA device is per host thread; a new thread would use (and create a context on) device 0.
-        device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
-
-        def run() -> None:
-            try:
-                if device is not None:
-                    torch.cuda.set_device(device)
-                self.zero.detached_step(grads, grad_scale, lrs)
-            except BaseException as e:   # re-raised in the training thread by `wait`
-                self.error = e
-
-        # Not a daemon: joined at interpreter exit (see the module docstring).
-        self.thread = threading.Thread(target=run, name="zero_offload-dpu-host-step", daemon=False)
         self.unpublished = True
-        self.thread.start()
+        self.thread.submit(lambda: self.zero.detached_step(grads, grad_scale, lrs))
 
     def wait(self) -> None:
         """Join the step in flight (masters and moments are then final); parameters stay as they are.
@@ -96,12 +83,11 @@ class DelayedParamUpdate:
         Raises:
             RuntimeError: the background step failed (chained to its exception).
         """
-        if self.thread is not None:
+        try:
             self.thread.join()
-            self.thread = None
-        if self.error is not None:
-            error, self.error, self.unpublished = self.error, None, False
-            raise RuntimeError("the delayed host optimizer step failed in its background thread") from error
+        except HostThreadError as e:
+            self.unpublished = False
+            raise RuntimeError("the delayed host optimizer step failed in its background thread") from e.__cause__
 
     def flush(self) -> None:
         """Join the step in flight and copy its parameters up: afterwards the model runs on them."""
@@ -116,3 +102,10 @@ class DelayedParamUpdate:
             self.wait()
         finally:
             self.unpublished = False
+
+    def close(self) -> None:
+        """Finish the step in flight, copy its parameters up and end the thread (from `Engine.close`)."""
+        try:
+            self.flush()
+        finally:
+            self.thread.close()

@@ -9,7 +9,8 @@ import torch
 from torch.profiler import record_function
 
 from zero_offload.flat import FlatParams
-from zero_offload.offload.grad_staging import StagingWorker, staging_shape
+from zero_offload.host_thread import HostThread
+from zero_offload.offload.grad_staging import staging_shape
 from zero_offload.offload.copies import DONE, CopyHandle, Copies
 from zero_offload.zero.buckets import GradBucket, largest_bucket
 
@@ -60,7 +61,7 @@ class GradPartition:
     is copied straight into the partition (same dtype). Under accumulation each piece goes down whole, in its
     reduced dtype, into one of two pinned staging slots (`offload.grad_staging.staging_shape`: each the
     largest piece this partition receives, ``piece_numel`` elements of ``piece_dtype``), and a host thread
-    (`offload.grad_staging.StagingWorker`) waits for that copy's event and converts (first micro-step) or adds
+    (a `host_thread.HostThread`) waits for that copy's event and converts (first micro-step) or adds
     (the rest) it into the fp32 partition. The backward hook only issues the copy: it waits only when the slot's
     previous piece -- two pieces behind -- has not been added yet, so the device keeps being fed while the host
     adds (DeepSpeed's offloaded stage 2 accumulates on the CPU from fixed pinned buffers the same way). A piece
@@ -97,7 +98,7 @@ class GradPartition:
         self.slot_free: list[threading.Event] = []     # set by the worker once a slot's piece has been added
         self.staging_next = 0
         self.staging_allocations = 0                   # slots ever allocated (a test holds it fixed)
-        self.worker = StagingWorker(f"grad-staging-{lo}", device)
+        self.worker = HostThread(f"grad-staging-{lo}", device)
         self.spare: torch.Tensor | None = None
         self.tracks_norm = offload and not self.in_place
         # The norm pieces are written by the training thread and the worker: under this lock.
@@ -222,12 +223,19 @@ class GradPartition:
         ``finalize_backward`` (and before a second boundary backward sets the partition aside).
 
         Raises:
-            RuntimeError: the staging worker failed (chained to its exception).
+            HostThreadError: the staging worker failed (chained to its exception).
         """
         with record_function("zero_offload.grad_partition.finalize"):
             while self.pending:
                 self.pending.popleft()[0].synchronize()
             self.worker.join()
+
+    def close(self) -> None:
+        """Let the copies in flight land, run the staged adds queued and end the staging thread (from
+        `Engine.close`). The partition stays readable; a later staged copy raises `HostThreadClosed`."""
+        while self.pending:
+            self.pending.popleft()[0].synchronize()
+        self.worker.close()
 
     def ready(self) -> torch.Tensor:
         """The finished partition (the `GradSource` role), without waiting.

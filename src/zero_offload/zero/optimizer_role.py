@@ -53,6 +53,10 @@ class PartitionOptimizer(Protocol):
     def publish(self) -> None:
         """Deferred: write the parameters of the last step into the partitions (a no-op when not deferred)."""
 
+    def close(self) -> None:
+        """Finish the I/O and copies in flight and end what the optimizer started (NVMe: its I/O threads and
+        swap files); from `Engine.close`. Idempotent."""
+
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         """The host/device tensors held for optimizer state, by kind (``master``, ``exp_avg``, ``exp_avg_sq``;
         NVMe adds ``nvme_buffers``), for memory accounting."""

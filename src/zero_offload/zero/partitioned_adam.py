@@ -185,6 +185,10 @@ class PartitionedAdam(WholeGroupState):
             if self.in_flight:
                 self.in_flight[-1].wait_stream()
 
+    def close(self) -> None:
+        """Let the copies up in flight land (from `Engine.close`): no thread or file to end."""
+        self._wait_copies_up()
+
     @torch.no_grad()
     def write_master(self, g: int, offset: int, values: torch.Tensor) -> None:
         """Overwrite group ``g``'s fp32 master at ``offset`` with ``values`` (the `PartitionOptimizer` role)."""

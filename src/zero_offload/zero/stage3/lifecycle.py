@@ -62,8 +62,9 @@ class UnitLifecycle:
     def __init__(self, ctx: DistContext, copies: Copies, units: list[ShardedUnit],
                  module_units: dict[torch.nn.Module, list[ShardedUnit]], schedule: FetchSchedule,
                  store: PartitionStore, partitions: list[GradPartition], averaging: GradAveraging,
-                 comm_dtype: torch.dtype | None):
+                 comm_dtype: torch.dtype | None, reduce_ctx: DistContext | None = None):
         self.ctx, self.copies, self.units, self.store = ctx, copies, units, store
+        self.reduce_ctx = ctx if reduce_ctx is None else reduce_ctx   # the reduce-scatters' own group
         self.module_units, self.schedule = module_units, schedule
         self.partitions, self.averaging, self.comm_dtype = partitions, averaging, comm_dtype
         self.trainable = [u for u in units if not u.frozen]
@@ -78,6 +79,12 @@ class UnitLifecycle:
         self.pending = {u.index: 0 for u in self.trainable}   # gradients still to come, this micro-step
         self.next_reduce = 0
         self.first_micro_step = True
+        self.last_forward_use: dict[ShardedUnit, int] = {}   # this micro-step's forward: unit -> its last fetch
+        self.forward_fetches = 0
+        self.backward_order: list[ShardedUnit] = []         # by last forward use, latest first
+        self.backward_position: dict[ShardedUnit, int] = {}
+        self.cursor = 0                                      # backward_order[:cursor] was fetched or passed over
+        self.passed_over = 0                                 # units passed over in backward (running count)
         # reduce-scatters in flight, each unit's gradient kept
         self.in_flight = InFlight(MAX_IN_FLIGHT, self._accumulate)
         self.saved_params = SavedParameterGuard(units, self.gather)
@@ -173,7 +180,12 @@ class UnitLifecycle:
             self.schedule.begin_eval_forward()
 
     def _pre_forward(self, module, args):
-        self.fetch(self.module_units[module])
+        units = self.module_units[module]
+        if torch.is_grad_enabled() and not _in_backward():
+            for u in units:
+                self.last_forward_use[u] = self.forward_fetches
+                self.forward_fetches += 1
+        self.fetch(units)
 
     def _post_forward(self, module, args, output):
         units = self.module_units[module]
@@ -189,20 +201,49 @@ class UnitLifecycle:
         return output
 
     def _pre_backward(self, units: list[ShardedUnit], grad):
+        """Backward reaches ``units``' module. Every unit before them in the fixed backward order that backward
+        has not reached yet is passed over first (fetched and released): on this rank its output did not reach
+        the loss, or not yet; on a rank where it did, backward fetched it at this point of the sequence. So
+        every rank's sequence of gathers is the backward order, whatever each one's loss reads."""
+        reached = [self.backward_position[u] for u in units if u in self.backward_position]
+        if reached and max(reached) >= self.cursor:
+            end = max(reached)
+            for u in self.backward_order[self.cursor:end]:
+                if u not in units:
+                    self._pass_over(u)
+            self.cursor = end + 1
         self.fetch(units)
         return grad
+
+    def _pass_over(self, u: ShardedUnit) -> None:
+        """Fetch ``u`` where the other ranks fetch it, and release it at once unless it is in use (persistent, or
+        some of its gradients are in). Its reduce-scatter goes out in the fixed order: with zeros at the end of
+        backward if no gradient of it ever arrives."""
+        self.passed_over += 1
+        self.fetch([u])
+        in_use = u.persistent or (not u.frozen and self.pending[u.index] not in (len(u.params), DONE))
+        if u.gathered and not in_use:
+            self.release(u)
 
     # -- micro-steps -------------------------------------------------------------------------------------
     def begin_forward(self) -> None:
         """A training forward starts: the fetch order is recorded (first one) or replayed from here."""
         self.schedule.begin_micro_step()
         self.saved_params.start()
+        self.last_forward_use.clear()
+        self.forward_fetches = 0
+        self.backward_order = []
 
     def begin_backward(self, first_micro_step: bool) -> None:
         """Backward starts: every trainable unit waits for all its gradients; ``first_micro_step`` of an
         accumulation overwrites the gradient partitions instead of adding."""
         self.first_micro_step = first_micro_step
         self.next_reduce = 0
+        if self.last_forward_use:       # a second backward through the same forward keeps the order it had
+            self.backward_order = sorted(self.last_forward_use, key=lambda u: -self.last_forward_use[u])
+            self.last_forward_use.clear()
+        self.backward_position = {u: i for i, u in enumerate(self.backward_order)}
+        self.cursor = 0
         for partition in self.partitions:
             partition.begin_micro_step()
         for u in self.trainable:
@@ -243,7 +284,7 @@ class UnitLifecycle:
         flat = u.flat_grad()
         if not u.persistent and u.gathered:
             self.release(u)
-        self.in_flight.push((u, reduce_scatter_grad(self.ctx, flat, self.averaging, self.comm_dtype)))
+        self.in_flight.push((u, reduce_scatter_grad(self.reduce_ctx, flat, self.averaging, self.comm_dtype)))
 
     def _accumulate(self, item) -> None:
         u, reduction = item

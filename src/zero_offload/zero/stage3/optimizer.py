@@ -50,6 +50,7 @@ class Stage3Optimizer(ZeroOptimizerBase):
                  dtype: torch.dtype, param_init_fn=None):
         zc = config.zero_optimization
         self.ctx = ctx
+        self.reduce_ctx = ctx.for_reductions()      # reduce-scatters on a group of their own (a collective call)
         self.offload = zc.offload_optimizer.device in ("cpu", "nvme")
         self.offload_param = zc.offload_param.device in ("cpu", "nvme")
         self.param_nvme = zc.offload_param.device == "nvme"
@@ -100,7 +101,7 @@ class Stage3Optimizer(ZeroOptimizerBase):
                                  zc.stage3_max_reuse_distance)
         self.lifecycle = UnitLifecycle(self.ctx, self.copies, self.units, module_units, schedule, self.store,
                                        self.partitions, GradAveraging.from_config(config, self.ctx.world_size),
-                                       communication_dtype(config))
+                                       communication_dtype(config), self.reduce_ctx)
         model.register_forward_pre_hook(self.lifecycle.root_pre_forward)
         registry.manage(self.lifecycle.unit_of.keys(), self)   # for `gathered_parameters` and external parameters
 
@@ -246,6 +247,16 @@ class Stage3Optimizer(ZeroOptimizerBase):
 
     def after_load(self) -> None:
         self.lifecycle.invalidate()
+
+    def close(self) -> None:
+        """`ZeroOptimizerBase.close`, then the parameter store's (NVMe: its I/O threads and swap files)."""
+        self.lifecycle.invalidate()
+        try:
+            super().close()
+            self.store.close()
+        finally:
+            if self.reduce_ctx is not self.ctx:
+                self.reduce_ctx.close()
 
     # -- frozen parameters (zero_offload.state.PartitionedOptimizerState) ----------------------------------
     def frozen_shapes(self) -> dict[str, tuple[int, ...]]:

@@ -35,6 +35,9 @@ class PartitionStore(Protocol):
     def prefetch(self, unit) -> bool:
         """Start reading the unit's shard ahead of its gather; False when no buffer is free for it."""
 
+    def close(self) -> None:
+        """Finish the I/O in flight and end what the store started (NVMe: threads, swap files). Idempotent."""
+
     def write_shard(self, unit, values: torch.Tensor) -> None:
         """Replace the unit's shard with ``values`` (shape (unit.shard_numel,))."""
 
@@ -52,6 +55,9 @@ class ResidentStore:
 
     def prefetch(self, unit) -> bool:
         return True
+
+    def close(self) -> None:
+        """Nothing to end: the shards are plain tensors."""
 
     def write_shard(self, unit, values: torch.Tensor) -> None:
         unit.shard.copy_(values)

@@ -128,3 +128,39 @@ def test_branch_before_a_module_trains_exactly(monkeypatch, offload_param, gas, 
     got = run_ranks(_middle_run, 2, offload_param, gas)[0] if ws == 2 else _middle_run(offload_param, gas)
     for name, ref in _middle_reference(gas, ws).items():
         assert (got[name] - ref).abs().max().item() <= 1e-6, name
+
+
+class SkippedInForward(BranchInTheMiddle):
+    """Rank 1 does not run the branch at all from step ``skip_from`` on."""
+
+    def forward(self, x, y, use_branch: bool, skip: bool = False):
+        h = torch.tanh(self.trunk1(x))
+        b = None if skip else self.branch(h)
+        loss = F.mse_loss(self.trunk2(torch.tanh(self.mid(h))), y)
+        return loss + b.pow(2).mean() if use_branch else loss
+
+
+def _skipping_run(skip_from):
+    rank = dist.get_rank()
+    zero = {"stage": 3, "reduce_bucket_size": 64, "stage3_param_persistence_threshold": 0}
+    cfg = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": zero,
+           "optimizer": {"type": "AdamW", "params": {"lr": LR}}}
+    engine = zero_offload.initialize(SkippedInForward(), cfg)
+    for step in range(3):
+        x, y = _data(step, rank)
+        engine.backward(engine(x, y, use_branch=rank == 0, skip=rank == 1 and step >= skip_from))
+        engine.step()
+
+
+@pytest.mark.parametrize("skip_from,check", [(0, None), (1, "1")])
+def test_a_module_skipped_in_forward_on_one_rank_stops_every_rank_with_its_name(monkeypatch, skip_from, check):
+    """From the first step on it is caught by the first micro-step's check; later, with ZERO_OFFLOAD_CHECK_GATHERS.
+    Without the check the ranks' gathers disagree (gloo aborted the process on the size mismatch)."""
+    monkeypatch.setenv("ZERO_OFFLOAD_TIMEOUT_S", "60")
+    if check:
+        monkeypatch.setenv("ZERO_OFFLOAD_CHECK_GATHERS", check)
+    with pytest.raises(AssertionError) as info:
+        run_ranks(_skipping_run, 2, skip_from)
+    message = str(info.value)
+    assert "GatherMismatch" in message and "rank 0 runs module 'branch'" in message
+    assert "rank 1 runs module 'mid'" in message

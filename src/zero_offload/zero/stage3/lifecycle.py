@@ -31,9 +31,10 @@ from zero_offload.zero.averaging import GradAveraging
 from zero_offload.zero.collectives import MAX_IN_FLIGHT, InFlight, finish, reduce_scatter_grad
 from zero_offload.zero.grad_partition import GradPartition
 from zero_offload.zero.stage3.frozen import FrozenRelease
+from zero_offload.zero.stage3.gather_check import GatherCheck
 from zero_offload.zero.stage3.partition_store import PartitionStore
 from zero_offload.zero.stage3.saved_params import SavedParameterGuard
-from zero_offload.zero.stage3.schedule import FetchSchedule
+from zero_offload.zero.stage3.schedule import RECORDING, FetchSchedule
 from zero_offload.zero.stage3.units import ShardedUnit
 
 __all__ = ["UnitLifecycle"]
@@ -88,6 +89,7 @@ class UnitLifecycle:
         # reduce-scatters in flight, each unit's gradient kept
         self.in_flight = InFlight(MAX_IN_FLIGHT, self._accumulate)
         self.saved_params = SavedParameterGuard(units, self.gather)
+        self.gather_check = GatherCheck(ctx, units)
         self.frozen_release = FrozenRelease(self.release, module_units)
         # Every parameter -> its unit (trainable and frozen), by identity: a tensor's == is elementwise.
         self.unit_of = WeakIdKeyDictionary({p: u for u in units for p in u.params})
@@ -181,6 +183,8 @@ class UnitLifecycle:
 
     def _pre_forward(self, module, args):
         units = self.module_units[module]
+        if not _in_backward():
+            self.gather_check.before_forward(units, recording=self.schedule.mode == RECORDING)
         if torch.is_grad_enabled() and not _in_backward():
             for u in units:
                 self.last_forward_use[u] = self.forward_fetches

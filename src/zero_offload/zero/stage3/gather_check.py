@@ -10,7 +10,8 @@ of a Python object, before any gather or prefetch of that fetch); if they differ
 `GatherMismatch` at the same point, within the collective deadline. Backward needs no check: there the ranks'
 gathers follow one fixed order whatever each one's loss reads (`UnitLifecycle`). A module skipped in forward
 from the first step on is caught at once; one that starts being skipped later is caught with the variable set.
-The check is off after the first micro-step by default because on CUDA each exchange waits for the device. FSDP2 and DeepSpeed have no such check.
+The check is off after the first micro-step by default because on CUDA each exchange waits for the device.
+FSDP2 and DeepSpeed have no such check.
 """
 from __future__ import annotations
 

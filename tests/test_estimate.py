@@ -53,6 +53,9 @@ def _train_one_step(model, cfg):
     return engine
 
 
+REDUCE_GROUP_BYTES = 1 << 20     # at most, measured 0.6 MiB (`DistContext.for_reductions`)
+
+
 def _measure(world_size: int) -> list[tuple]:
     ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)          # M_MMAP_THRESHOLD: large frees return to the OS
     torch.manual_seed(0)
@@ -93,7 +96,7 @@ def _measure(world_size: int) -> list[tuple]:
     return out
 
 
-def _check(results):
+def _check(results, world_size: int = 1):
     for name, case, est, measured, rss, est_nvme, measured_nvme, in_memory in results:
         assert est_nvme == measured_nvme, (name, case, est_nvme, measured_nvme)      # the same arithmetic
         total_est, total_meas = sum(est.values()), sum(measured.values())
@@ -101,7 +104,10 @@ def _check(results):
         for kind in set(est) | set(measured):
             assert abs(est.get(kind, 0) - measured.get(kind, 0)) <= 0.02 * total_meas, (name, case, kind, est,
                                                                                            measured)
-        assert abs(rss - in_memory) <= 0.10 * in_memory, (name, case, rss, in_memory)
+        # Stage 3 at two ranks reduce-scatters on a gloo group of its own: its buffers (~0.6 MiB) are not a model
+        # state, and the estimate does not count communicators.
+        group = REDUCE_GROUP_BYTES if case[0] == 3 and world_size > 1 else 0
+        assert abs(rss - group - in_memory) <= 0.10 * in_memory, (name, case, rss, in_memory)
 
 
 def _in_fresh_process(world_size: int) -> list:
@@ -125,7 +131,7 @@ def test_estimate_matches_engine_and_rss_one_rank():
 
 def test_estimate_matches_engine_and_rss_two_ranks():
     for results in _in_fresh_process(2):
-        _check(results)
+        _check(results, 2)
 
 
 def test_gpt_units_follow_the_real_model():

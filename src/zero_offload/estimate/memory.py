@@ -272,10 +272,13 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
         est.formulas["grad_spare"] = "delayed update: a second gradient partition (P x the partition's dtype)"
     ring_used = offload_opt and not offload_param   # a 16-bit partition on the device is filled through it
     if ring_used and d < 4 and not state_nvme and parts and zc.offload_optimizer.delayed_param_update:
-        # The delayed update's host step writes the 16-bit partition into pinned memory that publish copies up.
-        for p in parts:
-            host("param_staging", p, dtype)
-        est.formulas["param_staging"] = "delayed update: the 16-bit partition the host step writes (P x d)"
+        # The delayed update's host step writes the 16-bit partition over the 16-bit gradient it reads, and publish
+        # copies it up from there; an fp32 gradient partition (accumulation at stage >= 2) needs a pinned buffer.
+        if (grad_dtype if zc.stage >= 2 else dtype) != dtype:
+            for p in parts:
+                host("param_staging", p, dtype)
+        est.formulas["param_staging"] = ("delayed update: none where the gradient partition has the parameters' "
+                                         "dtype (written over it), else the 16-bit partition (P x d)")
     elif ring_used and d < 4 and not state_nvme and parts:
         # Updated 16-bit parameters go up through a small pinned ring, not a partition-sized copy.
         slots, slot_numel = ring_shape(max(parts))

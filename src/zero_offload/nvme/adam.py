@@ -203,6 +203,9 @@ class NvmeAdam(FailStop, WholeGroupState):
     def publish(self) -> None:
         """Nothing to publish: the step always writes the parameters (never deferred)."""
 
+    def publish_reader(self, g: int) -> None:
+        """Never deferred: no publish reads a gradient buffer."""
+
     def state_format(self) -> str:
         """The checkpoint's moment slots hold Adam's ``exp_avg`` and ``exp_avg_sq``."""
         return "adam"

@@ -48,6 +48,8 @@ class Copies(Protocol):
 
     def uploads_read(self, event) -> None: ...
 
+    def downloads_after(self, handle: CopyHandle) -> None: ...
+
     def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor: ...
 
     def close(self) -> None: ...
@@ -79,6 +81,9 @@ class HostCopies:
 
     def uploads_read(self, event) -> None:
         """See `CudaCopies.uploads_read`: nothing to order on the CPU."""
+
+    def downloads_after(self, handle: CopyHandle) -> None:
+        """See `CudaCopies.downloads_after`: copies are synchronous on the CPU."""
 
     def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype)
@@ -140,6 +145,13 @@ class CudaCopies:
         and in stream order -- FSDP2's order for its copy-in buffers, where ``record_stream`` would keep each
         block until the host saw the reader pass it, and a host running ahead would allocate anew."""
         self.h2d.wait_event(event)
+
+    def downloads_after(self, handle: CopyHandle) -> None:
+        """Copies down queued from now on start after the copy of ``handle`` (a copy up whose host source they
+        overwrite: the delayed update publishes from the gradient buffer the next backward fills). The
+        device-to-host stream waits for its event; the host does not."""
+        if handle.event is not None:
+            self.d2h.wait_event(handle.event)
 
     def synchronize(self) -> None:
         """Block the host until every copy queued so far has finished (a whole-stream wait; the NVMe

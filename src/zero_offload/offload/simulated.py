@@ -227,6 +227,13 @@ class SimulatedCopies:
     def uploads_read(self, event) -> None:
         """Nothing to order: a simulated upload's buffer is a host tensor, kept alive by whoever reads it."""
 
+    def downloads_after(self, handle: CopyHandle) -> None:
+        """The device-to-host stream waits for ``handle``'s copy (its worker blocks on the event), as
+        `CudaCopies.downloads_after`; the host goes on. Under skipped waits it does not wait."""
+        event = handle.event
+        if event is not None:
+            self.d2h.submit(event.synchronize)
+
     def synchronize(self) -> None:
         """Block until every copy queued so far has run (whole-stream waits, as `CudaCopies.synchronize`)."""
         self.d2h.synchronize()

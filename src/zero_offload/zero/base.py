@@ -120,6 +120,14 @@ class ZeroOptimizerBase:
         """This step's gradient partitions, handed over whole; the next backward fills other buffers."""
         return [p.take() for p in self.partitions]
 
+    def publish_readers(self) -> None:
+        """After the partition optimizer published: tell each gradient partition which copy up still reads one
+        of its buffers (the delayed update publishes from the gradient buffer; see `GradPartition.read_by`)."""
+        for g, partition in enumerate(self.partitions):
+            reader = self.adam.publish_reader(g)
+            if reader is not None:
+                partition.read_by(*reader)
+
     def detached_step(self, grads: list[ReadyGrad], grad_scale: float, lrs: list[float]) -> None:
         """The host step on handed-over gradients, touching nothing the model reads (any thread): masters,
         moments and staging outputs change; the parameters only at `publish`."""

@@ -100,6 +100,9 @@ class GradPartition:
         self.staging_allocations = 0                   # slots ever allocated (a test holds it fixed)
         self.worker = HostThread(f"grad-staging-{lo}", device)
         self.spare: torch.Tensor | None = None
+        # Copies up that may still read ``buffer`` / ``spare`` (`read_by`): copies down into it wait for them.
+        self.reader: CopyHandle | None = None
+        self.spare_reader: CopyHandle | None = None
         self.tracks_norm = offload and not self.in_place
         # The norm pieces are written by the training thread and the worker: under this lock.
         self.norm_lock = threading.Lock()
@@ -160,6 +163,9 @@ class GradPartition:
         nothing reads it any more). Offloaded, only issues copies (see the class docstring)."""
         dst = self.buffer[offset:offset + reduced.numel()]
         overwrite = first_micro_step or self.stage < 2
+        if self.reader is not None:                  # copies down wait for the copy up that reads the buffer
+            self.copies.downloads_after(self.reader)
+            self.reader = None
         if not self.offload:
             dst.copy_(reduced) if overwrite else dst.add_(reduced)
             return DONE
@@ -252,7 +258,8 @@ class GradPartition:
     def take(self) -> ReadyGrad:
         """Hand the finished partition over whole and continue into a second buffer (the delayed parameter
         update: the host step reads this step's gradients while the next backward fills the other buffer).
-        The buffer handed out at the previous call is reused, so the caller must be done with it.
+        The buffer handed out at the previous call is reused, so the caller must be done with it (a copy up
+        still reading it was named by `read_by`).
 
         Raises:
             RuntimeError: the partition is a view of the flat gradient (stage 0/1 without offload), or (as
@@ -264,10 +271,18 @@ class GradPartition:
         if self.spare is None:
             self.spare = (self.copies.host_empty(done.numel(), done.dtype) if self.offload
                           else torch.empty_like(done))
-        self.buffer = self.spare
-        self.spare = done
+        self.buffer, self.spare = self.spare, done
+        self.reader, self.spare_reader = self.spare_reader, self.reader
         self.sq_covered = -1       # the pieces summed belong to the buffer handed out
         return ReadyGrad(done)
+
+    def read_by(self, handle: CopyHandle, tensor: torch.Tensor) -> None:
+        """A copy up reads ``tensor``, one of this partition's buffers (the delayed update publishes the
+        parameters its host step wrote over the gradient): the next copies down into it start after that copy."""
+        if tensor is self.buffer:
+            self.reader = handle
+        elif tensor is self.spare:
+            self.spare_reader = handle
 
     def sq_norm_pieces(self) -> list[torch.Tensor]:
         """Sums of squares whose total is the partition's: 0-dim fp32 tensors, each on the device it was summed

@@ -53,6 +53,10 @@ class PartitionOptimizer(Protocol):
     def publish(self) -> None:
         """Deferred: write the parameters of the last step into the partitions (a no-op when not deferred)."""
 
+    def publish_reader(self, g: int) -> "tuple[object, torch.Tensor] | None":
+        """The copy up (a `CopyHandle`) that the last publish queued from one of group ``g``'s gradient buffers,
+        and that buffer; None when publish read no gradient buffer (every optimizer that is never deferred)."""
+
     def close(self) -> None:
         """Finish the I/O and copies in flight and end what the optimizer started (NVMe: its I/O threads and
         swap files); from `Engine.close`. Idempotent."""

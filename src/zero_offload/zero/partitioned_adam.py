@@ -71,6 +71,10 @@ class PartitionedAdam(WholeGroupState):
         self.outs: list[torch.Tensor | None] = []
         self.in_flight: list[CopyHandle] = []     # copies up still reading ``masters`` (fp32 runs)
         self.ring: StagingRing | None = None      # 16-bit parameters headed to the device pass through it
+        # Deferred, 16-bit device parts: where the host step wrote each group's parameters (`_deferred_out`),
+        # and the copy up that `publish` queued from there.
+        self.published_from: list[torch.Tensor | None] = [None] * len(parts)
+        self.publish_copies: list[CopyHandle | None] = [None] * len(parts)
         for part in parts:
             sixteen_bit = part.dtype != torch.float32
             if offload and (deferred or not (host_params and not sixteen_bit)):
@@ -81,8 +85,6 @@ class PartitionedAdam(WholeGroupState):
                 # them (unless deferred); device partitions are filled through the staging ring, or with the
                 # delayed update from a pinned 16-bit copy the kernel writes (`publish` only copies it up).
                 out = part if (sixteen_bit and host_params and not deferred) else None
-                if sixteen_bit and deferred and not host_params:
-                    out = copies.host_empty(part.numel(), part.dtype)
             elif not sixteen_bit:
                 master, out = part, None     # fp32 where the step runs: the parameters are their own master
             else:
@@ -160,11 +162,38 @@ class PartitionedAdam(WholeGroupState):
             # Each finished chunk starts its copy up at once, overlapping the rest of the host step
             # (ZeRO-Offload paper, Sec. 4.2's pipelining of the parameter swap-in with the CPU step).
             on_chunk = lambda g, _param, lo, hi: self._copy_up(g, lo, hi)  # noqa: E731
+        outs = self.outs
+        if self.deferred and self.offload and not self.host_params:
+            outs = [self._deferred_out(g, grad) for g, grad in enumerate(grads)]
         with record_function("zero_offload.optimizer.host_step"):
             self.optimizer.step(grads=[[g] for g in grads], grad_scale=grad_scale,
-                                outputs=[[o] for o in self.outs], on_chunk=on_chunk, lrs=lrs)
+                                outputs=[[o] for o in outs], on_chunk=on_chunk, lrs=lrs)
         if self.in_flight:
             self.in_flight[-1].wait_stream()   # one copy stream: the last copy up finishes last
+
+    def _deferred_out(self, g: int, grad: torch.Tensor) -> torch.Tensor | None:
+        """Where the deferred host step writes group ``g``'s 16-bit parameters: over the gradient it reads, when
+        the gradient has the parameters' dtype (one micro-step per step, or stage 1). The kernel reads each
+        gradient element before it writes that element's parameter, so no separate publish buffer exists (at 10B
+        parameters a 20 GB pinned buffer less; issue 27). Under accumulation (fp32 gradient) a pinned 16-bit
+        buffer, made on first use. fp32 parameters are published from the masters: None."""
+        part = self.parts[g]
+        if part.dtype == torch.float32:
+            return None
+        if grad.dtype == part.dtype:
+            self.published_from[g] = grad
+        else:
+            if self.outs[g] is None:
+                self.outs[g] = self.copies.host_empty(part.numel(), part.dtype)
+            self.published_from[g] = self.outs[g]
+        return self.published_from[g]
+
+    def publish_reader(self, g: int) -> tuple[CopyHandle, torch.Tensor] | None:
+        """The copy up that `publish` queued from group ``g``'s gradient buffer, and that buffer: its owner
+        orders the next copies down into it after the copy (`GradPartition.read_by`). None when publish read
+        no gradient buffer."""
+        handle, source = self.publish_copies[g], self.published_from[g]
+        return None if handle is None or source is self.outs[g] else (handle, source)
 
     @torch.no_grad()
     def publish(self) -> None:
@@ -176,10 +205,12 @@ class PartitionedAdam(WholeGroupState):
         self._wait_copies_up()
         with record_function("zero_offload.optimizer.publish"):
             for g, part in enumerate(self.parts):
+                self.publish_copies[g] = None
                 if self.host_params:
                     part.copy_(self.masters[g])       # host shards: rounded in place
-                elif self.outs[g] is not None:
-                    self.in_flight.append(self.copies.to_device(part, self.outs[g]))
+                elif self.published_from[g] is not None:
+                    self.publish_copies[g] = self.copies.to_device(part, self.published_from[g])
+                    self.in_flight.append(self.publish_copies[g])
                 else:
                     self._copy_up(g, 0, part.numel())
             if self.in_flight:

@@ -131,6 +131,7 @@ class ZeroOptimizer(ZeroOptimizerBase):
         """Update this rank's partitions with gradients x ``grad_scale`` (after `finalize_backward`), then
         all-gather (stage >= 1)."""
         self.adam.step(self.partitions, grad_scale)
+        self.publish_readers()
         self._all_gather()
 
     def gather_count(self) -> int:
@@ -153,6 +154,7 @@ class ZeroOptimizer(ZeroOptimizerBase):
     def publish(self) -> None:
         """Copy the parameters of the last detached step up and all-gather them."""
         self.adam.publish()
+        self.publish_readers()
         self._all_gather()
 
     def zero_grad(self) -> None:

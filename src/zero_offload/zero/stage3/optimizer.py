@@ -235,12 +235,14 @@ class Stage3Optimizer(ZeroOptimizerBase):
         # Gathered copies go stale, and the host must not rewrite a host shard a copy up still reads.
         self.lifecycle.invalidate()
         self.adam.step(self.partitions, grad_scale)
+        self.publish_readers()
 
     # -- the delayed parameter update (see zero_offload.zero.delayed_update) --------------------------------
     def publish(self) -> None:
         """Write the parameters of the last detached step into the shards; the next forward gathers them."""
         self.lifecycle.invalidate()
         self.adam.publish()
+        self.publish_readers()
 
     def zero_grad(self) -> None:
         pass   # partitions are overwritten by the first micro-step of the next accumulation

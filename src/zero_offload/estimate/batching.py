@@ -191,13 +191,15 @@ def _explain(c: BatchChoice, options: list[BatchChoice], seq: int, free_ckpt: bo
     if dpu_possible and t.host_s > 0:
         if c.delayed:
             notes["delayed_param_update"] = ("on: the host step runs one step behind, beside the next step's "
-                                             "forward and backward (its spare gradient partition and the "
-                                             "16-bit partition it publishes from counted in host memory)")
+                                             "forward and backward (its spare gradient partition counted in "
+                                             "host memory, and under accumulation the 16-bit partition it "
+                                             "publishes from)")
         elif knobs.delayed_update is None:
             dpu = [o for o in options if o.delayed]
             notes["delayed_param_update"] = ("off: the host step hides well enough without it" if dpu else
-                                             "off: with it the config does not fit (its spare gradient partition "
-                                             "and 16-bit publish buffer need host memory that is not there)")
+                                             "off: with it the config does not fit (its spare gradient partition, "
+                                             "and under accumulation a 16-bit publish buffer, need host memory "
+                                             "that is not there)")
     share = f"{t.exposed_share:.0%}"
     notes["step"] = (f"~{t.step_s:.2f} s per optimizer step: {t.compute_s:.2f} s device compute "
                      f"({t.micro_s:.3f} s per micro-step at {a.gpu_flops / 1e12:.0f} TFLOP/s"

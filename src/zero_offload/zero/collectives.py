@@ -18,8 +18,8 @@ from torch.profiler import record_function
 from zero_offload.comm import DistContext
 from zero_offload.zero.averaging import GradAveraging
 
-__all__ = ["PendingReduction", "reduce_bucket", "reduce_scatter_grad", "finish", "InFlight", "MAX_IN_FLIGHT",
-           "scattered_dtype"]
+__all__ = ["PendingReduction", "reduce_bucket", "reduce_scatter_grad", "completed", "finish", "InFlight",
+           "MAX_IN_FLIGHT", "scattered_dtype"]
 
 # Reductions in flight before the oldest is finished: stage 2's buckets and stage 3's reduce-scatters (the
 # memory model counts their buffers with it).
@@ -93,6 +93,12 @@ def reduce_scatter_grad(ctx: DistContext, flat: torch.Tensor, averaging: GradAve
     return PendingReduction(out, comm, work, after, divide_first, True)
 
 
+def completed(p: PendingReduction) -> bool:
+    """True when the reduction's collective has finished (never blocks): nothing was launched (one rank), or
+    its work handle says so."""
+    return p.work is None or p.work.is_completed()
+
+
 def finish(p: PendingReduction) -> torch.Tensor | None:
     """Wait for the reduction and finish its average; the result where this rank receives one, else None."""
     if p.work is not None:
@@ -109,17 +115,21 @@ T = TypeVar("T")
 
 class InFlight(Generic[T]):
     """Reductions launched but not yet finished, oldest first, at most ``limit`` of them: pushing one more
-    finishes the oldest (``on_finish``), which bounds the memory of buckets or gradients in flight."""
+    finishes the oldest (``on_finish``), which bounds the memory of buckets or gradients in flight. Oldest
+    reductions already complete (``is_done``; at one rank every one is) are finished at once, so their copy down
+    starts as soon as they are reduced rather than ``limit`` buckets later (issue 27: at one rank the last two
+    buckets went down only after backward)."""
 
-    def __init__(self, limit: int, on_finish: Callable[[T], None]):
-        self.limit, self.on_finish = limit, on_finish
+    def __init__(self, limit: int, on_finish: Callable[[T], None], is_done: Callable[[T], bool] | None = None):
+        self.limit, self.on_finish, self.is_done = limit, on_finish, is_done
         self.items: deque[T] = deque()
         self.launched = 0            # running count of reductions pushed (`zero_offload.stats.StepStats`)
 
     def push(self, item: T) -> None:
         self.launched += 1
         self.items.append(item)
-        while len(self.items) > self.limit:
+        while len(self.items) > self.limit or (self.items and self.is_done is not None
+                                               and self.is_done(self.items[0])):
             self.on_finish(self.items.popleft())
 
     def finish_oldest(self) -> None:

@@ -17,7 +17,8 @@ from zero_offload.offload.copies import DONE
 from zero_offload.zero.averaging import GradAveraging
 from zero_offload.zero.bucket_pool import BucketPool, bucket_pool_size
 from zero_offload.zero.buckets import GradBucket, plan_buckets
-from zero_offload.zero.collectives import MAX_IN_FLIGHT, InFlight, PendingReduction, finish, reduce_bucket
+from zero_offload.zero.collectives import (MAX_IN_FLIGHT, InFlight, PendingReduction, completed, finish,
+                                          reduce_bucket)
 from zero_offload.zero.grad_partition import GradPartition
 
 __all__ = ["GradientReducer"]
@@ -55,7 +56,8 @@ class GradientReducer:
         self.reducing = False
         self.first_micro_step = True
         self.next_launch = 0
-        self.in_flight: InFlight[GradBucket] = InFlight(max_in_flight, self._complete)
+        self.in_flight: InFlight[GradBucket] = InFlight(max_in_flight, self._complete,
+                                                        lambda b: completed(self.reduction_of[b]))
         # The reducer's state of each bucket this micro-step, kept here (buckets describe ranges only).
         self.buffer_of: dict[GradBucket, torch.Tensor] = {}
         self.reduction_of: dict[GradBucket, PendingReduction] = {}

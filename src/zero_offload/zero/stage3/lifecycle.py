@@ -28,7 +28,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from zero_offload.comm import DistContext
 from zero_offload.offload.copies import Copies
 from zero_offload.zero.averaging import GradAveraging
-from zero_offload.zero.collectives import MAX_IN_FLIGHT, InFlight, finish, reduce_scatter_grad
+from zero_offload.zero.collectives import MAX_IN_FLIGHT, InFlight, completed, finish, reduce_scatter_grad
 from zero_offload.zero.grad_partition import GradPartition
 from zero_offload.zero.stage3.frozen import FrozenRelease
 from zero_offload.zero.stage3.gather_check import GatherCheck
@@ -87,7 +87,7 @@ class UnitLifecycle:
         self.cursor = 0                                      # backward_order[:cursor] was fetched or passed over
         self.passed_over = 0                                 # units passed over in backward (running count)
         # reduce-scatters in flight, each unit's gradient kept
-        self.in_flight = InFlight(MAX_IN_FLIGHT, self._accumulate)
+        self.in_flight = InFlight(MAX_IN_FLIGHT, self._accumulate, lambda item: completed(item[1]))
         self.saved_params = SavedParameterGuard(units, self.gather)
         self.gather_check = GatherCheck(ctx, units)
         self.frozen_release = FrozenRelease(self.release, module_units)

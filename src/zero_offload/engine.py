@@ -15,6 +15,7 @@ from torch.utils._pytree import tree_map
 from zero_offload.checkpoint import load_checkpoint, save_checkpoint
 from zero_offload.comm import DistContext, deadline
 from zero_offload.config import AutoContext, Config, ConfigError
+from zero_offload.offload.host_cores import host_step_cores
 from zero_offload.optim.lr_schedules import build_scheduler
 from zero_offload.precision import LossScaler, is_overflow, training_dtype
 from zero_offload.stats import StepStats
@@ -63,7 +64,10 @@ class Engine:
             the host optimizer step or waiting for the delayed update's thread, part of ``optimizer_s``). On CUDA
             also the device's time measured with CUDA events on the current stream: ``device_forward_s``,
             ``device_backward_s``, ``device_optimizer_s``, ``device_step_s`` and ``device_exposed_host_step_s``
-            (how long the device waited on the host step or the delayed update). Reading them after a step
+            (how long the device waited on the host step or the delayed update). Where the step runs on the
+            host: ``host_step_s``, the last host step's own duration on the thread that ran it (under the delayed
+            update, the step that finished at this boundary), and ``host_step_threads``, the kernel's thread
+            count (``offload_optimizer.cpuadam_cores_perc`` of the cores). Reading them after a step
             waits for that step's last event (`zero_offload.step_timer`); DeepSpeed's ``wall_clock_breakdown``
             synchronises at every phase instead.
         stats: `zero_offload.stats.StepStats` of the last optimizer step (gathers, reductions, bytes copied
@@ -103,7 +107,8 @@ class Engine:
                                          if not p.requires_grad and not self.zero.manages(p))])
         self.optimizer = self.zero.optimizer
         offload_opt = self.config.zero_optimization.offload_optimizer
-        self._dpu = (DelayedParamUpdate(self.zero, offload_opt.dpu_warmup_steps)
+        self._dpu = (DelayedParamUpdate(self.zero, offload_opt.dpu_warmup_steps,
+                                        host_step_cores(offload_opt.cpuadam_cores_perc))
                      if offload_opt.delayed_param_update else None)
         self.scaler = LossScaler(self.config)
         self.lr_scheduler = build_scheduler(self.config.scheduler, self.optimizer)
@@ -217,7 +222,7 @@ class Engine:
     @property
     def timings(self) -> dict[str, float]:
         """See the class docstring (a new dict at each read)."""
-        return self._timer.result()
+        return {**self._timer.result(), **self.zero.host_step_timings()}
 
     def _step(self) -> None:
         self._boundary_pending = False

@@ -48,10 +48,12 @@ class HostThread:
     Args:
         name: the thread's name (``zero_offload-<name>``), shown by debuggers and `threading.enumerate`.
         device: the device whose CUDA context the worker binds (ignored for CPU devices); None: none.
+        cpus: the cores the worker is pinned to (`zero_offload.offload.host_cores`), where the OS allows;
+            None: wherever the process runs.
     """
 
-    def __init__(self, name: str, device: torch.device | None = None):
-        self.name, self.device = name, device
+    def __init__(self, name: str, device: torch.device | None = None, cpus: tuple[int, ...] | None = None):
+        self.name, self.device, self.cpus = name, device, cpus
         self._lock = threading.Lock()
         self._executor: ThreadPoolExecutor | None = None
         self._pid = os.getpid()
@@ -123,6 +125,8 @@ class HostThread:
     def _bind(self) -> None:
         if self.device is not None and self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        if self.cpus and hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, self.cpus)     # pid 0: this thread (Linux); its OpenMP team inherits it
 
     def _run(self, task: Callable[[], None]) -> None:
         try:

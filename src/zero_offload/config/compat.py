@@ -132,12 +132,12 @@ IGNORED_OFFLOAD = {
     "pipeline": "set pipeline_read / pipeline_write",
     "super_offload": "SuperOffload (Superchip CPU offload) is not built: the plain ZeRO-Offload host step "
                      "runs instead",
-    "cpuadam_cores_perc": "the host kernel uses every core torch is allowed to use (torch.set_num_threads)",
 }
 IGNORED_OFFLOAD_OPTIMIZER = {**IGNORED_OFFLOAD,
                              "buffer_size": "NVMe buffers hold one sub-group (sub_group_size) each",
                              "max_in_cpu": "a key of offload_param"}
 IGNORED_OFFLOAD_PARAM = {**IGNORED_OFFLOAD,
+                         "cpuadam_cores_perc": "a key of offload_optimizer",
                          "fast_init": "a key of offload_optimizer",
                          "pipeline_read": "a key of offload_optimizer",
                          "pipeline_write": "a key of offload_optimizer"}

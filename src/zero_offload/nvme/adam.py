@@ -14,6 +14,7 @@ reclaimed at the next start; the files are removed by `close`, when the optimize
 from __future__ import annotations
 
 import os
+import time
 import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
@@ -93,7 +94,7 @@ class NvmeAdam(FailStop, WholeGroupState):
     def __init__(self, parts: list[torch.Tensor], hparams: list[dict], copies: CopyEngine, directory: Path,
                  sub_group_size: int, buffer_count: int, pipeline_read: bool = False, pipeline_write: bool = False,
                  block_size: int = 1 << 20, thread_count: int = 1, param_io=None,
-                 queue_depth: int = 1):
+                 queue_depth: int = 1, host_threads: int | None = None):
         self.parts, self.copies, self.param_io = parts, copies, param_io
         self.pipeline_read, self.pipeline_write = pipeline_read, pipeline_write
         self.sub = self.sub_group_numel([p.numel() for p in parts], sub_group_size)
@@ -119,6 +120,8 @@ class NvmeAdam(FailStop, WholeGroupState):
         self.outs = [None] * len(parts)
         self.masters = _SwappedMasters(self)
         self.timings = {"read_wait_s": 0.0, "adam_s": 0.0, "write_wait_s": 0.0}
+        self.host_threads = host_threads or torch.get_num_threads()
+        self.host_step_s = 0.0                    # the last step's own duration (reads and writes included)
         self._guard(self._write_initial_masters)
 
     @staticmethod
@@ -198,7 +201,9 @@ class NvmeAdam(FailStop, WholeGroupState):
             RuntimeError: a gradient source with copies still in flight; an earlier I/O error (fail-stop).
             NvmeIOError: a read or write failed.
         """
+        start = time.perf_counter()
         self._guard(self._step, [g.ready() for g in grads], grad_scale, lrs)
+        self.host_step_s = time.perf_counter() - start
 
     def publish(self) -> None:
         """Nothing to publish: the step always writes the parameters (never deferred)."""
@@ -211,7 +216,6 @@ class NvmeAdam(FailStop, WholeGroupState):
         return "adam"
 
     def _step(self, grads: list[torch.Tensor], grad_scale: float, lrs: Sequence[float] | None) -> None:
-        import time
         for g in range(len(self.parts)):
             self.steps[g] += 1
         nslots = len(self.pool)
@@ -243,7 +247,8 @@ class NvmeAdam(FailStop, WholeGroupState):
             fused_adam_step(master, grads[g][lo:hi], exp_avg, exp_avg_sq, step=self.steps[g], lr=lr,
                             beta1=h["betas"][0], beta2=h["betas"][1], eps=h["eps"],
                             weight_decay=h["weight_decay"], adamw_mode=h["adamw_mode"],
-                            bias_correction=h["bias_correction"], grad_scale=grad_scale, out=out)
+                            bias_correction=h["bias_correction"], grad_scale=grad_scale, out=out,
+                            num_threads=self.host_threads)
             if self.param_io is not None:       # the updated parameters go to their swap file, behind
                 self.param_io.write_behind(g, lo, out if sixteen_bit else master)
             elif part.device.type != "cpu":

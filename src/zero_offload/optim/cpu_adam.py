@@ -21,6 +21,8 @@ class CPUAdam(torch.optim.Optimizer):
     Extra args (beyond DeepSpeed's):
         state_dtype: torch.float32 (default) or torch.bfloat16 for the two moments: 8 bytes/param of host
             memory and of traffic less per step, at the accuracy bound stated in `zero_offload.optim.fused_adam`.
+        num_threads: the kernel's thread count on every step (default: ``torch.get_num_threads()`` at each
+            step); the engine gives `zero_offload.offload.host_cores`' share.
 
     Raises:
         ValueError: a hyper-parameter out of range, or a parameter that is not an fp32 CPU tensor.
@@ -38,6 +40,7 @@ class CPUAdam(torch.optim.Optimizer):
         adamw_mode: bool = True,
         bias_correction: bool = True,
         state_dtype: torch.dtype = torch.float32,
+        num_threads: int | None = None,
     ):
         if lr < 0.0:
             raise ValueError(f"CPUAdam: lr must be >= 0, got {lr}")
@@ -49,7 +52,7 @@ class CPUAdam(torch.optim.Optimizer):
             raise ValueError(f"CPUAdam: weight_decay must be >= 0, got {weight_decay}")
         if state_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"CPUAdam: state_dtype must be torch.float32 or torch.bfloat16, got {state_dtype}")
-        self.state_dtype = state_dtype
+        self.state_dtype, self.num_threads = state_dtype, num_threads
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         adamw_mode=adamw_mode, bias_correction=bias_correction)
         super().__init__(params, defaults)
@@ -111,5 +114,6 @@ class CPUAdam(torch.optim.Optimizer):
                     bias_correction=group["bias_correction"], grad_scale=grad_scale,
                     out=None if out is None else out.view(-1),
                     on_chunk=None if on_chunk is None else (lambda lo, hi, gi=gi, pi=pi: on_chunk(gi, pi, lo, hi)),
+                    num_threads=self.num_threads,
                 )
         return loss

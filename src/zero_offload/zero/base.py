@@ -120,6 +120,13 @@ class ZeroOptimizerBase:
         """This step's gradient partitions, handed over whole; the next backward fills other buffers."""
         return [p.take() for p in self.partitions]
 
+    def host_step_timings(self) -> dict[str, float]:
+        """``host_step_s`` (the last host step's own duration, seconds) and ``host_step_threads`` (the kernel's
+        thread count) where the step runs on the host; empty otherwise (`Engine.timings`)."""
+        if not self.adam.on_host:
+            return {}
+        return {"host_step_s": self.adam.host_step_s, "host_step_threads": float(self.adam.host_threads)}
+
     def publish_readers(self) -> None:
         """After the partition optimizer published: tell each gradient partition which copy up still reads one
         of its buffers (the delayed update publishes from the gradient buffer; see `GradPartition.read_by`)."""

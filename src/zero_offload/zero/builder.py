@@ -31,6 +31,7 @@ from zero_offload.nvme.param_store import NvmeParamStore
 from zero_offload.nvme.param_writeback import WriteBackOptimizer
 from zero_offload.nvme.setup import build_nvme_adam
 from zero_offload.offload.copies import Copies
+from zero_offload.offload.host_cores import host_step_cores
 from zero_offload.zero.optimizer_role import PartitionOptimizer
 from zero_offload.zero.partitioned_adam import PartitionedAdam, host_state_dtype
 from zero_offload.zero.partitioned_torch import PartitionedTorchOptimizer
@@ -92,8 +93,9 @@ def _in_memory(config: Config, parts: list[torch.Tensor], hparams: list[dict], o
     opt = config.optimizer
     deferred = config.zero_optimization.offload_optimizer.delayed_param_update
     if opt.torch_kwargs is None and not opt.params.amsgrad:
+        threads = len(host_step_cores(config.zero_optimization.offload_optimizer.cpuadam_cores_perc))
         return PartitionedAdam(parts, hparams, offload, copies, host_params=host_params, deferred=deferred,
-                               state_dtype=host_state_dtype(config))
+                               state_dtype=host_state_dtype(config), host_threads=threads)
     if deferred:
         raise ConfigError("config key 'zero_optimization.offload_optimizer.delayed_param_update' = true needs "
                           f"optimizer type Adam/AdamW without amsgrad (got {opt.type!r}): only the fused host "

@@ -51,13 +51,14 @@ class DelayedParamUpdate:
     Args:
         zero: the ZeRO optimizer whose host step is delayed.
         warmup_steps: optimizer steps (``global_step`` values below it) that run synchronously.
+        cpus: the cores the host-step thread is pinned to (``offload_optimizer.cpuadam_cores_perc``).
     """
 
-    def __init__(self, zero: DeferrableOptimizer, warmup_steps: int):
+    def __init__(self, zero: DeferrableOptimizer, warmup_steps: int, cpus: tuple[int, ...] | None = None):
         self.zero, self.warmup_steps = zero, warmup_steps
         # The CUDA device is per host thread; the worker binds the one current now (where the engine runs).
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_initialized() else None
-        self.thread = HostThread("dpu-host-step", device)
+        self.thread = HostThread("dpu-host-step", device, cpus)
         self.unpublished = False     # a finished step whose parameters the model does not run on yet
 
     def engaged(self, global_step: int) -> bool:

@@ -31,12 +31,16 @@ class PartitionOptimizer(Protocol):
         on_host: whether the step runs on the host.
         deferred: the delayed parameter update: `step` with ``publish=False`` leaves the parameters as they
             are, and `publish` writes them later. Only `PartitionedAdam` (the fused host kernel) is ever deferred.
+        host_step_s: on the host, the last step's own duration in seconds, on the thread that ran it.
+        host_threads: on the host, the kernel's thread count.
     """
 
     optimizer: torch.optim.Optimizer
     masters: Sequence[torch.Tensor]
     on_host: bool
     deferred: bool
+    host_step_s: float
+    host_threads: int
 
     def step(self, grads: Sequence[GradSource], grad_scale: float, lrs: Sequence[float] | None = None,
              publish: bool = True) -> None:

@@ -7,6 +7,7 @@ combined 1/loss_scale x clip scale, and writes the 16-bit parameter into a host 
 """
 from __future__ import annotations
 
+import time
 from typing import Iterable, Iterator, Sequence
 
 import torch
@@ -47,6 +48,7 @@ class PartitionedAdam(WholeGroupState):
         deferred: the delayed parameter update: the kernel never writes the parts; `publish` copies the
             updated parameters into them later (masters and 16-bit outputs are always separate buffers).
         state_dtype: dtype of the host Adam moments, fp32 or bf16 (``bf16.bf16_optimizer_states``).
+        host_threads: the host kernel's thread count (`zero_offload.offload.host_cores`); None: torch's.
 
     Attributes:
         optimizer: the inner ``torch.optim.Optimizer`` whose param groups carry the live learning rates
@@ -63,8 +65,11 @@ class PartitionedAdam(WholeGroupState):
     """
 
     def __init__(self, parts: list[torch.Tensor], hparams: list[dict], offload: bool, copies: Copies,
-                 host_params: bool = False, deferred: bool = False, state_dtype: torch.dtype = torch.float32):
+                 host_params: bool = False, deferred: bool = False, state_dtype: torch.dtype = torch.float32,
+                 host_threads: int | None = None):
         self.parts, self.offload, self.copies = parts, offload, copies
+        self.host_threads = host_threads or torch.get_num_threads()
+        self.host_step_s = 0.0                    # the last host step's own duration, on the thread that ran it
         self.host_params, self.deferred = host_params, deferred
         self.on_host = offload or parts[0].device.type == "cpu"
         self.masters: list[torch.Tensor] = []
@@ -95,7 +100,7 @@ class PartitionedAdam(WholeGroupState):
             self.ring = StagingRing(copies, parts[0].dtype, max(p.numel() for p in parts))
         groups = [{"params": [m], **h} for m, h in zip(self.masters, hparams)]
         if self.on_host:
-            self.optimizer = CPUAdam(groups, state_dtype=state_dtype)
+            self.optimizer = CPUAdam(groups, state_dtype=state_dtype, num_threads=host_threads)
         else:
             for g in groups:
                 if not g.pop("bias_correction"):
@@ -156,6 +161,7 @@ class PartitionedAdam(WholeGroupState):
         self.in_flight = []
 
     def _host_step(self, grads: list[torch.Tensor], grad_scale: float, lrs) -> None:
+        start = time.perf_counter()
         self._wait_copies_up()
         on_chunk = None   # parameters on the host (stage 3 offload_param) are written in place: no copy
         if self.offload and not self.deferred and not self.host_params:
@@ -170,6 +176,7 @@ class PartitionedAdam(WholeGroupState):
                                 outputs=[[o] for o in outs], on_chunk=on_chunk, lrs=lrs)
         if self.in_flight:
             self.in_flight[-1].wait_stream()   # one copy stream: the last copy up finishes last
+        self.host_step_s = time.perf_counter() - start
 
     def _deferred_out(self, g: int, grad: torch.Tensor) -> torch.Tensor | None:
         """Where the deferred host step writes group ``g``'s 16-bit parameters: over the gradient it reads, when

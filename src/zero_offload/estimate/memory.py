@@ -279,8 +279,9 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
                 host("param_staging", p, dtype)
         est.formulas["param_staging"] = ("delayed update: none where the gradient partition has the parameters' "
                                          "dtype (written over it), else the 16-bit partition (P x d)")
-    elif ring_used and d < 4 and not state_nvme and parts:
-        # Updated 16-bit parameters go up through a small pinned ring, not a partition-sized copy.
+    elif ring_used and d < 4 and not state_nvme and parts and (grad_dtype if zc.stage >= 2 else dtype) != dtype:
+        # Updated 16-bit parameters go up through a small pinned ring, not a partition-sized copy, where the
+        # gradient partition is fp32 (accumulation); a 16-bit one takes them in place (`PartitionedAdam`).
         slots, slot_numel = ring_shape(max(parts))
         host("param_staging", slots * slot_numel, dtype)
         est.formulas["param_staging"] = "min(4, ceil(P / 2^21)) slots x min(2^21, P) elements x d"

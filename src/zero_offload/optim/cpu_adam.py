@@ -23,6 +23,7 @@ class CPUAdam(torch.optim.Optimizer):
             memory and of traffic less per step, at the accuracy bound stated in `zero_offload.optim.fused_adam`.
         num_threads: the kernel's thread count on every step (default: ``torch.get_num_threads()`` at each
             step); the engine gives `zero_offload.offload.host_cores`' share.
+        chunk_size: elements per ``on_chunk`` call (default: `fused_adam_step`'s).
 
     Raises:
         ValueError: a hyper-parameter out of range, or a parameter that is not an fp32 CPU tensor.
@@ -41,6 +42,7 @@ class CPUAdam(torch.optim.Optimizer):
         bias_correction: bool = True,
         state_dtype: torch.dtype = torch.float32,
         num_threads: int | None = None,
+        chunk_size: int | None = None,
     ):
         if lr < 0.0:
             raise ValueError(f"CPUAdam: lr must be >= 0, got {lr}")
@@ -52,7 +54,7 @@ class CPUAdam(torch.optim.Optimizer):
             raise ValueError(f"CPUAdam: weight_decay must be >= 0, got {weight_decay}")
         if state_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"CPUAdam: state_dtype must be torch.float32 or torch.bfloat16, got {state_dtype}")
-        self.state_dtype, self.num_threads = state_dtype, num_threads
+        self.state_dtype, self.num_threads, self.chunk_size = state_dtype, num_threads, chunk_size
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         adamw_mode=adamw_mode, bias_correction=bias_correction)
         super().__init__(params, defaults)
@@ -114,6 +116,6 @@ class CPUAdam(torch.optim.Optimizer):
                     bias_correction=group["bias_correction"], grad_scale=grad_scale,
                     out=None if out is None else out.view(-1),
                     on_chunk=None if on_chunk is None else (lambda lo, hi, gi=gi, pi=pi: on_chunk(gi, pi, lo, hi)),
-                    num_threads=self.num_threads,
+                    num_threads=self.num_threads, chunk_size=self.chunk_size if on_chunk is not None else None,
                 )
         return loss

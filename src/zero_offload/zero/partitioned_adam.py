@@ -19,7 +19,11 @@ from zero_offload.optim.cpu_adam import CPUAdam
 from zero_offload.state import WholeGroupState, fill_from_chunks
 from zero_offload.zero.grad_partition import GradSource
 
-__all__ = ["PartitionedAdam", "host_state_dtype"]
+__all__ = ["PartitionedAdam", "host_state_dtype", "COPY_CHUNK"]
+
+# Elements per copy up of updated parameters: 16M (32 MB in 16 bits), ~640 copies and events at 10B parameters
+# where 2M made ~4,900 (issue 27), and small enough that the first copy starts within milliseconds of the step.
+COPY_CHUNK = 1 << 24
 
 
 def host_state_dtype(config) -> torch.dtype:
@@ -75,9 +79,9 @@ class PartitionedAdam(WholeGroupState):
         self.masters: list[torch.Tensor] = []
         self.outs: list[torch.Tensor | None] = []
         self.in_flight: list[CopyHandle] = []     # copies up still reading ``masters`` (fp32 runs)
-        self.ring: StagingRing | None = None      # 16-bit parameters headed to the device pass through it
-        # Deferred, 16-bit device parts: where the host step wrote each group's parameters (`_deferred_out`),
-        # and the copy up that `publish` queued from there.
+        self.ring: StagingRing | None = None      # made on first use (`_ring`): fp32 gradients, 16-bit parts
+        # 16-bit device parts: where the host step wrote each group's parameters (over the gradient, or a pinned
+        # buffer: `_out_over_grad`, `_deferred_out`), and the last copy up queued from there.
         self.published_from: list[torch.Tensor | None] = [None] * len(parts)
         self.publish_copies: list[CopyHandle | None] = [None] * len(parts)
         for part in parts:
@@ -96,11 +100,10 @@ class PartitionedAdam(WholeGroupState):
                 master, out = part.float(), (part if self.on_host else None)
             self.masters.append(master)
             self.outs.append(out)
-        if offload and not host_params and not deferred and parts[0].dtype != torch.float32:
-            self.ring = StagingRing(copies, parts[0].dtype, max(p.numel() for p in parts))
         groups = [{"params": [m], **h} for m, h in zip(self.masters, hparams)]
         if self.on_host:
-            self.optimizer = CPUAdam(groups, state_dtype=state_dtype, num_threads=host_threads)
+            self.optimizer = CPUAdam(groups, state_dtype=state_dtype, num_threads=host_threads,
+                                     chunk_size=COPY_CHUNK)
         else:
             for g in groups:
                 if not g.pop("bias_correction"):
@@ -148,17 +151,38 @@ class PartitionedAdam(WholeGroupState):
                 self.parts[g].copy_(self.masters[g])
 
     def _copy_up(self, g: int, lo: int, hi: int) -> None:
-        if self.ring is not None:
-            self.in_flight.append(self.ring.copy_up(self.parts[g][lo:hi], self.masters[g][lo:hi]))
+        """Queue the copy up of group ``g``'s updated elements [lo, hi): from where the kernel wrote them in 16
+        bits (over the gradient), else rounded from the masters through the ring, else the fp32 masters."""
+        source, part = self.published_from[g], self.parts[g]
+        if source is not None:
+            self.publish_copies[g] = self.copies.to_device(part[lo:hi], source[lo:hi])
+            self.in_flight.append(self.publish_copies[g])
+        elif part.dtype != torch.float32:
+            self.in_flight.append(self._ring().copy_up(part[lo:hi], self.masters[g][lo:hi]))
         else:
-            self.in_flight.append(self.copies.to_device(self.parts[g][lo:hi], self.masters[g][lo:hi]))
+            self.in_flight.append(self.copies.to_device(part[lo:hi], self.masters[g][lo:hi]))
+
+    def _ring(self) -> StagingRing:
+        if self.ring is None:
+            self.ring = StagingRing(self.copies, self.parts[0].dtype, max(p.numel() for p in self.parts))
+        return self.ring
 
     def _wait_copies_up(self) -> None:
-        """The copies up of the previous step must have read the masters before the kernel rewrites them;
-        the compute stream then waits for the new ones only (never for a whole stream)."""
-        for h in self.in_flight:
-            h.synchronize()
+        """The copies up of the previous step must have read their sources before the kernel rewrites them;
+        the compute stream then waits for the new ones only (never for a whole stream). The copies share one
+        stream and finish in order: one host wait, on the last."""
+        if self.in_flight:
+            self.in_flight[-1].synchronize()
         self.in_flight = []
+
+    def _out_over_grad(self, g: int, grad: torch.Tensor) -> torch.Tensor | None:
+        """Where the host step writes group ``g``'s 16-bit parameters headed for the device: over the gradient it
+        reads, when the gradient has the parameters' dtype (one micro-step per step, or stage 1), and each chunk
+        is copied up from there (DeepSpeed's step-plus-copy, without a pass that re-reads the fp32 master to
+        round it). Otherwise None: the chunks go up through the ring."""
+        part = self.parts[g]
+        self.published_from[g] = grad if part.dtype != torch.float32 and grad.dtype == part.dtype else None
+        return self.published_from[g]
 
     def _host_step(self, grads: list[torch.Tensor], grad_scale: float, lrs) -> None:
         start = time.perf_counter()
@@ -169,8 +193,11 @@ class PartitionedAdam(WholeGroupState):
             # (ZeRO-Offload paper, Sec. 4.2's pipelining of the parameter swap-in with the CPU step).
             on_chunk = lambda g, _param, lo, hi: self._copy_up(g, lo, hi)  # noqa: E731
         outs = self.outs
+        self.publish_copies = [None] * len(self.parts)
         if self.deferred and self.offload and not self.host_params:
             outs = [self._deferred_out(g, grad) for g, grad in enumerate(grads)]
+        elif on_chunk is not None:
+            outs = [self._out_over_grad(g, grad) for g, grad in enumerate(grads)]
         with record_function("zero_offload.optimizer.host_step"):
             self.optimizer.step(grads=[[g] for g in grads], grad_scale=grad_scale,
                                 outputs=[[o] for o in outs], on_chunk=on_chunk, lrs=lrs)

@@ -53,7 +53,7 @@ def _train_one_step(model, cfg):
     return engine
 
 
-REDUCE_GROUP_BYTES = 1 << 20     # at most, measured 0.6 MiB (`DistContext.for_reductions`)
+REDUCE_GROUP_BYTES = 1 << 20     # an upper bound; measured up to 0.6 MiB (`DistContext.for_reductions`)
 
 
 def _measure(world_size: int) -> list[tuple]:
@@ -104,10 +104,10 @@ def _check(results, world_size: int = 1):
         for kind in set(est) | set(measured):
             assert abs(est.get(kind, 0) - measured.get(kind, 0)) <= 0.02 * total_meas, (name, case, kind, est,
                                                                                            measured)
-        # Stage 3 at two ranks reduce-scatters on a gloo group of its own: its buffers (~0.6 MiB) are not a model
-        # state, and the estimate does not count communicators.
+        # Stage 3 at two ranks reduce-scatters on a gloo group of its own: its buffers (0 to ~0.6 MiB as measured,
+        # some allocated lazily) are not a model state, and the estimate does not count communicators.
         group = REDUCE_GROUP_BYTES if case[0] == 3 and world_size > 1 else 0
-        assert abs(rss - group - in_memory) <= 0.10 * in_memory, (name, case, rss, in_memory)
+        assert -0.10 * in_memory <= rss - in_memory <= 0.10 * in_memory + group, (name, case, rss, in_memory)
 
 
 def _in_fresh_process(world_size: int) -> list:

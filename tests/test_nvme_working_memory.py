@@ -14,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 DIM, LAYERS = 3536, 12                 # 12 x (3536^2 + 3536) = 150.1M parameters
 SLACK = 32 * 2**20                     # allocator rounding, thread stacks and arenas, interpreter objects
@@ -21,13 +22,9 @@ SLACK = 32 * 2**20                     # allocator rounding, thread stacks and a
 SCRIPT = textwrap.dedent(r"""
     import json, sys
     import torch
+    sys.path.insert(0, sys.argv[4])
     import zero_offload
-
-    def rss_anon():
-        with open('/proc/self/status') as f:
-            for line in f:
-                if line.startswith('RssAnon:'):
-                    return int(line.split()[1]) * 1024
+    from memory_probe import rss_anon
 
     class MLP(torch.nn.Module):
         def __init__(self, d, n):
@@ -70,7 +67,8 @@ def rss_anon(pid: int) -> int:
 
 
 def test_nvme_working_memory_is_the_buffers_in_flight(tmp_path):
-    proc = subprocess.Popen([sys.executable, "-c", SCRIPT, str(DIM), str(LAYERS), str(tmp_path)],
+    tests = str(Path(__file__).resolve().parent)
+    proc = subprocess.Popen([sys.executable, "-c", SCRIPT, str(DIM), str(LAYERS), str(tmp_path), tests],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     baseline = json.loads(proc.stdout.readline())["baseline"]
     proc.stdin.write("go\n")

@@ -67,7 +67,8 @@ class Engine:
             (how long the device waited on the host step or the delayed update). Where the step runs on the
             host: ``host_step_s``, the last host step's own duration on the thread that ran it (under the delayed
             update, the step that finished at this boundary), and ``host_step_threads``, the kernel's thread
-            count (``offload_optimizer.cpuadam_cores_perc`` of the cores). Reading them after a step
+            count (every core; under the delayed update ``offload_optimizer.cpuadam_cores_perc`` of them).
+            Reading them after a step
             waits for that step's last event (`zero_offload.step_timer`); DeepSpeed's ``wall_clock_breakdown``
             synchronises at every phase instead.
         stats: `zero_offload.stats.StepStats` of the last optimizer step (gathers, reductions, bytes copied

@@ -84,10 +84,11 @@ class OffloadOptimizerConfig(OffloadConfig):
                                   "the ones in flight, 1 + pipeline_read + pipeline_write, so host memory for "
                                   "optimizer state is that many x 12 bytes x sub_group_size. Needs at least "
                                   "1 + pipeline_read + pipeline_write.", min=0)
-    cpuadam_cores_perc: float = option(0.8, "The share of this process's cores the host optimizer step runs on "
-                                            "(its kernel's thread count, at least 1; the delayed update's thread "
-                                            "is pinned to them); the rest feed the device. DeepSpeed's key and "
-                                            "default.", min=0.0, max=1.0)
+    cpuadam_cores_perc: float = option(0.8, "The share of this process's cores a host optimizer step running "
+                                            "beside training (the delayed update) uses: its kernel's thread "
+                                            "count (at least 1) and the cores its thread is pinned to; the rest "
+                                            "feed the device. A synchronous step uses every core. DeepSpeed's "
+                                            "key and default.", min=0.0, max=1.0)
     pipeline_read: bool = option(False, "NVMe: read sub-group i+1 while sub-group i is stepped.")
     pipeline_write: bool = option(False, "NVMe: write sub-group i-1 while sub-group i is stepped.")
     fast_init: bool = option(False, "NVMe: accepted (DeepSpeed's switch); initialisation always writes only "

@@ -15,7 +15,6 @@ from zero_offload.config import Config, ConfigError
 from zero_offload.nvme.adam import KINDS, NvmeAdam, swap_directory
 from zero_offload.nvme.param_store import PARAM_SUFFIX, NvmeParamStore
 from zero_offload.offload.copies import CopyEngine
-from zero_offload.offload.host_cores import host_step_cores
 
 __all__ = ["check_swap_directory", "build_nvme_adam", "build_param_store"]
 
@@ -70,8 +69,7 @@ def build_nvme_adam(parts: list[torch.Tensor], hparams: list[dict], copies: Copy
     directory = check_swap_directory(oo.nvme_path, rank, need, reclaimable=tuple(f".{k}.swp" for k in KINDS))
     return NvmeAdam(parts, hparams, copies, directory, zc.sub_group_size, oo.buffer_count, oo.pipeline_read,
                     oo.pipeline_write, block_size=config.aio.block_size, thread_count=config.aio.threads,
-                    queue_depth=config.aio.queue_depth, param_io=param_io,
-                    host_threads=len(host_step_cores(oo.cpuadam_cores_perc)))
+                    queue_depth=config.aio.queue_depth, param_io=param_io)
 
 
 def build_param_store(units: list, numels: list[int], dtype: torch.dtype, config: Config, rank: int) -> NvmeParamStore:

@@ -3,10 +3,12 @@ key, default 0.8) of the cores this process may use go to the host step, the res
 feeds the device (issue 27: the kernel took every core beside the training thread, the staging thread and the
 delayed update's thread, and they competed).
 
-The split is made once, at ``initialize``: the fused kernel runs with that many OpenMP threads on every step, and
-the delayed update's persistent host-step thread is pinned to those cores where the OS allows
-(``os.sched_setaffinity`` on Linux; elsewhere only the thread count applies). Its OpenMP team, created by that
-thread, inherits the pinning. The training thread is left where the user put it. DeepSpeed applies the key to
+The split is made once, at ``initialize``, for a host step that runs beside the training thread (the delayed
+update): its kernel runs with that many OpenMP threads on every step, and its persistent host-step thread is
+pinned to those cores where the OS allows (``os.sched_setaffinity`` on Linux; elsewhere only the thread count
+applies). Its OpenMP team, created by that thread, inherits the pinning. A synchronous host step keeps every
+core (``torch.get_num_threads()``): the training thread only waits for it (on 2 cores a 0.8 share is 1 thread,
+which made the synchronous step slower). The training thread is left where the user put it. DeepSpeed applies the key to
 SuperOffload's CPU Adam process only; here it sizes every host step.
 """
 from __future__ import annotations

@@ -93,7 +93,10 @@ def _in_memory(config: Config, parts: list[torch.Tensor], hparams: list[dict], o
     opt = config.optimizer
     deferred = config.zero_optimization.offload_optimizer.delayed_param_update
     if opt.torch_kwargs is None and not opt.params.amsgrad:
-        threads = len(host_step_cores(config.zero_optimization.offload_optimizer.cpuadam_cores_perc))
+        # A step beside the training thread (the delayed update) gets its share of the cores; a synchronous one
+        # every core, the training thread waiting for it.
+        threads = (len(host_step_cores(config.zero_optimization.offload_optimizer.cpuadam_cores_perc))
+                   if deferred else None)
         return PartitionedAdam(parts, hparams, offload, copies, host_params=host_params, deferred=deferred,
                                state_dtype=host_state_dtype(config), host_threads=threads)
     if deferred:

@@ -30,7 +30,10 @@ RANK = textwrap.dedent("""
             engine.step()
     except CollectiveTimeoutError as e:
         print("TIMEOUT", e, flush=True)
-        sys.exit(3)
+        # The subject here is the error; leave at once. A rank leaving through the interpreter's exit while its
+        # peer is stalled (SIGSTOP, its sockets held) aborts 1 run in ~10 with "terminate called without an
+        # active exception", on the session-start code as now: an open bug (issue 26's note), not this test's.
+        os._exit(3)
     print("FINISHED", flush=True)
 """)
 

@@ -59,9 +59,10 @@ class PartitionedAdam(WholeGroupState):
             (the LR schedule writes into them).
         masters: per group, the fp32 master partition, shape (partition numel,).
         outs: per group, the 16-bit tensor the host kernel writes updated parameters into (the partition
-            itself on a CPU device or for host shards; with the delayed update, a pinned 16-bit copy of a device
-            partition that `publish` copies up), or None: offloaded 16-bit parameters headed for the device
-            are rounded from the masters chunk by chunk into a small pinned `StagingRing`.
+            itself on a CPU device or for host shards; with the delayed update under accumulation, a pinned
+            16-bit buffer that `publish` copies up), or None: offloaded 16-bit parameters headed for the device
+            are written over a 16-bit gradient and copied up from there, or (fp32 gradient) rounded from the
+            masters chunk by chunk into a small pinned `StagingRing`.
 
     Raises:
         ValueError: ``bias_correction = false`` with the states on an accelerator (torch's Adam has no
@@ -91,8 +92,8 @@ class PartitionedAdam(WholeGroupState):
                 master = (copies.host_empty(part.numel(), torch.float32) if not sixteen_bit
                           else torch.empty(part.numel(), dtype=torch.float32)).copy_(part)
                 # 16-bit parameter partitions offloaded too (stage 3): the kernel writes straight into
-                # them (unless deferred); device partitions are filled through the staging ring, or with the
-                # delayed update from a pinned 16-bit copy the kernel writes (`publish` only copies it up).
+                # them (unless deferred); device partitions are copied up from where the kernel writes them
+                # (`_out_over_grad`, `_deferred_out`).
                 out = part if (sixteen_bit and host_params and not deferred) else None
             elif not sixteen_bit:
                 master, out = part, None     # fp32 where the step runs: the parameters are their own master
@@ -212,11 +213,7 @@ class PartitionedAdam(WholeGroupState):
         parameters a 20 GB pinned buffer less; issue 27). Under accumulation (fp32 gradient) a pinned 16-bit
         buffer, made on first use. fp32 parameters are published from the masters: None."""
         part = self.parts[g]
-        if part.dtype == torch.float32:
-            return None
-        if grad.dtype == part.dtype:
-            self.published_from[g] = grad
-        else:
+        if self._out_over_grad(g, grad) is None and part.dtype != torch.float32:
             if self.outs[g] is None:
                 self.outs[g] = self.copies.host_empty(part.numel(), part.dtype)
             self.published_from[g] = self.outs[g]

@@ -57,35 +57,70 @@ def _merge(intervals):
     return out
 
 
-def copy_compute_overlap(events: list[dict]) -> tuple[float | None, float]:
-    """(overlapping share, copy seconds) of the memcpy events of a chrome trace's ``traceEvents`` against its
-    kernel events (``ts``/``dur`` in microseconds): the share is None when there is no copy."""
-    kernels = _merge((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "kernel")
-    copies = [(e["ts"], e["ts"] + e["dur"]) for e in events
-              if e.get("cat") == "gpu_memcpy" and ("DtoH" in e.get("name", "") or "HtoD" in e.get("name", ""))]
-    total = sum(hi - lo for lo, hi in copies)
-    if total <= 0:
-        return None, 0.0
+def _union_s(intervals) -> float:
+    return sum(hi - lo for lo, hi in _merge(intervals)) / 1e6
+
+
+def _overlap(spans, kernels) -> float:
+    """Microseconds of ``spans`` (sorted or not) inside the merged ``kernels`` intervals."""
     hidden = 0.0
-    for lo, hi in copies:
+    for lo, hi in spans:
         for klo, khi in kernels:
             if khi <= lo:
                 continue
             if klo >= hi:
                 break
             hidden += min(hi, khi) - max(lo, klo)
-    return hidden / total, total / 1e6
+    return hidden
 
 
-def trace_figures(events: list[dict], steps: int, own_syncs: int = 0) -> dict:
-    """Host syncs per step and the copy overlap of a chrome trace (see the module docstring); ``own_syncs``:
-    synchronisations the measurement itself made inside the trace (not counted)."""
-    names = [e.get("name", "") for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")]
-    syncs = max(0, sum(n in SYNC_NAMES for n in names) - own_syncs)
+def copy_compute_overlap(events: list[dict]) -> tuple[float | None, float]:
+    """(overlapping share, copy seconds) of the memcpy events of a chrome trace's ``traceEvents`` against its
+    kernel events (``ts``/``dur`` in microseconds): the share is None when there is no copy."""
+    figures = copy_directions(events)
+    total = sum(d["s"] for d in figures.values())
+    if total <= 0:
+        return None, 0.0
+    return sum(d["s"] * (d["overlap"] or 0.0) for d in figures.values()) / total, total
+
+
+def copy_directions(events: list[dict]) -> dict:
+    """Per direction (``h2d``, ``d2h``) of the trace's memcpy events: seconds, bytes, achieved bytes/s while
+    copying, and the share of the copy time that overlaps kernels (None without copies)."""
+    kernels = _merge((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "kernel")
+    out = {}
+    for key, tag in (("h2d", "HtoD"), ("d2h", "DtoH")):
+        mine = [e for e in events if e.get("cat") == "gpu_memcpy" and tag in e.get("name", "")]
+        spans = [(e["ts"], e["ts"] + e["dur"]) for e in mine]
+        us = sum(hi - lo for lo, hi in spans)
+        nbytes = sum(int((e.get("args") or {}).get("bytes", 0)) for e in mine)
+        out[key] = {"s": us / 1e6, "bytes": nbytes, "count": len(mine),
+                    "bytes_per_s": nbytes / (us / 1e6) if us > 0 else None,
+                    "overlap": _overlap(spans, kernels) / us if us > 0 else None}
+    return out
+
+
+def trace_figures(events: list[dict], steps: int, own_syncs: int = 0, wall_s: float | None = None) -> dict:
+    """Host syncs per step (count and summed seconds), copies per direction, device-idle share and the copy
+    overlap of a chrome trace (see the module docstring); ``own_syncs``: synchronisations the measurement itself
+    made inside the trace (not counted); ``wall_s``: the traced steps' wall-clock seconds (for the idle share)."""
+    runtime = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")]
+    syncs = [e for e in runtime if e.get("name", "") in SYNC_NAMES]
+    event_syncs = [e for e in runtime if e.get("name", "") == "cudaEventSynchronize"]
+    steps = max(steps, 1)
+    # The closing synchronisation is the trace's last one: its time is the measurement's, not the step's.
+    own = sorted(syncs, key=lambda e: e["ts"])[-own_syncs:] if own_syncs else []
+    sync_s = (sum(e.get("dur", 0) for e in syncs) - sum(e.get("dur", 0) for e in own)) / 1e6
     share, copy_s = copy_compute_overlap(events)
-    return {"host_syncs_per_step": syncs / max(steps, 1),
-            "event_syncs_per_step": names.count("cudaEventSynchronize") / max(steps, 1),
-            "copy_overlap": share, "copy_s_per_step": copy_s / max(steps, 1)}
+    kernel_s = _union_s((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "kernel")
+    return {"host_syncs_per_step": max(0, len(syncs) - own_syncs) / steps, "host_sync_s_per_step": sync_s / steps,
+            "event_syncs_per_step": len(event_syncs) / steps,
+            "event_sync_s_per_step": sum(e.get("dur", 0) for e in event_syncs) / 1e6 / steps,
+            "copy_overlap": share, "copy_s_per_step": copy_s / steps,
+            "copies": {k: {**v, "s": v["s"] / steps, "bytes": v["bytes"] / steps}
+                       for k, v in copy_directions(events).items()},
+            "kernel_s_per_step": kernel_s / steps,
+            "device_idle_share": (1 - kernel_s / wall_s) if wall_s and kernel_s else None}
 
 
 def profile_steps(one_step, device, steps: int = 1) -> dict:
@@ -94,16 +129,20 @@ def profile_steps(one_step, device, steps: int = 1) -> dict:
     torch = _torch()
     from torch.profiler import ProfilerActivity, profile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    _sync(device)
     with profile(activities=activities) as prof:
+        start = time.perf_counter()
         for _ in range(steps):
             one_step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)     # so the trace holds the step's kernels: not one of its syncs
+        wall = time.perf_counter() - start
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(path))
         events = json.loads(path.read_text()).get("traceEvents", [])
-    return trace_figures(events, steps, own_syncs=int(device.type == "cuda"))
+    return {**trace_figures(events, steps, own_syncs=int(device.type == "cuda"), wall_s=wall),
+            "profiled_step_s": wall / steps}
 
 
 def _sync(device):
@@ -189,6 +228,7 @@ def build_model(cfg, device, dtype, sharded: bool):
 
 
 def batches(vocab: int, micro: int, seq: int, device, n: int):
+    """``n`` distinct (input, target) micro-batches of ``micro`` x ``seq`` random tokens on ``device``."""
     torch = _torch()
     g = torch.Generator().manual_seed(0)
     out = []
@@ -199,18 +239,19 @@ def batches(vocab: int, micro: int, seq: int, device, n: int):
 
 
 def run_engine(cfg_model, config: dict, device, steps: int, split_steps: int, sharded: bool,
-               profile: bool = True) -> dict:
+               profile: bool = True, distinct: int = 64) -> dict:
     """Train with the engine: tokens/s over ``steps`` timed steps (after 2 warm-up steps), `engine.timings`
-    averaged over ``split_steps`` more, one profiled step, and the memory figures; the engine is freed."""
+    averaged over ``split_steps`` more, one profiled step, and the memory figures; every micro-step gets its own
+    batch (up to ``distinct`` of them); the engine is freed."""
     rss = RssPeak()
     try:
-        return _run_engine(cfg_model, config, device, steps, split_steps, sharded, profile, rss)
+        return _run_engine(cfg_model, config, device, steps, split_steps, sharded, profile, rss, distinct)
     finally:
         rss.stop()          # also when the run fails (out of memory: the caller retries smaller)
 
 
 def _run_engine(cfg_model, config: dict, device, steps: int, split_steps: int, sharded: bool, profile: bool,
-                rss: RssPeak) -> dict:
+                rss: RssPeak, distinct: int) -> dict:
     import zero_offload
     from zero_offload.estimate import estimate_memory
     from zero_offload.train.model import flops_per_token
@@ -219,12 +260,13 @@ def _run_engine(cfg_model, config: dict, device, steps: int, split_steps: int, s
     model = build_model(cfg_model, device, torch.bfloat16, sharded)
     engine = zero_offload.initialize(model, config)
     micro, gas, seq = engine.train_micro_batch_size_per_gpu, engine.gradient_accumulation_steps, cfg_model.block_size
-    data = batches(cfg_model.vocab_size, micro, seq, device, 4)
-    losses = []
+    total = (2 + steps + split_steps + int(profile)) * gas
+    data = batches(cfg_model.vocab_size, micro, seq, device, min(total, distinct))   # one batch per micro-step
+    losses, turn = [], iter(range(10**9))
 
     def one_step():
-        for k in range(gas):
-            x, y = data[k % len(data)]
+        for _ in range(gas):
+            x, y = data[next(turn) % len(data)]
             _, loss = engine(x, y)
             engine.backward(loss)
         engine.step()
@@ -245,7 +287,8 @@ def _run_engine(cfg_model, config: dict, device, steps: int, split_steps: int, s
     n_params = sum(u.numel for u in engine.zero.units) if sharded else sum(p.numel() for p in model.parameters())
     peak = _peak(device)
     result = {"tokens_per_s": micro * gas * seq * steps / elapsed, "step_s": elapsed / steps,
-              "losses": [float(x) for x in losses[-steps:]], "micro_batch": micro, "gradient_accumulation": gas,
+              "losses": [float(x) for x in losses[-steps:]], "losses_all_steps": [float(x) for x in losses],
+              "host_threads": _thread_report(), "micro_batch": micro, "gradient_accumulation": gas,
               "peak_device_bytes": peak, "resident_device_bytes": resident, "estimate_device_bytes": estimate,
               "estimate_over_peak": estimate / peak if peak else None, "peak_reserved_bytes": _peak_reserved(device),
               "peak_rss_bytes": rss.stop(),
@@ -257,6 +300,15 @@ def _run_engine(cfg_model, config: dict, device, steps: int, split_steps: int, s
     del engine, model, data, losses
     free()
     return result
+
+
+def _thread_report() -> dict:
+    """This process's cores, the torch thread count and the host-step cores the default split gives."""
+    torch = _torch()
+    from zero_offload.offload.host_cores import available_cores, host_step_cores
+    cores = available_cores()
+    return {"available_cores": len(cores), "torch_threads": torch.get_num_threads(),
+            "host_step_cores_default": len(host_step_cores(0.8, cores))}
 
 
 def run_plain(cfg_model, device, micro: int, steps: int, profile: bool = True) -> dict:

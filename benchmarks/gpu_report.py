@@ -1,9 +1,11 @@
 """The markdown tables of `gpu_validate.py`'s report (``gpu_validate.md``)."""
 from __future__ import annotations
 
+import json
+
 __all__ = ["markdown"]
 
-SECTIONS = ("cuda_tests", "sanitizer", "gpt2", "largest", "gpt2_10b", "two_gpus")
+SECTIONS = ("calibrate", "cuda_tests", "sanitizer", "gpt2", "gpt2_10b", "gpt2_10b_dpu", "largest", "two_gpus")
 
 
 def _gib(n) -> str:
@@ -38,6 +40,41 @@ def _run_row(key: str, r: dict) -> str:
             f"{_num(r.get('copy_overlap'))} |")
 
 
+COPY_HEAD = ("| run | host syncs / step (s) | event syncs / step (s) | device idle | H2D s, GB/s, overlap "
+             "| D2H s, GB/s, overlap | host step s (threads) | cores (torch threads) |")
+
+
+def _copy(c: dict | None) -> str:
+    if not c or not c.get("count"):
+        return "-"
+    rate = c.get("bytes_per_s")
+    return f"{c['s']:.3f}, {_num(rate / 1e9 if rate else None, '.1f')}, {_num(c.get('overlap'))}"
+
+
+def _copy_row(key: str, r: dict) -> str:
+    """Where a step's time goes beyond compute: syncs, idle device, copies each way, the host step."""
+    t, c, h = r.get("timings") or {}, r.get("copies") or {}, r.get("host_threads") or {}
+    return (f"| {key} | {_num(r.get('host_syncs_per_step'), '.0f')} ({_num(r.get('host_sync_s_per_step'), '.3f')}) | "
+            f"{_num(r.get('event_syncs_per_step'), '.0f')} ({_num(r.get('event_sync_s_per_step'), '.3f')}) | "
+            f"{_num(r.get('device_idle_share'))} | {_copy(c.get('h2d'))} | {_copy(c.get('d2h'))} | "
+            f"{_num(t.get('host_step_s'), '.3f')} ({_num(t.get('host_step_threads'), '.0f')}) | "
+            f"{h.get('available_cores', '-')} ({h.get('torch_threads', '-')}) |")
+
+
+def _ten_b(name: str, big: dict) -> list[str]:
+    p, dpu = big["predicted"], big["config"]["zero_optimization"]["offload_optimizer"]["delayed_param_update"]
+    return ["", f"## {name}: 10B GPT-2, pinned config (micro-batch {big['micro_batch']}, accumulation "
+                f"{big['gradient_accumulation']}, DPU {dpu})", "",
+            f"{big['params'] / 1e9:.2f} B params; {big['tflops']:.1f} TFLOP/s; MFU {big['mfu']:.3f}; "
+            f"{big['step_s']:.2f} s per step (the step model predicts {_num(p.get('step_s'))} s, exposed share "
+            f"{_num(p.get('exposed_share'))}; planner on 80 GB: fits {p.get('fits')}); peak device "
+            f"{_gib(big['peak_device_bytes'])} GiB (estimate / peak {_num(big.get('estimate_over_peak'))}); peak "
+            f"host RSS {_gib(big['peak_rss_bytes'])} GiB; host state {big['host_bytes_per_param']:.2f} B/param; "
+            f"losses {', '.join(f'{x:.3f}' for x in big['losses_all_steps'])}", "",
+            RUN_HEAD, "| --- |" + " --- |" * 12, _run_row(name, big), "",
+            COPY_HEAD, "| --- |" + " --- |" * 7, _copy_row(name, big)]
+
+
 def markdown(report: dict) -> str:
     """The report as markdown: sections, then each section's table."""
     lines = [f"# gpu_validate ({report['device_name']}, torch {report['torch']})", "",
@@ -58,6 +95,11 @@ def markdown(report: dict) -> str:
         lines += ["", f"## (c) gpt2, bf16, seq {gpt2['seq_len']}, micro-batch {gpt2['micro_batch']}", "", RUN_HEAD,
                   "| --- |" + " --- |" * 12]
         lines += [_run_row(key, r) for key, r in gpt2["runs"].items()]
+        lines += ["", COPY_HEAD, "| --- |" + " --- |" * 7] + [_copy_row(k, r) for k, r in gpt2["runs"].items()]
+    cal = sections.get("calibrate", {})
+    if cal.get("constants"):
+        lines += ["", "## calibration (zero-offload calibrate)", "", "```", json.dumps(cal["constants"], indent=1),
+                  json.dumps(cal.get("measured"), indent=1), "```"]
     largest = sections.get("largest", {})
     if largest.get("attempts"):
         tried = ", ".join(f"{a['layers']} {'ok' if a['ok'] else 'failed'} ({a.get('wall_s', 0):.0f} s)"
@@ -70,17 +112,9 @@ def markdown(report: dict) -> str:
                           f"peak host RSS {_gib(b['peak_rss_bytes'])} GiB, {b['step_s']:.1f} s per step, host syncs "
                           f"per step {_num(b.get('host_syncs_per_step'), '.1f')}, copy overlap "
                           f"{_num(b.get('copy_overlap'))}, native kernel {b.get('native_kernel')}"]
-    big = sections.get("gpt2_10b", {})
-    if big.get("ok"):
-        p = big["plan"]
-        lines += ["", f"## (e) 10B GPT-2 in the plan for this machine: {p['name']} ({p['trained']}; micro-batch "
-                      f"{big['micro_batch']}, accumulation {big['gradient_accumulation']})", "",
-                  f"{big['params'] / 1e9:.2f} B params; {big['tflops']:.1f} TFLOP/s; MFU {big['mfu']:.3f}; "
-                  f"{big['step_s']:.2f} s per step (predicted {_num(p.get('predicted_step_s'))}, exposed share "
-                  f"predicted {_num(p.get('predicted_exposed_share'))}); peak device {_gib(big['peak_device_bytes'])} "
-                  f"GiB (estimate / peak {_num(big.get('estimate_over_peak'))}); peak host RSS "
-                  f"{_gib(big['peak_rss_bytes'])} GiB; host state {big['host_bytes_per_param']:.2f} B/param", "",
-                  RUN_HEAD, "| --- |" + " --- |" * 12, _run_row("plan", big)]
+    for name in ("gpt2_10b", "gpt2_10b_dpu"):
+        if sections.get(name, {}).get("ok"):
+            lines += _ten_b(name, sections[name])
     two = sections.get("two_gpus", {})
     if two.get("ranks"):
         lines += ["", "## (f) two GPUs, NCCL-only group, init_sharded, stage 3", ""]

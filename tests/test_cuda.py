@@ -53,8 +53,10 @@ def test_pinned_partition_bytes_match_the_arithmetic():
     engine = zero_offload.initialize(make_model(), cfg)
     flat = engine.zero.flats[0]
     part = flat.partition_numel
-    # pinned: bf16 gradient partition + bf16 parameter staging; the fp32 master is not copied: not pinned
-    expected = part * 2 + part * 2
+    # pinned: the bf16 gradient partition only. At accumulation 1 the host step writes the 16-bit parameters over
+    # the gradient it has read and they go up from there (issue 27): no parameter staging; the fp32 master is not
+    # copied: not pinned
+    expected = part * 2
     got = pinned_bytes() - before
     assert abs(got - expected) <= 0.01 * expected, (got, expected)
     assert is_page_locked(engine.zero.partitions[0].buffer)

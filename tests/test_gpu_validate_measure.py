@@ -30,6 +30,11 @@ def test_copy_overlap_intersects_copies_with_the_union_of_kernels():
     # the synchronisation that closes the profiled steps is the measurement's own, not the step's
     assert gpu_measure.trace_figures(events, steps=2, own_syncs=1)["host_syncs_per_step"] == 0.5
     assert gpu_measure.copy_compute_overlap([_ev("kernel", "k", 0, 5)]) == (None, 0.0)
+    # per direction: each copy half hidden; summed sync time; kernels cover 25 us of a 100 us step
+    timed = gpu_measure.trace_figures(events, steps=1, wall_s=100e-6)
+    assert timed["copies"]["d2h"]["overlap"] == 0.5 and timed["copies"]["h2d"]["s"] == 10e-6
+    assert timed["host_sync_s_per_step"] == 2e-6 and timed["event_sync_s_per_step"] == 1e-6
+    assert abs(timed["device_idle_share"] - 0.75) < 1e-12
 
 
 def test_the_profiler_path_runs_on_the_cpu():

@@ -1,10 +1,11 @@
-"""`zero-offload` command line: train (the main job), estimate, bench optimizer, consolidate.
+"""`zero-offload` command line: train (the main job), estimate, calibrate, bench optimizer, consolidate.
 
 Only this module imports `train/`; the library never does.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 __all__ = ["main"]
@@ -103,6 +104,17 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["bench"] and len(argv) >= 2 and argv[1] == "optimizer":
         from zero_offload.bench.optimizer import main as bench_optimizer
         return bench_optimizer(argv[2:])
+    cal = sub.add_parser("calibrate", help="measure this machine's rates for the step model (JSON)",
+                         description="Measure the bf16 matmul FLOP/s, pinned host <-> device GB/s each way and "
+                                     "the host Adam kernel's parameters/s, and write them as JSON for `estimate "
+                                     "--calibration` and `zero_offload.plan(calibration=...)`. Without a GPU: the "
+                                     "host side only.")
+    from zero_offload.calibrate import DEFAULT_PATH
+    cal.add_argument("--out", default=str(DEFAULT_PATH), help=f"the JSON file (default {DEFAULT_PATH})")
+    cal.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
+                     help="auto (default): CUDA when present; cpu: the host side only")
+    cal.add_argument("--cores-perc", type=float, default=0.8,
+                     help="share of cores a delayed host step gets (offload_optimizer.cpuadam_cores_perc, 0.8)")
     cons = sub.add_parser("consolidate", help="a sharded checkpoint to one safetensors file",
                           description="Gather the fp32 master weights of a checkpoint, parameter by parameter, "
                                       "into one safetensors file under the model's parameter names.")
@@ -124,6 +136,13 @@ def main(argv: list[str] | None = None) -> int:
         if ns.command == "estimate":
             from zero_offload.estimate.table import run_estimate
             return run_estimate(ns)
+        if ns.command == "calibrate":
+            from zero_offload.calibrate import measure, write
+            result = measure(ns.device, ns.cores_perc)
+            path = write(result, ns.out)
+            print(json.dumps(result["constants"], indent=1))
+            print(f"wrote {path}")
+            return 0
         if ns.command == "consolidate":
             from zero_offload.checkpoint.consolidate import export_safetensors
             path = export_safetensors(ns.dir, ns.out, ns.tag, ns.dtype)

@@ -1,0 +1,179 @@
+"""Measured hardware constants for the step model: ``zero-offload calibrate --out FILE`` (issue 27, item 6).
+
+The planner's step model (`zero_offload.estimate.throughput`) needs four rates. Built in, they are assumptions
+(docs/estimate.md); this module measures them on the machine at hand and writes them as JSON:
+
+- ``matmul_bf16_flops``: FLOP/s of a square bf16 matmul (8192, 2 x n^3 FLOPs each) on the accelerator, the
+  device's peak as a training step can reach it (MFU's denominator);
+- ``h2d_bytes_per_s`` and ``d2h_bytes_per_s``: bytes/s of one copy of 512 MiB between pinned host memory and the
+  device, each direction, on a side stream (as the engine's copies run);
+- ``host_adam_params_per_s``: parameters/s of the fused host Adam kernel (`zero_offload.optim.fused_adam`) at
+  the planner's layout (fp32 master and moments, bf16 gradient and bf16 output: 28 bytes per parameter), with
+  the thread count a delayed host step gets (``offload_optimizer.cpuadam_cores_perc`` of the cores,
+  `zero_offload.offload.host_cores`) and with every core (the synchronous step); the bf16-moment layout
+  (20 bytes per parameter) beside it.
+
+Without an accelerator only the host side is measured; the device figures are ``None``. Each rate is the best of
+a few repetitions after a warm-up (the machine's sustainable rate, not its average under other load).
+
+File format (``version`` 1)::
+
+    {"version": 1, "created": "<ISO time>", "machine": {"host_cores": 16, "device": "NVIDIA H100 ..."},
+     "constants": {"matmul_bf16_flops": ..., "h2d_bytes_per_s": ..., "d2h_bytes_per_s": ...,
+                   "host_adam_params_per_s": ..., "host_adam_threads": 12},
+     "measured": {...every figure, per thread count and layout...}}
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+__all__ = ["measure", "write", "load", "DEFAULT_PATH", "CalibrationError"]
+
+VERSION = 1
+# Where `zero_offload.plan` and `zero-offload estimate` look when no file is named (docs/estimate.md).
+DEFAULT_PATH = Path(os.environ.get("ZERO_OFFLOAD_CALIBRATION",
+                                   Path.home() / ".cache" / "zero_offload" / "calibration.json"))
+
+
+class CalibrationError(ValueError):
+    """A calibration file that cannot be used; the message names the file and the key at fault."""
+
+
+def _best_rate(work: float, run, reps: int, sync=lambda: None) -> float:
+    """``work`` per second of the fastest of ``reps`` timed calls of ``run`` (after one warm-up call)."""
+    run()
+    sync()
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        run()
+        sync()
+        best = min(best, time.perf_counter() - start)
+    return work / best
+
+
+def measure_matmul(device, n: int = 8192, reps: int = 20) -> float:
+    """FLOP/s of an ``n x n`` bf16 matmul on ``device`` (a CUDA device)."""
+    import torch
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+
+    def run():
+        for _ in range(5):
+            a @ b
+    return _best_rate(5 * 2 * n ** 3, run, reps, lambda: torch.cuda.synchronize(device))
+
+
+def measure_copies(device, nbytes: int = 512 << 20, reps: int = 8) -> dict:
+    """Bytes/s of pinned host -> device and device -> host copies of ``nbytes`` on a side stream."""
+    import torch
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    stream = torch.cuda.Stream(device)
+
+    def copy(dst, src):
+        def run():
+            with torch.cuda.stream(stream):
+                dst.copy_(src, non_blocking=True)
+            stream.synchronize()
+        return run
+    return {"h2d_bytes_per_s": _best_rate(nbytes, copy(dev, host), reps),
+            "d2h_bytes_per_s": _best_rate(nbytes, copy(host, dev), reps)}
+
+
+def measure_host_adam(threads: int, moments: str = "fp32", n: int = 1 << 26, reps: int = 5) -> float:
+    """Parameters/s of the fused host Adam kernel over ``n`` elements (bf16 gradient and output) at ``threads``
+    OpenMP threads, with fp32 or bf16 moments."""
+    import torch
+    from zero_offload.optim.fused_adam import fused_adam_step
+    state = torch.float32 if moments == "fp32" else torch.bfloat16
+    master = torch.randn(n)
+    grad = torch.randn(n, dtype=torch.bfloat16)
+    m, v = torch.zeros(n, dtype=state), torch.zeros(n, dtype=state)
+    out = torch.empty(n, dtype=torch.bfloat16)
+    step = iter(range(1, 10**6))
+
+    def run():
+        fused_adam_step(master, grad, m, v, step=next(step), lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8,
+                        weight_decay=0.01, out=out, num_threads=threads)
+    return _best_rate(n, run, reps)
+
+
+def measure(device: str = "auto", cores_perc: float = 0.8, host_elems: int = 1 << 26) -> dict:
+    """Every constant this machine allows (see the module docstring). ``device``: "auto" (CUDA when present),
+    "cuda" or "cpu" (host side only); ``cores_perc``: the share of cores a delayed host step gets.
+
+    Raises:
+        ValueError: ``device="cuda"`` where no CUDA device is visible.
+    """
+    import torch
+    from zero_offload.offload.host_cores import available_cores, host_step_cores
+    from zero_offload.optim.fused_adam import native_available
+    cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        raise ValueError("calibrate --device cuda: no CUDA device is visible")
+    cores = available_cores()
+    step_threads = len(host_step_cores(cores_perc, cores))
+    measured: dict = {"host_adam": {}, "native_kernel": native_available()}
+    for threads in sorted({step_threads, len(cores)}):
+        for moments in ("fp32", "bf16"):
+            measured["host_adam"][f"{moments}_moments_{threads}_threads"] = measure_host_adam(
+                threads, moments, host_elems)
+    constants = {"host_adam_params_per_s": measured["host_adam"][f"fp32_moments_{step_threads}_threads"],
+                 "host_adam_threads": step_threads, "matmul_bf16_flops": None, "h2d_bytes_per_s": None,
+                 "d2h_bytes_per_s": None}
+    name = platform.processor() or platform.machine()
+    if cuda:
+        dev = torch.device("cuda", torch.cuda.current_device())
+        name = torch.cuda.get_device_name(dev)
+        constants["matmul_bf16_flops"] = measure_matmul(dev)
+        constants.update(measure_copies(dev))
+        torch.cuda.empty_cache()
+    return {"version": VERSION, "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+            "machine": {"host_cores": len(cores), "device": name, "torch": torch.__version__,
+                        "cores_perc": cores_perc},
+            "constants": constants, "measured": measured}
+
+
+def write(result: dict, path) -> Path:
+    """Write `measure`'s result to ``path`` (its folder made), atomically (a rename over the old file)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(result, indent=1))
+    os.replace(tmp, path)
+    return path
+
+
+def load(path) -> dict:
+    """The ``constants`` of a calibration file, checked: every rate a number > 0 or None.
+
+    Raises:
+        CalibrationError: the file is missing, not JSON, of another version, or has a rate that is not a
+            positive number (the message names the file and the key).
+    """
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CalibrationError(f"calibration file {path} does not exist (write one: zero-offload calibrate "
+                               f"--out {path})") from None
+    except json.JSONDecodeError as e:
+        raise CalibrationError(f"calibration file {path} is not JSON: {e}") from None
+    if not isinstance(data, dict) or data.get("version") != VERSION:
+        raise CalibrationError(f"calibration file {path}: version {data.get('version') if isinstance(data, dict) else None!r}"
+                               f", expected {VERSION}")
+    constants = data.get("constants")
+    if not isinstance(constants, dict):
+        raise CalibrationError(f"calibration file {path}: no 'constants' object")
+    for key in ("matmul_bf16_flops", "h2d_bytes_per_s", "d2h_bytes_per_s", "host_adam_params_per_s"):
+        value = constants.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
+            raise CalibrationError(f"calibration file {path}: constants.{key} must be a number > 0 or null, "
+                                   f"got {value!r}")
+    return dict(constants, source=str(path))

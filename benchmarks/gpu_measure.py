@@ -1,6 +1,7 @@
 """What `gpu_validate.py` measures of one training run: tokens/s, peak device memory against `estimate_memory`,
 `engine.timings` (device time from CUDA events), host syncs per step and the share of copy time that overlaps
-compute kernels (both from a `torch.profiler` trace of one step), and whether the native host kernel ran. Every
+compute kernels (both from a `torch.profiler` trace of two steps, so that the copies up queued at the end of the
+first overlap the second's forward inside the window), and whether the native host kernel ran. Every
 engine is freed (``del``, ``gc.collect()``, ``torch.cuda.empty_cache()``) before the caller measures the next.
 
 Definitions:
@@ -260,7 +261,7 @@ def _run_engine(cfg_model, config: dict, device, steps: int, split_steps: int, s
     model = build_model(cfg_model, device, torch.bfloat16, sharded)
     engine = zero_offload.initialize(model, config)
     micro, gas, seq = engine.train_micro_batch_size_per_gpu, engine.gradient_accumulation_steps, cfg_model.block_size
-    total = (2 + steps + split_steps + int(profile)) * gas
+    total = (2 + steps + split_steps + 2 * int(profile)) * gas
     data = batches(cfg_model.vocab_size, micro, seq, device, min(total, distinct))   # one batch per micro-step
     losses, turn = [], iter(range(10**9))
 
@@ -279,7 +280,8 @@ def _run_engine(cfg_model, config: dict, device, steps: int, split_steps: int, s
         one_step()
         for k, v in engine.timings.items():
             timings[k] = timings.get(k, 0.0) + v / split_steps
-    traced = profile_steps(one_step, device) if profile else {}
+    # two steps: the copies up queued at the end of the first overlap the second's forward inside the window
+    traced = profile_steps(one_step, device, steps=2) if profile else {}
     breakdown = {k: v["bytes"] for k, v in engine.memory_breakdown().items()}
     host_state = sum(v["bytes"] for v in engine.memory_breakdown().values() if v["side"] == "host")
     estimate = estimate_memory(cfg_model, config, micro_batch=micro, seq_len=seq,

@@ -1,22 +1,22 @@
-"""One command that validates ZeRO-Offload on a GPU and measures it (issues 9, 13 and 20).
+"""One command that validates ZeRO-Offload on a GPU and measures it (issues 9, 13, 20 and 27).
 
-On a GPU machine with no network, each command below fits one 10-minute call (times on one H100):
+On a GPU machine with no network, the default run fits one 9-minute call (289 s on an H200, the build included):
 
-    pip install --no-build-isolation --no-deps -e .       # optional: the script builds both native libraries itself
-    python benchmarks/gpu_validate.py --out $OUT --sections cuda_tests,sanitizer,gpt2   # <= 5.5 min
-    python benchmarks/gpu_validate.py --out $OUT --sections largest                      # <= 5 min
-    python benchmarks/gpu_validate.py --out $OUT --sections gpt2_10b                     # <= 5.5 min
-    python benchmarks/gpu_validate.py --out $OUT --sections two_gpus                     # 2+ GPUs, <= 2.5 min
-    python benchmarks/gpu_validate.py --out DIR --device cpu --tiny   # the smoke run CI does (tens of s)
+    python benchmarks/gpu_validate.py --out $OUT          # calibrate, cuda_tests, sanitizer, gpt2, gpt2_10b(_dpu)
+    python benchmarks/gpu_validate.py --out $OUT --sections largest      # <= 5 min
+    python benchmarks/gpu_validate.py --out $OUT --sections two_gpus     # 2+ GPUs, <= 2.5 min
+    python benchmarks/gpu_validate.py --out DIR --device cpu --tiny      # the smoke run CI does (tens of s)
 
-With no ``--sections`` every section runs (about 20 min on a GPU: more than one call allows). Before anything
-else it checks that the two native libraries (the host Adam kernel and the NVMe AIO path) are built in this
-repository's ``src/zero_offload`` and, when one is missing, builds them in place with ``python setup.py build_ext
---inplace`` (setuptools and a C compiler, no network; skipped under ``ZERO_OFFLOAD_NO_NATIVE=1``).
+Before anything else it checks that the two native libraries (the host Adam kernel and the NVMe AIO path) are built
+in this repository's ``src/zero_offload`` and, when one is missing, builds them in place with ``python setup.py
+build_ext --inplace`` (setuptools and a C compiler, no network; skipped under ``ZERO_OFFLOAD_NO_NATIVE=1``).
 
 Writes ``DIR/gpu_validate.json`` (every number) and ``DIR/gpu_validate.md`` (tables). Each section runs in its own
 subprocess with its own time limit (`LIMITS`), so a crash or an out-of-memory in one is recorded and the rest run:
 
+(0) ``calibrate``: `zero_offload.calibrate.measure` (bf16 matmul, pinned copies each way, host Adam at the delayed
+    step's thread count and at every core), written to ``DIR/calibration.json`` for ``zero-offload estimate
+    --calibration``.
 (a) ``cuda_tests``: ``pytest tests/test_cuda.py`` (the CUDA-only tests).
 (b) ``sanitizer``: ``TORCH_CUDA_SANITIZER=1`` over stage 2 + offload (pinned and pageable, accumulation 2, DPU) and
     stage 3 + both offloads; counts reported data races.
@@ -25,18 +25,21 @@ subprocess with its own time limit (`LIMITS`), so a crash or an out-of-memory in
 (d) ``largest``: the largest GPT (hidden 4096, 32 heads) that trains with stage 3 + both offloads + activation
     checkpointing + bf16 moments: it starts at 2 layers and doubles, then bisects, while the section's budget
     allows the next try (each try's time predicted from the last one's).
-(e) ``gpt2_10b``: the seed's 10B GPT-2 in the plan `zero_offload.plan` makes for this GPU and host with no config
-    (stage, offload, micro-batch, accumulation, checkpointing, DPU); on running out of memory it halves the
-    micro-batch and tries again, and reports every attempt.
+(e) ``gpt2_10b`` and ``gpt2_10b_dpu``: the seed's 10B GPT-2 in a pinned config (stage 2, optimizer offloaded with
+    bf16 moments, activation checkpointing, micro-batch 16, accumulation 1), without and with the delayed update,
+    for 8 timed steps on distinct batches (every step's loss reported), beside the step the planner's model
+    predicts for it on an 80 GB GPU and this host.
 (f) ``two_gpus``: two processes under an NCCL-only process group that the script creates itself (no
     ``set_device``): each binds ``cuda:LOCAL_RANK``, builds a GPT under ``init_sharded`` and trains it at stage 3;
     skipped, with a note, on fewer than 2 GPUs.
 
 Every engine run reports (`gpu_measure`): whether the native host kernel ran, tokens/s (and against plain AdamW
 where the model fits there), ``engine.timings`` (on CUDA device time from CUDA events: forward, backward,
-optimizer, and the host step's exposed time), host syncs per step (``cudaStreamSynchronize`` +
-``cudaDeviceSynchronize`` in a ``torch.profiler`` trace of one step), the share of host <-> device copy time that
-overlaps compute kernels, and peak device memory against ``estimate_memory``. Each engine is freed before the next.
+optimizer, the host step's exposed time, its own duration and thread count), from a ``torch.profiler`` trace of two
+steps: host syncs per step with their summed time, event syncs likewise, the device-idle share (1 - union of
+kernel time / step), each direction's copy time, bytes, achieved GB/s and share overlapped with kernels; the
+process's cores and torch threads, and peak device memory against ``estimate_memory``. Each engine is freed before
+the next.
 
 Needs only torch (and this repository); installs nothing; runs no DeepSpeed.
 """

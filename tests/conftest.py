@@ -1,13 +1,17 @@
 """Every test starts from the same random state: a random tensor a test draws without its own generator is
 still seeded, so a failure reproduces on any machine (issue 18: tests that hold on any CPU). A process group a
 test leaves in the pytest process (``deepspeed.initialize`` creates a one-rank group, as DeepSpeed's does) is
-destroyed after it, so the ranks `dist_utils.run_ranks` forks later start without one."""
+destroyed after it, so the ranks `dist_utils.run_ranks` forks later start without one. The planner reads no
+calibration file a developer wrote with ``zero-offload calibrate`` (its tests assume the built-in figures)."""
+import os
 import random
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+
+os.environ["ZERO_OFFLOAD_CALIBRATION"] = os.path.join(os.path.dirname(__file__), "no-such-calibration.json")
 
 
 @pytest.fixture(autouse=True)

@@ -63,7 +63,7 @@ def test_gpu_validate_tiny_cpu_smoke(tmp_path):
         big = report["sections"][name]
         assert big["config"]["zero_optimization"]["offload_optimizer"]["delayed_param_update"] is dpu
         assert big["tokens_per_s"] > 0 and big["predicted"]["step_s"] > 0
-        assert len(big["losses_all_steps"]) == 2 + 2 + 1 + 1     # warm-up, timed, split, profiled: every loss
+        assert len(big["losses_all_steps"]) == 2 + 2 + 1 + 2     # warm-up, timed, split, profiled: every loss
     # issue 27, items 6 and 8: the calibration file, and the host-step figures of every engine run
     calibration = json.loads((out / "calibration.json").read_text())
     assert calibration["constants"]["host_adam_params_per_s"] > 0 and calibration["constants"]["h2d_bytes_per_s"] is None

@@ -74,6 +74,10 @@ def _estimate_parser(sub) -> None:
     p.add_argument("--host-adam", default=None, help="host Adam parameters/s with fp32 moments, e.g. 1.9e9 "
                                                      "(default 1.9e9; measure yours: zero-offload bench optimizer)")
     p.add_argument("--pcie", default=None, help="host <-> GPU copy GB/s each way (default 25)")
+    p.add_argument("--calibration", default=None, help="rates measured by `zero-offload calibrate` (default: "
+                                                       "$ZERO_OFFLOAD_CALIBRATION or ~/.cache/zero_offload/"
+                                                       "calibration.json when it exists, else built-in); the "
+                                                       "--gpu-tflops, --host-adam and --pcie flags override it")
     p.add_argument("--config", default=None, help="base config: its precision and optimizer are kept, and its "
                                                   "batch sizes when set; the plan picks stage, offload, and the "
                                                   "batch settings it does not set (default: bf16, AdamW)")
@@ -109,8 +113,9 @@ def main(argv: list[str] | None = None) -> int:
                                      "the host Adam kernel's parameters/s, and write them as JSON for `estimate "
                                      "--calibration` and `zero_offload.plan(calibration=...)`. Without a GPU: the "
                                      "host side only.")
-    from zero_offload.calibrate import DEFAULT_PATH
-    cal.add_argument("--out", default=str(DEFAULT_PATH), help=f"the JSON file (default {DEFAULT_PATH})")
+    from zero_offload.calibrate import default_path
+    cal.add_argument("--out", default=str(default_path()), help=f"the JSON file (default {default_path()}, or "
+                                                                "$ZERO_OFFLOAD_CALIBRATION)")
     cal.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
                      help="auto (default): CUDA when present; cpu: the host side only")
     cal.add_argument("--cores-perc", type=float, default=0.8,

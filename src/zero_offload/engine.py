@@ -100,7 +100,7 @@ class Engine:
         groups = self._param_groups(model_parameters)
         gas = self.batch.gradient_accumulation_steps
         self.zero = (Stage3Optimizer(self.ctx, self.config, self.module, groups, gas, self.dtype, param_init_fn)
-                     if stage3 else ZeroOptimizer(self.ctx, self.config, groups, gas))
+                     if stage3 else ZeroOptimizer(self.ctx, self.config, groups, gas, module=self.module))
         # Buffers and frozen parameters start from rank 0's values too (trainable ones were broadcast above).
         # (Stage 3 shards frozen parameters too, from rank 0's values.)
         self.ctx.broadcast_from_first([*self.module.buffers(),

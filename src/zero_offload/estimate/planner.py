@@ -10,9 +10,11 @@ the compute device is the host, so offloading saves no memory there and only add
 from __future__ import annotations
 
 import copy
+import dataclasses
 import re
 from dataclasses import dataclass, field
 
+from zero_offload.calibrate import assumptions as calibrated_assumptions
 from zero_offload.config import Config, ConfigError
 from zero_offload.estimate.batching import BatchChoice, Knobs, choose_batch
 from zero_offload.estimate.throughput import Assumptions
@@ -200,7 +202,7 @@ def plan(model, gpus: int = 1, gpu_memory=None, host_memory=None, nvme=None, mic
          seq_len: int | None = None, config: "dict | str | Config | None" = None,
          headroom: float = HEADROOM, *, gradient_accumulation: int | None = None,
          activation_checkpointing: bool | None = None, gpu_flops: float | None = None,
-         host_adam: float | None = None, pcie: float | None = None) -> Plan:
+         host_adam: float | None = None, pcie: float | None = None, calibration=None) -> Plan:
     """The fastest config for ``model`` on ``gpus`` ranks of one machine that fits with ``headroom`` free.
 
     The stage and offload follow the order of `candidates`; for the first config that fits, the plan also
@@ -222,7 +224,10 @@ def plan(model, gpus: int = 1, gpu_memory=None, host_memory=None, nvme=None, mic
         gradient_accumulation: micro-steps per optimizer step (default: the config's when set, else chosen).
         activation_checkpointing: fix it (default: chosen for a GPT shape on an accelerator, else the model's).
         gpu_flops, host_adam, pcie: the step model's figures: sustained FLOP/s per accelerator, host Adam
-            parameters/s (fp32 moments), host <-> device bytes/s (defaults: `Assumptions`).
+            parameters/s (fp32 moments), host <-> device bytes/s; each overrides ``calibration``'s.
+        calibration: a file written by ``zero-offload calibrate`` (`zero_offload.calibrate.assumptions`: default
+            ``$ZERO_OFFLOAD_CALIBRATION`` or ``~/.cache/zero_offload/calibration.json`` when it exists, else the
+            built-in `Assumptions`); ``reasons["constants"]`` says which figures were used and where from.
 
     Returns:
         A `Plan`: ``plan.config`` is the chosen DeepSpeed-style dict, ``plan.reasons`` says why, ``plan.batch``
@@ -237,8 +242,10 @@ def plan(model, gpus: int = 1, gpu_memory=None, host_memory=None, nvme=None, mic
     _positive_int(gpus, "gpus")
     _positive_int(micro_batch, "micro_batch")
     _positive_int(gradient_accumulation, "gradient_accumulation")
-    figures = Assumptions(**{k: v for k, v in (("gpu_flops", gpu_flops), ("host_adam", host_adam),
-                                               ("pcie", pcie)) if v is not None})
+    measured = calibrated_assumptions(calibration)
+    given = {k: v for k, v in (("gpu_flops", gpu_flops), ("host_adam", host_adam), ("pcie", pcie)) if v is not None}
+    figures = dataclasses.replace(measured, **given,
+                                  source=measured.source + (f"; given: {', '.join(given)}" if given else ""))
     gpu_bytes = parse_bytes(gpu_memory, "gpu_memory") if gpu_memory is not None else 0
     if host_memory is None:
         raise ValueError("host_memory is required (bytes, or a size such as '128GB')")
@@ -298,4 +305,8 @@ def plan(model, gpus: int = 1, gpu_memory=None, host_memory=None, nvme=None, mic
     reasons["memory"] = (f"per rank {fmt_bytes(need['device'])} device, {fmt_bytes(need['host'])} host"
                          + (f", {fmt_bytes(need['nvme'])} NVMe" if need["nvme"] else ""))
     reasons.update(chosen.batch.notes)
+    if chosen.batch.timing is not None:
+        reasons["constants"] = (f"{figures.gpu_flops / 1e12:.0f} TFLOP/s sustained, host Adam "
+                                f"{figures.host_adam / 1e9:.2f} Gparam/s, {figures.pcie / 1e9:.0f} GB/s each way "
+                                f"({figures.source})")
     return Plan(chosen.batch.raw, chosen.name, reasons, rows, {}, gpus, capacity, chosen.batch)

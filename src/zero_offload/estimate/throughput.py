@@ -51,6 +51,7 @@ class Assumptions:
             other layouts scale by their bytes per parameter.
         pcie: bytes/s of host <-> device copies, each direction, per accelerator.
         saturation_tokens: tokens per micro-batch from which the device reaches ``gpu_flops``.
+        source: where the figures come from ("built-in", or the calibration file: `zero_offload.calibrate`).
 
     Raises:
         ValueError: a figure <= 0 (the message names it).
@@ -59,6 +60,7 @@ class Assumptions:
     host_adam: float = 1.9e9
     pcie: float = 25e9
     saturation_tokens: int = 8192
+    source: str = "built-in"
 
     def __post_init__(self) -> None:
         for name in ("gpu_flops", "host_adam", "pcie", "saturation_tokens"):

@@ -37,6 +37,7 @@ from typing import Callable
 import torch
 
 from zero_offload.host_thread import HostThread
+from zero_offload.offload import timeline
 from zero_offload.offload.handles import CopyHandle, TransferCounts
 
 __all__ = ["ENV", "SKIP_WAITS_ENV", "MAX_DELAY_S", "enabled", "waits_skipped", "random_delay", "SimulationCounts",
@@ -103,23 +104,28 @@ class SimulatedEvent:
         skip: waits return at once (``ZERO_OFFLOAD_SIMULATE_STREAMS_SKIP_WAITS``).
     """
 
-    __slots__ = ("done", "error", "skip")
+    __slots__ = ("done", "error", "skip", "op")
 
-    def __init__(self, skip: bool):
+    def __init__(self, skip: bool, op: int | None = None):
         self.done = threading.Event()
         self.error: BaseException | None = None
         self.skip = skip
+        self.op = op              # its node in the timeline being recorded (`zero_offload.offload.timeline`)
 
     def query(self) -> bool:
         """True once the work has run (never blocks, never skipped)."""
         return self.done.is_set()
 
-    def synchronize(self) -> None:
-        """Block until the work has run (at once under skipped waits).
+    def synchronize(self, host: bool = True) -> None:
+        """Block until the work has run (at once under skipped waits); ``host``: a wait of the host (recorded
+        as such in a timeline), not of the compute stream the host stands in for.
 
         Raises:
             RuntimeError: the work failed on its worker (chained to its exception).
         """
+        tl = timeline.current()
+        if tl is not None and host:
+            tl.host_wait(self.op)
         if self.skip:
             return
         self.done.wait()
@@ -138,9 +144,11 @@ class SimulatedStream:
         self.thread = HostThread(f"sim-{name}")
         self.last: SimulatedEvent | None = None
 
-    def submit(self, work: Callable[[], None], kind: str = "copies") -> SimulatedEvent:
-        """Queue ``work`` to run after a random delay; returns the event set once it has run."""
-        event = SimulatedEvent(self.skip)
+    def submit(self, work: Callable[[], None], kind: str = "copies", nbytes: int = 0) -> SimulatedEvent:
+        """Queue ``work`` (moving ``nbytes``) to run after a random delay; returns the event set once it has run."""
+        tl = timeline.current()
+        op = tl.queued(self.name, "copy" if kind == "copies" else "collective", nbytes) if tl is not None else None
+        event = SimulatedEvent(self.skip, op)
         count(kind)
         due = time.monotonic() + random_delay()
 
@@ -180,6 +188,10 @@ def delayed_copy(dst: torch.Tensor, src: torch.Tensor) -> Callable[[], None]:
     return work
 
 
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
 def _nothing() -> None:
     """The work of a collective with nothing to move (one rank's in-place reduce)."""
 
@@ -192,7 +204,10 @@ class SimulatedHandle(CopyHandle):
     def wait_stream(self, stream=None) -> None:
         """Block the host until the copy has run (the host computes; at once under skipped waits)."""
         if self.event is not None:
-            self.event.synchronize()
+            tl = timeline.current()
+            if tl is not None:
+                tl.compute_waits_for(self.event.op)
+            self.event.synchronize(host=False)
 
 
 class SimulatedCopies:
@@ -212,12 +227,12 @@ class SimulatedCopies:
     def to_host(self, dst: torch.Tensor, src: torch.Tensor) -> CopyHandle:
         """Copy ``src`` into ``dst`` later on the device-to-host stream; ``src`` is read then."""
         self.counts.bytes_down += dst.numel() * dst.element_size()
-        return SimulatedHandle(self.d2h.submit(delayed_copy(dst, src)), self.counts)
+        return SimulatedHandle(self.d2h.submit(delayed_copy(dst, src), nbytes=_nbytes(dst)), self.counts)
 
     def to_device(self, dst: torch.Tensor, src: torch.Tensor) -> CopyHandle:
         """Copy ``src`` into ``dst`` later on the host-to-device stream; ``src`` is read then."""
         self.counts.bytes_up += dst.numel() * dst.element_size()
-        return SimulatedHandle(self.h2d.submit(delayed_copy(dst, src)), self.counts)
+        return SimulatedHandle(self.h2d.submit(delayed_copy(dst, src), nbytes=_nbytes(dst)), self.counts)
 
     def upload(self, src: torch.Tensor) -> tuple[torch.Tensor, CopyHandle]:
         """A new "device" copy of ``src``, filled later on the host-to-device stream (as `CudaCopies.upload`)."""
@@ -232,7 +247,10 @@ class SimulatedCopies:
         `CudaCopies.downloads_after`; the host goes on. Under skipped waits it does not wait."""
         event = handle.event
         if event is not None:
-            self.d2h.submit(event.synchronize)
+            tl = timeline.current()
+            if tl is not None:
+                tl.stream_waits_for("d2h", event.op)
+            self.d2h.submit(lambda: event.synchronize(host=False))
 
     def synchronize(self) -> None:
         """Block until every copy queued so far has run (whole-stream waits, as `CudaCopies.synchronize`)."""
@@ -256,8 +274,12 @@ class SimulatedWork:
         self.event = event
 
     def wait(self) -> bool:
-        """Block until the result is in the output (at once under skipped waits)."""
-        self.event.synchronize()
+        """Block until the result is in the output (at once under skipped waits). As NCCL's ``wait``, a wait of
+        the compute stream (the host stands in for it)."""
+        tl = timeline.current()
+        if tl is not None:
+            tl.compute_waits_for(self.event.op)
+        self.event.synchronize(host=False)
         return True
 
     def is_completed(self) -> bool:
@@ -287,7 +309,7 @@ class SimulatedCollectives:
         ``inp`` later, read then."""
         if launch is None:
             return SimulatedWork(self.stream.submit(delayed_copy(out, inp) if self.lands else _nothing,
-                                                    "collectives"))
+                                                    "collectives", _nbytes(out)))
         scratch = torch.empty_like(out)
         handle = launch(scratch)
         land = delayed_copy(out, scratch)
@@ -296,7 +318,7 @@ class SimulatedCollectives:
             handle.wait()
             if self.lands:
                 land()
-        return SimulatedWork(self.stream.submit(work, "collectives"))
+        return SimulatedWork(self.stream.submit(work, "collectives", _nbytes(out)))
 
     def close(self) -> None:
         """Land what is queued and end the communication stream's thread (from `DistContext.close`)."""
@@ -305,10 +327,14 @@ class SimulatedCollectives:
     def in_place(self, tensor: torch.Tensor, launch: Callable[[torch.Tensor], object] | None,
                  receives: bool = True) -> SimulatedWork:
         """An in-place collective (reduce, all-reduce) on a copy of ``tensor`` taken now; the result lands in
-        ``tensor`` later where this rank ``receives`` it. Without ``launch`` (one rank) the identity: only
-        the completion is delayed."""
+        ``tensor`` later where this rank ``receives`` it. Without ``launch`` (one rank) the identity, complete
+        at once, as on a GPU (`comm.DoneWork`): nothing moves, and a reduction finished at launch lets its copy
+        down start at once (`zero_offload.zero.collectives.InFlight`)."""
         if launch is None:
-            return SimulatedWork(self.stream.submit(_nothing, "collectives"))
+            count("collectives")
+            done = SimulatedEvent(self.stream.skip)
+            done.done.set()
+            return SimulatedWork(done)
         scratch = tensor.clone()
         handle = launch(scratch)
 
@@ -316,4 +342,4 @@ class SimulatedCollectives:
             handle.wait()
             if receives and self.lands:
                 tensor.copy_(scratch)
-        return SimulatedWork(self.stream.submit(work, "collectives"))
+        return SimulatedWork(self.stream.submit(work, "collectives", _nbytes(tensor)))

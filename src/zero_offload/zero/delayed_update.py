@@ -27,6 +27,7 @@ from typing import Protocol
 import torch
 
 from zero_offload.host_thread import HostThread, HostThreadError
+from zero_offload.offload import timeline
 
 __all__ = ["DelayedParamUpdate", "DeferrableOptimizer"]
 
@@ -76,6 +77,9 @@ class DelayedParamUpdate:
         grads = self.zero.take_grads()
         lrs = [g["lr"] for g in self.zero.optimizer.param_groups]
         self.unpublished = True
+        tl = timeline.current()
+        if tl is not None:
+            tl.launched(self.thread.name)
         self.thread.submit(lambda: self.zero.detached_step(grads, grad_scale, lrs))
 
     def wait(self) -> None:
@@ -86,6 +90,9 @@ class DelayedParamUpdate:
         """
         try:
             self.thread.join()
+            tl = timeline.current()
+            if tl is not None:
+                tl.joined(self.thread.name)
         except HostThreadError as e:
             self.unpublished = False
             raise RuntimeError("the delayed host optimizer step failed in its background thread") from e.__cause__

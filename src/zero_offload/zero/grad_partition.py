@@ -10,6 +10,7 @@ from torch.profiler import record_function
 
 from zero_offload.flat import FlatParams
 from zero_offload.host_thread import HostThread
+from zero_offload.offload import timeline
 from zero_offload.offload.grad_staging import staging_shape
 from zero_offload.offload.copies import DONE, CopyHandle, Copies
 from zero_offload.zero.buckets import GradBucket, largest_bucket
@@ -213,6 +214,9 @@ class GradPartition:
             try:
                 handle.synchronize()
                 dst.copy_(staged) if overwrite else dst.add_(staged)
+                tl = timeline.current()
+                if tl is not None:
+                    tl.host_work("host_add", dst.numel())
             finally:
                 self.slot_free[i].set()
             if self.tracks_norm:
@@ -232,9 +236,13 @@ class GradPartition:
             HostThreadError: the staging worker failed (chained to its exception).
         """
         with record_function("zero_offload.grad_partition.finalize"):
-            while self.pending:
-                self.pending.popleft()[0].synchronize()
+            if self.pending:                   # one stream lands in order: one host wait, on the last copy
+                self.pending[-1][0].synchronize()
+                self.pending.clear()
             self.worker.join()
+            tl = timeline.current()
+            if tl is not None and self.staging:
+                tl.joined(self.worker.name)
 
     def close(self) -> None:
         """Let the copies in flight land, run the staged adds queued and end the staging thread (from

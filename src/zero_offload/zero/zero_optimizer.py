@@ -17,6 +17,7 @@ from zero_offload.flat import FlatParams
 from zero_offload.offload.copies import CopyEngine
 from zero_offload.zero.base import MemoryKind, ZeroOptimizerBase
 from zero_offload.zero.builder import build_partition_optimizer
+from zero_offload.zero.copy_in import CopyInWaits, CopyUpQueue
 from zero_offload.zero.grad_partition import GradPartition
 from zero_offload.zero.layout import GroupLayout, contiguous_layout
 from zero_offload.zero.averaging import GradAveraging
@@ -49,14 +50,27 @@ def param_segments(flat: FlatParams, lo: int, hi: int) -> tuple[list[tuple[int, 
     return pieces, len(flat.slots)
 
 
+def _compiled(module: torch.nn.Module) -> bool:
+    """Whether ``module`` or a submodule is compiled (``torch.compile(m)`` or ``m.compile()``): its hooks run
+    inside dynamo's frames, where a stream wait or a mode change breaks the graph."""
+    return any(type(m).__name__ == "OptimizedModule" or getattr(m, "_compiled_call_impl", None) is not None
+               for m in module.modules())
+
+
 class ZeroOptimizer(ZeroOptimizerBase):
     """ZeRO stage 0, 1 or 2 over the given param groups, with the optimizer on the device or the host.
+
+    Args:
+        module: the model, given when the next forward may wait for each module's own updated parameters only
+            (`zero_offload.zero.copy_in`: one rank, optimizer offloaded, not compiled); None: every step waits
+            for its whole copy up.
 
     Raises:
         ValueError: a param group without parameters.
     """
 
-    def __init__(self, ctx: DistContext, config: Config, groups: list[ParamGroup], gradient_accumulation: int):
+    def __init__(self, ctx: DistContext, config: Config, groups: list[ParamGroup], gradient_accumulation: int,
+                 module: torch.nn.Module | None = None):
         zc = config.zero_optimization
         self.ctx, self.stage = ctx, zc.stage
         self.offload = zc.offload_optimizer.device in ("cpu", "nvme")
@@ -83,6 +97,23 @@ class ZeroOptimizer(ZeroOptimizerBase):
         self.trainable_ids = {id(p) for f in self.flats for p in f.params}   # the model holds them all alive
         self._reduced = False              # stages 0/1: the full gradient was reduced since the last step
         self._set_aside: list[torch.Tensor] | None = None
+        self.copy_in = self._copy_in(module)
+
+    def _copy_in(self, module: torch.nn.Module | None) -> CopyInWaits | None:
+        """Per-module waits for the copies up where nothing else waits for them all: one rank (or stage 0, where
+        no all-gather follows the step), the optimizer offloaded to memory, a model that is not compiled."""
+        gathers = self.stage >= 1 and self.ctx.distributed
+        if module is None or gathers or not self.offload or not isinstance(self.adam, CopyUpQueue) \
+                or _compiled(module):
+            return None
+        where = {}
+        for g, (f, part) in enumerate(zip(self.flats, self.partitions)):
+            for p, slot in zip(f.params, f.slots):
+                if slot.offset < part.hi and slot.end > part.lo:
+                    where[id(p)] = (slot.name, g, min(slot.end, part.hi) - part.lo)
+        waits = CopyInWaits(self.adam, where)
+        waits.attach(module)
+        return waits
 
     def _sum_over_ranks(self, t: torch.Tensor) -> None:
         """Sum a small tensor over the data-parallel ranks in place (Lamb's per-parameter norms), through the
@@ -111,6 +142,7 @@ class ZeroOptimizer(ZeroOptimizerBase):
             self._set_aside = [p.buffer.clone() for p in self.partitions]
             for g in self.flat_grads:
                 g.zero_()
+        self._waits_before_step()      # backward reads parameters the forward may not have waited for
         reduce = boundary or self.stage == 2
         if reduce:
             for p in self.partitions:
@@ -130,9 +162,25 @@ class ZeroOptimizer(ZeroOptimizerBase):
     def step(self, grad_scale: float) -> None:
         """Update this rank's partitions with gradients x ``grad_scale`` (after `finalize_backward`), then
         all-gather (stage >= 1)."""
+        self._waits_before_step()
         self.adam.step(self.partitions, grad_scale)
         self.publish_readers()
         self._all_gather()
+        self._waits_after_step()
+
+    def _waits_before_step(self) -> None:
+        if self.copy_in is not None:
+            self.copy_in.wait_all()
+
+    def _waits_after_step(self) -> None:
+        if self.copy_in is not None:
+            self.copy_in.after_step()
+
+    def close(self) -> None:
+        """See `ZeroOptimizerBase.close`; the per-module waits' hooks and guard go first."""
+        if self.copy_in is not None:
+            self.copy_in.close()
+        super().close()
 
     def gather_count(self) -> int:
         """All-gathers of updated partitions issued so far (one per group and step, stages 1-2)."""
@@ -153,9 +201,11 @@ class ZeroOptimizer(ZeroOptimizerBase):
     # -- the delayed parameter update (see zero_offload.zero.delayed_update) --------------------------------
     def publish(self) -> None:
         """Copy the parameters of the last detached step up and all-gather them."""
+        self._waits_before_step()
         self.adam.publish()
         self.publish_readers()
         self._all_gather()
+        self._waits_after_step()
 
     def zero_grad(self) -> None:
         """Clear accumulated gradients after a step (stage 2 partitions are overwritten, not cleared)."""
@@ -182,6 +232,7 @@ class ZeroOptimizer(ZeroOptimizerBase):
 
     def after_load(self) -> None:
         """Bring every rank's full 16-bit parameters up to date after partitions were replaced."""
+        self._waits_before_step()
         if self.stage >= 1:
             for f in self.flats:
                 self.ctx.all_gather_partitions(f.buffer, f.partition_numel, self.allgather_bucket_numel)

@@ -1,0 +1,74 @@
+"""Measured hardware constants (issue 27, item 6): ``zero-offload calibrate`` writes them, the planner and
+``zero-offload estimate`` use them and say so, and a bad file is refused with its name and the key at fault."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from zero_offload import calibrate
+from zero_offload.cli import main
+from zero_offload.estimate import plan
+
+
+def _file(tmp_path, **constants) -> str:
+    base = {"matmul_bf16_flops": 784e12, "h2d_bytes_per_s": 55e9, "d2h_bytes_per_s": 50e9,
+            "host_adam_params_per_s": 4.67e9, "host_adam_threads": 12}
+    path = tmp_path / "calibration.json"
+    path.write_text(json.dumps({"version": 1, "constants": {**base, **constants}}))
+    return str(path)
+
+
+def test_calibrate_measures_the_host_and_writes_a_file_the_planner_reads(tmp_path, capsys):
+    out = tmp_path / "cal.json"
+    assert main(["calibrate", "--device", "cpu", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    c = data["constants"]
+    assert c["host_adam_params_per_s"] > 1e6 and c["matmul_bf16_flops"] is None and c["h2d_bytes_per_s"] is None
+    assert c["host_adam_threads"] >= 1 and data["measured"]["host_adam"]
+    figures = calibrate.assumptions(out)          # no GPU figures: those stay built-in, and the source says so
+    assert figures.host_adam == c["host_adam_params_per_s"] and figures.gpu_flops == 4e14 and figures.pcie == 25e9
+    assert figures.source == f"calibration {out} (built-in gpu_flops, pcie)"
+    assert f"wrote {out}" in capsys.readouterr().out
+
+
+def test_the_plan_uses_the_calibration_and_names_it(tmp_path):
+    path = _file(tmp_path)
+    built_in = plan("gpt2-10b", gpu_memory="80GB", host_memory="128GB")
+    measured = plan("gpt2-10b", gpu_memory="80GB", host_memory="128GB", calibration=path)
+    assert "built-in" in built_in.reasons["constants"] and path in measured.reasons["constants"]
+    t = measured.batch.timing
+    assert t.step_s < built_in.batch.timing.step_s
+    assert "612 TFLOP/s sustained" in measured.reasons["constants"]          # 0.78 x 784
+    assert "50 GB/s" in measured.reasons["constants"]                        # the slower direction
+    given = plan("gpt2-10b", gpu_memory="80GB", host_memory="128GB", calibration=path, host_adam=1e9)
+    assert "given: host_adam" in given.reasons["constants"] and given.batch.timing.host_s > t.host_s
+
+
+def test_the_default_file_is_read_when_it_exists(tmp_path, monkeypatch):
+    path = _file(tmp_path)
+    monkeypatch.setenv(calibrate.ENV, path)
+    assert path in plan("gpt2-10b", gpu_memory="80GB", host_memory="128GB").reasons["constants"]
+    monkeypatch.setenv(calibrate.ENV, str(tmp_path / "absent.json"))
+    assert calibrate.assumptions().source == "built-in"
+
+
+@pytest.mark.parametrize("content,fault", [
+    (None, "does not exist"),
+    ("{not json", "is not JSON"),
+    (json.dumps({"version": 7, "constants": {}}), "version 7"),
+    (json.dumps({"version": 1}), "no 'constants'"),
+    (json.dumps({"version": 1, "constants": {"host_adam_params_per_s": -1}}), "constants.host_adam_params_per_s"),
+    (json.dumps({"version": 1, "constants": {"h2d_bytes_per_s": "fast"}}), "constants.h2d_bytes_per_s"),
+])
+def test_a_bad_calibration_file_is_refused_by_name(tmp_path, capsys, content, fault):
+    path = tmp_path / "cal.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(calibrate.CalibrationError, match=fault) as info:
+        plan("gpt2-10b", gpu_memory="80GB", host_memory="128GB", calibration=path)
+    assert str(path) in str(info.value)
+    code = main(["estimate", "--model", "gpt2", "--gpu-mem", "80GB", "--host-mem", "64GB", "--no-deepspeed",
+                 "--calibration", str(path)])
+    err = capsys.readouterr().err
+    assert code == 2 and str(path) in err and fault.split()[0] in err

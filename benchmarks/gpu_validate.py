@@ -351,7 +351,8 @@ def section_two_gpus(args) -> dict:
     return {"ranks": ranks, "ok": ok}
 
 
-BODIES = {"calibrate": section_calibrate, "cuda_tests": section_cuda_tests, "sanitizer": section_sanitizer, "gpt2": section_gpt2,
+BODIES = {"calibrate": section_calibrate, "cuda_tests": section_cuda_tests, "sanitizer": section_sanitizer,
+          "gpt2": section_gpt2,
           "largest": section_largest, "gpt2_10b": section_gpt2_10b,
           "gpt2_10b_dpu": section_gpt2_10b_dpu, "two_gpus": section_two_gpus}
 
@@ -397,7 +398,8 @@ def main(argv=None) -> int:
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--tiny", action="store_true", help="tiny sizes: a smoke run of every section")
     parser.add_argument("--sections", default=",".join(DEFAULT_SECTIONS),
-                        help=f"comma-separated sections (default {','.join(DEFAULT_SECTIONS)}; all: {','.join(SECTIONS)})")
+                        help=f"comma-separated sections (default {','.join(DEFAULT_SECTIONS)}; "
+                             f"all: {','.join(SECTIONS)})")
     parser.add_argument("--_section", help=argparse.SUPPRESS)
     parser.add_argument("--_sanitize_body", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--_largest_body", type=int, help=argparse.SUPPRESS)

@@ -40,7 +40,8 @@ def test_gpu_validate_tiny_cpu_smoke(tmp_path):
     out = tmp_path / "out"
     sections = "calibrate,cuda_tests,sanitizer,gpt2,gpt2_10b,gpt2_10b_dpu,largest,two_gpus"
     proc = subprocess.run([sys.executable, str(root / "benchmarks" / "gpu_validate.py"), "--device", "cpu",
-                           "--tiny", "--out", str(out), "--sections", sections], capture_output=True, text=True, timeout=600)
+                           "--tiny", "--out", str(out), "--sections", sections], capture_output=True, text=True,
+                          timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads((out / "gpu_validate.json").read_text())
     assert set(report["sections"]) == set(sections.split(","))
@@ -66,7 +67,8 @@ def test_gpu_validate_tiny_cpu_smoke(tmp_path):
         assert len(big["losses_all_steps"]) == 2 + 2 + 1 + 2     # warm-up, timed, split, profiled: every loss
     # issue 27, items 6 and 8: the calibration file, and the host-step figures of every engine run
     calibration = json.loads((out / "calibration.json").read_text())
-    assert calibration["constants"]["host_adam_params_per_s"] > 0 and calibration["constants"]["h2d_bytes_per_s"] is None
+    constants = calibration["constants"]
+    assert constants["host_adam_params_per_s"] > 0 and constants["h2d_bytes_per_s"] is None
     assert all(r["timings"]["host_step_threads"] >= 1 for k, r in runs.items() if k != "plain-adamw")
     assert report["sections"]["two_gpus"]["skipped"].startswith("needs 2 GPUs")
     md = (out / "gpu_validate.md").read_text()

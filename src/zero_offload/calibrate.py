@@ -175,9 +175,9 @@ def load(path) -> dict:
                                f"--out {path})") from None
     except json.JSONDecodeError as e:
         raise CalibrationError(f"calibration file {path} is not JSON: {e}") from None
-    if not isinstance(data, dict) or data.get("version") != VERSION:
-        raise CalibrationError(f"calibration file {path}: version {data.get('version') if isinstance(data, dict) else None!r}"
-                               f", expected {VERSION}")
+    version = data.get("version") if isinstance(data, dict) else None
+    if version != VERSION:
+        raise CalibrationError(f"calibration file {path}: version {version!r}, expected {VERSION}")
     constants = data.get("constants")
     if not isinstance(constants, dict):
         raise CalibrationError(f"calibration file {path}: no 'constants' object")

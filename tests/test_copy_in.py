@@ -121,9 +121,13 @@ def _ema_reads(engine, model) -> list[bool]:
 
 
 def test_a_read_right_after_the_step_sees_the_update(slow_copies, monkeypatch):
+    from torch.overrides import _get_current_function_mode_stack
     model = make_model()
     engine = zero_offload.initialize(model, config(precision="bf16"))
     assert _ema_reads(engine, model) == [True] * STEPS
+    # each guard left the mode stack (one triggered inside its own handler is removed at the next forward, or at
+    # close): none piles up, step after step, under every torch call
+    assert _get_current_function_mode_stack() == []
     # power: without the guard between the step and the forward, the same read sees the old values
     monkeypatch.setattr(copy_in.CopyInWaits, "_push", lambda self, mode: None)
     model = make_model()
@@ -206,3 +210,21 @@ def test_the_delayed_step_does_not_wait_for_the_copies_publishing_the_step_befor
     train(engine, 4)
     engine.close()
     assert ups and not [name for name in blocked if "dpu" in name.lower()], blocked
+
+
+def test_a_load_right_after_a_step_is_not_overwritten_by_its_copies_up(slow_copies):
+    """Loading optimizer state while the last step's copies up are still queued: they are waited for first, so
+    they cannot land over the parameters the load writes (through the optimizer: no parameter read to guard)."""
+    import copy
+    model = make_model()
+    engine = zero_offload.initialize(model, config())
+    train(engine, 1)
+    engine.zero.copy_in.wait_all()
+    saved_state = copy.deepcopy(engine.zero.state_dict())
+    saved = {n: p.detach().clone() for n, p in model.named_parameters()}
+    train(engine, 1)                       # its copies up land 50 ms later
+    engine.zero.load_state_dict(saved_state)
+    engine.zero.copy_in.wait_all()
+    for name, value in saved.items():
+        assert torch.equal(dict(model.named_parameters())[name].detach(), value), name
+    engine.close()

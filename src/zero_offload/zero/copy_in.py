@@ -79,6 +79,7 @@ class CopyInWaits:
         self.checked = False          # the first forward after a lazy step was checked
         self.waited: dict[int, int] = {}   # per group, elements [0, n) the compute stream has waited for
         self._mode: ParamRead | None = None
+        self._stale: list[ParamRead] = []  # modes made inert where they could not be popped (inside their handler)
         self._hooks = []
         queue.defer_copy_up_waits()
 
@@ -104,6 +105,7 @@ class CopyInWaits:
         if not self.enabled:
             self.wait_all()
             return
+        self._drop_stale()
         self.waited = {}
         self._push(ParamRead(self.where, lambda _key: self.wait_all()))
 
@@ -114,8 +116,9 @@ class CopyInWaits:
             self.queue.wait_copies_up(None)
 
     def close(self) -> None:
-        """Wait for what is pending and remove the hooks and the guard."""
+        """Wait for what is pending and remove the hooks and the guards."""
         self.wait_all()
+        self._drop_stale()
         for h in self._hooks:
             h.remove()
         self._hooks = []
@@ -132,6 +135,7 @@ class CopyInWaits:
 
     def _root_pre(self, _module, _args) -> None:
         self._pop()
+        self._drop_stale()
         if self.enabled and not self.checked and self.queue.pending_copies_up():
             self.checked = True
             self._push(ParamRead(self.where, self._check_read))
@@ -156,8 +160,9 @@ class CopyInWaits:
         self._mode = mode
 
     def _pop(self) -> None:
-        """Remove the guard when it is the top of the mode stack; else leave it, inert (a mode pushed above it
-        by the user stays where it is)."""
+        """Remove the guard when it is the top of the mode stack. Else make it inert and remove it later
+        (`_drop_stale`): inside its own handler (a read that triggered `wait_all`) torch has taken it off the stack
+        for the call, and a mode the user pushed above it stays where it is."""
         mode, self._mode = self._mode, None
         if mode is None:
             return
@@ -166,3 +171,12 @@ class CopyInWaits:
             mode.__exit__(None, None, None)
         else:
             mode.on_read = lambda _key: None
+            self._stale.append(mode)
+
+    def _drop_stale(self) -> None:
+        """Remove the inert guards that are on top of the mode stack now (outside any handler)."""
+        while self._stale:
+            stack = _get_current_function_mode_stack()
+            if not stack or stack[-1] is not self._stale[-1]:
+                return
+            self._stale.pop().__exit__(None, None, None)

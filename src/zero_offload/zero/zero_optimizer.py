@@ -176,6 +176,17 @@ class ZeroOptimizer(ZeroOptimizerBase):
         if self.copy_in is not None:
             self.copy_in.after_step()
 
+    def load_state_chunks(self, g: int, step: int, chunks) -> None:
+        """See `ZeroOptimizerBase.load_state_chunks`; copies up still queued would land over the loaded parameters:
+        they are waited for first."""
+        self._waits_before_step()
+        super().load_state_chunks(g, step, chunks)
+
+    def load_state_dict(self, state: dict) -> None:
+        """See `ZeroOptimizerBase.load_state_dict` (pending copies up waited for first, as in `load_state_chunks`)."""
+        self._waits_before_step()
+        super().load_state_dict(state)
+
     def close(self) -> None:
         """See `ZeroOptimizerBase.close`; the per-module waits' hooks and guard go first."""
         if self.copy_in is not None:

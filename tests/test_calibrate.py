@@ -72,3 +72,22 @@ def test_a_bad_calibration_file_is_refused_by_name(tmp_path, capsys, content, fa
                  "--calibration", str(path)])
     err = capsys.readouterr().err
     assert code == 2 and str(path) in err and fault.split()[0] in err
+
+
+def _tokens_per_s(host_gib: int) -> float:
+    return plan("gpt2-10b", gpu_memory="80GB", host_memory=f"{host_gib}GiB").batch.timing.tokens_per_s
+
+
+def test_more_host_memory_never_plans_a_slower_step(monkeypatch):
+    """Issue 27, item 7: throughput decides among the configs that fit. In the order of preference alone the 10B
+    plan flipped at 150 GiB to fp32 moments without the delayed update, 45 % slower than at 130 GiB."""
+    from zero_offload.estimate import planner
+    sizes = range(120, 201, 10)
+    rates = [_tokens_per_s(h) for h in sizes]
+    assert rates == sorted(rates), dict(zip(sizes, rates))
+    mid = plan("gpt2-10b", gpu_memory="80GB", host_memory="150GiB")
+    assert mid.batch.delayed and "fits but slower: stage 2 + offload opt" in mid.reasons["rejected"]
+    # power: the first config that fits, in order, as before
+    monkeypatch.setattr(planner, "_fastest", lambda fitting, searched: fitting[0] if fitting else None)
+    rates = [_tokens_per_s(h) for h in sizes]
+    assert rates != sorted(rates)

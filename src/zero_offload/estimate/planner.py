@@ -1,6 +1,8 @@
 """The planner: the fastest ZeRO config that fits the hardware with headroom, with the reason for each choice.
 
-Preference (fastest first), each step taken only when the one before does not fit: the lowest stage
+On an accelerator, throughput decides: every config that fits is searched for its micro-batch, accumulation,
+checkpointing and delayed update, and the fastest by the step model wins (within `THROUGHPUT_TOLERANCE`, the
+earlier in the order below). The order of preference, used for ties and without an accelerator: the lowest stage
 (0, 1, 2: less communication and no gathering), then the optimizer offloaded to the host (stage 2,
 ZeRO-Offload), then stage 3, then stage 3 with the optimizer and then the parameters offloaded, then NVMe
 (where built), then smaller buckets and live-parameter limits. Without an accelerator the same order holds:
@@ -66,6 +68,22 @@ class Candidate:
     error: str | None = None                                # a config the engine does not accept here
     bf16: dict = field(default_factory=dict)                # merged into the base config's bf16 section
     batch: BatchChoice | None = None                        # the batch setting the estimate is of
+
+
+# Among the configs that fit, the first in order of preference whose predicted throughput is within this share of
+# the best one's (a tie keeps the more conservative config: lower stage, fp32 moments).
+THROUGHPUT_TOLERANCE = 0.03
+
+
+def _fastest(fitting: list[Candidate], searched: dict[str, BatchChoice]) -> Candidate | None:
+    """The plan's row: by predicted tokens/s among the rows that fit (`THROUGHPUT_TOLERANCE`), not by the order of
+    preference alone (issue 27: at 150 GiB of host the order chose fp32 moments without the delayed update, 45 %
+    slower than bf16 moments with it). Without a predicted step (no accelerator): the first that fits."""
+    timed = [c for c in fitting if c.name in searched and searched[c.name].timing is not None]
+    if not timed:
+        return fitting[0] if fitting else None
+    best = max(searched[c.name].timing.tokens_per_s for c in timed)
+    return next(c for c in timed if searched[c.name].timing.tokens_per_s >= best * (1 - THROUGHPUT_TOLERANCE))
 
 
 def candidates() -> list[Candidate]:
@@ -273,7 +291,7 @@ def plan(model, gpus: int = 1, gpu_memory=None, host_memory=None, nvme=None, mic
                      "nvme": max(0, int(need["nvme"] * gpus - nvme_bytes * keep))}
 
     rows = candidates()
-    chosen = None
+    searched: dict[str, BatchChoice] = {}
     for cand in rows:
         raw = {**base, "zero_optimization": _zero_section(base, cand.zero)}
         if cand.bf16:
@@ -283,24 +301,32 @@ def plan(model, gpus: int = 1, gpu_memory=None, host_memory=None, nvme=None, mic
             raw["bf16"] = {**base["bf16"], **cand.bf16}
         try:
             Config.load(raw)
-            # Only the plan's config is searched; the rows after it show their smallest setting.
-            batch = choose_batch(shape, raw, gpus, seq if accelerator and chosen is None else None, knobs, figures,
-                                 measure)
+            batch = choose_batch(shape, raw, gpus, None, knobs, figures, measure)     # its smallest setting
+            if batch.fits and accelerator and seq:
+                searched[cand.name] = choose_batch(shape, raw, gpus, seq, knobs, figures, measure)
         except ConfigError as e:
             cand.error = str(e)
             continue
         cand.batch, cand.estimate, cand.short, cand.fits = batch, batch.estimate, batch.short, batch.fits
-        if cand.fits and chosen is None:
-            chosen = cand
+    chosen = _fastest([c for c in rows if c.fits], searched)
+    if chosen is not None and chosen.name in searched:
+        # The plan's row shows its chosen setting; every other row its smallest one.
+        b = chosen.batch = searched[chosen.name]
+        chosen.estimate, chosen.short, chosen.fits = b.estimate, b.short, b.fits
     capacity = {"device": gpu_bytes if accelerator else None, "host": host_bytes, "nvme": nvme_bytes or None}
     if chosen is None:
         scored = [c for c in rows if c.estimate is not None]
         best = min(scored, key=lambda c: sum(c.short.values()))
         return Plan(None, None, {}, rows, {k: v for k, v in best.short.items() if v}, gpus, capacity)
     reasons = {"zero_optimization": chosen.reason}
-    passed = [c.name for c in rows[:rows.index(chosen)] if c.estimate is not None]
-    if passed:
-        reasons["rejected"] = "does not fit: " + ", ".join(passed)
+    earlier = rows[:rows.index(chosen)]
+    passed = [c.name for c in earlier if c.estimate is not None and not c.fits]
+    slower = [f"{c.name} (~{searched[c.name].timing.tokens_per_s:,.0f} tokens/s)" for c in earlier
+              if c.fits and c.name in searched and searched[c.name].timing is not None]
+    rejected = ([f"does not fit: {', '.join(passed)}"] if passed else []) + \
+        ([f"fits but slower: {', '.join(slower)}"] if slower else [])
+    if rejected:
+        reasons["rejected"] = "; ".join(rejected)
     need = chosen.estimate.need()
     reasons["memory"] = (f"per rank {fmt_bytes(need['device'])} device, {fmt_bytes(need['host'])} host"
                          + (f", {fmt_bytes(need['nvme'])} NVMe" if need["nvme"] else ""))

@@ -9,6 +9,7 @@ import pytest
 from zero_offload import calibrate
 from zero_offload.cli import main
 from zero_offload.estimate import plan
+from zero_offload.estimate.throughput import calibrated
 
 
 def _file(tmp_path, **constants) -> str:
@@ -26,7 +27,7 @@ def test_calibrate_measures_the_host_and_writes_a_file_the_planner_reads(tmp_pat
     c = data["constants"]
     assert c["host_adam_params_per_s"] > 1e6 and c["matmul_bf16_flops"] is None and c["h2d_bytes_per_s"] is None
     assert c["host_adam_threads"] >= 1 and data["measured"]["host_adam"]
-    figures = calibrate.assumptions(out)          # no GPU figures: those stay built-in, and the source says so
+    figures = calibrated(out)          # no GPU figures: those stay built-in, and the source says so
     assert figures.host_adam == c["host_adam_params_per_s"] and figures.gpu_flops == 4e14 and figures.pcie == 25e9
     assert figures.source == f"calibration {out} (built-in gpu_flops, pcie)"
     assert f"wrote {out}" in capsys.readouterr().out
@@ -50,7 +51,7 @@ def test_the_default_file_is_read_when_it_exists(tmp_path, monkeypatch):
     monkeypatch.setenv(calibrate.ENV, path)
     assert path in plan("gpt2-10b", gpu_memory="80GB", host_memory="128GB").reasons["constants"]
     monkeypatch.setenv(calibrate.ENV, str(tmp_path / "absent.json"))
-    assert calibrate.assumptions().source == "built-in"
+    assert calibrated().source == "built-in"
 
 
 @pytest.mark.parametrize("content,fault", [

@@ -14,7 +14,8 @@ The planner's step model (`zero_offload.estimate.throughput`) needs four rates. 
   (20 bytes per parameter) beside it.
 
 Without an accelerator only the host side is measured; the device figures are ``None``. Each rate is the best of
-a few repetitions after a warm-up (the machine's sustainable rate, not its average under other load).
+a few repetitions after a warm-up (the machine's sustainable rate, not its average under other load). The step
+model turns them into its figures (`zero_offload.estimate.throughput.calibrated`).
 
 File format (``version`` 1)::
 
@@ -32,17 +33,12 @@ import platform
 import time
 from pathlib import Path
 
-__all__ = ["measure", "write", "load", "assumptions", "default_path", "DEFAULT_PATH", "CalibrationError",
-           "TRAINING_SHARE_OF_MATMUL"]
+__all__ = ["measure", "write", "load", "default_path", "DEFAULT_PATH", "CalibrationError"]
 
 VERSION = 1
 ENV = "ZERO_OFFLOAD_CALIBRATION"
 # Where `zero_offload.plan` and `zero-offload estimate` look when no file is named (docs/estimate.md).
 DEFAULT_PATH = Path.home() / ".cache" / "zero_offload" / "calibration.json"
-# A training step's sustained FLOP/s as a share of the square bf16 matmul's (the step model's ``gpu_flops``):
-# 0.78 measured on an H200 (10B GPT-2, micro-batch 16 x 1024, activation checkpointing: 8 x N x tokens FLOPs in
-# 2.20 s of forward and backward against a matmul peak of 784 TFLOP/s; BENCHMARKS.md, issue 27).
-TRAINING_SHARE_OF_MATMUL = 0.78
 
 
 def default_path() -> Path:
@@ -188,28 +184,3 @@ def load(path) -> dict:
                                    f"got {value!r}")
     return dict(constants, source=str(path))
 
-
-def assumptions(calibration=None):
-    """The step model's figures (`zero_offload.estimate.throughput.Assumptions`) and where they came from:
-    ``calibration`` (a file path) when given, else the file at `default_path` when it exists, else the built-in
-    figures. A measured rate replaces its built-in one: ``gpu_flops`` = `TRAINING_SHARE_OF_MATMUL` x the matmul
-    FLOP/s, ``pcie`` = the slower copy direction, ``host_adam`` = the kernel's parameters/s; a rate the file
-    lacks (a host without a GPU) keeps the built-in one. ``source`` names the file or says "built-in".
-
-    Raises:
-        CalibrationError: ``calibration`` names a file that is missing or malformed (see `load`); a default file
-            that is malformed raises too (it was written for this machine, and silently ignoring it would plan
-            with other figures than the user measured).
-    """
-    from zero_offload.estimate.throughput import Assumptions
-    path = Path(calibration) if calibration is not None else default_path()
-    if calibration is None and not path.exists():
-        return Assumptions()
-    c = load(path)
-    measured = {"gpu_flops": c["matmul_bf16_flops"] and c["matmul_bf16_flops"] * TRAINING_SHARE_OF_MATMUL,
-                "host_adam": c["host_adam_params_per_s"],
-                "pcie": min(c["h2d_bytes_per_s"], c["d2h_bytes_per_s"])
-                if c["h2d_bytes_per_s"] and c["d2h_bytes_per_s"] else None}
-    kept = sorted(k for k, v in measured.items() if not v)
-    return Assumptions(**{k: v for k, v in measured.items() if v},
-                       source=f"calibration {path}" + (f" (built-in {', '.join(kept)})" if kept else ""))

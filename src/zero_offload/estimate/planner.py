@@ -16,10 +16,9 @@ import dataclasses
 import re
 from dataclasses import dataclass, field
 
-from zero_offload.calibrate import assumptions as calibrated_assumptions
 from zero_offload.config import Config, ConfigError
 from zero_offload.estimate.batching import BatchChoice, Knobs, choose_batch
-from zero_offload.estimate.throughput import Assumptions
+from zero_offload.estimate.throughput import Assumptions, calibrated
 from zero_offload.estimate.memory import MemoryEstimate, ModelShape, default_plan_config, estimate_memory, model_shape
 
 __all__ = ["Candidate", "Plan", "plan", "candidates", "parse_bytes", "fmt_bytes", "HEADROOM"]
@@ -243,7 +242,7 @@ def plan(model, gpus: int = 1, gpu_memory=None, host_memory=None, nvme=None, mic
         activation_checkpointing: fix it (default: chosen for a GPT shape on an accelerator, else the model's).
         gpu_flops, host_adam, pcie: the step model's figures: sustained FLOP/s per accelerator, host Adam
             parameters/s (fp32 moments), host <-> device bytes/s; each overrides ``calibration``'s.
-        calibration: a file written by ``zero-offload calibrate`` (`zero_offload.calibrate.assumptions`: default
+        calibration: a file written by ``zero-offload calibrate`` (`throughput.calibrated`: default
             ``$ZERO_OFFLOAD_CALIBRATION`` or ``~/.cache/zero_offload/calibration.json`` when it exists, else the
             built-in `Assumptions`); ``reasons["constants"]`` says which figures were used and where from.
 
@@ -260,7 +259,7 @@ def plan(model, gpus: int = 1, gpu_memory=None, host_memory=None, nvme=None, mic
     _positive_int(gpus, "gpus")
     _positive_int(micro_batch, "micro_batch")
     _positive_int(gradient_accumulation, "gradient_accumulation")
-    measured = calibrated_assumptions(calibration)
+    measured = calibrated(calibration)
     given = {k: v for k, v in (("gpu_flops", gpu_flops), ("host_adam", host_adam), ("pcie", pcie)) if v is not None}
     figures = dataclasses.replace(measured, **given,
                                   source=measured.source + (f"; given: {', '.join(given)}" if given else ""))

@@ -32,7 +32,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["Assumptions", "StepTiming", "EXPOSED_FRACTION", "MAX_GRADIENT_ACCUMULATION", "host_step_seconds",
+__all__ = ["Assumptions", "calibrated", "TRAINING_SHARE_OF_MATMUL", "StepTiming", "EXPOSED_FRACTION",
+           "MAX_GRADIENT_ACCUMULATION", "host_step_seconds",
            "host_add_seconds", "micro_step_seconds", "step_timing", "accumulation_to_hide"]
 
 # The share of a step the host step may leave exposed in a plan.
@@ -67,6 +68,40 @@ class Assumptions:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
                 raise ValueError(f"{name} must be a number > 0, got {value!r}")
+
+
+# A training step's sustained FLOP/s as a share of the square bf16 matmul's (the step model's ``gpu_flops``):
+# 0.78 measured on an H200 (10B GPT-2, micro-batch 16 x 1024, activation checkpointing: 8 x N x tokens FLOPs in
+# 2.20 s of forward and backward against a matmul peak of 784 TFLOP/s; BENCHMARKS.md, issue 27).
+TRAINING_SHARE_OF_MATMUL = 0.78
+
+
+def calibrated(calibration=None) -> Assumptions:
+    """The step model's figures and where they came from: the file ``calibration`` (written by ``zero-offload
+    calibrate``, `zero_offload.calibrate`) when given, else the file at its default path when it exists, else the
+    built-in `Assumptions`. A measured rate replaces its built-in one: ``gpu_flops`` = `TRAINING_SHARE_OF_MATMUL`
+    x the matmul FLOP/s, ``pcie`` = the slower copy direction, ``host_adam`` = the kernel's parameters/s; a rate
+    the file lacks (a host without a GPU) keeps the built-in one. ``source`` names the file or says "built-in".
+
+    Raises:
+        CalibrationError: ``calibration`` names a file that is missing or malformed (`zero_offload.calibrate.load`);
+            a default file that is malformed raises too (it was written for this machine, and ignoring it would
+            plan with other figures than the user measured).
+    """
+    from pathlib import Path
+
+    from zero_offload.calibrate import default_path, load
+    path = Path(calibration) if calibration is not None else default_path()
+    if calibration is None and not path.exists():
+        return Assumptions()
+    c = load(path)
+    measured = {"gpu_flops": c["matmul_bf16_flops"] and c["matmul_bf16_flops"] * TRAINING_SHARE_OF_MATMUL,
+                "host_adam": c["host_adam_params_per_s"],
+                "pcie": min(c["h2d_bytes_per_s"], c["d2h_bytes_per_s"])
+                if c["h2d_bytes_per_s"] and c["d2h_bytes_per_s"] else None}
+    kept = sorted(k for k, v in measured.items() if not v)
+    return Assumptions(**{k: v for k, v in measured.items() if v},
+                       source=f"calibration {path}" + (f" (built-in {', '.join(kept)})" if kept else ""))
 
 
 def host_step_seconds(params: int, moment_bytes: int, grad_bytes: int, param_bytes: int, host_adam: float) -> float:

@@ -228,3 +228,16 @@ def test_a_load_right_after_a_step_is_not_overwritten_by_its_copies_up(slow_copi
     for name, value in saved.items():
         assert torch.equal(dict(model.named_parameters())[name].detach(), value), name
     engine.close()
+
+
+def test_a_model_compiled_after_initialize_waits_for_the_whole_copy(slow_copies):
+    """``model.compile()`` after ``initialize``: dynamo would trace the hooks and the guard's mode (recompiling
+    each step); from the first step after it, every step waits for its whole copy up instead."""
+    model = make_model()
+    engine = zero_offload.initialize(model, config())
+    train(engine, 1)
+    assert engine.zero.copy_in.enabled
+    model.compile()
+    train(engine, 2)
+    assert not engine.zero.copy_in.enabled and not engine.zero.adam.pending_copies_up()
+    engine.close()

@@ -17,7 +17,9 @@ reads parameters some other way:
   before the forward of the module that owns it (a parent reading a child's weight directly, which FSDP2 leaves
   to the user) makes every later step wait for the whole copy up, with one warning naming the parameter.
 
-Backward (`ZeroOptimizer.begin_micro_step`), a new step and `close` wait for whatever is still pending. On a
+Backward (`ZeroOptimizer.begin_micro_step`), a new step and `close` wait for whatever is still pending. A model
+compiled (whole or in part) is waited for whole after each step: at `initialize`, or from the first step after
+``model.compile()``. On a
 machine without an accelerator every copy has landed already, and the waits cost nothing; under
 ``ZERO_OFFLOAD_SIMULATE_STREAMS=1`` each wait blocks until its copy has run, which is what the tests check.
 """
@@ -29,7 +31,14 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
-__all__ = ["CopyUpQueue", "CopyInWaits", "ParamRead"]
+__all__ = ["CopyUpQueue", "CopyInWaits", "ParamRead", "compiled"]
+
+
+def compiled(module: torch.nn.Module) -> bool:
+    """Whether ``module`` or a submodule is compiled (``torch.compile(m)`` or ``m.compile()``): its hooks would run
+    inside dynamo's frames, where a stream wait or a mode change breaks the graph (and the mode is traced)."""
+    return any(type(m).__name__ == "OptimizedModule" or getattr(m, "_compiled_call_impl", None) is not None
+               for m in module.modules())
 
 
 @runtime_checkable
@@ -86,6 +95,7 @@ class CopyInWaits:
     def attach(self, module: torch.nn.Module) -> None:
         """Register the pre-hooks: the root's removes the guard (and arms the check once), every module that
         owns managed parameters waits for its own chunks."""
+        self.module = module
         self._hooks.append(module.register_forward_pre_hook(self._root_pre))
         self._hooks.append(module.register_forward_hook(self._root_post))
         for m in module.modules():
@@ -102,6 +112,8 @@ class CopyInWaits:
         """The step left copies up pending: guard every read until the next forward starts."""
         if not self.queue.pending_copies_up():
             return
+        if self.enabled and compiled(self.module):
+            self.enabled = False            # compiled after initialize: its graphs would trace the hooks and guards
         if not self.enabled:
             self.wait_all()
             return

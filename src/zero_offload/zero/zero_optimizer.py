@@ -17,7 +17,7 @@ from zero_offload.flat import FlatParams
 from zero_offload.offload.copies import CopyEngine
 from zero_offload.zero.base import MemoryKind, ZeroOptimizerBase
 from zero_offload.zero.builder import build_partition_optimizer
-from zero_offload.zero.copy_in import CopyInWaits, CopyUpQueue
+from zero_offload.zero.copy_in import CopyInWaits, CopyUpQueue, compiled
 from zero_offload.zero.grad_partition import GradPartition
 from zero_offload.zero.layout import GroupLayout, contiguous_layout
 from zero_offload.zero.averaging import GradAveraging
@@ -48,13 +48,6 @@ def param_segments(flat: FlatParams, lo: int, hi: int) -> tuple[list[tuple[int, 
     pieces = [(max(s.offset, lo) - lo, min(s.end, hi) - lo, i) for i, s in enumerate(flat.slots)
               if s.offset < hi and s.end > lo]
     return pieces, len(flat.slots)
-
-
-def _compiled(module: torch.nn.Module) -> bool:
-    """Whether ``module`` or a submodule is compiled (``torch.compile(m)`` or ``m.compile()``): its hooks run
-    inside dynamo's frames, where a stream wait or a mode change breaks the graph."""
-    return any(type(m).__name__ == "OptimizedModule" or getattr(m, "_compiled_call_impl", None) is not None
-               for m in module.modules())
 
 
 class ZeroOptimizer(ZeroOptimizerBase):
@@ -104,7 +97,7 @@ class ZeroOptimizer(ZeroOptimizerBase):
         no all-gather follows the step), the optimizer offloaded to memory, a model that is not compiled."""
         gathers = self.stage >= 1 and self.ctx.distributed
         if module is None or gathers or not self.offload or not isinstance(self.adam, CopyUpQueue) \
-                or _compiled(module):
+                or compiled(module):
             return None
         where = {}
         for g, (f, part) in enumerate(zip(self.flats, self.partitions)):

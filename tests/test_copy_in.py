@@ -31,6 +31,7 @@ STEPS = 3
 def slow_copies(monkeypatch):
     """Simulated streams, each copy landing 50 ms after it is queued, and copies up of 512 elements."""
     monkeypatch.setenv(simulated.ENV, "1")
+    monkeypatch.setenv(copy_in.ENV, "1")
     monkeypatch.delenv(simulated.SKIP_WAITS_ENV, raising=False)
     monkeypatch.setattr(simulated, "random_delay", lambda: 0.05)
     monkeypatch.setattr(partitioned_adam, "COPY_CHUNK", 512)
@@ -174,7 +175,8 @@ def test_a_parameter_read_outside_its_module_turns_the_waits_off(slow_copies, mo
         assert torch.equal(lazy[name], value), name
 
 
-def test_no_per_module_waits_where_an_all_gather_follows_or_without_offload():
+def test_no_per_module_waits_where_an_all_gather_follows_or_without_offload(monkeypatch):
+    monkeypatch.setenv(copy_in.ENV, "1")
     model = make_model()
     plain = zero_offload.initialize(model, {**config(), "zero_optimization": {"stage": 2}})
     assert plain.zero.copy_in is None
@@ -183,6 +185,10 @@ def test_no_per_module_waits_where_an_all_gather_follows_or_without_offload():
     compiled.blocks[0].compile()
     engine = zero_offload.initialize(compiled, config())
     assert engine.zero.copy_in is None          # hooks inside dynamo's frames would break its graphs
+    engine.close()
+    monkeypatch.delenv(copy_in.ENV)              # opt-in: off by default
+    engine = zero_offload.initialize(make_model(), config())
+    assert engine.zero.copy_in is None
     engine.close()
 
 

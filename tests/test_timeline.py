@@ -26,6 +26,7 @@ CHUNK = 1 << 12
 @pytest.fixture
 def simulated_streams(monkeypatch):
     monkeypatch.setenv(simulated.ENV, "1")
+    monkeypatch.setenv(copy_in.ENV, "1")
     monkeypatch.delenv(simulated.SKIP_WAITS_ENV, raising=False)
     monkeypatch.setattr(simulated, "random_delay", lambda: 0.002)
     monkeypatch.setattr(partitioned_adam, "COPY_CHUNK", CHUNK)

@@ -1,5 +1,7 @@
 """The next forward waits for each module's own updated parameters, not for the whole copy up (issue 27, item 3).
 
+Opt-in: ``ZERO_OFFLOAD_PER_MODULE_WAITS=1`` (see `ENV`); by default every step waits for its whole copy up.
+
 After a host optimizer step at one rank (stages 0-2, optimizer offloaded, no all-gather behind the step), the
 updated 16-bit parameters go up to the device in chunks, in flat-buffer order (the model's parameter order).
 Waiting for every chunk before the next forward leaves the device idle for the whole copy (0.375 s per step at
@@ -25,13 +27,23 @@ machine without an accelerator every copy has landed already, and the waits cost
 """
 from __future__ import annotations
 
+import os
 import warnings
 from typing import Protocol, runtime_checkable
 
 import torch
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
-__all__ = ["CopyUpQueue", "CopyInWaits", "ParamRead", "compiled"]
+__all__ = ["CopyUpQueue", "CopyInWaits", "ParamRead", "compiled", "ENV", "enabled"]
+
+# Opt-in while the guard is a torch function mode on the thread's global stack: an engine dropped without `close`
+# after a step leaves it there, holding the engine, until the next forward (and at interpreter exit).
+ENV = "ZERO_OFFLOAD_PER_MODULE_WAITS"
+
+
+def enabled() -> bool:
+    """Whether ``ZERO_OFFLOAD_PER_MODULE_WAITS`` asks for per-module waits (read when an engine is built)."""
+    return os.environ.get(ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
 def compiled(module: torch.nn.Module) -> bool:

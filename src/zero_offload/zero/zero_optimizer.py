@@ -17,6 +17,7 @@ from zero_offload.flat import FlatParams
 from zero_offload.offload.copies import CopyEngine
 from zero_offload.zero.base import MemoryKind, ZeroOptimizerBase
 from zero_offload.zero.builder import build_partition_optimizer
+from zero_offload.zero import copy_in
 from zero_offload.zero.copy_in import CopyInWaits, CopyUpQueue, compiled
 from zero_offload.zero.grad_partition import GradPartition
 from zero_offload.zero.layout import GroupLayout, contiguous_layout
@@ -55,8 +56,8 @@ class ZeroOptimizer(ZeroOptimizerBase):
 
     Args:
         module: the model, given when the next forward may wait for each module's own updated parameters only
-            (`zero_offload.zero.copy_in`: one rank, optimizer offloaded, not compiled); None: every step waits
-            for its whole copy up.
+            (`zero_offload.zero.copy_in`, opt-in with ``ZERO_OFFLOAD_PER_MODULE_WAITS=1``: one rank, optimizer
+            offloaded, not compiled); None: every step waits for its whole copy up.
 
     Raises:
         ValueError: a param group without parameters.
@@ -96,7 +97,7 @@ class ZeroOptimizer(ZeroOptimizerBase):
         """Per-module waits for the copies up where nothing else waits for them all: one rank (or stage 0, where
         no all-gather follows the step), the optimizer offloaded to memory, a model that is not compiled."""
         gathers = self.stage >= 1 and self.ctx.distributed
-        if module is None or gathers or not self.offload or not isinstance(self.adam, CopyUpQueue) \
+        if not copy_in.enabled() or module is None or gathers or not self.offload or not isinstance(self.adam, CopyUpQueue) \
                 or compiled(module):
             return None
         where = {}

@@ -247,3 +247,4 @@ def test_a_model_compiled_after_initialize_waits_for_the_whole_copy(slow_copies)
     train(engine, 2)
     assert not engine.zero.copy_in.enabled and not engine.zero.adam.pending_copies_up()
     engine.close()
+    torch._dynamo.reset()       # drop the compiled graphs and their fake tensors: later tests count live tensors

@@ -152,8 +152,12 @@ def _live_cpu_bytes() -> int:
     for obj in gc.get_objects():
         if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
             storage = obj.untyped_storage()
-            if storage.data_ptr() and storage.data_ptr() not in seen:
-                seen.add(storage.data_ptr())
+            try:
+                ptr = storage.data_ptr()
+            except RuntimeError:          # a fake tensor an earlier torch.compile left in dynamo's caches: no memory
+                continue
+            if ptr and ptr not in seen:
+                seen.add(ptr)
                 total += storage.nbytes()
     return total
 

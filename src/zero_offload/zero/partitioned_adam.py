@@ -8,6 +8,7 @@ combined 1/loss_scale x clip scale, and writes the 16-bit parameter into a host 
 from __future__ import annotations
 
 import time
+from collections import deque
 from typing import Iterable, Iterator, Sequence
 
 import torch
@@ -101,7 +102,7 @@ class PartitionedAdam(WholeGroupState):
         self.outs: list[torch.Tensor | None] = []
         # Copies up that may still read a host buffer, in queue order: (handle, storage address of what they read;
         # 0 for the ring, whose slots wait for their own copies).
-        self.in_flight: list[tuple[CopyHandle, int]] = []
+        self.in_flight: deque[tuple[CopyHandle, int]] = deque()
         self.ring: StagingRing | None = None      # made on first use (`_ring`): fp32 gradients, 16-bit parts
         # 16-bit device parts: where the host step wrote each group's parameters (over the gradient, or a pinned
         # buffer: `_out_over_grad`, `_deferred_out`), and the last copy up queued from there.
@@ -189,7 +190,7 @@ class PartitionedAdam(WholeGroupState):
         else:
             handle, reads = self.copies.to_device(part[lo:hi], self.masters[g][lo:hi]), _storage(self.masters[g])
         while self.in_flight and self.in_flight[0][0].query():     # landed: forget them (never blocks)
-            self.in_flight.pop(0)
+            self.in_flight.popleft()
         self.in_flight.append((handle, reads))
         self.pending_up.append((g, hi, handle))
 
@@ -242,7 +243,8 @@ class PartitionedAdam(WholeGroupState):
                    default=-1)
         if last >= 0:
             self.in_flight[last][0].synchronize()
-            del self.in_flight[:last + 1]
+            for _ in range(last + 1):
+                self.in_flight.popleft()
 
     def _out_over_grad(self, g: int, grad: torch.Tensor) -> torch.Tensor | None:
         """Where the host step writes group ``g``'s 16-bit parameters headed for the device: over the gradient it

@@ -35,11 +35,12 @@ def test_the_delayed_update_counts_a_spare_gradient_partition():
     plain = estimate_memory("gpt2-xl", _config(), 1, accelerator=True)
     dpu = estimate_memory("gpt2-xl", _config(dpu=True), 1, accelerator=True)
     assert "grad_spare" not in plain.host
-    assert dpu.host["grad_spare"] == dpu.host["grad_partition"] == plain.host["grad_partition"]
     # At one micro-step per step the host step writes the 16-bit parameters over the 16-bit gradient, with or
-    # without the delayed update: no publish buffer and no staging ring; the spare partition is all DPU adds.
-    assert "param_staging" not in dpu.host and "param_staging" not in plain.host
-    assert dpu.host_bytes - plain.host_bytes == dpu.host["grad_spare"]
+    # without the delayed update: no publish buffer and no staging ring. The gradient buffer is lent to the delayed
+    # step (`BufferLease`): no spare partition either; its landing buffers are the partition again on the device.
+    assert "param_staging" not in dpu.host and "param_staging" not in plain.host and "grad_spare" not in dpu.host
+    assert dpu.host_bytes == plain.host_bytes
+    assert dpu.device["param_incoming"] == plain.host["grad_partition"] == dpu.device_bytes - plain.device_bytes
     # Under accumulation the partition and its spare are fp32; the engine's breakdown counts both as grad_partition
     # and reports the staging pool on its own line.
     acc = estimate_memory("gpt2-xl", _config(gas=4, dpu=True), 1, accelerator=True)
@@ -92,25 +93,26 @@ def test_the_seeds_demo_plans_without_a_config():
     assert "activation_checkpointing" in p.reasons and p.reasons["activation_checkpointing"].startswith("on")
     assert "exposed" in p.reasons["step"]
     zero_offload.Config.load(p.config)
-    # Checked after the delayed update: 12 host bytes/param with its spare partition do not fit 128 GB, so it is
-    # off, and the plan says why.
-    assert not b.delayed and "does not fit" in p.reasons["delayed_param_update"]
-    with_dpu = estimate_memory("gpt2-10b", {**p.config, "zero_optimization": {
-        **p.config["zero_optimization"], "offload_optimizer": {"device": "cpu", "delayed_param_update": True}}},
-        1, micro_batch=b.micro, accelerator=True)
-    assert with_dpu.host_bytes > 0.9 * 128e9
+    # Issue 27, item 1: the delayed update fits the seed's 128 GB host: its step shares the gradient buffer with
+    # the next backward (no spare partition: 10 host bytes/param with bf16 moments), its landing buffers are on the
+    # device, and both sides stay inside the planner's 10 % headroom.
+    assert b.delayed and p.reasons["delayed_param_update"].startswith("on")
+    assert b.gas == 1 and "grad_spare" not in b.estimate.host and b.estimate.device["param_incoming"] > 0
     assert b.estimate.host_bytes <= 0.9 * 128e9 and b.estimate.device_bytes <= 0.9 * 80e9
-    # With room for the spare partition the delayed update goes on and the host step is hidden.
+    # power: under accumulation the gradient is fp32 and a spare partition is needed: that does not fit
+    accumulating = {**p.config, "gradient_accumulation_steps": 2}
+    assert estimate_memory("gpt2-10b", accumulating, 1, micro_batch=b.micro, accelerator=True).host_bytes > 0.9 * 128e9
     roomy = zero_offload.plan("gpt2-10b", gpus=1, gpu_memory="80GB", host_memory="256GB")
     assert roomy.batch.delayed and roomy.batch.timing.exposed_share <= 0.10
-    assert roomy.batch.estimate.host.get("grad_spare", 0) > 0
 
 
 def test_accumulation_hides_the_host_step():
     """gpt2-xl on a 24 GB GPU: micro-batch 1 without accumulation left the device idle ~98 % of the step."""
     p = zero_offload.plan("gpt2-xl", **XL)
     t = p.batch.timing
-    assert p.name == "stage 2 + offload opt" and p.batch.delayed
+    # Stage 2 with offload (its smaller buckets leave room for the delayed update's landing buffers); stage 3 would
+    # fit too, but its per-unit gathers cost time at one rank (`STAGE3_UNIT_SECONDS`)
+    assert p.name.startswith("stage 2 + offload opt") and p.batch.delayed
     assert p.batch.gas > 1 and p.batch.micro * p.batch.gas * 1024 == t.tokens
     assert t.compute_s >= 0.9 * t.host_s and t.exposed_share <= 0.10
     assert t.exposed_s == max(0.0, t.host_s - t.compute_s) and t.step_s == t.compute_s + t.exposed_s

@@ -8,7 +8,7 @@
 
 Each has a power check that restores the structure issue 27's review found and sees the assertion fail: copies up
 rounded from the master through a small ring (a host wait per chunk), a wait for every copy up before the next forward,
-the delayed update's publish (copies that start only after the whole host step), and copies down that lag two
+copies up queued only after the whole host step (the delayed update's publish before), and copies down that lag two
 reductions (``InFlight`` not told a reduction completed).
 """
 from __future__ import annotations
@@ -111,11 +111,23 @@ def _copy_starts_before_next_chunk_ends(tl: timeline.Timeline) -> list[bool]:
     return checks
 
 
-def test_a_chunks_copy_up_starts_before_the_next_chunk_is_stepped(simulated_streams):
-    checks = _copy_starts_before_next_chunk_ends(recorded(mlp(256), bucket=50_000))
+@pytest.mark.parametrize("dpu", [False, True])
+def test_a_chunks_copy_up_starts_before_the_next_chunk_is_stepped(simulated_streams, monkeypatch, dpu):
+    """Under the delayed update too: its step copies each chunk into the device landing buffers as it goes."""
+    checks = _copy_starts_before_next_chunk_ends(recorded(mlp(256), bucket=50_000, steps=2, dpu=dpu))
     assert len(checks) > 10 and all(checks)
-    # power: the delayed update publishes after its whole host step (the review's structure under DPU)
-    checks = _copy_starts_before_next_chunk_ends(recorded(mlp(256), bucket=50_000, steps=2, dpu=True))
+    # power: every copy up queued only after the whole host step (the delayed update's publish before issue 27)
+    adam = partitioned_adam.PartitionedAdam
+    held, copy_up = [], (adam._copy_incoming if dpu else adam._copy_up)
+    monkeypatch.setattr(adam, "_copy_incoming" if dpu else "_copy_up", lambda self, *chunk: held.append(chunk))
+    release = adam._release_copies_up
+
+    def late(self):
+        while held:
+            copy_up(self, *held.pop(0))
+        release(self)
+    monkeypatch.setattr(adam, "_release_copies_up", late)
+    checks = _copy_starts_before_next_chunk_ends(recorded(mlp(256), bucket=50_000, steps=2, dpu=dpu))
     assert checks and not all(checks)
 
 

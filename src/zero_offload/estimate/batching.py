@@ -157,11 +157,13 @@ def choose_batch(shape: ModelShape, raw: dict, gpus: int, seq: int | None, knobs
 
 def _timed(c: BatchChoice, shape: ModelShape, gpus: int, seq: int, a: Assumptions) -> BatchChoice:
     """``c`` with its predicted step (`zero_offload.estimate.throughput`)."""
-    host_s, down, add_s = _host_step(shape, Config.load(c.raw), gpus, c.gas, a)
+    cfg = Config.load(c.raw)
+    host_s, down, add_s = _host_step(shape, cfg, gpus, c.gas, a)
     tokens = c.micro * seq
     ckpt = c.checkpointing if c.checkpointing is not None else bool(shape.gpt and shape.gpt.activation_checkpointing)
-    micro_s = micro_step_seconds(shape.n_params, tokens, ckpt, a, down)
-    later_s = micro_step_seconds(shape.n_params, tokens, ckpt, a, down, add_s)   # adds beside backward
+    units = len(shape.units) if cfg.zero_optimization.stage == 3 else 0
+    micro_s = micro_step_seconds(shape.n_params, tokens, ckpt, a, down, stage3_units=units)
+    later_s = micro_step_seconds(shape.n_params, tokens, ckpt, a, down, add_s, units)   # adds beside backward
     c.timing = step_timing(micro_s, c.gas, host_s, c.delayed, tokens * c.gas, later_s)
     return c
 
@@ -190,16 +192,19 @@ def _explain(c: BatchChoice, options: list[BatchChoice], seq: int, free_ckpt: bo
             notes["activation_checkpointing"] = "off: the chosen micro-batch fits without recomputing activations"
     if dpu_possible and t.host_s > 0:
         if c.delayed:
+            spare = c.gas > 1 and Config.load(c.raw).zero_optimization.stage >= 2
+            held = ("its spare fp32 gradient partition and the 16-bit partition it publishes from counted in host "
+                    "memory" if spare else "the gradient buffer lent to it, the next backward refilling it behind "
+                    "it: no spare partition")
             notes["delayed_param_update"] = ("on: the host step runs one step behind, beside the next step's "
-                                             "forward and backward (its spare gradient partition counted in "
-                                             "host memory, and under accumulation the 16-bit partition it "
-                                             "publishes from)")
+                                             f"forward and backward ({held}; the buffers its step lands the "
+                                             "parameters in counted in device memory)")
         elif knobs.delayed_update is None:
             dpu = [o for o in options if o.delayed]
             notes["delayed_param_update"] = ("off: the host step hides well enough without it" if dpu else
                                              "off: with it the config does not fit (its spare gradient partition, "
                                              "and under accumulation a 16-bit publish buffer, need host memory "
-                                             "that is not there)")
+                                             "that is not there, or its device landing buffers device memory)")
     share = f"{t.exposed_share:.0%}"
     notes["step"] = (f"~{t.step_s:.2f} s per optimizer step: {t.compute_s:.2f} s device compute "
                      f"({t.micro_s:.3f} s per micro-step at {a.gpu_flops / 1e12:.0f} TFLOP/s"

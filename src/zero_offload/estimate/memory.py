@@ -33,7 +33,8 @@ __all__ = ["ModelShape", "MemoryEstimate", "estimate_memory", "model_shape", "ac
 
 # Kinds that `Engine.memory_breakdown()` also reports (measured from the tensors the engine holds).
 MODEL_STATE_KINDS = ("params", "grads", "buckets", "grad_partition", "grad_staging", "master", "exp_avg",
-                     "exp_avg_sq", "param_staging", "frozen_params", "nvme_buffers", "param_pool", "param_write_ring")
+                     "exp_avg_sq", "param_staging", "param_incoming", "frozen_params", "nvme_buffers", "param_pool",
+                     "param_write_ring")
 # Lines of the estimate that the engine's breakdown counts as part of the gradient partition.
 GRAD_PARTITION_PARTS = {"grad_spare": "grad_partition"}
 
@@ -142,7 +143,8 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
     stages 0/1), ``buckets`` (stage-2 bucket buffers), ``grad_partition``, ``grad_staging`` (the pinned pool
     later micro-steps' gradients come down through: `zero_offload.offload.grad_staging`), ``master``,
     ``exp_avg``, ``exp_avg_sq``, ``param_staging`` (host copies of updated parameters), ``grad_spare`` (the
-    delayed parameter update's second gradient partition), ``frozen_params`` (parameters with
+    delayed parameter update's second gradient partition), ``param_incoming`` (its device buffers the background
+    step lands updated parameters in), ``frozen_params`` (parameters with
     ``requires_grad=False``: whole below stage 3, this rank's shards at stage 3), ``live_params`` (stage 3: gathered
     units, persistent ones and the prefetch / live-parameter budget), ``reduce_buffers`` (stage 3: unit
     gradients being reduce-scattered), ``pinned_rounding``, ``activations``.
@@ -265,11 +267,18 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
             moments(p, on_host=host_step)
     grads_on_host = offload_opt or offload_param
     if grads_on_host and zc.offload_optimizer.delayed_param_update:
-        # The delayed update hands this step's gradient partitions to the host step and the next backward fills
-        # a second set (`GradPartition.take`): one spare partition of the same size and dtype per group.
-        for p in parts:
-            host("grad_spare", p, grad_dtype if zc.stage >= 2 else dtype)
-        est.formulas["grad_spare"] = "delayed update: a second gradient partition (P x the partition's dtype)"
+        # The delayed update hands this step's gradient partitions to the host step. Filled straight by the copies
+        # down, a partition is lent and the next backward refills it behind the step (`GradPartition.take`);
+        # under accumulation at stage >= 2 (fp32, through the staging worker) the next backward fills a second one.
+        if zc.stage >= 2 and gas > 1:
+            for p in parts:
+                host("grad_spare", p, grad_dtype)
+            est.formulas["grad_spare"] = ("delayed update under accumulation: a second gradient partition "
+                                          "(P x the partition's dtype)")
+        if not offload_param:
+            # Its step copies each finished chunk up into a device buffer the boundary copies over the parameters.
+            est.add("device", "param_incoming", sum(parts) * d)
+            est.formulas["param_incoming"] = "delayed update: the partition again on the device (P x d)"
     ring_used = offload_opt and not offload_param   # a 16-bit partition on the device is filled through it
     if ring_used and d < 4 and not state_nvme and parts and zc.offload_optimizer.delayed_param_update:
         # The delayed update's host step writes the 16-bit partition over the 16-bit gradient it reads, and publish

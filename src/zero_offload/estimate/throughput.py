@@ -117,13 +117,20 @@ def host_add_seconds(params: int, piece_bytes: int, host_adam: float) -> float:
     return params * (piece_bytes + 8) / (host_adam * 28)
 
 
+# Stage 3's gather and release of one unit, in forward or in backward: 0.22 ms, measured on an H200 host (GPT-2
+# 124M, 123 units: stage 3 + offload's forward and backward took 0.097 s per micro-step of device time against stage
+# 2 + offload's 0.042 s; BENCHMARKS.md, issue 27). Counted on top of the compute, as measured there.
+STAGE3_UNIT_SECONDS = 2.2e-4
+
+
 def micro_step_seconds(n_params: int, tokens: int, checkpointing: bool, a: Assumptions,
-                       grad_down_bytes: int = 0, host_add_s: float = 0.0) -> float:
-    """Seconds of one micro-step of ``tokens`` tokens: device compute (with the saturation rule), or the copy
-    of ``grad_down_bytes`` of gradients to the host, or the ``host_add_s`` seconds of its host accumulation
+                       grad_down_bytes: int = 0, host_add_s: float = 0.0, stage3_units: int = 0) -> float:
+    """Seconds of one micro-step of ``tokens`` tokens: device compute (with the saturation rule) plus stage 3's
+    gathers and releases of ``stage3_units`` units (twice each: `STAGE3_UNIT_SECONDS`), or the copy of
+    ``grad_down_bytes`` of gradients to the host, or the ``host_add_s`` seconds of its host accumulation
     (`host_add_seconds`; 0 for the first micro-step of a step), whichever is longest: all three overlap."""
     rate = a.gpu_flops * min(1.0, tokens / a.saturation_tokens)
-    compute = (8 if checkpointing else 6) * n_params * tokens / rate
+    compute = (8 if checkpointing else 6) * n_params * tokens / rate + 2 * stage3_units * STAGE3_UNIT_SECONDS
     return max(compute, grad_down_bytes / a.pcie, host_add_s)
 
 

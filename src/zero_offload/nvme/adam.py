@@ -333,6 +333,10 @@ class NvmeAdam(FailStop, WholeGroupState):
         """Host buffers the 16-bit outputs of a sub-group pass through (to the device or a parameter file)."""
         return [t for t in self.staging if t is not None]
 
+    def incoming_tensors(self) -> list[torch.Tensor]:
+        """None: NVMe states step synchronously (no delayed update)."""
+        return []
+
     # -- the chunked state API of zero_offload.state.PartitionedOptimizerState --------------------------------
     def group_step(self, g: int) -> int:
         return int(self.steps[g])

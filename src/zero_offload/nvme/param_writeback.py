@@ -58,3 +58,6 @@ class WriteBackOptimizer:
     def staging_tensors(self) -> list[torch.Tensor]:
         return self.inner.staging_tensors()
 
+    def incoming_tensors(self) -> list[torch.Tensor]:
+        return self.inner.incoming_tensors()
+

@@ -42,7 +42,9 @@ class Copies(Protocol):
 
     def to_host(self, dst: torch.Tensor, src: torch.Tensor) -> CopyHandle: ...
 
-    def to_device(self, dst: torch.Tensor, src: torch.Tensor) -> CopyHandle: ...
+    def to_device(self, dst: torch.Tensor, src: torch.Tensor, after: CopyHandle | None = None) -> CopyHandle: ...
+
+    def compute_point(self) -> CopyHandle: ...
 
     def upload(self, src: torch.Tensor) -> tuple[torch.Tensor, CopyHandle]: ...
 
@@ -69,9 +71,13 @@ class HostCopies:
         self.counts.bytes_down += dst.numel() * dst.element_size()
         return DONE
 
-    def to_device(self, dst: torch.Tensor, src: torch.Tensor) -> CopyHandle:
+    def to_device(self, dst: torch.Tensor, src: torch.Tensor, after: CopyHandle | None = None) -> CopyHandle:
         dst.copy_(src)
         self.counts.bytes_up += dst.numel() * dst.element_size()
+        return DONE
+
+    def compute_point(self) -> CopyHandle:
+        """See `CudaCopies.compute_point`: the host is the compute, already past every point."""
         return DONE
 
     def upload(self, src: torch.Tensor) -> tuple[torch.Tensor, CopyHandle]:
@@ -122,11 +128,18 @@ class CudaCopies:
         self.counts.bytes_down += dst.numel() * dst.element_size()
         return self._copy(self.d2h, dst, src, device_side=src)
 
-    def to_device(self, dst: torch.Tensor, src: torch.Tensor) -> CopyHandle:
+    def to_device(self, dst: torch.Tensor, src: torch.Tensor, after: CopyHandle | None = None) -> CopyHandle:
         """Copy host tensor ``src`` into device tensor ``dst`` once the compute queued so far is done with
-        ``dst`` (the caller has synchronised the handle of whatever wrote ``src``)."""
+        ``dst`` (the caller has synchronised the handle of whatever wrote ``src``); with ``after`` (a
+        `compute_point`) once the compute queued up to that point is: from a thread other than the one
+        feeding the compute stream, whose own current stream says nothing of where the compute stands."""
         self.counts.bytes_up += dst.numel() * dst.element_size()
-        return self._copy(self.h2d, dst, src, device_side=dst)
+        return self._copy(self.h2d, dst, src, device_side=dst, after=after)
+
+    def compute_point(self) -> CopyHandle:
+        """The compute queued so far on the current stream, as a handle a later copy may wait for (`to_device`'s
+        ``after``): the last reader of a device buffer marks it, and the copies that rewrite it wait for it."""
+        return CopyHandle(torch.cuda.current_stream(self.device).record_event())
 
     def upload(self, src: torch.Tensor) -> tuple[torch.Tensor, CopyHandle]:
         """A new device copy of host tensor ``src``, allocated and filled on the host-to-device stream: it waits
@@ -169,8 +182,12 @@ class CudaCopies:
         """Let every copy queued land (from `Engine.close`); the streams are CUDA's and need no ending."""
         self.synchronize()
 
-    def _copy(self, stream, dst: torch.Tensor, src: torch.Tensor, device_side: torch.Tensor) -> CopyHandle:
-        stream.wait_event(torch.cuda.current_stream(self.device).record_event())
+    def _copy(self, stream, dst: torch.Tensor, src: torch.Tensor, device_side: torch.Tensor,
+              after: CopyHandle | None = None) -> CopyHandle:
+        if after is None:
+            stream.wait_event(torch.cuda.current_stream(self.device).record_event())
+        elif after.event is not None:
+            stream.wait_event(after.event)
         with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
         device_side.record_stream(stream)

@@ -144,10 +144,13 @@ class SimulatedStream:
         self.thread = HostThread(f"sim-{name}")
         self.last: SimulatedEvent | None = None
 
-    def submit(self, work: Callable[[], None], kind: str = "copies", nbytes: int = 0) -> SimulatedEvent:
-        """Queue ``work`` (moving ``nbytes``) to run after a random delay; returns the event set once it has run."""
+    def submit(self, work: Callable[[], None], kind: str = "copies", nbytes: int = 0,
+               after: CopyHandle | None = None) -> SimulatedEvent:
+        """Queue ``work`` (moving ``nbytes``) to run after a random delay; returns the event set once it has run.
+        ``after``: the compute point it waits for in a recorded timeline (default: the compute queued so far)."""
         tl = timeline.current()
-        op = tl.queued(self.name, "copy" if kind == "copies" else "collective", nbytes) if tl is not None else None
+        waits = None if after is None else [after.event.op if after.event is not None else None]
+        op = tl.queued(self.name, "copy" if kind == "copies" else "collective", nbytes, waits) if tl else None
         event = SimulatedEvent(self.skip, op)
         count(kind)
         due = time.monotonic() + random_delay()
@@ -229,10 +232,19 @@ class SimulatedCopies:
         self.counts.bytes_down += dst.numel() * dst.element_size()
         return SimulatedHandle(self.d2h.submit(delayed_copy(dst, src), nbytes=_nbytes(dst)), self.counts)
 
-    def to_device(self, dst: torch.Tensor, src: torch.Tensor) -> CopyHandle:
-        """Copy ``src`` into ``dst`` later on the host-to-device stream; ``src`` is read then."""
+    def to_device(self, dst: torch.Tensor, src: torch.Tensor, after: CopyHandle | None = None) -> CopyHandle:
+        """Copy ``src`` into ``dst`` later on the host-to-device stream; ``src`` is read then. ``after`` (a
+        `compute_point`) is behind the host already: the host is the compute."""
         self.counts.bytes_up += dst.numel() * dst.element_size()
-        return SimulatedHandle(self.h2d.submit(delayed_copy(dst, src), nbytes=_nbytes(dst)), self.counts)
+        return SimulatedHandle(self.h2d.submit(delayed_copy(dst, src), nbytes=_nbytes(dst), after=after), self.counts)
+
+    def compute_point(self) -> CopyHandle:
+        """See `CudaCopies.compute_point`: the host is the compute, already past the point (a done event, naming
+        the last compute op in a recorded timeline)."""
+        tl = timeline.current()
+        event = SimulatedEvent(skip=True, op=tl.compute_point() if tl is not None else None)
+        event.done.set()
+        return SimulatedHandle(event, self.counts)
 
     def upload(self, src: torch.Tensor) -> tuple[torch.Tensor, CopyHandle]:
         """A new "device" copy of ``src``, filled later on the host-to-device stream (as `CudaCopies.upload`)."""

@@ -105,10 +105,14 @@ class Timeline:
                 self._last_host[host] = op.id
             return op
 
-    def queued(self, lane: str, kind: str, nbytes: int) -> int:
+    def queued(self, lane: str, kind: str, nbytes: int, after: list[int | None] | None = None) -> int:
         """A copy or collective queued on simulated stream ``lane`` by this host thread: it waits for the compute
-        queued so far. Returns its id."""
-        return self._add(lane, kind, nbytes, after=[self._last_compute]).id
+        queued so far, or for the ops ``after`` (a `compute_point`). Returns its id."""
+        return self._add(lane, kind, nbytes, after=[self._last_compute] if after is None else after).id
+
+    def compute_point(self) -> int | None:
+        """The last compute op issued so far (`Copies.compute_point`)."""
+        return self._last_compute
 
     def stream_waits_for(self, lane: str, op_id: int | None) -> None:
         """Simulated stream ``lane`` waits for ``op_id`` before its later work (``downloads_after``)."""

@@ -73,6 +73,7 @@ class CPUAdam(torch.optim.Optimizer):
         outputs: Sequence[Sequence[torch.Tensor | None]] | None = None,
         on_chunk: Callable[[int, int, int, int], None] | None = None,
         lrs: Sequence[float] | None = None,
+        order: Sequence[tuple[int, int, int, int]] | None = None,
     ):
         """One optimizer step over every parameter that has a gradient.
 
@@ -87,35 +88,71 @@ class CPUAdam(torch.optim.Optimizer):
                 ``start:end`` of that parameter (and of its output) are final, in order.
             lrs: per group, the learning rate to use instead of ``group["lr"]`` (a step running in a
                 background thread uses the rates taken when it was launched, while the schedule moves on).
+            order: the work items ``(group_index, param_index, start, end)`` in the order to step them (the
+                engine's: the order the next forward reads the parameters, so the copies up that ``on_chunk``
+                starts land in that order); they must cover every parameter that has a gradient exactly once.
+                Default: every parameter whole, group by group.
+
+        Raises:
+            ValueError: ``order`` does not cover some parameter with a gradient exactly once.
         """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        stepped = {}     # (group, param) -> the gradient, for each parameter this step updates
         for gi, group in enumerate(self.param_groups):
-            beta1, beta2 = group["betas"]
             for pi, p in enumerate(group["params"]):
                 grad = grads[gi][pi] if grads is not None else p.grad
-                if grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state["step"] = 0
-                    for key in ("exp_avg", "exp_avg_sq"):
-                        state[key] = torch.zeros_like(p, dtype=self.state_dtype, memory_format=torch.contiguous_format)
-                elif state["exp_avg"].dtype != self.state_dtype:  # load_state_dict casts states to fp32
-                    for key in ("exp_avg", "exp_avg_sq"):
-                        state[key] = state[key].to(self.state_dtype).contiguous()
-                state["step"] += 1
-                out = outputs[gi][pi] if outputs is not None else None
-                fused_adam_step(
-                    p.view(-1), grad.reshape(-1), state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1),
-                    step=state["step"], lr=group["lr"] if lrs is None else lrs[gi], beta1=beta1, beta2=beta2,
-                    eps=group["eps"],
-                    weight_decay=group["weight_decay"], adamw_mode=group["adamw_mode"],
-                    bias_correction=group["bias_correction"], grad_scale=grad_scale,
-                    out=None if out is None else out.view(-1),
-                    on_chunk=None if on_chunk is None else (lambda lo, hi, gi=gi, pi=pi: on_chunk(gi, pi, lo, hi)),
-                    num_threads=self.num_threads, chunk_size=self.chunk_size if on_chunk is not None else None,
-                )
+                if grad is not None:
+                    stepped[gi, pi] = grad
+        items = _work_items(self.param_groups, stepped, order)
+        for gi, pi in stepped:
+            self._begin_step(self.param_groups[gi]["params"][pi])
+        for gi, pi, lo, hi in items:
+            group, grad = self.param_groups[gi], stepped[gi, pi]
+            p = group["params"][pi]
+            state, out = self.state[p], outputs[gi][pi] if outputs is not None else None
+            beta1, beta2 = group["betas"]
+            fused_adam_step(
+                p.view(-1)[lo:hi], grad.reshape(-1)[lo:hi], state["exp_avg"].view(-1)[lo:hi],
+                state["exp_avg_sq"].view(-1)[lo:hi],
+                step=state["step"], lr=group["lr"] if lrs is None else lrs[gi], beta1=beta1, beta2=beta2,
+                eps=group["eps"],
+                weight_decay=group["weight_decay"], adamw_mode=group["adamw_mode"],
+                bias_correction=group["bias_correction"], grad_scale=grad_scale,
+                out=None if out is None else out.view(-1)[lo:hi],
+                on_chunk=None if on_chunk is None else (
+                    lambda a, b, gi=gi, pi=pi, lo=lo: on_chunk(gi, pi, lo + a, lo + b)),
+                num_threads=self.num_threads, chunk_size=self.chunk_size if on_chunk is not None else None,
+            )
         return loss
+
+    def _begin_step(self, p: torch.Tensor) -> None:
+        """Make or cast ``p``'s moments and count its step (once per step, however many work items it has)."""
+        state = self.state[p]
+        if not state:
+            state["step"] = 0
+            for key in ("exp_avg", "exp_avg_sq"):
+                state[key] = torch.zeros_like(p, dtype=self.state_dtype, memory_format=torch.contiguous_format)
+        elif state["exp_avg"].dtype != self.state_dtype:  # load_state_dict casts states to fp32
+            for key in ("exp_avg", "exp_avg_sq"):
+                state[key] = state[key].to(self.state_dtype).contiguous()
+        state["step"] += 1
+
+
+def _work_items(groups: list[dict], stepped: dict, order) -> list[tuple[int, int, int, int]]:
+    """`CPUAdam.step`'s ``order``, checked (or the default: each stepped parameter whole, group by group)."""
+    if order is None:
+        return [(gi, pi, 0, groups[gi]["params"][pi].numel()) for gi, pi in stepped]
+    covered: dict[tuple[int, int], int] = {}
+    for gi, pi, lo, hi in order:
+        if (gi, pi) not in stepped or not 0 <= lo < hi <= groups[gi]["params"][pi].numel():
+            raise ValueError(f"CPUAdam.step: order item {(gi, pi, lo, hi)} is not a range of a parameter with a "
+                             f"gradient")
+        covered[gi, pi] = covered.get((gi, pi), 0) + hi - lo
+    short = [k for k in stepped if covered.get(k, 0) != groups[k[0]]["params"][k[1]].numel()]
+    if short:
+        raise ValueError(f"CPUAdam.step: order covers (group, param) {short[0]} {covered.get(short[0], 0)} elements "
+                         f"of {groups[short[0][0]]['params'][short[0][1]].numel()} (each exactly once)")
+    return list(order)

@@ -138,7 +138,11 @@ class ZeroOptimizerBase:
     def detached_step(self, grads: list[ReadyGrad], grad_scale: float, lrs: list[float]) -> None:
         """The host step on handed-over gradients, touching nothing the model reads (any thread): masters,
         moments and staging outputs change; the parameters only at `publish`."""
-        self.adam.step(grads, grad_scale, lrs, publish=False)
+        try:
+            self.adam.step(grads, grad_scale, lrs, publish=False)
+        finally:
+            for g in grads:     # lent gradient buffers are free once the step is over, also when it failed
+                g.finish()
 
     # -- state (zero_offload.state.PartitionedOptimizerState) ---------------------------------------------
     def group_step(self, g: int) -> int:
@@ -197,13 +201,15 @@ class ZeroOptimizerBase:
         """The memory of the step's side, by kind: ``grad_partition`` (the reduced gradient partitions and
         their spares), ``grad_staging`` (the pinned slots later micro-steps' gradients come down through), the
         partition optimizer's ``master``, ``exp_avg``, ``exp_avg_sq`` (and ``nvme_buffers``, the pool NVMe
-        states stream through), on the host when offloaded, and ``param_staging`` (host copies of updated
-        parameters headed to the device)."""
+        states stream through), on the host when offloaded, ``param_staging`` (host copies of updated
+        parameters headed to the device) and ``param_incoming`` (the delayed update's device buffers its step
+        lands updated parameters in)."""
         side = "host" if self.offload else "device"
         return {"grad_partition": (side, [t for p in self.partitions for t in p.state_tensors()]),
                 "grad_staging": ("host", [t for p in self.partitions for t in p.staging_tensors()]),
                 **{kind: (side, tensors) for kind, tensors in self.adam.state_tensors().items()},
-                "param_staging": ("host", self.adam.staging_tensors())}
+                "param_staging": ("host", self.adam.staging_tensors()),
+                "param_incoming": ("device", self.adam.incoming_tensors())}
 
     def memory_breakdown(self) -> dict[str, dict]:
         """Bytes this rank holds, by kind, measured from the tensors themselves (`tally`).

@@ -14,6 +14,7 @@ from zero_offload.offload import timeline
 from zero_offload.offload.grad_staging import staging_shape
 from zero_offload.offload.copies import DONE, CopyHandle, Copies
 from zero_offload.zero.buckets import GradBucket, largest_bucket
+from zero_offload.zero.buffer_lease import BufferLease
 
 __all__ = ["GradPartition", "GradSource", "ReadyGrad"]
 
@@ -35,16 +36,31 @@ class GradSource(Protocol):
         """
         ...
 
+    def released(self, lo: int, hi: int, reader: CopyHandle) -> None:
+        """The step is done with elements [lo, hi) once ``reader``'s copy up has read them (chunks in descending
+        order; see `zero_offload.zero.buffer_lease`)."""
+        ...
+
 
 class ReadyGrad:
     """A gradient buffer handed over whole (the delayed parameter update's previous step), or any tensor
-    already in place: ready as it is (the `GradSource` role)."""
+    already in place: ready as it is (the `GradSource` role). With a ``lease`` the buffer is shared with the next
+    backward, which waits for what the step has not released yet."""
 
-    def __init__(self, buffer: torch.Tensor):
-        self.buffer = buffer
+    def __init__(self, buffer: torch.Tensor, lease: BufferLease | None = None):
+        self.buffer, self.lease = buffer, lease
 
     def ready(self) -> torch.Tensor:
         return self.buffer
+
+    def released(self, lo: int, hi: int, reader: CopyHandle) -> None:
+        if self.lease is not None:
+            self.lease.release(lo, hi, reader)
+
+    def finish(self) -> None:
+        """The step is over (finished or failed): the whole buffer is released."""
+        if self.lease is not None:
+            self.lease.release_all()
 
 
 class GradPartition:
@@ -101,6 +117,11 @@ class GradPartition:
         self.staging_allocations = 0                   # slots ever allocated (a test holds it fixed)
         self.worker = HostThread(f"grad-staging-{lo}", device)
         self.spare: torch.Tensor | None = None
+        # The delayed update shares one buffer between its host step and the next backward where the buffer is
+        # filled straight from the copies down (no fp32 accumulation through the staging worker): `take` lends it.
+        self.shares_buffer = offload and in_place is None and not (stage >= 2 and accumulate_fp32)
+        self.lease: BufferLease | None = None
+        self.lease_reader: CopyHandle | None = None    # the lease's reader the copies down were last ordered after
         # Copies up that may still read ``buffer`` / ``spare`` (`read_by`): copies down into it wait for them.
         self.reader: CopyHandle | None = None
         self.spare_reader: CopyHandle | None = None
@@ -164,6 +185,8 @@ class GradPartition:
         nothing reads it any more). Offloaded, only issues copies (see the class docstring)."""
         dst = self.buffer[offset:offset + reduced.numel()]
         overwrite = first_micro_step or self.stage < 2
+        if self.lease is not None:
+            self._after_lease(offset)
         if self.reader is not None:                  # copies down wait for the copy up that reads the buffer
             self.copies.downloads_after(self.reader)
             self.reader = None
@@ -193,6 +216,16 @@ class GradPartition:
             handle = self.copies.to_host(slot, piece)
             self.worker.submit(self._host_side(handle, i, slot, dst[lo:lo + piece.numel()], overwrite))
         return handle                                # one stream: the last copy down finishes last
+
+    def _after_lease(self, offset: int) -> None:
+        """Before a copy down into [offset, ...) of a lent buffer: wait until the delayed step released it, and order
+        the copies down after the copy up that last read it (the training thread's only wait on the host step)."""
+        reader = self.lease.wait(offset)
+        if reader is not self.lease_reader:
+            self.copies.downloads_after(reader)
+            self.lease_reader = reader
+        if self.lease.released:
+            self.lease = None
 
     def _free_slot(self) -> int:
         """The next staging slot in turn, once the worker has added its previous piece (backpressure: the only
@@ -264,8 +297,10 @@ class GradPartition:
         return self.buffer
 
     def take(self) -> ReadyGrad:
-        """Hand the finished partition over whole and continue into a second buffer (the delayed parameter
-        update: the host step reads this step's gradients while the next backward fills the other buffer).
+        """Hand the finished partition over whole (the delayed parameter update: the host step reads this step's
+        gradients while the next backward runs). Where the copies down fill the buffer straight, it is lent
+        (`zero_offload.zero.buffer_lease`): the next backward writes each part once the step released it. Else
+        (fp32 accumulation through the staging worker) the next backward fills a second buffer.
         The buffer handed out at the previous call is reused, so the caller must be done with it (a copy up
         still reading it was named by `read_by`).
 
@@ -276,6 +311,12 @@ class GradPartition:
         if self.in_place:
             raise RuntimeError("a stage 0/1 gradient partition on the device cannot be handed over")
         done = self.ready()
+        if self.shares_buffer:              # one buffer, lent: the next backward waits for what is not released
+            if self.lease is not None and not self.lease.released:
+                raise RuntimeError("a gradient partition was handed over while the step before still held it")
+            self.lease, self.lease_reader = BufferLease(done.numel()), None
+            self.sq_covered = -1
+            return ReadyGrad(done, self.lease)
         if self.spare is None:
             self.spare = (self.copies.host_empty(done.numel(), done.dtype) if self.offload
                           else torch.empty_like(done))
@@ -283,6 +324,9 @@ class GradPartition:
         self.reader, self.spare_reader = self.spare_reader, self.reader
         self.sq_covered = -1       # the pieces summed belong to the buffer handed out
         return ReadyGrad(done)
+
+    def released(self, lo: int, hi: int, reader: CopyHandle) -> None:
+        """A synchronous step read the partition in place: nothing is lent (the `GradSource` role)."""
 
     def read_by(self, handle: CopyHandle, tensor: torch.Tensor) -> None:
         """A copy up reads ``tensor``, one of this partition's buffers (the delayed update publishes the

@@ -75,6 +75,10 @@ class PartitionOptimizer(Protocol):
     def staging_tensors(self) -> list[torch.Tensor]:
         """Host buffers that only carry updated 16-bit parameters on their way out (for memory accounting)."""
 
+    def incoming_tensors(self) -> list[torch.Tensor]:
+        """Device buffers the delayed update's step lands updated parameters in before `publish` (for memory
+        accounting; empty without it)."""
+
     def write_master(self, g: int, offset: int, values: torch.Tensor) -> None:
         """Overwrite group ``g``'s fp32 master weights at ``offset`` with ``values`` (1-D), as
         ``gathered_parameters(modifier_rank=...)`` does."""

@@ -94,17 +94,22 @@ class ZeroOptimizer(ZeroOptimizerBase):
         self.copy_in = self._copy_in(module)
 
     def _copy_in(self, module: torch.nn.Module | None) -> CopyInWaits | None:
-        """Per-module waits for the copies up where nothing else waits for them all: one rank (or stage 0, where
-        no all-gather follows the step), the optimizer offloaded to memory, a model that is not compiled."""
-        gathers = self.stage >= 1 and self.ctx.distributed
-        if not copy_in.enabled() or module is None or gathers or not self.offload or not isinstance(self.adam, CopyUpQueue) \
-                or compiled(module):
+        """The copies up queued in the order the forward reads the parameters (`copy_in.forward_order`), and
+        per-module waits for them where nothing else waits for them all: one rank (or stage 0, where no
+        all-gather follows the step), the optimizer offloaded to memory, a model that is not compiled."""
+        if module is None or not self.offload or not isinstance(self.adam, CopyUpQueue):
             return None
-        where = {}
+        position = {id(p): i for i, p in enumerate(module.parameters())}     # module order: the forward's, roughly
+        where, spans = {}, []
         for g, (f, part) in enumerate(zip(self.flats, self.partitions)):
             for p, slot in zip(f.params, f.slots):
                 if slot.offset < part.hi and slot.end > part.lo:
-                    where[id(p)] = (slot.name, g, min(slot.end, part.hi) - part.lo)
+                    lo, hi = max(slot.offset, part.lo) - part.lo, min(slot.end, part.hi) - part.lo
+                    where[id(p)] = (slot.name, g, hi)
+                    spans.append((position.get(id(p), len(position)), g, lo, hi))
+        self.adam.order_copies_up(spans)
+        if not copy_in.enabled() or (self.stage >= 1 and self.ctx.distributed) or compiled(module):
+            return None
         waits = CopyInWaits(self.adam, where)
         waits.attach(module)
         return waits

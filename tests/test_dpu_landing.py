@@ -21,7 +21,8 @@ import pytest
 import torch
 
 import zero_offload
-from toy_model import batch, make_model
+from test_copy_in import final, train
+from toy_model import make_model
 from zero_offload.offload import simulated
 from zero_offload.zero import buffer_lease, partitioned_adam
 
@@ -39,17 +40,7 @@ def config() -> dict:
 def run() -> tuple[list[float], dict[str, torch.Tensor]]:
     model = make_model()
     engine = zero_offload.initialize(model, config())
-    losses = []
-    for step in range(STEPS):
-        x, y = batch(step, 4)
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        losses.append(float(loss.detach()))
-    engine.flush_delayed_update()
-    params = {n: p.detach().float().clone() for n, p in model.named_parameters()}
-    engine.close()
-    return losses, params
+    return train(engine, STEPS), final(engine, model)
 
 
 @pytest.fixture

@@ -172,12 +172,12 @@ def ring_slot_rewritten_in_flight(mp):
     """A staging-ring slot is rewritten while its previous copy up still reads it."""
     from zero_offload.offload.staging_ring import StagingRing
 
-    def copy_up(self, dst, src):      # StagingRing.copy_up without its wait on the slot's previous copy
+    def copy_up(self, dst, src, after=None):      # StagingRing.copy_up without its wait on the slot's previous copy
         for lo in range(0, src.numel(), self.slot_numel):
             hi = min(src.numel(), lo + self.slot_numel)
             i, self.next = self.next, (self.next + 1) % len(self.slots)
             self.slots[i][:hi - lo].copy_(src[lo:hi])
-            self.handles[i] = self.last = self.copies.to_device(dst[lo:hi], self.slots[i][:hi - lo])
+            self.handles[i] = self.last = self.copies.to_device(dst[lo:hi], self.slots[i][:hi - lo], after)
         return self.last
     mp.setattr(StagingRing, "copy_up", copy_up)
 

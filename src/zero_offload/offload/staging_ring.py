@@ -43,16 +43,17 @@ class StagingRing:
         self.next = 0
         self.last: CopyHandle = DONE
 
-    def copy_up(self, dst: torch.Tensor, src: torch.Tensor) -> CopyHandle:
+    def copy_up(self, dst: torch.Tensor, src: torch.Tensor, after: CopyHandle | None = None) -> CopyHandle:
         """Round host ``src`` (1-D, any float dtype) into slots and copy them into device ``dst`` (same
-        numel); returns the handle of the last copy (copies on one stream finish in order)."""
+        numel), after ``after`` (`Copies.to_device`); returns the handle of the last copy (copies on one stream
+        finish in order)."""
         for lo in range(0, src.numel(), self.slot_numel):
             hi = min(src.numel(), lo + self.slot_numel)
             i, self.next = self.next, (self.next + 1) % len(self.slots)
             self.handles[i].synchronize()          # the slot's previous copy has read it
             slot = self.slots[i][:hi - lo]
             slot.copy_(src[lo:hi])
-            self.handles[i] = self.last = self.copies.to_device(dst[lo:hi], slot)
+            self.handles[i] = self.last = self.copies.to_device(dst[lo:hi], slot, after)
         return self.last
 
     def synchronize(self) -> None:

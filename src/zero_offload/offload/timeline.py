@@ -139,9 +139,15 @@ class Timeline:
         if op_id is not None:
             self._add(self._host_lane(), "host_wait", after=[op_id])
 
-    def host_work(self, kind: str, elements: int) -> None:
-        """``elements`` of host work (a host step chunk, a staged add) on this host thread."""
-        self._add(self._host_lane(), kind, elements)
+    def host_work(self, kind: str, elements: int, after=()) -> None:
+        """``elements`` of host work (a host step chunk, a staged add) on this host thread, after the ops ``after``
+        too (handed over by another thread)."""
+        self._add(self._host_lane(), kind, elements, after=after)
+
+    def last_host_op(self) -> int | None:
+        """This host thread's last op."""
+        with self.lock:
+            return self._last_host.get(self._host_lane())
 
     def launched(self, thread: str) -> None:
         """This host thread handed a task to `HostThread` ``thread``: that thread's next op starts after this

@@ -37,6 +37,7 @@ class Copies(Protocol):
     """What the optimizer and the gradient partitions need from a copy engine."""
     device: torch.device
     cuda: bool
+    synchronous: bool  # every copy has landed when its call returns (the device is the host)
     pin: bool          # host buffers made for copies are page-locked (CUDA with ``pin_memory``)
     counts: "TransferCounts"
 
@@ -61,6 +62,7 @@ class HostCopies:
     """The compute device is the CPU: copies are plain synchronous copies between separate host buffers."""
 
     cuda = False
+    synchronous = True
 
     def __init__(self, device: torch.device, pin: bool = False):
         self.device, self.pin = device, False      # nothing to page-lock for: the device is the host
@@ -113,6 +115,7 @@ class CudaCopies:
     """
 
     cuda = True
+    synchronous = False
 
     def __init__(self, device: torch.device, pin: bool = True):
         self.device, self.pin = device, pin

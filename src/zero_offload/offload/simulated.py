@@ -218,6 +218,7 @@ class SimulatedCopies:
     stream (one per direction, as `CudaCopies`), its handle waiting for real."""
 
     cuda = False
+    synchronous = False
 
     def __init__(self, device: torch.device, pin: bool = False):
         self.device, self.pin = device, False

@@ -67,7 +67,8 @@ def _ten_b(name: str, big: dict) -> list[str]:
                 f"{big['gradient_accumulation']}, DPU {dpu})", "",
             f"{big['params'] / 1e9:.2f} B params; {big['tflops']:.1f} TFLOP/s; MFU {big['mfu']:.3f}; "
             f"{big['step_s']:.2f} s per step (the step model predicts {_num(p.get('step_s'))} s, exposed share "
-            f"{_num(p.get('exposed_share'))}; planner on 80 GB: fits {p.get('fits')}); peak device "
+            f"{_num(p.get('exposed_share'))}; planner on 80 GB: fits {p.get('fits')}; {p.get('constants') or ''}); "
+            f"peak device "
             f"{_gib(big['peak_device_bytes'])} GiB (estimate / peak {_num(big.get('estimate_over_peak'))}); peak "
             f"host RSS {_gib(big['peak_rss_bytes'])} GiB; host state {big['host_bytes_per_param']:.2f} B/param; "
             f"losses {', '.join(f'{x:.3f}' for x in big['losses_all_steps'])}", "",

@@ -276,14 +276,17 @@ def run_ten_b(args, dpu: bool) -> dict:
     config = ten_b_config(dpu)
     if args.tiny:
         config = {**config, "train_micro_batch_size_per_gpu": 2}
+    measured = Path(args.out) / "calibration.json"      # this machine's rates when the calibrate section ran
     predicted = plan(cfg, gpus=1, gpu_memory=80 * 10**9, host_memory=psutil.virtual_memory().total,
-                     config=config, activation_checkpointing=True)
+                     config=config, activation_checkpointing=True,
+                     calibration=measured if measured.exists() else None)
     peak = measure_matmul_peak(device, args.tiny)
     result = gm.run_engine(cfg, config, device, steps=2 if args.tiny else TEN_B_STEPS, split_steps=1,
                            sharded=False)
     timing = predicted.batch.timing if predicted.batch is not None else None
     result["config"] = config
     result["predicted"] = {"fits": predicted.fits, "name": predicted.name, "reasons": predicted.reasons,
+                           "constants": predicted.reasons.get("constants"),
                            "step_s": timing.step_s if timing else None,
                            "exposed_share": timing.exposed_share if timing else None,
                            "host_s": timing.host_s if timing else None}

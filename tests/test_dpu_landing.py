@@ -54,22 +54,27 @@ def slow_copies(monkeypatch):
     return reference
 
 
+def flag_publishing(monkeypatch) -> threading.local:
+    """``flag.on`` is True while `PartitionedAdam.publish` runs (on that thread)."""
+    flag, publish = threading.local(), partitioned_adam.PartitionedAdam.publish
+
+    def flagged(self):
+        flag.on = True
+        try:
+            publish(self)
+        finally:
+            flag.on = False
+    monkeypatch.setattr(partitioned_adam.PartitionedAdam, "publish", flagged)
+    return flag
+
+
 def test_no_copy_up_at_the_boundary_none_from_the_kernels_thread_and_the_run_stays_exact(slow_copies, monkeypatch):
-    publishing, queued_by = threading.local(), []
-    to_device, publish = simulated.SimulatedCopies.to_device, partitioned_adam.PartitionedAdam.publish
+    publishing, queued_by, to_device = flag_publishing(monkeypatch), [], simulated.SimulatedCopies.to_device
 
     def spy(self, dst, src, after=None):
         queued_by.append((threading.current_thread().name, getattr(publishing, "on", False)))
         return to_device(self, dst, src, after)
-
-    def flagged(self):
-        publishing.on = True
-        try:
-            publish(self)
-        finally:
-            publishing.on = False
     monkeypatch.setattr(simulated.SimulatedCopies, "to_device", spy)
-    monkeypatch.setattr(partitioned_adam.PartitionedAdam, "publish", flagged)
     losses, params = run()
     assert len(queued_by) > 8 and not any(inside for _, inside in queued_by)
     # the synchronous warm-up step's copies too: the driver may hold whoever queues them (`PartitionedAdam.issuer`)
@@ -80,21 +85,12 @@ def test_no_copy_up_at_the_boundary_none_from_the_kernels_thread_and_the_run_sta
 
 
 def test_power_a_publish_that_does_not_wait_for_the_landing_copies_is_caught(slow_copies, monkeypatch):
-    publishing = threading.local()
-    wait_stream, publish = simulated.SimulatedHandle.wait_stream, partitioned_adam.PartitionedAdam.publish
+    publishing, wait_stream = flag_publishing(monkeypatch), simulated.SimulatedHandle.wait_stream
 
     def wait_unless_publishing(self, stream=None):
         if not getattr(publishing, "on", False):
             wait_stream(self, stream)
-
-    def publish_without_waits(self):
-        publishing.on = True
-        try:
-            publish(self)
-        finally:
-            publishing.on = False
     monkeypatch.setattr(simulated.SimulatedHandle, "wait_stream", wait_unless_publishing)
-    monkeypatch.setattr(partitioned_adam.PartitionedAdam, "publish", publish_without_waits)
     losses, params = run()
     assert losses != slow_copies[0] or any(not torch.equal(params[n], v) for n, v in slow_copies[1].items())
 

@@ -75,8 +75,13 @@ def test_a_bad_calibration_file_is_refused_by_name(tmp_path, capsys, content, fa
     assert code == 2 and str(path) in err and fault.split()[0] in err
 
 
-def _tokens_per_s(host_gib: int) -> float:
-    return plan("gpt2-10b", gpu_memory="80GB", host_memory=f"{host_gib}GiB").batch.timing.tokens_per_s
+# A slow host step (the 2-core VM's rate) makes the configs' speeds differ with the host size; the default, a GPU
+# server's, hides the host step at every size, and the plan is as fast everywhere (docs/estimate.md).
+SLOW_HOST = dict(host_adam=1.9e9)
+
+
+def _tokens_per_s(host_gib: int, **rates) -> float:
+    return plan("gpt2-10b", gpu_memory="80GB", host_memory=f"{host_gib}GiB", **rates).batch.timing.tokens_per_s
 
 
 def test_more_host_memory_never_plans_a_slower_step(monkeypatch):
@@ -84,11 +89,14 @@ def test_more_host_memory_never_plans_a_slower_step(monkeypatch):
     plan flipped at 150 GiB to fp32 moments without the delayed update, 45 % slower than at 130 GiB."""
     from zero_offload.estimate import planner
     sizes = range(120, 201, 10)
-    rates = [_tokens_per_s(h) for h in sizes]
+    default = [_tokens_per_s(h) for h in sizes]
+    assert len(set(default)) == 1 and plan("gpt2-10b", gpu_memory="80GB", host_memory="128GB").batch.timing \
+        .exposed_share <= 0.10
+    rates = [_tokens_per_s(h, **SLOW_HOST) for h in sizes]
     assert rates == sorted(rates), dict(zip(sizes, rates))
-    mid = plan("gpt2-10b", gpu_memory="80GB", host_memory="150GiB")
+    mid = plan("gpt2-10b", gpu_memory="80GB", host_memory="150GiB", **SLOW_HOST)
     assert "fits but slower: stage 2 + offload opt" in mid.reasons["rejected"]
     # power: the first config that fits, in order, as before
     monkeypatch.setattr(planner, "_fastest", lambda fitting, searched: fitting[0] if fitting else None)
-    rates = [_tokens_per_s(h) for h in sizes]
+    rates = [_tokens_per_s(h, **SLOW_HOST) for h in sizes]
     assert rates != sorted(rates)

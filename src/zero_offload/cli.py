@@ -71,8 +71,9 @@ def _estimate_parser(sub) -> None:
                    help="recompute activations in backward (default auto: chosen for a GPT preset)")
     p.add_argument("--gpu-tflops", default=None, help="sustained TFLOP/s of one GPU in training, for the step "
                                                       "model (default 400)")
-    p.add_argument("--host-adam", default=None, help="host Adam parameters/s with fp32 moments, e.g. 1.9e9 "
-                                                     "(default 1.9e9; measure yours: zero-offload bench optimizer)")
+    p.add_argument("--host-adam", default=None, help="host Adam parameters/s with fp32 moments, e.g. 4.2e9 "
+                                                     "(default 4.2e9, a GPU server's; measure yours: zero-offload "
+                                                     "calibrate)")
     p.add_argument("--pcie", default=None, help="host <-> GPU copy GB/s each way (default 25)")
     p.add_argument("--calibration", default=None, help="rates measured by `zero-offload calibrate` (default: "
                                                        "$ZERO_OFFLOAD_CALIBRATION or ~/.cache/zero_offload/"

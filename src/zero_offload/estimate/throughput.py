@@ -58,7 +58,7 @@ class Assumptions:
         ValueError: a figure <= 0 (the message names it).
     """
     gpu_flops: float = 4.0e14
-    host_adam: float = 1.9e9
+    host_adam: float = 4.2e9
     pcie: float = 25e9
     saturation_tokens: int = 8192
     source: str = "built-in"

@@ -73,7 +73,25 @@ def _ten_b(name: str, big: dict) -> list[str]:
             f"host RSS {_gib(big['peak_rss_bytes'])} GiB; host state {big['host_bytes_per_param']:.2f} B/param; "
             f"losses {', '.join(f'{x:.3f}' for x in big['losses_all_steps'])}", "",
             RUN_HEAD, "| --- |" + " --- |" * 12, _run_row(name, big), "",
-            COPY_HEAD, "| --- |" + " --- |" * 7, _copy_row(name, big)]
+            COPY_HEAD, "| --- |" + " --- |" * 7, _copy_row(name, big), *_timeline(p, big)]
+
+
+def _timeline(p: dict, big: dict) -> list[str]:
+    """The step model's replayed timeline (`zero_offload.estimate.step_graph`) beside the measured step."""
+    if not p.get("timeline"):
+        return []
+    t, c, busy = big.get("timings") or {}, big.get("copies") or {}, p.get("busy") or {}
+    host = next((v for k, v in busy.items() if k in ("training thread", "delayed step thread")), None)
+    device = (t["device_forward_s"] + t["device_backward_s"]) if "device_forward_s" in t else None
+    rows = [("step s", p.get("step_s"), big.get("step_s")), ("device compute s", p.get("compute_s"), device),
+            ("device idle share", p.get("idle_share"), big.get("device_idle_share")),
+            ("copies down s", busy.get("copies down"), (c.get("d2h") or {}).get("s")),
+            ("copies up s", busy.get("copies up"), (c.get("h2d") or {}).get("s")),
+            ("host step s", host, t.get("host_step_s"))]
+    return ["", "Predicted (the engine's recorded step replayed with the plan's times) against measured:", "",
+            "| per step | predicted | measured |", "| --- | --- | --- |",
+            *[f"| {k} | {_num(a, '.3f')} | {_num(b, '.3f')} |" for k, a, b in rows], "", "```",
+            *p["timeline"], "```"]
 
 
 def markdown(report: dict) -> str:

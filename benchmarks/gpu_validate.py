@@ -290,6 +290,10 @@ def run_ten_b(args, dpu: bool) -> dict:
                            "step_s": timing.step_s if timing else None,
                            "exposed_share": timing.exposed_share if timing else None,
                            "host_s": timing.host_s if timing else None}
+    graph = timing.graph if timing else None
+    if graph is not None:                    # the replayed timeline, beside the measured one (`gpu_report`)
+        result["predicted"].update(timeline=graph.lines(), compute_s=graph.compute_s, idle_share=graph.idle_share,
+                                   busy=graph.busy)
     result["tflops"] = result["flops_per_token"] * result["tokens_per_s"] / 1e12
     result["mfu"] = result["flops_per_token"] * result["tokens_per_s"] / peak
     result["matmul_peak_flops"] = peak

@@ -39,7 +39,7 @@ def test_the_plan_uses_the_calibration_and_names_it(tmp_path):
     measured = plan("gpt2-10b", gpu_memory="80GB", host_memory="128GB", calibration=path)
     assert "built-in" in built_in.reasons["constants"] and path in measured.reasons["constants"]
     t = measured.batch.timing
-    assert t.step_s < built_in.batch.timing.step_s
+    assert t.tokens_per_s > built_in.batch.timing.tokens_per_s         # a faster GPU and faster copies
     assert "612 TFLOP/s sustained" in measured.reasons["constants"]          # 0.78 x 784
     assert "50 GB/s" in measured.reasons["constants"]                        # the slower direction
     given = plan("gpt2-10b", gpu_memory="80GB", host_memory="128GB", calibration=path, host_adam=1e9)
@@ -89,14 +89,19 @@ def test_more_host_memory_never_plans_a_slower_step(monkeypatch):
     plan flipped at 150 GiB to fp32 moments without the delayed update, 45 % slower than at 130 GiB."""
     from zero_offload.estimate import planner
     sizes = range(120, 201, 10)
+    # A row earlier in the order of preference wins within `THROUGHPUT_TOLERANCE` of the fastest: more memory may
+    # let one in that is that much slower, never more.
+    never_slower = lambda rates: all(r >= (1 - planner.THROUGHPUT_TOLERANCE) * max(rates[:i + 1])  # noqa: E731
+                                     for i, r in enumerate(rates))
     default = [_tokens_per_s(h) for h in sizes]
-    assert len(set(default)) == 1 and plan("gpt2-10b", gpu_memory="80GB", host_memory="128GB").batch.timing \
-        .exposed_share <= 0.10
+    assert never_slower(default) and max(default) < 1.05 * min(default), dict(zip(sizes, default))
+    assert all(plan("gpt2-10b", gpu_memory="80GB", host_memory=f"{h}GiB").batch.timing.exposed_share <= 0.10
+               for h in (120, 160, 200))
     rates = [_tokens_per_s(h, **SLOW_HOST) for h in sizes]
-    assert rates == sorted(rates), dict(zip(sizes, rates))
+    assert never_slower(rates), dict(zip(sizes, rates))
     mid = plan("gpt2-10b", gpu_memory="80GB", host_memory="150GiB", **SLOW_HOST)
     assert "fits but slower: stage 2 + offload opt" in mid.reasons["rejected"]
     # power: the first config that fits, in order, as before
     monkeypatch.setattr(planner, "_fastest", lambda fitting, searched: fitting[0] if fitting else None)
     rates = [_tokens_per_s(h, **SLOW_HOST) for h in sizes]
-    assert rates != sorted(rates)
+    assert not never_slower(rates), dict(zip(sizes, rates))

@@ -16,9 +16,10 @@ from typing import Callable
 
 from zero_offload.config import Config
 from zero_offload.estimate.memory import MemoryEstimate, ModelShape
-from zero_offload.estimate.throughput import (EXPOSED_FRACTION, MAX_GRADIENT_ACCUMULATION, Assumptions, StepTiming,
-                                              accumulation_to_hide, host_add_seconds, host_step_seconds,
-                                              micro_step_seconds, step_timing)
+from zero_offload.estimate.step_graph import Phases, Structure, predict_step
+from zero_offload.estimate.throughput import (EXPOSED_FRACTION, MAX_GRADIENT_ACCUMULATION, STAGE3_UNIT_SECONDS,
+                                              Assumptions, StepTiming, accumulation_to_hide, host_add_seconds,
+                                              host_step_seconds, micro_step_seconds, step_timing)
 from zero_offload.flat import partition_numel
 
 __all__ = ["Knobs", "BatchChoice", "choose_batch", "MICRO_BATCHES", "TIE"]
@@ -156,15 +157,28 @@ def choose_batch(shape: ModelShape, raw: dict, gpus: int, seq: int | None, knobs
 
 
 def _timed(c: BatchChoice, shape: ModelShape, gpus: int, seq: int, a: Assumptions) -> BatchChoice:
-    """``c`` with its predicted step (`zero_offload.estimate.throughput`)."""
+    """``c`` with its predicted step: each kind of work's seconds by `zero_offload.estimate.throughput`, overlapped
+    as the engine's recorded step overlaps them (`zero_offload.estimate.step_graph`)."""
     cfg = Config.load(c.raw)
+    zc = cfg.zero_optimization
     host_s, down, add_s = _host_step(shape, cfg, gpus, c.gas, a)
     tokens = c.micro * seq
     ckpt = c.checkpointing if c.checkpointing is not None else bool(shape.gpt and shape.gpt.activation_checkpointing)
-    units = len(shape.units) if cfg.zero_optimization.stage == 3 else 0
+    units = len(shape.units) if zc.stage == 3 else 0
     micro_s = micro_step_seconds(shape.n_params, tokens, ckpt, a, down, stage3_units=units)
     later_s = micro_step_seconds(shape.n_params, tokens, ckpt, a, down, add_s, units)   # adds beside backward
-    c.timing = step_timing(micro_s, c.gas, host_s, c.delayed, tokens * c.gas, later_s)
+    if not host_s:
+        c.timing = step_timing(micro_s, c.gas, 0.0, False, tokens * c.gas, later_s)
+        return c
+    flops = a.gpu_flops * min(1.0, tokens / a.saturation_tokens)
+    forward = 2 * shape.n_params * tokens / flops + units * STAGE3_UNIT_SECONDS
+    backward = (6 if ckpt else 4) * shape.n_params * tokens / flops + units * STAGE3_UNIT_SECONDS
+    offload_param = zc.stage == 3 and zc.offload_param.device in ("cpu", "nvme")
+    structure = Structure(zc.stage, offload_param, c.delayed, c.gas > 1, cfg.precision == "fp32")
+    up = 0.0 if offload_param else down / a.pcie          # host shards are written in place, gathered later
+    graph = predict_step(structure, Phases(forward, backward, down / a.pcie, up, add_s, host_s, c.gas))
+    c.timing = StepTiming(micro_s, graph.compute_s, host_s, c.delayed, graph.idle_s, graph.step_s, tokens * c.gas,
+                          later_s, graph)
     return c
 
 
@@ -213,7 +227,8 @@ def _explain(c: BatchChoice, options: list[BatchChoice], seq: int, free_ckpt: bo
                         if t.later_micro_s is not None and t.later_micro_s > t.micro_s else "") + ")"
                      + (f", host step {t.host_s:.2f} s at {a.host_adam / 1e9:.2f} Gparam/s (fp32 moments)"
                         if t.host_s else "")
-                     + (f"; the host step leaves {share} of the step exposed" if t.host_s else
+                     + (f"; the host step and the copies leave {share} of the step exposed, the device idle "
+                        "(the engine's recorded step replayed with these times)" if t.host_s else
                         "; no host step (the optimizer steps on the device)")
                      + (f" (target {EXPOSED_FRACTION:.0%})" if t.exposed_share > EXPOSED_FRACTION else "")
                      + f"; ~{t.tokens_per_s:,.0f} tokens/s per rank predicted")

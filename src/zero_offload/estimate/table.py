@@ -122,6 +122,11 @@ def render(result: Plan, shape: ModelShape, ds: dict | None) -> str:
         out.append(f"plan: {result.name}")
         out += [f"  {k}: {v}" for k, v in result.reasons.items()]
         out += [f"  {kind}: {formula}" for kind, formula in chosen.estimate.formulas.items()]
+        graph = chosen.batch.timing.graph if timed else None
+        if graph is not None:
+            out.append(f"predicted timeline of one step ({graph.step_s:.3f} s; one rank; letters: F forward, "
+                       "B backward, d copy down, u copy up, a host accumulation, S host step; . idle):")
+            out += [f"  {line}" for line in graph.lines()]
     else:
         out.append(result.message())
     return "\n".join(out)

@@ -20,17 +20,24 @@ Per rank and optimizer step of ``gas`` micro-steps of ``t`` tokens each:
 - **host step**: the fused Adam kernel streams ``8 + 4 x moment bytes + gradient bytes + d`` bytes per parameter
   of the partition (28 B for bf16 with fp32 moments, 20 B with bf16 moments, 30 B with fp32 accumulated
   gradients), at ``host_adam x 28`` bytes/s (``host_adam``: the kernel's parameters/s with fp32 moments);
-- **the step**: ``compute = first micro-step + (gas - 1) x later micro-step``. Without DPU the host step follows
-  it: ``step = compute + host``. With DPU it runs beside the next step's compute: ``exposed = max(0, host - compute)``,
-  ``step = compute + exposed``. The exposed share is ``exposed / step`` (all of ``host / step`` without DPU).
+- **copies up**: the updated 16-bit partition, ``P x d`` bytes at ``pcie`` (none for stage 3's host shards).
+- **the step**: these pieces overlap as the engine's own recorded step overlaps them: the planner replays it
+  with their durations (`zero_offload.estimate.step_graph`), and ``exposed`` is the device's idle time in it.
+  `step_timing` is the closed form of the same for a step without host work (``compute = first micro-step +
+  (gas - 1) x later micro-step``), and of the ideal cases: without DPU ``step = compute + host``; with DPU
+  ``step = compute + max(0, host - compute)``.
 
-Not modelled: collectives between ranks, the copies up of updated parameters, and the Python overhead of a
-micro-step. The default figures and where they come from are in docs/estimate.md.
+Not modelled: collectives between ranks and the Python overhead of a micro-step. The default figures and where
+they come from are in docs/estimate.md.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from zero_offload.estimate.step_graph import StepGraph
 
 __all__ = ["Assumptions", "calibrated", "TRAINING_SHARE_OF_MATMUL", "StepTiming", "EXPOSED_FRACTION",
            "MAX_GRADIENT_ACCUMULATION", "host_step_seconds",
@@ -142,7 +149,7 @@ class StepTiming:
         micro_s: seconds of the first micro-step; compute_s: of all ``gas`` of them.
         host_s: seconds of the host step (0: the step runs on the device).
         delayed: the host step runs beside the next step's compute (DPU).
-        exposed_s: host-step seconds the device waits; step_s: seconds per optimizer step.
+        exposed_s: seconds the device waits on the host step and the copies; step_s: seconds per optimizer step.
         tokens: tokens per optimizer step and rank.
     """
     micro_s: float
@@ -153,6 +160,7 @@ class StepTiming:
     step_s: float
     tokens: int
     later_micro_s: float | None = None    # seconds of each micro-step after the first (None: ``micro_s``)
+    graph: "StepGraph | None" = None      # the replayed timeline it comes from (`zero_offload.estimate.step_graph`)
 
     @property
     def exposed_share(self) -> float:

@@ -27,6 +27,7 @@ Counts of simulated work are kept per process (`counts`), for the benchmarks.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import threading
@@ -40,7 +41,8 @@ from zero_offload.host_thread import HostThread
 from zero_offload.offload import timeline
 from zero_offload.offload.handles import CopyHandle, TransferCounts
 
-__all__ = ["ENV", "SKIP_WAITS_ENV", "MAX_DELAY_S", "enabled", "waits_skipped", "random_delay", "SimulationCounts",
+__all__ = ["ENV", "SKIP_WAITS_ENV", "MAX_DELAY_S", "enabled", "waits_skipped", "forced", "random_delay",
+           "SimulationCounts",
            "counts", "SimulatedEvent", "SimulatedStream", "SimulatedHandle", "SimulatedCopies", "SimulatedWork",
            "SimulatedCollectives"]
 
@@ -53,14 +55,38 @@ def _flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
+# Inside `forced`: the delay every piece of work waits (None: outside, the environment decides).
+_forced_delay: float | None = None
+
+
 def enabled() -> bool:
-    """True when ``ZERO_OFFLOAD_SIMULATE_STREAMS`` is set (to anything but 0/false/no/off)."""
-    return _flag(ENV)
+    """True when ``ZERO_OFFLOAD_SIMULATE_STREAMS`` is set (to anything but 0/false/no/off), or inside `forced`."""
+    return _forced_delay is not None or _flag(ENV)
 
 
 def waits_skipped() -> bool:
-    """True when ``ZERO_OFFLOAD_SIMULATE_STREAMS_SKIP_WAITS`` is set as well (fault injection)."""
-    return enabled() and _flag(SKIP_WAITS_ENV)
+    """True when ``ZERO_OFFLOAD_SIMULATE_STREAMS_SKIP_WAITS`` is set as well (fault injection); never inside
+    `forced`."""
+    return _forced_delay is None and enabled() and _flag(SKIP_WAITS_ENV)
+
+
+@contextlib.contextmanager
+def forced(delay_s: float = 1e-4):
+    """Simulated streams for the engines built inside the block, whatever the environment says, with waits kept
+    and every piece of work delayed ``delay_s`` seconds (the step model records a step this way:
+    `zero_offload.estimate.step_graph`). Not reentrant across threads: one recording at a time.
+
+    Raises:
+        RuntimeError: already inside `forced`.
+    """
+    global _forced_delay
+    if _forced_delay is not None:
+        raise RuntimeError("simulated.forced is already active")
+    _forced_delay = delay_s
+    try:
+        yield
+    finally:
+        _forced_delay = None
 
 
 _rng = random.Random()
@@ -68,7 +94,9 @@ _rng_lock = threading.Lock()
 
 
 def random_delay() -> float:
-    """A delay in seconds, uniform in [0, `MAX_DELAY_S`)."""
+    """A delay in seconds, uniform in [0, `MAX_DELAY_S`) (inside `forced`, its fixed delay)."""
+    if _forced_delay is not None:
+        return _forced_delay
     with _rng_lock:
         return _rng.uniform(0.0, MAX_DELAY_S)
 

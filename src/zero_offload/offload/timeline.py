@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import Callable
 
 import torch
 
@@ -70,12 +71,14 @@ class Rates:
 @dataclass
 class Prediction:
     """`predict`'s answer: seconds of the step, device busy seconds (compute lane), the idle share of the
-    compute lane over the step, each op's (start, end), and the critical path (op ids, first to last)."""
+    compute lane over the step, each op's (start, end), the critical path (op ids, first to last), and for each
+    op the op whose end set its start (None: its lane's start)."""
     step_s: float
     compute_s: float
     idle_share: float
     times: dict[int, tuple[float, float]]
     critical_path: list[int]
+    cause: dict[int, int | None] = field(default_factory=dict)
 
 
 class Timeline:
@@ -165,12 +168,14 @@ class Timeline:
             last = max((i for ln, i in self._last_host.items() if ln.startswith(lane)), default=None)
         self.host_wait(last)
 
-    def attach(self, module: torch.nn.Module) -> list:
+    def attach(self, module: torch.nn.Module, sizes: dict[str, int] | None = None) -> list:
         """Record each parameter-owning module's forward (at its pre-hook) and backward (when the gradient of its
-        output is computed, just before its own backward runs) as compute ops; returns the hook handles."""
+        output is computed, just before its own backward runs) as compute ops; returns the hook handles.
+        ``sizes``: {module name: parameters}, for modules whose parameters are released (stage 3) and so have
+        no elements when the hooks are attached; default: each module's own parameters now."""
         hooks = []
         for name, m in module.named_modules():
-            params = sum(p.numel() for p in m.parameters(recurse=False))
+            params = sizes.get(name, 0) if sizes is not None else sum(p.numel() for p in m.parameters(recurse=False))
             if params:
                 hooks.append(m.register_forward_pre_hook(self._forward_hook(name, params)))
                 hooks.append(m.register_forward_hook(self._backward_hook(name, params)))
@@ -197,16 +202,27 @@ class Timeline:
         """The ops of ``kind`` (and ``lane``), in recorded order."""
         return [o for o in self.ops if o.kind == kind and (lane is None or o.lane == lane)]
 
+    def to_list(self) -> list[dict]:
+        """The ops as plain dicts (JSON), for `from_list`."""
+        return [asdict(o) for o in self.ops]
+
+    @classmethod
+    def from_list(cls, ops: list[dict]) -> "Timeline":
+        """A timeline holding the ops of `to_list` (a recording made in another process)."""
+        tl = cls()
+        tl.ops = [Op(**o) for o in ops]
+        return tl
+
 
 @contextlib.contextmanager
-def record(module: torch.nn.Module | None = None):
+def record(module: torch.nn.Module | None = None, sizes: dict[str, int] | None = None):
     """Record into a new `Timeline` for the duration of the block (module forward/backward ops with
-    ``module``); yields it."""
+    ``module``, sized by ``sizes`` where given: `Timeline.attach`); yields it."""
     global _active
     if _active is not None:
         raise RuntimeError("a timeline is already being recorded")
     tl = Timeline()
-    hooks = tl.attach(module) if module is not None else []
+    hooks = tl.attach(module, sizes) if module is not None else []
     _active = tl
     try:
         yield tl
@@ -234,9 +250,11 @@ def _duration(op: Op, r: Rates) -> float:
     return 0.0
 
 
-def predict(timeline: Timeline, rates: Rates = Rates()) -> Prediction:
-    """Replay ``timeline`` with ``rates``: each op starts when its lane's previous op, the ops it waits for and
-    (for a device op) the host op it was issued after have ended. See `Prediction`."""
+def predict(timeline: Timeline, rates: "Rates | Callable[[Op], float]" = Rates()) -> Prediction:
+    """Replay ``timeline`` with ``rates`` (or a function giving each op's seconds): each op starts when its lane's
+    previous op, the ops it waits for and (for a device op) the host op it was issued after have ended. See
+    `Prediction`."""
+    duration = rates if callable(rates) else (lambda op: _duration(op, rates))
     times: dict[int, tuple[float, float]] = {}
     lane_end: dict[str, float] = {}
     cause: dict[int, int | None] = {}
@@ -247,7 +265,7 @@ def predict(timeline: Timeline, rates: Rates = Rates()) -> Prediction:
         if op.issued_by is not None and not op.lane.startswith("host:"):
             ready.append((times[op.issued_by][1], op.issued_by))
         start, why = max(ready, key=lambda x: x[0])
-        end = start + _duration(op, rates)
+        end = start + duration(op)
         times[op.id] = (start, end)
         cause[op.id] = why
         lane_end[op.lane] = end
@@ -260,4 +278,4 @@ def predict(timeline: Timeline, rates: Rates = Rates()) -> Prediction:
     while node is not None:
         path.append(node)
         node = cause[node]
-    return Prediction(step, compute, 1 - compute / step if step > 0 else 0.0, times, path[::-1])
+    return Prediction(step, compute, 1 - compute / step if step > 0 else 0.0, times, path[::-1], cause)

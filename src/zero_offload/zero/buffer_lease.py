@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 
+from zero_offload.offload import timeline
 from zero_offload.offload.handles import DONE, CopyHandle
 
 __all__ = ["BufferLease"]
@@ -30,6 +31,9 @@ class BufferLease:
         self._cond = threading.Condition()
         self.free_from = numel
         self.reader: CopyHandle = DONE     # the last copy up queued from a released chunk (they land in order)
+        # Per released chunk, in release order (descending offsets): (lo, the copy up that read it, the host op
+        # that released it in a timeline being recorded).
+        self._chunks: list[tuple[int, CopyHandle, int | None]] = []
 
     def release(self, lo: int, hi: int, reader: CopyHandle) -> None:
         """The host step is done with [lo, hi) once ``reader``'s copy has read it (called from its thread).
@@ -42,6 +46,8 @@ class BufferLease:
                 raise RuntimeError(f"buffer lease: chunk [{lo}, {hi}) released out of order (released from "
                                    f"{self.free_from}); the delayed step walks the partition from its end")
             self.free_from, self.reader = lo, reader
+            tl = timeline.current()
+            self._chunks.append((lo, reader, tl.last_host_op() if tl is not None else None))
             self._cond.notify_all()
 
     def release_all(self) -> None:
@@ -56,8 +62,16 @@ class BufferLease:
         return self.free_from == 0
 
     def wait(self, lo: int) -> CopyHandle:
-        """Block until [lo, numel) is released; returns the copy up a write there must follow."""
+        """Block until [lo, numel) is released; returns the copy up a write there must follow: the one that read
+        the chunk holding ``lo`` (copies up land in queue order, so every chunk above it has been read too), or
+        the last one after `release_all`."""
         with self._cond:
             while self.free_from > lo:
                 self._cond.wait()
+            for start, reader, host_op in self._chunks:
+                if start <= lo:
+                    tl = timeline.current()
+                    if tl is not None:
+                        tl.host_wait(host_op)      # the training thread waited for the step to release it
+                    return reader
             return self.reader

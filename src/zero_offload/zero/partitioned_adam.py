@@ -7,6 +7,7 @@ combined 1/loss_scale x clip scale, and writes the 16-bit parameter into a host 
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
 from typing import Iterable, Iterator, Sequence
@@ -23,7 +24,7 @@ from zero_offload.state import WholeGroupState, fill_from_chunks
 from zero_offload.zero.copy_in import forward_order
 from zero_offload.zero.grad_partition import GradSource
 
-__all__ = ["PartitionedAdam", "host_state_dtype", "COPY_CHUNK"]
+__all__ = ["PartitionedAdam", "host_state_dtype", "COPY_CHUNK", "copy_chunk"]
 
 
 def _recorded(on_chunk):
@@ -47,6 +48,24 @@ def _storage(t: torch.Tensor) -> int:
 # Elements per copy up of updated parameters: 16M (32 MB in 16 bits), ~640 copies and events at 10B parameters
 # where 2M made ~4,900 (issue 27), and small enough that the first copy starts within milliseconds of the step.
 COPY_CHUNK = 1 << 24
+
+
+@contextlib.contextmanager
+def copy_chunk(elements: int):
+    """`PartitionedAdam`s made inside the block step and copy up in chunks of ``elements`` (the step model records
+    a small proxy's step with as many chunks per layer as a large model has: `zero_offload.estimate.step_graph`).
+
+    Raises:
+        ValueError: ``elements`` < 1.
+    """
+    global COPY_CHUNK
+    if elements < 1:
+        raise ValueError(f"copy_chunk: elements must be >= 1, got {elements}")
+    kept, COPY_CHUNK = COPY_CHUNK, elements
+    try:
+        yield
+    finally:
+        COPY_CHUNK = kept
 
 
 def host_state_dtype(config) -> torch.dtype:
@@ -100,6 +119,7 @@ class PartitionedAdam(WholeGroupState):
                  host_threads: int | None = None):
         self.parts, self.offload, self.copies = parts, offload, copies
         self.host_threads = host_threads or torch.get_num_threads()
+        self.chunk = COPY_CHUNK                   # elements per host-step chunk and copy up (`copy_chunk`)
         self.host_step_s = 0.0                    # the last host step's own duration, on the thread that ran it
         self.host_params, self.deferred = host_params, deferred
         self.on_host = offload or parts[0].device.type == "cpu"
@@ -148,7 +168,7 @@ class PartitionedAdam(WholeGroupState):
         groups = [{"params": [m], **h} for m, h in zip(self.masters, hparams)]
         if self.on_host:
             self.optimizer = CPUAdam(groups, state_dtype=state_dtype, num_threads=host_threads,
-                                     chunk_size=COPY_CHUNK)
+                                     chunk_size=self.chunk)
         else:
             for g in groups:
                 if not g.pop("bias_correction"):
@@ -254,7 +274,7 @@ class PartitionedAdam(WholeGroupState):
     def order_copies_up(self, spans) -> None:
         """Step and publish the chunks in the order the next forward reads them (`zero_offload.zero.copy_in.
         forward_order`), so that a module's copies land before the copies of the modules after it."""
-        self.copy_order = forward_order(spans, [p.numel() for p in self.parts], COPY_CHUNK)
+        self.copy_order = forward_order(spans, [p.numel() for p in self.parts], self.chunk)
 
     def pending_copies_up(self) -> bool:
         """Whether a copy up is queued that the compute stream has not waited for."""
@@ -342,8 +362,8 @@ class PartitionedAdam(WholeGroupState):
         """The chunks ``(group, lo, hi)`` in the order the host step walks them: the next forward's
         (`copy_order`, else group by group); the delayed update's from the end, the order the next backward
         refills the gradient buffer it shares with the step (`zero_offload.zero.buffer_lease`)."""
-        chunks = self.copy_order or [(g, lo, min(p.numel(), lo + COPY_CHUNK))
-                                     for g, p in enumerate(self.parts) for lo in range(0, p.numel(), COPY_CHUNK)]
+        chunks = self.copy_order or [(g, lo, min(p.numel(), lo + self.chunk))
+                                     for g, p in enumerate(self.parts) for lo in range(0, p.numel(), self.chunk)]
         return chunks[::-1] if self.deferred else chunks
 
     def _deferred_out(self, g: int, grad: torch.Tensor) -> torch.Tensor | None:

@@ -1,0 +1,133 @@
+"""The step model's timeline (issue 27, item 5; `zero_offload.estimate.step_graph`): the engine's own step, recorded on
+a proxy under simulated streams, replayed with a plan's durations, and used by the planner and `zero-offload estimate`.
+"""
+from __future__ import annotations
+
+import pytest
+
+import zero_offload
+from zero_offload.cli import main
+from zero_offload.estimate import step_graph
+from zero_offload.estimate.step_graph import Phases, Structure, predict_step
+from zero_offload.zero import buffer_lease
+
+PLAIN = Structure(stage=2, offload_param=False, delayed=False, accumulates=False, fp32=False)
+DELAYED = Structure(stage=2, offload_param=False, delayed=True, accumulates=False, fp32=False)
+# The 10B GPT-2's pinned config on an H200 (BENCHMARKS.md, issue 27, third session): device forward and backward
+# 0.60 / 1.59 s, copies 0.37 s down and 0.42 s up, host step 1.79 s (2.02 s on the delayed step's 12 threads).
+TEN_B = dict(forward_s=0.60, backward_s=1.59, down_s=0.37, up_s=0.42, add_s=0.0)
+
+
+def test_the_replay_matches_the_measured_10b_steps():
+    """Measured on the H200: 3.89 s without the delayed update, 2.21 s (device idle 2 %) with it."""
+    plain = predict_step(PLAIN, Phases(**TEN_B, host_s=1.79))
+    delayed = predict_step(DELAYED, Phases(**TEN_B, host_s=2.02))
+    assert abs(plain.compute_s - 2.19) < 1e-6 and abs(delayed.compute_s - 2.19) < 1e-6
+    # without: the host step follows backward's last copy down, its copies up pipelined behind it
+    assert 2.19 + 1.79 <= plain.step_s <= 2.19 + 1.79 + 0.1, plain.lines()
+    assert delayed.idle_share <= 0.05, delayed.lines()
+    assert delayed.step_s <= 2.19 * 1.03, delayed.lines()
+    path = [what for what, _ in plain.critical_path]
+    assert path[:2] == ["forward", "backward"] and "host step (training thread)" in path, path
+    assert set(delayed.bars) >= {"device compute", "copies down", "copies up", "delayed step thread"}
+    assert all(len(bar) == step_graph.BAR_COLUMNS for bar in delayed.bars.values())
+
+
+def test_a_delayed_step_longer_than_the_compute_sets_the_step():
+    """The delayed step's thread does one host step of work per step: the step is at least that long, and the
+    device idles the difference; a faster host hides it."""
+    slow = predict_step(DELAYED, Phases(**TEN_B, host_s=3.0))
+    assert 3.0 <= slow.step_s <= 3.1 and abs(slow.idle_s - (slow.step_s - 2.19)) < 1e-6
+    fast = predict_step(DELAYED, Phases(**TEN_B, host_s=1.0))
+    assert fast.step_s < 2.19 * 1.03
+
+
+def test_accumulation_scales_the_later_micro_steps():
+    """A recorded later micro-step stands for the plan's ``gas - 1``: compute is first + (gas - 1) x later."""
+    s = Structure(stage=2, offload_param=False, delayed=False, accumulates=True, fp32=False)
+    for gas in (2, 5):
+        g = predict_step(s, Phases(**{**TEN_B, "add_s": 0.2}, host_s=2.2, gas=gas))
+        assert abs(g.compute_s - gas * 2.19) < 1e-6, (gas, g.compute_s)
+        assert g.step_s >= gas * 2.19 + 2.2
+
+
+def test_the_replay_sees_what_the_engine_waits_for(monkeypatch):
+    """Power: a lent gradient buffer whose copies down wait for the whole delayed step (its last copy up) instead of
+    the copy up that read their own chunk: the replay shows the 10B step's backward waiting for the host step."""
+    fine = predict_step(DELAYED, Phases(**TEN_B, host_s=2.02))
+
+    def whole_step(self, lo):
+        with self._cond:
+            while not self.released:
+                self._cond.wait()
+            return self.reader
+    monkeypatch.setattr(buffer_lease.BufferLease, "wait", whole_step)
+    step_graph.recording.cache_clear()
+    try:
+        worse = predict_step(DELAYED, Phases(**TEN_B, host_s=2.02))
+    finally:
+        step_graph.recording.cache_clear()
+    assert worse.step_s > fine.step_s + 0.5, (fine.lines(), worse.lines())
+
+
+def test_a_distributed_process_records_in_a_one_rank_subprocess(monkeypatch):
+    here = step_graph.recording(PLAIN)
+    step_graph.recording.cache_clear()
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    try:
+        there = step_graph.recording(PLAIN)
+    finally:
+        step_graph.recording.cache_clear()
+    kinds = lambda rec: sorted({(o.lane.split("_")[0], o.kind) for o in rec[0].ops})   # noqa: E731
+    assert kinds(here) == kinds(there) and len(here[1]) == len(there[1])
+
+
+def test_the_planner_and_the_cli_use_the_replayed_step(capsys):
+    p = zero_offload.plan("gpt2-10b", gpus=1, gpu_memory="80GB", host_memory="128GB")
+    t = p.batch.timing
+    assert t.graph is not None and t.step_s == t.graph.step_s and t.exposed_s == t.graph.idle_s
+    assert "recorded step replayed" in p.reasons["step"]
+    assert main(["estimate", "--model", "gpt2-10b", "--gpus", "1", "--gpu-mem", "80GB", "--host-mem", "128GB",
+                 "--no-deepspeed"]) == 0
+    out = capsys.readouterr().out
+    assert "predicted timeline of one step" in out and "critical path (s):" in out
+    assert any(line.strip().startswith("device compute") and "|" in line for line in out.splitlines())
+
+
+def test_no_host_work_no_graph():
+    p = zero_offload.plan("gpt2", gpus=1, gpu_memory="80GB", host_memory="64GB")
+    assert p.batch.timing.host_s == 0 and p.batch.timing.graph is None
+
+
+@pytest.mark.parametrize("bad", [0, -3])
+def test_copy_chunk_refuses_a_bad_size(bad):
+    from zero_offload.zero import partitioned_adam
+    with pytest.raises(ValueError, match="copy_chunk: elements must be >= 1"):
+        with partitioned_adam.copy_chunk(bad):
+            pass
+
+
+def test_forced_simulation_is_not_nested():
+    from zero_offload.offload import simulated
+    with simulated.forced():
+        assert simulated.enabled() and not simulated.waits_skipped()
+        with pytest.raises(RuntimeError, match="simulated.forced is already active"):
+            with simulated.forced():
+                pass
+
+
+def test_gpu_validate_prints_the_replayed_step_beside_the_measured_one():
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import gpu_report
+    g = predict_step(DELAYED, Phases(**TEN_B, host_s=2.02))
+    predicted = {"timeline": g.lines(), "compute_s": g.compute_s, "idle_share": g.idle_share, "busy": g.busy,
+                 "step_s": g.step_s}
+    timings = {"device_forward_s": 0.6, "device_backward_s": 1.59, "host_step_s": 2.02}
+    measured = {"step_s": 2.21, "device_idle_share": 0.02, "timings": timings,
+                "copies": {"h2d": {"s": 0.46}, "d2h": {"s": 0.40}}}
+    text = "\n".join(gpu_report._timeline(predicted, measured))
+    assert "| step s | " in text and "| 2.210 |" in text and "| host step s | 2.020 | 2.020 |" in text
+    assert "delayed step thread |" in text and "critical path (s):" in text
+    assert gpu_report._timeline({}, measured) == []

@@ -70,16 +70,23 @@ def test_the_replay_sees_what_the_engine_waits_for(monkeypatch):
     assert worse.step_s > fine.step_s + 0.5, (fine.lines(), worse.lines())
 
 
-def test_a_distributed_process_records_in_a_one_rank_subprocess(monkeypatch):
+@pytest.mark.parametrize("why", ["distributed", "cuda"])
+def test_the_recording_runs_in_a_one_rank_cpu_subprocess_where_needed(monkeypatch, why):
+    """Inside a distributed job, and where CUDA is visible (the proxy would take the GPU, whose streams are not
+    simulated: on the H200 that recorded no copies and no waits), the proxy records in a subprocess."""
     here = step_graph.recording(PLAIN)
     step_graph.recording.cache_clear()
-    monkeypatch.setenv("WORLD_SIZE", "2")
+    if why == "distributed":
+        monkeypatch.setenv("WORLD_SIZE", "2")
+    else:
+        monkeypatch.setattr(step_graph.torch.cuda, "is_available", lambda: True)
     try:
         there = step_graph.recording(PLAIN)
     finally:
         step_graph.recording.cache_clear()
     kinds = lambda rec: sorted({(o.lane.split("_")[0], o.kind) for o in rec[0].ops})   # noqa: E731
     assert kinds(here) == kinds(there) and len(here[1]) == len(there[1])
+    assert ("h2d", "copy") in kinds(there) and ("d2h", "copy") in kinds(there)
 
 
 def test_the_planner_and_the_cli_use_the_replayed_step(capsys):

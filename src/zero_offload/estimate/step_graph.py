@@ -13,8 +13,9 @@ micro-step or step, and the graph is replayed (`timeline.predict`). The steady s
 recorded steps gives the step time, the device's busy and idle time, each lane's busy time, the critical path
 and a text timeline (`StepGraph.lines`).
 
-A structure is recorded once per process (0.05-1.3 s on a 2-core host). Inside a distributed job
-(``torch.distributed`` initialised, or ``WORLD_SIZE`` > 1) the recording runs in a one-rank subprocess.
+A structure is recorded once per process (0.05-1.3 s on a 2-core host). The proxy trains on the CPU, where the
+streams are simulated: on a machine with CUDA, and inside a distributed job (``torch.distributed`` initialised, or
+``WORLD_SIZE`` > 1), the recording runs in a one-rank subprocess that sees no GPU.
 
 Not modelled: collectives between ranks (the recording is one rank's), stage 3's gathers (the proxy's device is
 the host; their cost is `throughput.STAGE3_UNIT_SECONDS` per unit in the compute), NVMe reads and writes (the
@@ -177,22 +178,26 @@ def _record_here(s: Structure) -> dict:
     return {"ops": tl.to_list(), "marks": marks}
 
 
-def _distributed() -> bool:
+def _needs_subprocess() -> bool:
+    """Whether an engine made here would not be a one-rank CPU engine: CUDA is visible (the engine would take the
+    GPU, whose streams are not simulated), or this process is part of a distributed job."""
     import torch.distributed as dist
-    return (dist.is_available() and dist.is_initialized()) or int(os.environ.get("WORLD_SIZE", "1")) > 1
+    return (torch.cuda.is_available() or (dist.is_available() and dist.is_initialized())
+            or int(os.environ.get("WORLD_SIZE", "1")) > 1)
 
 
 @functools.lru_cache(maxsize=None)
 def recording(s: Structure) -> tuple[Timeline, tuple[tuple[int, int, int], ...]]:
     """The proxy's recorded steps for ``s``: (timeline, (first op id, step, micro-step) per micro-step), made once
-    per process; in a one-rank subprocess inside a distributed job.
+    per process; in a one-rank CPU subprocess where CUDA is visible or inside a distributed job.
 
     Raises:
         RuntimeError: the subprocess failed (its stderr in the message).
     """
-    if _distributed():
+    if _needs_subprocess():
         env = {k: v for k, v in os.environ.items()
                if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+        env["CUDA_VISIBLE_DEVICES"] = ""
         done = subprocess.run([sys.executable, "-m", "zero_offload.estimate.step_graph", json.dumps(asdict(s))],
                               env=env, capture_output=True, text=True)
         if done.returncode:
@@ -315,5 +320,5 @@ def _path(tl: Timeline, pred, end: int, t0: float, kind) -> list[tuple[str, floa
     return runs
 
 
-if __name__ == "__main__":                     # the one-rank recording of `recording` inside a distributed job
+if __name__ == "__main__":                     # the one-rank CPU recording of `recording`
     print(json.dumps(_record_here(Structure(**json.loads(sys.argv[1])))))

@@ -13,6 +13,8 @@ from zero_offload.host_thread import HostThread
 from zero_offload.offload import timeline
 from zero_offload.offload.grad_staging import staging_shape
 from zero_offload.offload.copies import DONE, CopyHandle, Copies
+from zero_offload.offload.host_cores import available_cores
+from zero_offload.optim.host_add import STAGED_ADD_THREADS, accumulate
 from zero_offload.zero.buckets import GradBucket, largest_bucket
 from zero_offload.zero.buffer_lease import BufferLease
 
@@ -116,6 +118,7 @@ class GradPartition:
         self.staging_next = 0
         self.staging_allocations = 0                   # slots ever allocated (a test holds it fixed)
         self.worker = HostThread(f"grad-staging-{lo}", device)
+        self.add_threads = min(STAGED_ADD_THREADS, len(available_cores()))   # fixed: the adds run beside training
         self.spare: torch.Tensor | None = None
         # The delayed update shares one buffer between its host step and the next backward where the buffer is
         # filled straight from the copies down (no fp32 accumulation through the staging worker): `take` lends it.
@@ -239,21 +242,21 @@ class GradPartition:
     def _host_side(self, handle: CopyHandle, i: int, staged: torch.Tensor, dst: torch.Tensor,
                    overwrite: bool) -> Callable[[], None]:
         """The worker's share of one staged piece: wait for its copy down, convert it into (``overwrite``) or add
-        it to ``dst`` (fp32, bound now: the delayed update may swap the buffer before it runs), free slot ``i``,
-        then sum the squares of ``dst`` into this micro-step's norm piece."""
+        it to ``dst`` (fp32, bound now: the delayed update may swap the buffer before it runs) and sum the squares
+        of the result in the same pass (`zero_offload.optim.host_add`, on a fixed thread count), free slot ``i``,
+        then add the squares into this micro-step's norm piece."""
         micro_step = self.micro_step
 
         def run() -> None:
             try:
                 handle.synchronize()
-                dst.copy_(staged) if overwrite else dst.add_(staged)
+                sq = accumulate(dst, staged, overwrite, self.add_threads)    # native, one pass: add and squares
                 tl = timeline.current()
                 if tl is not None:
                     tl.host_work("host_add", dst.numel())
             finally:
                 self.slot_free[i].set()
             if self.tracks_norm:
-                sq = _add_sq(None, dst)
                 with self.norm_lock:
                     if self.sq_covered >= 0 and micro_step == self.micro_step:   # an earlier one's lands late
                         self.sq_host = sq if self.sq_host is None else self.sq_host + sq

@@ -67,6 +67,9 @@ def load(reload: bool = False) -> ctypes.CDLL | None:
     lib.zo_set_isa.restype = ctypes.c_int
     lib.zo_set_isa.argtypes = [ctypes.c_int]
     lib.zo_num_threads_max.restype = ctypes.c_int
+    lib.zo_accumulate.restype = ctypes.c_int
+    lib.zo_accumulate.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int,
+                                  ctypes.c_int, ctypes.POINTER(ctypes.c_double)]
     want = os.environ.get("ZERO_OFFLOAD_ISA", "")
     lib.zo_set_isa(ISA_NAMES.index(want) if want in ISA_NAMES else -1)
     _lib = lib

@@ -240,19 +240,21 @@ def batches(vocab: int, micro: int, seq: int, device, n: int):
 
 
 def run_engine(cfg_model, config: dict, device, steps: int, split_steps: int, sharded: bool,
-               profile: bool = True, distinct: int = 64) -> dict:
+               profile: bool = True, distinct: int = 64, compile_backend: str | None = None) -> dict:
     """Train with the engine: tokens/s over ``steps`` timed steps (after 2 warm-up steps), `engine.timings`
     averaged over ``split_steps`` more, one profiled step, and the memory figures; every micro-step gets its own
-    batch (up to ``distinct`` of them); the engine is freed."""
+    batch (up to ``distinct`` of them); the engine is freed. ``compile_backend``: ``engine.compile(backend)``
+    first (the warm-up steps compile)."""
     rss = RssPeak()
     try:
-        return _run_engine(cfg_model, config, device, steps, split_steps, sharded, profile, rss, distinct)
+        return _run_engine(cfg_model, config, device, steps, split_steps, sharded, profile, rss, distinct,
+                           compile_backend)
     finally:
         rss.stop()          # also when the run fails (out of memory: the caller retries smaller)
 
 
 def _run_engine(cfg_model, config: dict, device, steps: int, split_steps: int, sharded: bool, profile: bool,
-                rss: RssPeak, distinct: int) -> dict:
+                rss: RssPeak, distinct: int, compile_backend: str | None = None) -> dict:
     import zero_offload
     from zero_offload.estimate import estimate_memory
     from zero_offload.train.model import flops_per_token
@@ -260,6 +262,8 @@ def _run_engine(cfg_model, config: dict, device, steps: int, split_steps: int, s
     _reset_peak(device)
     model = build_model(cfg_model, device, torch.bfloat16, sharded)
     engine = zero_offload.initialize(model, config)
+    if compile_backend is not None:
+        engine.compile(backend=compile_backend)
     micro, gas, seq = engine.train_micro_batch_size_per_gpu, engine.gradient_accumulation_steps, cfg_model.block_size
     total = (2 + steps + split_steps + 2 * int(profile)) * gas
     data = batches(cfg_model.vocab_size, micro, seq, device, min(total, distinct))   # one batch per micro-step
@@ -313,20 +317,25 @@ def _thread_report() -> dict:
             "host_step_cores_default": len(host_step_cores(0.8, cores))}
 
 
-def run_plain(cfg_model, device, micro: int, steps: int, profile: bool = True) -> dict:
-    """Plain torch: fp32 weights, bf16 autocast, torch.optim.AdamW(fused=True) on the device; freed after."""
+def run_plain(cfg_model, device, micro: int, steps: int, profile: bool = True,
+              compile_backend: str | None = None) -> dict:
+    """Plain torch: fp32 weights, bf16 autocast, torch.optim.AdamW(fused=True) on the device; freed after.
+    ``compile_backend``: the model compiled in place first."""
     rss = RssPeak()
     try:
-        return _run_plain(cfg_model, device, micro, steps, profile, rss)
+        return _run_plain(cfg_model, device, micro, steps, profile, rss, compile_backend)
     finally:
         rss.stop()
 
 
-def _run_plain(cfg_model, device, micro: int, steps: int, profile: bool, rss: RssPeak) -> dict:
+def _run_plain(cfg_model, device, micro: int, steps: int, profile: bool, rss: RssPeak,
+               compile_backend: str | None = None) -> dict:
     torch = _torch()
     from zero_offload.train.model import flops_per_token
     _reset_peak(device)
     model = build_model(cfg_model, device, torch.float32, sharded=False)
+    if compile_backend is not None:
+        model.compile(backend=compile_backend)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=device.type == "cuda")
     seq = cfg_model.block_size
     data = batches(cfg_model.vocab_size, micro, seq, device, 4)

@@ -5,7 +5,8 @@ import json
 
 __all__ = ["markdown"]
 
-SECTIONS = ("calibrate", "cuda_tests", "sanitizer", "gpt2", "gpt2_10b", "gpt2_10b_dpu", "largest", "two_gpus")
+SECTIONS = ("calibrate", "cuda_tests", "sanitizer", "gpt2", "gpt2_compiled", "gpt2_10b", "gpt2_10b_dpu", "largest",
+            "two_gpus")
 
 
 def _gib(n) -> str:
@@ -115,6 +116,12 @@ def markdown(report: dict) -> str:
                   "| --- |" + " --- |" * 12]
         lines += [_run_row(key, r) for key, r in gpt2["runs"].items()]
         lines += ["", COPY_HEAD, "| --- |" + " --- |" * 7] + [_copy_row(k, r) for k, r in gpt2["runs"].items()]
+    compiled = sections.get("gpt2_compiled", {})
+    if compiled.get("runs"):
+        lines += ["", f"## gpt2, compiled ({compiled['backend']}), micro-batch {compiled['micro_batch']}", "",
+                  "| run | tokens/s | vs plain eager AdamW | step s |", "| --- | --- | --- | --- |"]
+        lines += [f"| {k} | {r['tokens_per_s']:.0f} | {r['tokens_per_s_vs_plain']:.2f} | {r['step_s']:.4f} |"
+                  for k, r in compiled["runs"].items()]
     cal = sections.get("calibrate", {})
     if cal.get("constants"):
         lines += ["", "## calibration (zero-offload calibrate)", "", "```", json.dumps(cal["constants"], indent=1),

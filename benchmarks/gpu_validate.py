@@ -22,6 +22,8 @@ subprocess with its own time limit (`LIMITS`), so a crash or an out-of-memory in
     stage 3 + both offloads; counts reported data races.
 (c) ``gpt2``: GPT-2 124M, bf16, sequence 1024, micro-batch 8: plain ``torch.optim.AdamW(fused=True)`` against
     stage 2 + offload_optimizer and stage 3 + both offloads, each with DPU off and on.
+(c') ``gpt2_compiled`` (not in the default run): the same GPT-2 124M, plain AdamW eager and compiled, stage 2 +
+    offload + DPU and stage 3 + both offloads compiled with ``engine.compile()`` (issue 29; inductor).
 (d) ``largest``: the largest GPT (hidden 4096, 32 heads) that trains with stage 3 + both offloads + activation
     checkpointing + bf16 moments: it starts at 2 layers and doubles, then bisects, while the section's budget
     allows the next try (each try's time predicted from the last one's).
@@ -62,11 +64,13 @@ import gpu_measure as gm  # noqa: E402
 from gpu_native import ensure_native, native_report  # noqa: E402,F401 (ensure_native: tests call it here)
 from gpu_report import markdown  # noqa: E402
 
-SECTIONS = ("calibrate", "cuda_tests", "sanitizer", "gpt2", "gpt2_10b", "gpt2_10b_dpu", "largest", "two_gpus")
+SECTIONS = ("calibrate", "cuda_tests", "sanitizer", "gpt2", "gpt2_compiled", "gpt2_10b", "gpt2_10b_dpu", "largest",
+            "two_gpus")
 # The default run: what matters most, inside one 9-minute call with the native build (issue 27, item 8).
 DEFAULT_SECTIONS = ("calibrate", "cuda_tests", "sanitizer", "gpt2", "gpt2_10b", "gpt2_10b_dpu")
 # Seconds per section on one H100 (the default sections sum to 520 s; the build takes ~20 s).
-LIMITS = {"calibrate": 45, "cuda_tests": 60, "sanitizer": 40, "gpt2": 75, "gpt2_10b": 150, "gpt2_10b_dpu": 150,
+LIMITS = {"calibrate": 45, "cuda_tests": 60, "sanitizer": 40, "gpt2": 75, "gpt2_compiled": 240, "gpt2_10b": 150,
+          "gpt2_10b_dpu": 150,
           "largest": 300, "two_gpus": 150}
 # The 10B model's pinned config (the same every run, so runs compare): stage 2, optimizer offloaded with bf16
 # moments, activation checkpointing, micro-batch 16 x 1024 tokens, no accumulation.
@@ -194,6 +198,28 @@ def section_gpt2(args) -> dict:
         r["tokens_per_s_vs_plain"] = r["tokens_per_s"] / base["tokens_per_s"]
         r.pop("memory_breakdown", None)
     return {"matmul_peak_flops": peak, "micro_batch": micro, "seq_len": cfg.block_size, "runs": runs, "ok": True}
+
+
+def section_gpt2_compiled(args) -> dict:
+    """GPT-2 124M as in `section_gpt2`, each model compiled (issue 29): plain AdamW eager and compiled, stage 2 +
+    offload + DPU and stage 3 + both offloads compiled with ``engine.compile()`` (inductor on a GPU; aot_eager in
+    the CPU smoke run, which needs no C compiler)."""
+    device = _device(args)
+    backend = "inductor" if device.type == "cuda" else "aot_eager"
+    cfg = gpt_config("gpt2", args.tiny)
+    micro = 2 if args.tiny else 8
+    steps = 2 if args.tiny else 6
+    runs = {"plain-adamw": gm.run_plain(cfg, device, micro, steps, profile=False),
+            "plain-adamw-compiled": gm.run_plain(cfg, device, micro, steps, profile=False, compile_backend=backend)}
+    for name, stage, offload_param, dpu in (("stage2-offload-dpu-compiled", 2, False, True),
+                                            ("stage3-offload-both-compiled", 3, True, False)):
+        runs[name] = gm.run_engine(cfg, engine_config(stage, offload_param, dpu, micro), device, steps, 0,
+                                   sharded=stage == 3, profile=False, compile_backend=backend)
+    base = runs["plain-adamw"]
+    for r in runs.values():
+        r["tokens_per_s_vs_plain"] = r["tokens_per_s"] / base["tokens_per_s"]
+        r.pop("memory_breakdown", None)
+    return {"backend": backend, "micro_batch": micro, "seq_len": cfg.block_size, "runs": runs, "ok": True}
 
 
 def largest_body(args, layers: int) -> None:
@@ -359,7 +385,7 @@ def section_two_gpus(args) -> dict:
 
 
 BODIES = {"calibrate": section_calibrate, "cuda_tests": section_cuda_tests, "sanitizer": section_sanitizer,
-          "gpt2": section_gpt2,
+          "gpt2": section_gpt2, "gpt2_compiled": section_gpt2_compiled,
           "largest": section_largest, "gpt2_10b": section_gpt2_10b,
           "gpt2_10b_dpu": section_gpt2_10b_dpu, "two_gpus": section_two_gpus}
 

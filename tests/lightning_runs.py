@@ -10,7 +10,7 @@ from toy_model import SEQ, VOCAB, ToyTransformer
 LR = 1e-3
 
 
-def make_module(weight_decay: float = 0.1, sched: bool = True):
+def make_module(weight_decay: float = 0.1, sched: bool = True, compile_backend: str | None = None):
     import lightning as L
 
     class LitToy(L.LightningModule):
@@ -19,6 +19,10 @@ def make_module(weight_decay: float = 0.1, sched: bool = True):
             torch.manual_seed(0)
             self.net = ToyTransformer()
             self.losses: list[float] = []
+
+        def configure_model(self):
+            if compile_backend is not None:      # compiled in place, as Lightning's docs suggest doing it here
+                self.net.compile(backend=compile_backend)
 
         def forward(self, x):
             return self.net(x[:, :-1], x[:, 1:])     # the next-token loss

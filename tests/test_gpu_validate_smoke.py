@@ -38,7 +38,7 @@ def test_gpu_validate_tiny_cpu_smoke(tmp_path):
     """The smoke run, from a checkout that lacks the native libraries: the run builds them first (issue 20)."""
     root = _checkout_without_libraries(tmp_path / "checkout")
     out = tmp_path / "out"
-    sections = "calibrate,cuda_tests,sanitizer,gpt2,gpt2_10b,gpt2_10b_dpu,largest,two_gpus"
+    sections = "calibrate,cuda_tests,sanitizer,gpt2,gpt2_compiled,gpt2_10b,gpt2_10b_dpu,largest,two_gpus"
     proc = subprocess.run([sys.executable, str(root / "benchmarks" / "gpu_validate.py"), "--device", "cpu",
                            "--tiny", "--out", str(out), "--sections", sections], capture_output=True, text=True,
                           timeout=600)
@@ -71,8 +71,11 @@ def test_gpu_validate_tiny_cpu_smoke(tmp_path):
     assert constants["host_adam_params_per_s"] > 0 and constants["h2d_bytes_per_s"] is None
     assert all(r["timings"]["host_step_threads"] >= 1 for k, r in runs.items() if k != "plain-adamw")
     assert report["sections"]["two_gpus"]["skipped"].startswith("needs 2 GPUs")
+    compiled = report["sections"]["gpt2_compiled"]["runs"]          # issue 29, item 5
+    assert set(compiled) == {"plain-adamw", "plain-adamw-compiled", "stage2-offload-dpu-compiled",
+                             "stage3-offload-both-compiled"} and all(r["tokens_per_s"] > 0 for r in compiled.values())
     md = (out / "gpu_validate.md").read_text()
-    assert "(c) gpt2" in md
+    assert "(c) gpt2" in md and "gpt2, compiled (aot_eager)" in md
     # Issue 20: the missing libraries built by the run, and native_available() of both in its output.
     native, enabled = report["native"], not native_disabled()
     assert native["available"] == {"fused_adam": enabled, "aio": enabled}, native

@@ -68,6 +68,18 @@ def test_trainer_matches_plain_trainer(tmp_path, tmp_path_factory, case):
         assert decays == [0.0, 0.1]
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_torch_compile_argument_compiles_under_the_engine(tmp_path, tmp_path_factory, stage):
+    """Issue 29: ``TrainingArguments(torch_compile=True)`` compiles the model under the engine (the plain Trainer
+    compiles it through accelerate), and the run matches the plain compiled Trainer's."""
+    from zero_offload.compiling import compile_counts
+    kw = dict(torch_compile=True, torch_compile_backend="aot_eager")
+    before = compile_counts()
+    trainer, *ours = runs.run("gpt2", tmp_path, runs.zero_config(stage, True, stage == 3), **kw)
+    assert trainer.engine.is_compiled and compile_counts().since(before).graphs > 0
+    _assert_same_run(ours, runs.run("gpt2", tmp_path_factory.mktemp("ref"), None, **kw)[1:], "gpt2")
+
+
 def test_resume_at_step_3_of_6_ends_on_the_uninterrupted_weights(tmp_path, tmp_path_factory):
     cfg = runs.zero_config(3, True, True, optimizer_section=False)
     common = dict(max_steps=6, weight_decay=0.1, warmup_steps=2)

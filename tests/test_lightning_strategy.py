@@ -68,6 +68,18 @@ def test_strategy_matches_lightnings_default(stage, offload_optimizer, offload_p
     _assert_same(module.losses, w, _reference("default"))
 
 
+def test_a_module_compiled_in_configure_model_trains_as_under_lightnings_default():
+    """Issue 29: the module compiles its network in ``configure_model``; stage 3 with both offloads under it matches
+    the same compiled module on Lightning's default strategy, and it did compile."""
+    from zero_offload.compiling import compile_counts
+    kw = {"module_kw": {"compile_backend": "aot_eager"}}
+    before = compile_counts()
+    strategy = ZeroOffloadStrategy(config=runs.config(3, True, True))
+    _, module, w = _fit(strategy, **kw)
+    assert compile_counts().since(before).graphs > 0
+    _assert_same(module.losses, w, _reference("compiled", **kw))
+
+
 def test_config_optimizer_section_matches_adamw():
     cfg = {**runs.config(2, True), "optimizer": {"type": "AdamW", "params": {"lr": runs.LR, "weight_decay": 0.0}}}
     strategy = ZeroOffloadStrategy(config=cfg)

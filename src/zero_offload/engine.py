@@ -14,6 +14,7 @@ from torch.utils._pytree import tree_map
 
 from zero_offload.checkpoint import load_checkpoint, save_checkpoint
 from zero_offload.comm import DistContext, deadline
+from zero_offload.compiling import compile_module
 from zero_offload.config import AutoContext, Config, ConfigError
 from zero_offload.offload.host_cores import host_step_cores
 from zero_offload.optim.lr_schedules import build_scheduler
@@ -124,6 +125,7 @@ class Engine:
         self.stats = StepStats()
         self._counters = self.zero.counters()
         self._closed = False
+        self._is_compiled = False
 
     # -- the public step loop ----------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -253,6 +255,25 @@ class Engine:
         self.scaler.update(overflow)
         self.zero.zero_grad()
         self.global_step += 1
+
+    def compile(self, backend="inductor", compile_kwargs: dict | None = None, schedule=None,
+                compiled_autograd_enabled: bool = False) -> None:
+        """Compile the wrapped model in place with ``torch.compile`` (DeepSpeed 0.19.8's ``engine.compile()``,
+        same keywords; no DeepCompile), at any ZeRO stage; a second call does nothing. See
+        `zero_offload.compiling.compile_module` for the arguments and docs/library.md, "torch.compile".
+
+        Raises:
+            ValueError: ``schedule`` given or ``compiled_autograd_enabled`` true (DeepCompile, compiled autograd).
+        """
+        if not self._is_compiled:
+            compile_module(self.module, backend, compile_kwargs, schedule, compiled_autograd_enabled)
+            self._is_compiled = True
+
+    @property
+    def is_compiled(self) -> bool:
+        """Whether `compile` ran (DeepSpeed's ``is_compiled``; a model compiled before ``initialize`` does not
+        count)."""
+        return self._is_compiled
 
     # -- state -----------------------------------------------------------------------------------------
     @property

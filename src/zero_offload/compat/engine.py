@@ -50,6 +50,16 @@ class DeepSpeedEngine(torch.nn.Module):
     def forward(self, *args, **kwargs):
         return self.engine.forward(*args, **kwargs)
 
+    def compile(self, backend="inductor", compile_kwargs: dict | None = None, schedule=None,
+                compiled_autograd_enabled: bool = False) -> None:
+        """DeepSpeed's ``engine.compile()``: compiles the wrapped model in place (`Engine.compile`), not this
+        module's call (``nn.Module.compile``, which this name would otherwise be)."""
+        self.engine.compile(backend, compile_kwargs, schedule, compiled_autograd_enabled)
+
+    @property
+    def is_compiled(self) -> bool:
+        return self.engine.is_compiled
+
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
         """``engine.backward(loss, retain_graph=False)``: loss / gradient_accumulation_steps (x the fp16 loss
         scale); ``retain_graph`` keeps the graph for another backward, as torch's.

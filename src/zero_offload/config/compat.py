@@ -23,6 +23,7 @@ import torch
 from zero_offload.config.schema import ConfigError
 
 __all__ = ["normalize", "resolve_auto", "AutoContext", "UNBUILT", "REMOVED_IN_DEEPSPEED", "IGNORED_TOP_LEVEL",
+           "IGNORED_COMPILE",
            "IGNORED_ZERO", "IGNORED_OFFLOAD_OPTIMIZER", "IGNORED_OFFLOAD_PARAM"]
 
 # Sections DeepSpeed 0.19.8 itself refuses (deepspeed/runtime/config.py, _REMOVED_TOP_LEVEL_CONFIG_KEYS).
@@ -55,10 +56,35 @@ UNBUILT = {
     "sequence_parallel_size > 1": "no sequence parallelism (data parallel only)",
     "data_efficiency.enabled = true": "no curriculum / random-LTD data sampling",
     "weight_quantization": "no quantized weights",
+    "compile.deepcompile = true": "DeepCompile's graph passes (ZeRO inside the compiled graph, activation and "
+                                  "optimizer-state offload) are not built; engine.compile() compiles the model with "
+                                  "plain torch.compile, the engine's hooks between graphs",
     "optimizer.type OneBitAdam, OneBitLamb, ZeroOneAdam, Lion, Muon, MuAdam, MuAdamW, MuSGD":
         "use Adam/AdamW, Lamb or a torch.optim name (SGD, Adagrad, RMSprop, ...)",
 }
 
+
+# DeepSpeed 0.19.8's ``compile`` section configures DeepCompile (deepspeed/compile/config.py); DeepSpeed itself uses
+# these keys only with ``deepcompile: true``, which is refused here (`UNBUILT`). Accepted with one warning.
+_DEEPCOMPILE = "configures DeepCompile (used by DeepSpeed only with compile.deepcompile = true, refused here)"
+IGNORED_COMPILE = {
+    "free_activation": f"{_DEEPCOMPILE}: its eager freeing of activations",
+    "free_activation_threshold": f"{_DEEPCOMPILE}: its eager freeing of activations",
+    "offload_activation": f"{_DEEPCOMPILE}: its activation offload pass",
+    "offload_activation_pin_memory": f"{_DEEPCOMPILE}: its activation offload pass",
+    "offload_opt_states": f"{_DEEPCOMPILE}: its optimizer-state offload; use zero_optimization.offload_optimizer",
+    "offload_parameters": f"{_DEEPCOMPILE}: its parameter offload; use zero_optimization.offload_param",
+    "double_buffer": f"{_DEEPCOMPILE}: its all-gather buffers",
+    "symmetric_memory": f"{_DEEPCOMPILE}: its all-gather buffers",
+    "debug_log": f"{_DEEPCOMPILE}: its graph dumps (use TORCH_LOGS for torch.compile's)",
+    "sync_before_reduce": f"{_DEEPCOMPILE}: synchronisation around its collectives",
+    "sync_after_reduce": f"{_DEEPCOMPILE}: synchronisation around its collectives",
+    "sync_before_allgather": f"{_DEEPCOMPILE}: synchronisation around its collectives",
+    "sync_after_allgather": f"{_DEEPCOMPILE}: synchronisation around its collectives",
+    "keep_int_input_tensors": f"{_DEEPCOMPILE}: the inputs its profiling keeps",
+    "keep_all_input_tensors": f"{_DEEPCOMPILE}: the inputs its profiling keeps",
+    "passes": f"{_DEEPCOMPILE}: its pass list (z1, z3, autosp, autotp)",
+}
 
 # DeepSpeed keys that change nothing here: accepted with one warning, so a DeepSpeed JSON runs unchanged.
 IGNORED_TOP_LEVEL = {
@@ -82,7 +108,6 @@ IGNORED_TOP_LEVEL = {
                                 "torch.utils.checkpoint (HF: model.gradient_checkpointing_enable())",
     "checkpoint": "checkpoints are always per-rank shards, written atomically and resharded on load",
     "data_types": "gradients accumulate in fp32 at stages 2/3 and in the training dtype at stages 0/1",
-    "compile": "the engine does not compile the model; call torch.compile on it yourself",
     "hybrid_engine": "no inference hybrid engine",
     "pipeline": "no pipeline parallelism; the section only applies to a deepspeed.pipe.PipelineModule",
     "datastates": "no DataStates checkpoint engine",
@@ -257,9 +282,30 @@ def normalize(data: dict) -> dict:
     """
     data = _deep_copy(data)
     _refuse_unbuilt(data)
+    _compile_section(data)
     _aliases(data)
     _legacy_zero(data)
     return data
+
+
+def _compile_section(data: dict) -> None:
+    """Take DeepSpeed's ``compile`` section out of ``data``: ``deepcompile: true`` and unknown keys refused, the
+    DeepCompile keys accepted with one warning (`IGNORED_COMPILE`)."""
+    section = data.pop("compile", None)
+    if section is None:
+        return
+    if not isinstance(section, dict):
+        raise ConfigError(f"config key 'compile' must be a section (a JSON object), got {section!r}")
+    if section.get("deepcompile"):
+        _refuse("compile.deepcompile", section["deepcompile"], UNBUILT["compile.deepcompile = true"])
+    unknown = sorted(set(section) - set(IGNORED_COMPILE) - {"deepcompile"})
+    if unknown:
+        raise ConfigError(f"config key 'compile.{unknown[0]}' is not a key of DeepSpeed 0.19.8's compile section "
+                          f"(known: deepcompile, {', '.join(IGNORED_COMPILE)})")
+    given = [k for k in section if k in IGNORED_COMPILE]
+    if given:
+        _warn(f"config keys {', '.join('compile.' + k for k in given)} configure DeepCompile and have no effect "
+              "here (nor in DeepSpeed without compile.deepcompile); engine.compile() compiles with torch.compile")
 
 
 def _deep_copy(x):

@@ -6,8 +6,9 @@ Read from the tables the config code itself uses (`compat.IGNORED_*`, `compat.UN
 """
 from __future__ import annotations
 
-from zero_offload.config.compat import (IGNORED_OFFLOAD_OPTIMIZER, IGNORED_OFFLOAD_PARAM, IGNORED_TOP_LEVEL,
-                                       IGNORED_ZERO, REMOVED_IN_DEEPSPEED, REMOVED_ZERO_IN_DEEPSPEED, UNBUILT)
+from zero_offload.config.compat import (IGNORED_COMPILE, IGNORED_OFFLOAD_OPTIMIZER, IGNORED_OFFLOAD_PARAM,
+                                        IGNORED_TOP_LEVEL, IGNORED_ZERO, REMOVED_IN_DEEPSPEED,
+                                        REMOVED_ZERO_IN_DEEPSPEED, UNBUILT)
 from zero_offload.config.optim import REFUSED_OPTIMIZERS
 
 __all__ = ["accepted_without_effect", "refused", "markdown_table"]
@@ -42,6 +43,7 @@ def accepted_without_effect() -> list[tuple[str, str]]:
     rows += [(f"zero_optimization.{k}", v) for k, v in IGNORED_ZERO.items()]
     rows += [(f"zero_optimization.offload_optimizer.{k}", v) for k, v in IGNORED_OFFLOAD_OPTIMIZER.items()]
     rows += [(f"zero_optimization.offload_param.{k}", v) for k, v in IGNORED_OFFLOAD_PARAM.items()]
+    rows += [(f"compile.{k}", v) for k, v in IGNORED_COMPILE.items()]
     return rows + list(_BY_VALUE.items())
 
 

@@ -97,6 +97,10 @@ class ZeroOffloadTrainerMixin:
                                   f"run on zero-offload's partitions; use optim='adamw_torch' (or another "
                                   f"torch.optim one) or add an 'optimizer' section to ds_config") from None
         engine = Engine(self.model, config, groups)
+        if self.args.torch_compile:       # what the plain Trainer compiles (through accelerate), compiled in place
+            mode = self.args.torch_compile_mode
+            engine.compile(backend=self.args.torch_compile_backend or "inductor",
+                           compile_kwargs={"mode": mode} if mode else None)
         if "scheduler" not in config:     # the Trainer's own schedule over the engine's optimizer
             self.lr_scheduler = None
             engine.lr_scheduler = self.create_scheduler(num_training_steps, optimizer=engine.optimizer)

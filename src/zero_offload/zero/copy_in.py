@@ -34,6 +34,8 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
+from zero_offload.compiling import is_compiled_module
+
 __all__ = ["CopyUpQueue", "CopyInWaits", "ParamRead", "compiled", "forward_order", "ENV", "enabled"]
 
 # Opt-in while the guard is a torch function mode on the thread's global stack: an engine dropped without `close`
@@ -49,8 +51,7 @@ def enabled() -> bool:
 def compiled(module: torch.nn.Module) -> bool:
     """Whether ``module`` or a submodule is compiled (``torch.compile(m)`` or ``m.compile()``): its hooks would run
     inside dynamo's frames, where a stream wait or a mode change breaks the graph (and the mode is traced)."""
-    return any(type(m).__name__ == "OptimizedModule" or getattr(m, "_compiled_call_impl", None) is not None
-               for m in module.modules())
+    return any(is_compiled_module(m) for m in module.modules())
 
 
 def forward_order(spans, numels: list[int], chunk: int) -> list[tuple[int, int, int]]:

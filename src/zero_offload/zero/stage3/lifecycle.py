@@ -101,8 +101,11 @@ class UnitLifecycle:
                 self.hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
 
     def _hook_module(self, module: torch.nn.Module) -> None:
-        self.hooks.append(module.register_forward_pre_hook(self._pre_forward))
-        self.hooks.append(module.register_forward_hook(self._post_forward))
+        # torch.compile never traces them (a gather swaps the parameters' storage: AOTAutograd refuses a set_ on a
+        # graph input): dynamo breaks the graph at each and runs it eagerly, so a compiled model, whole or per
+        # block, sees its parameters gathered, and the same parameter objects every step (issue 29).
+        self.hooks.append(module.register_forward_pre_hook(torch.compiler.disable(self._pre_forward)))
+        self.hooks.append(module.register_forward_hook(torch.compiler.disable(self._post_forward)))
 
     def add_external(self, module: torch.nn.Module, u: ShardedUnit) -> None:
         """Gather ``u`` before ``module``'s forward too (``register_external_parameter``)."""

@@ -102,7 +102,9 @@ class Stage3Optimizer(ZeroOptimizerBase):
         self.lifecycle = UnitLifecycle(self.ctx, self.copies, self.units, module_units, schedule, self.store,
                                        self.partitions, GradAveraging.from_config(config, self.ctx.world_size),
                                        communication_dtype(config), self.reduce_ctx)
-        model.register_forward_pre_hook(self.lifecycle.root_pre_forward)
+        # Never traced by torch.compile: dynamo breaks the graph here and runs the hook eagerly (`zero_offload.
+        # compiling`), as at every module hook of the life cycle.
+        model.register_forward_pre_hook(torch.compiler.disable(self.lifecycle.root_pre_forward))
         registry.manage(self.lifecycle.unit_of.keys(), self)   # for `gathered_parameters` and external parameters
 
     def _build_step(self, config: Config, groups, dtype, gradient_accumulation: int) -> None:

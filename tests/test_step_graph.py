@@ -138,3 +138,20 @@ def test_gpu_validate_prints_the_replayed_step_beside_the_measured_one():
     assert "| step s | " in text and "| 2.210 |" in text and "| host step s | 2.020 | 2.020 |" in text
     assert "delayed step thread |" in text and "critical path (s):" in text
     assert gpu_report._timeline({}, measured) == []
+
+
+def test_recording_leaves_the_callers_random_state_and_warnings_alone():
+    """The planner records inside a user's process (the main job plans before it builds its model)."""
+    import torch
+    import warnings
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    step_graph.recording.cache_clear()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            step_graph.recording(PLAIN)
+    finally:
+        step_graph.recording.cache_clear()
+    assert torch.equal(torch.rand(3), expected) and not caught, [str(w.message) for w in caught]

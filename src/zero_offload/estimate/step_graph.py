@@ -29,6 +29,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from dataclasses import asdict, dataclass
 
 import torch
@@ -149,7 +150,15 @@ def _config(s: Structure, layer: int) -> dict:
 
 def _record_here(s: Structure) -> dict:
     """Record the proxy's steps in this process: {"ops": the timeline's ops, "marks": [[first op id, step,
-    micro-step]] for each recorded micro-step}."""
+    micro-step]] for each recorded micro-step}. The caller's random state is left as it was, and the proxy
+    engine's warnings (a bucket pool growing on its tiny buckets) are not shown."""
+    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.manual_seed(0)
+        return _record_proxy(s)
+
+
+def _record_proxy(s: Structure) -> dict:
     import zero_offload
     from zero_offload.zero import partitioned_adam
     layer = PROXY_WIDTH * PROXY_WIDTH + PROXY_WIDTH

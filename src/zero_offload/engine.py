@@ -7,12 +7,14 @@ takes the optimizer step at the gradient-accumulation boundary and is a no-op ot
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 from typing import Any, Iterable
 
 import torch
 from torch.utils._pytree import tree_map
 
 from zero_offload.checkpoint import load_checkpoint, save_checkpoint
+from zero_offload.checkpoint.dcp import is_dcp, load_dcp
 from zero_offload.comm import DistContext, deadline
 from zero_offload.compiling import compile_module
 from zero_offload.config import AutoContext, Config, ConfigError
@@ -360,7 +362,9 @@ class Engine:
     @deadline
     def load_checkpoint(self, load_dir, tag: str | None = None) -> Any:
         """Restore a checkpoint (default: the ``latest`` one), resharding from any world size or stage,
-        and return the ``client_state`` it was saved with.
+        and return the ``client_state`` it was saved with. A ``torch.distributed.checkpoint`` directory that
+        FSDP2 wrote (``load_dir``, or ``load_dir/tag``, holding ``.metadata``) loads too: its parameters,
+        AdamW moments and step (`zero_offload.checkpoint.dcp`); it returns None then.
 
         Raises:
             CheckpointError: a missing or corrupted file, an unknown tag, or another model's checkpoint;
@@ -368,6 +372,9 @@ class Engine:
         """
         # Finish (not drop) a delayed step first: if the load then fails, the engine stays consistent.
         self.flush_delayed_update()
+        dcp_dir = Path(load_dir) / tag if tag is not None else Path(load_dir)
+        if is_dcp(dcp_dir):
+            return load_dcp(self, dcp_dir)
         return load_checkpoint(self, load_dir, tag)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:

@@ -1,0 +1,154 @@
+"""Resume from a checkpoint that PyTorch FSDP2 (or torchtitan) wrote with ``torch.distributed.checkpoint`` (issue 30,
+item 2): a DCP directory (``.metadata`` beside ``*.distcp`` files) of ``{"model": model state dict, "optim": optimizer
+state dict}``, as ``torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer)`` returns them (fully
+qualified parameter names; AdamW's ``exp_avg``, ``exp_avg_sq`` and ``step`` per parameter) and ``dcp.save`` writes.
+
+`load_dcp` loads the fp32 parameters as master weights, the Adam moments and the step count into this engine, at any
+ZeRO stage and world size: DCP reshards on read, and each rank reads, one parameter at a time, only the parameters
+its partition holds pieces of (never more than one parameter's full state beyond the engine's own memory).
+Buffers and frozen parameters present in the checkpoint are loaded too. The learning rate and its schedule are the
+engine's config's (an FSDP2 checkpoint's schedule belongs to the script that wrote it); the step count moves to the
+checkpoint's. Everything is checked before the engine changes: a checkpoint of another model names the first
+parameter that is missing or shaped otherwise, and an unreadable or truncated file names the file.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from zero_offload.checkpoint.io import CheckpointError, agree, module_state
+from zero_offload.state import CheckpointTarget, StateChunk
+
+__all__ = ["is_dcp", "load_dcp", "MODEL_KEY", "OPTIM_KEY"]
+
+MODEL_KEY, OPTIM_KEY = "model", "optim"
+_METADATA = ".metadata"
+
+
+def is_dcp(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a ``torch.distributed.checkpoint`` directory (it holds ``.metadata``)."""
+    return (Path(path) / _METADATA).is_file()
+
+
+def _metadata(path: Path) -> dict:
+    """{flattened key: storage metadata} of the checkpoint, after checking that every data file holds the bytes
+    the metadata places in it (a truncated file is named here, before anything is read; DCP keeps no checksums,
+    so bytes changed in place go unnoticed)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    try:
+        metadata = FileSystemReader(str(path)).read_metadata()
+    except Exception as e:                       # unpickling a damaged file raises anything
+        raise CheckpointError(f"checkpoint file '{path / _METADATA}' cannot be read as DCP metadata: {e}") from e
+    ends: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(ends.items()):
+        file = path / name
+        if not file.is_file() or file.stat().st_size < end:
+            raise CheckpointError(f"checkpoint file '{file}' is missing or truncated: the metadata places {end} "
+                                  f"bytes in it")
+    return metadata.state_dict_metadata
+
+
+def _check(engine: CheckpointTarget, meta: dict, path: Path, model_key: str, optim_key: str) -> None:
+    """Every trainable parameter of this engine, with its shape, and its Adam state must be in the checkpoint."""
+    if engine.optimizer_state.state_format() != "adam":
+        raise CheckpointError(f"checkpoint '{path}': an FSDP2 checkpoint carries AdamW's states; this engine's "
+                              f"optimizer keeps {engine.optimizer_state.state_format()!r}")
+    for group in engine.optimizer_state.layout():
+        for p in group.params:
+            saved = meta.get(f"{model_key}.{p.name}")
+            if saved is None or not hasattr(saved, "size"):
+                raise CheckpointError(f"checkpoint '{path}' is from another model: it has no parameter '{p.name}' "
+                                      f"(under '{model_key}')")
+            if tuple(saved.size) != tuple(p.shape):
+                raise CheckpointError(f"checkpoint '{path}' is from another model: parameter '{p.name}' has shape "
+                                      f"{list(saved.size)} there and {list(p.shape)} here")
+            for kind in ("exp_avg", "exp_avg_sq", "step"):
+                if f"{optim_key}.state.{p.name}.{kind}" not in meta:
+                    raise CheckpointError(f"checkpoint '{path}' has no optimizer state '{kind}' for parameter "
+                                          f"'{p.name}' (under '{optim_key}.state'): not an AdamW checkpoint")
+
+
+def _read(path: Path, template: dict) -> dict:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.api import CheckpointException
+    try:
+        with warnings.catch_warnings():          # "assuming the intent is to load in a single process": it is
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(template, storage_reader=FileSystemReader(str(path)), no_dist=True)
+    except (Exception, CheckpointException) as e:    # a damaged *.distcp file (CheckpointException: BaseException)
+        raise CheckpointError(f"checkpoint '{path}' could not be read ({type(e).__name__}: {e}); a .distcp file "
+                              f"is truncated or damaged") from e
+    return template
+
+
+def _step(engine: CheckpointTarget, path: Path, optim_key: str) -> int:
+    names = [p.name for g in engine.optimizer_state.layout() for p in g.params]
+    template = {optim_key: {"state": {n: {"step": torch.zeros(())} for n in names}}}
+    steps = {int(v["step"].item()) for v in _read(path, template)[optim_key]["state"].values()}
+    if len(steps) != 1:
+        raise CheckpointError(f"checkpoint '{path}' holds different step counts {sorted(steps)} for its parameters")
+    return steps.pop()
+
+
+def _chunks(engine: CheckpointTarget, path: Path, g: int, rank: int, model_key: str,
+            optim_key: str) -> Iterator[StateChunk]:
+    """This rank's partition of group ``g`` as contiguous pieces (padding as zeros), each parameter read once."""
+    group = engine.optimizer_state.layout()[g]
+    covered = 0
+    for p in sorted((p for p in group.params if any(c.rank == rank for c in p.pieces)),
+                    key=lambda p: min(c.part_offset for c in p.pieces if c.rank == rank)):
+        state = {"exp_avg": torch.empty(p.shape), "exp_avg_sq": torch.empty(p.shape)}
+        read = _read(path, {model_key: {p.name: torch.empty(p.shape)}, optim_key: {"state": {p.name: state}}})
+        full = {"master": read[model_key][p.name].reshape(-1),
+                **{k: v.reshape(-1) for k, v in read[optim_key]["state"][p.name].items()}}
+        for c in sorted((c for c in p.pieces if c.rank == rank), key=lambda c: c.part_offset):
+            if c.part_offset > covered:
+                yield covered, {k: torch.zeros(c.part_offset - covered) for k in full}
+            yield c.part_offset, {k: t[c.param_offset:c.param_offset + c.length].float() for k, t in full.items()}
+            covered = c.part_offset + c.length
+    if covered < group.partition_numel:
+        yield covered, {k: torch.zeros(group.partition_numel - covered) for k in ("master", "exp_avg", "exp_avg_sq")}
+
+
+def load_dcp(engine: CheckpointTarget, path: str | os.PathLike, model_key: str = MODEL_KEY,
+             optim_key: str = OPTIM_KEY) -> None:
+    """Load an FSDP2 DCP checkpoint into ``engine`` (see the module docstring). A collective: every rank calls it.
+
+    Args:
+        path: the DCP directory (the one holding ``.metadata``).
+        model_key, optim_key: the top-level keys the model and optimizer state dicts were saved under.
+
+    Raises:
+        CheckpointError: an unreadable or damaged file (named), a checkpoint of another model (the first parameter
+            that differs named), or no AdamW state; nothing in the engine is changed then.
+    """
+    path = Path(path)
+    error, step, extra = None, 0, {}
+    try:
+        meta = _metadata(path)
+        _check(engine, meta, path, model_key, optim_key)
+        step = _step(engine, path, optim_key)
+        live = module_state(engine.module)
+        wanted = {n: torch.empty_like(t, device="cpu") for n, t in live.items() if f"{model_key}.{n}" in meta}
+        extra = _read(path, {model_key: wanted})[model_key] if wanted else {}
+    except CheckpointError as e:
+        error = e
+    agree(engine, error, "loading the DCP checkpoint")
+    opt = engine.optimizer_state
+    rank = engine.rank if opt.partitions_count > 1 else 0
+    for g in range(len(opt.layout())):
+        opt.load_state_chunks(g, step, _chunks(engine, path, g, rank, model_key, optim_key))
+    with torch.no_grad():
+        live = module_state(engine.module)
+        for name, value in extra.items():
+            live[name].copy_(value)
+    opt.after_load()
+    state = engine.state_dict()
+    engine.load_state_dict({**state, "global_step": step, "micro_steps": step * engine.gradient_accumulation_steps})

@@ -1,0 +1,145 @@
+"""Switching from FSDP2 to zero-offload in the middle of a run (issue 30, item 2): FSDP2 (gloo, fp32, AdamW) trains N
+steps and saves a ``torch.distributed.checkpoint`` directory of ``get_state_dict(model, optimizer)``; the engine loads
+it with ``engine.load_checkpoint(dir)`` and trains M more; the result equals the uninterrupted N + M run (FSDP2 on
+one rank, or on two ranks each with half the batch, trains as plain ``torch.optim.AdamW`` on the whole batch).
+"""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import zero_offload
+from zero_offload.checkpoint import CheckpointError
+
+from dist_utils import run_ranks
+
+LR, WD, N, M = 1e-2, 0.01, 3, 2
+
+
+def make_model() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
+
+
+def batches(steps: int):
+    g = torch.Generator().manual_seed(1)
+    return [torch.randn(4, 8, generator=g) for _ in range(steps)]
+
+
+def _fsdp2_save(path: str) -> None:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = make_model()
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    for x in batches(N):
+        half = x.shape[0] // world
+        model(x[rank * half:(rank + 1) * half]).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+
+
+def reference() -> list[torch.Tensor]:
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    for x in batches(N + M):
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def config(stage: int, offload: bool) -> dict:
+    zc = {"stage": stage, "stage3_param_persistence_threshold": 0}
+    if offload:
+        zc["offload_optimizer"] = {"device": "cpu"}
+    return {"train_micro_batch_size_per_gpu": 4, "zero_optimization": zc,
+            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}}}
+
+
+def resumed(path: str, stage: int, offload: bool, rank: int = 0, world: int = 1) -> list[torch.Tensor]:
+    model = make_model()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_()                         # the load must replace every value
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine = zero_offload.initialize(model, config(stage, offload))
+    try:
+        assert engine.load_checkpoint(path) is None and engine.global_step == N
+        for x in batches(N + M)[N:]:
+            half = x.shape[0] // world
+            engine.backward(engine(x[rank * half:(rank + 1) * half]).square().mean())
+            engine.step()
+        return [engine.full_state_dict()[n] for n, _ in model.named_parameters()]
+    finally:
+        engine.close()
+
+
+def _resumed_on_rank(path: str, stage: int, offload: bool) -> list[torch.Tensor]:
+    import torch.distributed as dist
+    return resumed(path, stage, offload, dist.get_rank(), dist.get_world_size())
+
+
+def max_diff(a, b) -> float:
+    return max((x - y).abs().max().item() for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("saved_on,stage,offload", [(1, 2, True), (2, 3, True), (2, 0, False)])
+def test_an_fsdp2_checkpoint_resumes_exactly(tmp_path, saved_on, stage, offload):
+    run_ranks(_fsdp2_save, saved_on, str(tmp_path / "dcp"))
+    assert max_diff(resumed(str(tmp_path / "dcp"), stage, offload), reference()) <= 1e-5
+
+
+def test_the_check_sees_moments_that_were_not_loaded(tmp_path, monkeypatch):
+    """Power: the parameters loaded but Adam's moments left at zero (a weights-only resume) end elsewhere."""
+    from zero_offload.checkpoint import dcp
+    run_ranks(_fsdp2_save, 1, str(tmp_path / "dcp"))
+    chunks = dcp._chunks
+
+    def weights_only(*args):
+        for lo, piece in chunks(*args):
+            yield lo, {**piece, "exp_avg": torch.zeros_like(piece["exp_avg"]),
+                       "exp_avg_sq": torch.zeros_like(piece["exp_avg_sq"])}
+    monkeypatch.setattr(dcp, "_chunks", weights_only)
+    assert max_diff(resumed(str(tmp_path / "dcp"), 2, True), reference()) > 1e-4
+
+
+def test_two_ranks_resume_a_one_rank_fsdp2_checkpoint(tmp_path):
+    run_ranks(_fsdp2_save, 1, str(tmp_path / "dcp"))
+    ranks = run_ranks(_resumed_on_rank, 2, str(tmp_path / "dcp"), 2, True)
+    assert max(max_diff(r, reference()) for r in ranks) <= 1e-5
+
+
+def _refused(path, model: torch.nn.Module, match: str) -> None:
+    """Loading ``path`` into an engine of ``model`` fails with ``match`` and leaves every master as it was."""
+    engine = zero_offload.initialize(model, config(2, True))
+    try:
+        before = engine.full_state_dict()
+        with pytest.raises(CheckpointError, match=match):
+            engine.load_checkpoint(str(path))
+        assert all(torch.equal(before[k], v) for k, v in engine.full_state_dict().items())
+    finally:
+        engine.close()
+
+
+def test_a_damaged_or_foreign_checkpoint_is_refused_before_anything_changes(tmp_path):
+    run_ranks(_fsdp2_save, 1, str(tmp_path / "dcp"))
+    other = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 5))
+    _refused(tmp_path / "dcp", other, r"parameter '2.weight' has shape \[4, 16\] there and \[5, 16\]")
+    data = next((tmp_path / "dcp").glob("*.distcp"))
+    data.write_bytes(data.read_bytes()[:100])          # truncated
+    _refused(tmp_path / "dcp", make_model(), rf"file '{data}' is missing or truncated")
+    (tmp_path / "dcp" / ".metadata").write_bytes(b"not a pickle")
+    _refused(tmp_path / "dcp", make_model(), r"\.metadata' cannot be read as DCP metadata")

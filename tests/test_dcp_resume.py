@@ -1,7 +1,9 @@
-"""Switching from FSDP2 to zero-offload in the middle of a run (issue 30, item 2): FSDP2 (gloo, fp32, AdamW) trains N
-steps and saves a ``torch.distributed.checkpoint`` directory of ``get_state_dict(model, optimizer)``; the engine loads
-it with ``engine.load_checkpoint(dir)`` and trains M more; the result equals the uninterrupted N + M run (FSDP2 on
-one rank, or on two ranks each with half the batch, trains as plain ``torch.optim.AdamW`` on the whole batch).
+"""Switching between FSDP2 and zero-offload in the middle of a run (issue 30, items 2 and 3): FSDP2 (gloo, fp32,
+AdamW) trains N steps and saves a ``torch.distributed.checkpoint`` directory of ``get_state_dict(model, optimizer)``;
+the engine loads it with ``engine.load_checkpoint(dir)`` and trains M more; and the other way, the engine writes one
+with ``save_checkpoint(dir, format="dcp")`` that FSDP2 resumes with ``dcp.load`` and ``set_state_dict``. Either way the
+result equals the uninterrupted N + M run (FSDP2 on one rank, or on two ranks each with half the batch, trains as
+plain ``torch.optim.AdamW`` on the whole batch).
 """
 from __future__ import annotations
 
@@ -28,19 +30,23 @@ def batches(steps: int):
     return [torch.randn(4, 8, generator=g) for _ in range(steps)]
 
 
-def _fsdp2_save(path: str) -> None:
+def _fsdp2() -> tuple[torch.nn.Module, torch.optim.Optimizer, int, int]:
+    """The model under FSDP2 (each layer and the root sharded over this process group), its AdamW, rank, world."""
     import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    rank, world = dist.get_rank(), dist.get_world_size()
     model = make_model()
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     for layer in model:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    return model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD), dist.get_rank(), dist.get_world_size()
+
+
+def _fsdp2_save(path: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    model, opt, rank, world = _fsdp2()
     for x in batches(N):
         half = x.shape[0] // world
         model(x[rank * half:(rank + 1) * half]).square().mean().backward()
@@ -143,3 +149,67 @@ def test_a_damaged_or_foreign_checkpoint_is_refused_before_anything_changes(tmp_
     _refused(tmp_path / "dcp", make_model(), rf"file '{data}' is missing or truncated")
     (tmp_path / "dcp" / ".metadata").write_bytes(b"not a pickle")
     _refused(tmp_path / "dcp", make_model(), r"\.metadata' cannot be read as DCP metadata")
+
+
+def _fsdp2_resume(path: str) -> list[torch.Tensor]:
+    """FSDP2 resumes zero-offload's DCP checkpoint and trains M more steps; the full parameters after."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    model, opt, rank, world = _fsdp2()
+    msd, osd = get_state_dict(model, opt)
+    dcp.load({"model": msd, "optim": osd}, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+    for x in batches(N + M)[N:]:
+        half = x.shape[0] // world
+        model(x[rank * half:(rank + 1) * half]).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.full_tensor().detach().clone() for p in model.parameters()]
+
+
+def _ours_save(path: str, stage: int) -> None:
+    import torch.distributed as dist
+    rank, world = dist.get_rank(), dist.get_world_size()
+    engine = zero_offload.initialize(make_model(), config(stage, True))
+    try:
+        for x in batches(N):
+            half = x.shape[0] // world
+            engine.backward(engine(x[rank * half:(rank + 1) * half]).square().mean())
+            engine.step()
+        engine.save_checkpoint(path, format="dcp")
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("saved_on,stage,resumed_on", [(1, 2, 1), (2, 3, 1), (1, 2, 2)])
+def test_fsdp2_resumes_a_dcp_checkpoint_written_here(tmp_path, saved_on, stage, resumed_on):
+    """Issue 30, item 3: zero-offload trains N steps and writes DCP (save_checkpoint(format="dcp")); FSDP2 resumes
+    it and trains M more, ending on the uninterrupted run's weights."""
+    run_ranks(_ours_save, saved_on, str(tmp_path / "dcp"), stage)
+    ranks = run_ranks(_fsdp2_resume, resumed_on, str(tmp_path / "dcp"))
+    assert max(max_diff(r, reference()) for r in ranks) <= 1e-5
+    assert not list(tmp_path.glob(".*zero-offload"))                # the staging checkpoint is gone
+
+
+def test_the_fsdp2_check_sees_moments_that_were_not_written(tmp_path, monkeypatch):
+    """Power: a DCP checkpoint written with its moments zeroed makes FSDP2's resumed run end elsewhere."""
+    from zero_offload.checkpoint import load
+    full = load.full_parameters
+
+    def zeroed(directory, manifest, kind="master"):
+        for name, t in full(directory, manifest, kind):
+            yield name, (t if kind == "master" else torch.zeros_like(t))
+    monkeypatch.setattr(load, "full_parameters", zeroed)
+    run_ranks(_ours_save, 1, str(tmp_path / "dcp"), 2)
+    assert max_diff(run_ranks(_fsdp2_resume, 1, str(tmp_path / "dcp"))[0], reference()) > 1e-4
+
+
+def test_save_checkpoint_refuses_an_unknown_format_or_client_state_with_dcp(tmp_path):
+    engine = zero_offload.initialize(make_model(), config(2, False))
+    try:
+        with pytest.raises(ValueError, match="format must be 'zero-offload' or 'dcp', got 'deepspeed-universal'"):
+            engine.save_checkpoint(str(tmp_path), format="deepspeed-universal")
+        with pytest.raises(ValueError, match="format='dcp' has no place for client_state"):
+            engine.save_checkpoint(str(tmp_path), client_state={"a": 1}, format="dcp")
+    finally:
+        engine.close()

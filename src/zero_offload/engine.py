@@ -14,7 +14,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from zero_offload.checkpoint import load_checkpoint, save_checkpoint
-from zero_offload.checkpoint.dcp import is_dcp, load_dcp
+from zero_offload.checkpoint.dcp import is_dcp, load_dcp, save_dcp
 from zero_offload.comm import DistContext, deadline
 from zero_offload.compiling import compile_module
 from zero_offload.config import AutoContext, Config, ConfigError
@@ -350,13 +350,26 @@ class Engine:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
 
     @deadline
-    def save_checkpoint(self, save_dir, tag: str | None = None, client_state: Any = None):
+    def save_checkpoint(self, save_dir, tag: str | None = None, client_state: Any = None,
+                        format: str = "zero-offload"):
         """Save the full training state, sharded by rank and written atomically (see `checkpoint`).
 
         A collective: every rank calls it. ``tag`` defaults to ``global_step{N}``; ``save_dir/latest`` is
-        updated last. Returns the checkpoint's directory.
+        updated last. Returns the checkpoint's directory. ``format="dcp"`` writes ``save_dir`` (or
+        ``save_dir/tag``) as a ``torch.distributed.checkpoint`` directory that FSDP2 resumes
+        (`zero_offload.checkpoint.dcp.save_dcp`; no ``client_state``).
+
+        Raises:
+            ValueError: an unknown ``format``, or ``client_state`` with ``format="dcp"``.
         """
+        if format not in ("zero-offload", "dcp"):
+            raise ValueError(f"save_checkpoint: format must be 'zero-offload' or 'dcp', got {format!r} (DeepSpeed's "
+                             f"universal format is not written yet)")
         self.flush_delayed_update()
+        if format == "dcp":
+            if client_state is not None:
+                raise ValueError("save_checkpoint: format='dcp' has no place for client_state; save it yourself")
+            return save_dcp(self, Path(save_dir) / tag if tag is not None else Path(save_dir))
         return save_checkpoint(self, save_dir, tag, client_state)
 
     @deadline

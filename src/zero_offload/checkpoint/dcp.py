@@ -1,7 +1,8 @@
 """Resume from a checkpoint that PyTorch FSDP2 (or torchtitan) wrote with ``torch.distributed.checkpoint`` (issue 30,
-item 2): a DCP directory (``.metadata`` beside ``*.distcp`` files) of ``{"model": model state dict, "optim": optimizer
-state dict}``, as ``torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer)`` returns them (fully
-qualified parameter names; AdamW's ``exp_avg``, ``exp_avg_sq`` and ``step`` per parameter) and ``dcp.save`` writes.
+item 2), and write one that FSDP2 resumes (`save_dcp`, item 3): a DCP directory (``.metadata`` beside ``*.distcp``
+files) of ``{"model": model state dict, "optim": optimizer state dict}``, as
+``torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer)`` returns them (fully qualified parameter
+names; AdamW's ``exp_avg``, ``exp_avg_sq`` and ``step`` per parameter) and ``dcp.save`` writes.
 
 `load_dcp` loads the fp32 parameters as master weights, the Adam moments and the step count into this engine, at any
 ZeRO stage and world size: DCP reshards on read, and each rank reads, one parameter at a time, only the parameters
@@ -23,7 +24,7 @@ import torch
 from zero_offload.checkpoint.io import CheckpointError, agree, module_state
 from zero_offload.state import CheckpointTarget, StateChunk
 
-__all__ = ["is_dcp", "load_dcp", "MODEL_KEY", "OPTIM_KEY"]
+__all__ = ["is_dcp", "load_dcp", "save_dcp", "MODEL_KEY", "OPTIM_KEY"]
 
 MODEL_KEY, OPTIM_KEY = "model", "optim"
 _METADATA = ".metadata"
@@ -152,3 +153,59 @@ def load_dcp(engine: CheckpointTarget, path: str | os.PathLike, model_key: str =
     opt.after_load()
     state = engine.state_dict()
     engine.load_state_dict({**state, "global_step": step, "micro_steps": step * engine.gradient_accumulation_steps})
+
+
+def save_dcp(engine: CheckpointTarget, path: str | os.PathLike, model_key: str = MODEL_KEY,
+             optim_key: str = OPTIM_KEY) -> Path:
+    """Write ``path`` as a DCP directory that FSDP2 resumes: ``dcp.load`` into the templates of
+    ``get_state_dict(model, optimizer)``, then ``set_state_dict``. A collective: every rank calls it.
+
+    It holds ``{model_key: {name: fp32 tensor} (masters, buffers, frozen parameters), optim_key: {"state": {name:
+    {"step", "exp_avg", "exp_avg_sq"}}, "param_groups": [one per param group: AdamW's keys with this engine's
+    learning rate, betas, eps and weight decay, and the parameters' names]}}``. The engine's own sharded checkpoint
+    is written first into ``path``'s parent (`save_checkpoint`, every rank) and rank 0 assembles the DCP from it
+    and removes it; rank 0 then holds the model's fp32 state three times over (parameters and two moments).
+
+    Raises:
+        CheckpointError: writing failed on some rank (named); the engine is not changed.
+    """
+    import shutil
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+    from zero_offload.checkpoint.consolidate import consolidate
+    from zero_offload.checkpoint.load import full_parameters, read_manifest, resolve_tag
+    from zero_offload.checkpoint.save import save_checkpoint
+    path = Path(path)
+    staging = path.parent / f".{path.name}.zero-offload"
+    save_checkpoint(engine, staging, "state", None)
+    opt = engine.optimizer_state
+    names = [[p.name for p in g.params] for g in opt.layout()]
+    steps = [opt.group_step(g) for g in range(len(names))]
+    error = None
+    if engine.rank == 0:
+        try:
+            directory = resolve_tag(staging, "state")
+            manifest = read_manifest(directory)
+            moments = {kind: dict(full_parameters(directory, manifest, kind)) for kind in ("exp_avg", "exp_avg_sq")}
+            state = {n: {"step": torch.tensor(float(steps[g])), **{k: moments[k][n] for k in moments}}
+                     for g, group in enumerate(names) for n in group}
+            groups = [_adamw_group(h, group) for h, group in zip(engine.optimizer.param_groups, names)]
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                everything = {model_key: consolidate(staging, "state"),
+                              optim_key: {"state": state, "param_groups": groups}}
+                dcp.save(everything, storage_writer=FileSystemWriter(str(path)), no_dist=True)
+        except (OSError, ValueError, RuntimeError) as e:
+            error = CheckpointError(f"writing the DCP checkpoint '{path}' failed: {e}")
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    agree(engine, error, "writing the DCP checkpoint")
+    return path
+
+
+def _adamw_group(hparams: dict, names: list[str]) -> dict:
+    """One param group as ``torch.optim.AdamW`` keeps it, with this engine's hyperparameters."""
+    return {"lr": float(hparams["lr"]), "betas": tuple(hparams.get("betas", (0.9, 0.999))),
+            "eps": float(hparams.get("eps", 1e-8)), "weight_decay": float(hparams.get("weight_decay", 0.0)),
+            "amsgrad": False, "maximize": False, "foreach": None, "capturable": False, "differentiable": False,
+            "fused": None, "decoupled_weight_decay": bool(hparams.get("adamw_mode", True)), "params": list(names)}

@@ -148,7 +148,8 @@ def test_stage3_hooks_fire_at_every_unit_as_in_eager(how):
             for x in mine:
                 engine.backward(engine(x).square().mean())
                 engine.step()
-            out.append(engine.stats.as_dict())
+            # host_syncs counts only the waits that found their copy unfinished: timing, not structure
+            out.append({k: v for k, v in engine.stats.as_dict().items() if k != "host_syncs"})
         engine.close()
         return out
     eager, ours = stats(None), stats(how)

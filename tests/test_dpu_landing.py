@@ -127,6 +127,6 @@ def test_the_next_backward_waits_for_what_the_delayed_step_has_not_released(slow
 
 
 def test_power_a_copy_down_into_an_unreleased_part_is_caught(slow_step, monkeypatch):
-    monkeypatch.setattr(buffer_lease.BufferLease, "wait", lambda self, lo: self.reader)
+    monkeypatch.setattr(buffer_lease.BufferLease, "wait", lambda self, lo: self.last_reader)
     losses, params = run()
     assert losses != slow_step[0] or any(not torch.equal(params[n], v) for n, v in slow_step[1].items())

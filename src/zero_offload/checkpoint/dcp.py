@@ -98,10 +98,9 @@ def _step(engine: CheckpointTarget, path: Path, optim_key: str) -> int:
     return steps.pop()
 
 
-def _chunks(engine: CheckpointTarget, path: Path, g: int, rank: int, model_key: str,
-            optim_key: str) -> Iterator[StateChunk]:
-    """This rank's partition of group ``g`` as contiguous pieces (padding as zeros), each parameter read once."""
-    group = engine.optimizer_state.layout()[g]
+def _chunks(group, path: Path, rank: int, model_key: str, optim_key: str) -> Iterator[StateChunk]:
+    """This rank's partition of ``group`` (a `GroupLayout`) as contiguous pieces (padding as zeros), each parameter
+    read once."""
     covered = 0
     for p in sorted((p for p in group.params if any(c.rank == rank for c in p.pieces)),
                     key=lambda p: min(c.part_offset for c in p.pieces if c.rank == rank)):
@@ -144,8 +143,8 @@ def load_dcp(engine: CheckpointTarget, path: str | os.PathLike, model_key: str =
     agree(engine, error, "loading the DCP checkpoint")
     opt = engine.optimizer_state
     rank = engine.rank if opt.partitions_count > 1 else 0
-    for g in range(len(opt.layout())):
-        opt.load_state_chunks(g, step, _chunks(engine, path, g, rank, model_key, optim_key))
+    for g, group in enumerate(opt.layout()):
+        opt.load_state_chunks(g, step, _chunks(group, path, rank, model_key, optim_key))
     with torch.no_grad():
         live = module_state(engine.module)
         for name, value in extra.items():

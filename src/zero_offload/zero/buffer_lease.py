@@ -12,6 +12,7 @@ follows it); the delayed step's thread never waits for the training thread.
 """
 from __future__ import annotations
 
+import bisect
 import threading
 
 from zero_offload.offload import timeline
@@ -30,10 +31,10 @@ class BufferLease:
     def __init__(self, numel: int):
         self._cond = threading.Condition()
         self.free_from = numel
-        self.reader: CopyHandle = DONE     # the last copy up queued from a released chunk (they land in order)
-        # Per released chunk, in release order (descending offsets): (lo, the copy up that read it, the host op
-        # that released it in a timeline being recorded).
-        self._chunks: list[tuple[int, CopyHandle, int | None]] = []
+        # Per released chunk, in release order (so ascending in -lo, for `bisect`): -lo, the copy up that read it,
+        # and the host op that released it in a timeline being recorded.
+        self._neg_starts: list[int] = []
+        self._readers: list[tuple[CopyHandle, int | None]] = []
 
     def release(self, lo: int, hi: int, reader: CopyHandle) -> None:
         """The host step is done with [lo, hi) once ``reader``'s copy has read it (called from its thread).
@@ -45,9 +46,10 @@ class BufferLease:
             if hi != self.free_from:
                 raise RuntimeError(f"buffer lease: chunk [{lo}, {hi}) released out of order (released from "
                                    f"{self.free_from}); the delayed step walks the partition from its end")
-            self.free_from, self.reader = lo, reader
+            self.free_from = lo
             tl = timeline.current()
-            self._chunks.append((lo, reader, tl.last_host_op() if tl is not None else None))
+            self._neg_starts.append(-lo)
+            self._readers.append((reader, tl.last_host_op() if tl is not None else None))
             self._cond.notify_all()
 
     def release_all(self) -> None:
@@ -55,6 +57,11 @@ class BufferLease:
         with self._cond:
             self.free_from = 0
             self._cond.notify_all()
+
+    @property
+    def last_reader(self) -> CopyHandle:
+        """The copy up of the last chunk released (they land in queue order), or DONE before any."""
+        return self._readers[-1][0] if self._readers else DONE
 
     @property
     def released(self) -> bool:
@@ -68,10 +75,11 @@ class BufferLease:
         with self._cond:
             while self.free_from > lo:
                 self._cond.wait()
-            for start, reader, host_op in self._chunks:
-                if start <= lo:
-                    tl = timeline.current()
-                    if tl is not None:
-                        tl.host_wait(host_op)      # the training thread waited for the step to release it
-                    return reader
-            return self.reader
+            i = bisect.bisect_left(self._neg_starts, -lo)     # the chunk with the largest start <= lo
+            if i == len(self._readers):                        # below every released chunk: after `release_all`
+                return self.last_reader
+            reader, host_op = self._readers[i]
+            tl = timeline.current()
+            if tl is not None:
+                tl.host_wait(host_op)                          # the training thread waited for the step's release
+            return reader

@@ -1,7 +1,7 @@
 """The memory model against measurement: `estimate_memory` vs `Engine.memory_breakdown()` (2 %) and vs the
 growth of the process's anonymous RSS across initialize and one step (10 %), for stages 0-3 x offload
-none/cpu/nvme (and stage-3 parameter offload to cpu/nvme) x world sizes 1 and 2 x two model sizes and
-precisions. Bytes in NVMe swap files count against the breakdown, not against RSS."""
+none/cpu/nvme (and stage-3 parameter offload to cpu/nvme, and super_offload's second bank of state) x world sizes
+1 and 2 x two model sizes and precisions. Bytes in NVMe swap files count against the breakdown, not against RSS."""
 from __future__ import annotations
 
 import ctypes
@@ -27,11 +27,14 @@ SIZES = {"small-bf16": (GPTConfig(vocab_size=4096, block_size=16, n_layer=2, n_h
          "larger-fp32": (GPTConfig(vocab_size=4096, block_size=16, n_layer=2, n_head=4, n_embd=320), "fp32")}
 CASES = [(0, "none", None), (1, "none", None), (1, "cpu", None), (2, "none", None), (2, "cpu", None),
          (3, "none", None), (3, "cpu", None), (3, "cpu", "cpu"),
-         (2, "nvme", None), (3, "nvme", "cpu"), (3, "nvme", "nvme"), (3, "cpu", "nvme")]
+         (2, "nvme", None), (3, "nvme", "cpu"), (3, "nvme", "nvme"), (3, "cpu", "nvme"),
+         (2, "cpu+super_offload", None), (3, "cpu+super_offload", "cpu")]
 
 
 def _config(stage, offload, offload_param, precision, nvme_path=None):
-    opt = {"device": offload, **({"nvme_path": nvme_path} if offload == "nvme" else {})}
+    offload, _, spec = offload.partition("+")      # "cpu+super_offload": its second bank of state
+    opt = {"device": offload, **({"nvme_path": nvme_path} if offload == "nvme" else {}),
+           **({"super_offload": True} if spec else {})}
     zero = {"stage": stage, "offload_optimizer": opt, "reduce_bucket_size": 200_000, "overlap_comm": True,
             "sub_group_size": 100_000}
     if offload_param:

@@ -9,7 +9,8 @@ engine's own masters:
 - ``engine.last_grad_norm`` is within ``NORM_REL`` of what ``torch.nn.utils.clip_grad_norm_`` returns.
 
 The matrix covers stages 0-3, offload none/cpu/nvme (at stage 3 the parameters too, every unit released after use), the delayed
-parameter update, accumulation 1 and 3, clipping on and off, at 1 and 2 ranks, for bf16 and fp16 (a static loss
+parameter update, ``super_offload`` (the speculated step kept without clipping and redone under it: the same bound,
+since the masters are the plain kernel's result on the same inputs either way), accumulation 1 and 3, clipping on and off, at 1 and 2 ranks, for bf16 and fp16 (a static loss
 scale of 2**8), plus communication_data_type cases. AdamW's eps is 1e-4, of the order of the gradients' root
 mean square: with eps far below it Adam is invariant to the gradient's scale, and a gradient stepped 256 times
 too large (no unscale) would change nothing visible. Weight decay is 0.1 so that dropping it moves a master by
@@ -40,10 +41,13 @@ class Case(NamedTuple):
     clip: bool
     dpu: bool = False
     comm: str | None = None
+    spec: bool = False           # offload_optimizer.super_offload
+
 
     def __str__(self) -> str:
         return (f"{self.precision}-stage{self.stage}-{self.offload}-gas{self.gas}" + ("-clip" if self.clip else "")
-                + ("-dpu" if self.dpu else "") + (f"-comm_{self.comm}" if self.comm else ""))
+                + ("-dpu" if self.dpu else "") + (f"-comm_{self.comm}" if self.comm else "")
+                + ("-super_offload" if self.spec else ""))
 
 
 SHAPES = [(0, "none", 1, False, False), (0, "none", 3, True, False), (1, "none", 3, False, False),
@@ -51,6 +55,10 @@ SHAPES = [(0, "none", 1, False, False), (0, "none", 3, True, False), (1, "none",
           (2, "cpu", 1, True, True), (2, "nvme", 3, True, False), (3, "none", 3, True, False),
           (3, "cpu", 1, False, False), (3, "cpu", 3, True, True), (3, "nvme", 1, True, False)]
 CASES = [Case(p, *shape) for p in ("bf16", "fp16") for shape in SHAPES]
+# super_offload: the speculated step stands (no clipping) or is redone (every step clipped here); its bound is the
+# plain step's, since either way the masters are the plain kernel's result on the same inputs.
+SPEC_SHAPES = [(2, "cpu", 1, False), (2, "cpu", 3, True), (3, "cpu", 1, True), (3, "cpu", 3, False)]
+CASES += [Case(p, *shape, spec=True) for p in ("bf16", "fp16") for shape in SPEC_SHAPES]
 # communication_data_type shows only where a sum is not rounded back to the training dtype anyway: bf16
 # reductions of fp32 training, and fp32 reductions into stage 3's fp32 accumulation.
 COMM_CASES = [Case("fp32", 2, "cpu", 1, False, comm="bf16"), Case("bf16", 3, "cpu", 3, True, comm="fp32"),
@@ -77,6 +85,8 @@ def case_config(case: Case, ws: int, nvme_path: str) -> dict:
         cfg["aio"] = {"block_size": 8192}
     if case.dpu:
         zero["offload_optimizer"].update(delayed_param_update=True, dpu_warmup_steps=DPU_WARMUP)
+    if case.spec:
+        zero["offload_optimizer"]["super_offload"] = True
     return cfg
 
 

@@ -17,6 +17,8 @@ from zero_offload.zero import ZeroOptimizer
 from zero_offload.zero.averaging import GradAveraging
 from zero_offload.zero.stage3 import Stage3Optimizer
 from zero_offload.zero.stage3.lifecycle import UnitLifecycle
+from zero_offload.zero.partitioned_adam import PartitionedAdam
+from zero_offload.zero.speculation import SpeculativeStep
 
 
 def _wrap(monkeypatch, owner, name: str, make):
@@ -101,6 +103,23 @@ def delayed_update_one_step_late(mp):
     _wrap(mp, DelayedParamUpdate, "flush", make)
 
 
+def speculation_kept_when_clipped(mp):
+    """super_offload keeps the step speculated with clip coefficient 1 although clipping fired."""
+    _wrap(mp, SpeculativeStep, "settle",
+          lambda f: lambda self, grad_scale, grads: f(self, self.grad_scale, grads))
+
+
+def correction_applied_twice(mp):
+    """super_offload: where clipping fired, the step with the true coefficient runs twice."""
+    def make(f):
+        def host_step(self, grads, grad_scale, lrs):
+            if self.speculation is not None:
+                f(self, grads, grad_scale, lrs)
+            return f(self, grads, grad_scale, lrs)
+        return host_step
+    _wrap(mp, PartitionedAdam, "_host_step", make)
+
+
 FAULTS = [
     (no_unscale, Case("fp16", 2, "cpu", 1, False), 1),
     (no_unscale, Case("fp16", 3, "none", 3, True), 1),
@@ -118,6 +137,10 @@ FAULTS = [
     (unit_released_before_backward, Case("bf16", 3, "none", 3, True), 1),
     (delayed_update_one_step_late, Case("bf16", 2, "cpu", 1, True, True), 1),
     (delayed_update_one_step_late, Case("fp16", 3, "cpu", 3, True, True), 2),
+    (speculation_kept_when_clipped, Case("bf16", 2, "cpu", 3, True, spec=True), 1),
+    (speculation_kept_when_clipped, Case("fp16", 3, "cpu", 1, True, spec=True), 2),
+    (correction_applied_twice, Case("bf16", 3, "cpu", 1, True, spec=True), 1),
+    (correction_applied_twice, Case("fp16", 2, "cpu", 3, True, spec=True), 2),
 ]
 
 
@@ -141,3 +164,24 @@ def test_fault_is_caught(monkeypatch, tmp_path, fault, case, ws):
         failure = _failure(case, ws, str(tmp_path))
     assert failure is not None, f"{fault.__name__} went unnoticed by {case} at {ws} rank(s)"
     print(f"{fault.__name__}: {failure.splitlines()[0]}")
+
+
+def overflow_not_undone(mp):
+    """super_offload: on fp16 overflow the speculated step is kept instead of dropped."""
+    def discard(self):
+        if self.active:
+            self.join()
+            self.active = False
+            self._swap_banks()
+            for master in self.masters:
+                self.optimizer.count_step(master)
+    mp.setattr(SpeculativeStep, "discard", discard)
+
+
+@pytest.mark.parametrize("stage", (2, 3))
+def test_overflow_not_undone_is_caught(monkeypatch, stage):
+    from test_super_offload import test_fp16_overflow_is_undone
+    with monkeypatch.context() as mp:
+        overflow_not_undone(mp)
+        with pytest.raises(AssertionError):
+            test_fp16_overflow_is_undone(stage)

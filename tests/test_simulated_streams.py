@@ -1,7 +1,8 @@
 """Stream ordering checked on the CPU (issue 20, section 2): with ``ZERO_OFFLOAD_SIMULATE_STREAMS=1`` every
 asynchronous copy, collective and NVMe request lands later, on a worker thread (`zero_offload.offload.simulated`).
 
-- bf16 runs with gradient accumulation 2 (and 1) of ZeRO-2 + offload, ZeRO-2 + offload + the delayed parameter update,
+- bf16 runs with gradient accumulation 2 (and 1) of ZeRO-2 + offload, ZeRO-2 + offload + the delayed parameter update
+  or super_offload,
   stage 3 with the optimizer and the parameters offloaded (one rank, and two ranks, where the gathers and
   reduce-scatters are simulated collectives) and NVMe offload end **bitwise** equal with and without the
   simulation: masters, 16-bit weights, every step's loss and gradient norm;
@@ -33,7 +34,10 @@ RUNS = [("zero2-offload", Case("bf16", 2, "cpu", 2, True), 1),
         ("zero3-offload-params", Case("bf16", 3, "cpu", 2, True), 1),
         ("zero3-offload-params-2ranks", Case("bf16", 3, "cpu", 2, True), 2),
         ("zero2-nvme", Case("bf16", 2, "nvme", 2, True), 1),
-        ("zero3-nvme-params", Case("bf16", 3, "nvme", 2, True), 1)]
+        ("zero3-nvme-params", Case("bf16", 3, "nvme", 2, True), 1),
+        ("zero2-offload-super", Case("bf16", 2, "cpu", 1, False, spec=True), 1),
+        ("zero2-offload-super-gas2", Case("bf16", 2, "cpu", 2, False, spec=True), 1),
+        ("zero3-offload-params-super-2ranks", Case("bf16", 3, "cpu", 2, False, spec=True), 2)]
 
 
 def in_mode(mode: str, fn, *args):
@@ -114,7 +118,9 @@ def test_simulation_delays_work(tmp_path):
 SIM_EXACT = [(c, 1) for c in (Case(p, 2, "cpu", 3, False) for p in ("bf16", "fp16"))] + \
     [(Case("bf16", *s), ws) for ws in (1, 2) for s in
      [(1, "cpu", 1, True, False), (2, "cpu", 1, True, True), (2, "nvme", 3, True, False),
-      (3, "cpu", 3, True, True), (3, "nvme", 1, True, False)]] + [(Case("fp16", 3, "none", 3, True), 2)]
+      (3, "cpu", 3, True, True), (3, "nvme", 1, True, False)]] + [(Case("fp16", 3, "none", 3, True), 2)] + \
+    [(Case(p, *s, spec=True), ws) for p in ("bf16", "fp16") for ws in (1, 2) for s in
+     [(2, "cpu", 1, False), (2, "cpu", 3, True), (3, "cpu", 3, False), (3, "cpu", 1, True)]]
 
 
 def test_exactness_matrix_under_simulation(tmp_path):
@@ -195,6 +201,13 @@ def collective_not_waited(mp):
     mp.setattr(simulated.SimulatedCollectives, "__init__", never_lands)
 
 
+def speculation_before_its_copy(mp):
+    """super_offload steps a gradient piece without waiting for its copy down."""
+    from zero_offload.zero.speculation import SpeculativeStep
+    submit = SpeculativeStep.submit
+    mp.setattr(SpeculativeStep, "submit", lambda self, g, lo, values, copy: submit(self, g, lo, values, None))
+
+
 def nvme_request_not_waited(mp):
     """An NVMe read or write is taken as done without waiting for it."""
     from zero_offload.nvme.swapper import Swapper
@@ -210,7 +223,8 @@ def nvme_request_not_waited(mp):
 FAULTS = [(bucket_reused_before_its_copy, "zero2-offload-gas1"), (partition_read_before_its_copies, "zero2-offload"),
           (staged_piece_added_before_its_copy, "zero2-offload"),
           (compute_does_not_wait_for_copies_up, "zero2-offload-dpu"), (ring_slot_rewritten_in_flight, "zero2-offload"),
-          (collective_not_waited, "zero3-offload-params-2ranks"), (nvme_request_not_waited, "zero2-nvme")]
+          (collective_not_waited, "zero3-offload-params-2ranks"), (nvme_request_not_waited, "zero2-nvme"),
+          (speculation_before_its_copy, "zero2-offload-super")]
 
 
 @pytest.mark.parametrize("fault,name", FAULTS, ids=[f.__name__ for f, _ in FAULTS])

@@ -114,6 +114,7 @@ class Engine:
         self._dpu = (DelayedParamUpdate(self.zero, offload_opt.dpu_warmup_steps,
                                         host_step_cores(offload_opt.cpuadam_cores_perc))
                      if offload_opt.delayed_param_update else None)
+        self._speculative = offload_opt.super_offload     # the host step starts during the boundary backward
         self.scaler = LossScaler(self.config)
         self.lr_scheduler = build_scheduler(self.config.scheduler, self.optimizer)
         self.global_step = 0
@@ -176,6 +177,8 @@ class Engine:
         scaled = loss.float() / gas if gas > 1 else loss.float()
         if self.scaler.enabled:
             scaled = scaled * self.scaler.scale
+        if boundary and not extra and self._speculative:
+            self.zero.begin_speculation(1.0 / self.scaler.scale)   # clip coefficient 1; the step keeps or redoes it
         self.zero.begin_micro_step(boundary, first_micro_step=not extra and self.micro_steps % gas == 0)
         scaled.backward(retain_graph=retain_graph)
         self.zero.end_micro_step()
@@ -243,6 +246,7 @@ class Engine:
             and is_overflow(norm)
         if overflow:
             self.skipped_steps += 1
+            self.zero.discard_speculation()
         else:
             clip = self.config.gradient_clipping
             # torch.nn.utils.clip_grad_norm_'s coefficient, folded into the one scale the kernel applies.

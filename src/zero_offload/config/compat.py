@@ -158,10 +158,11 @@ IGNORED_OFFLOAD = {
     "super_offload": "SuperOffload (Superchip CPU offload) is not built: the plain ZeRO-Offload host step "
                      "runs instead",
 }
-IGNORED_OFFLOAD_OPTIMIZER = {**IGNORED_OFFLOAD,
+IGNORED_OFFLOAD_OPTIMIZER = {**{k: v for k, v in IGNORED_OFFLOAD.items() if k != "super_offload"},
                              "buffer_size": "NVMe buffers hold one sub-group (sub_group_size) each",
                              "max_in_cpu": "a key of offload_param"}
 IGNORED_OFFLOAD_PARAM = {**IGNORED_OFFLOAD,
+                         "super_offload": "a key of offload_optimizer (the speculative host step)",
                          "cpuadam_cores_perc": "a key of offload_optimizer",
                          "fast_init": "a key of offload_optimizer",
                          "pipeline_read": "a key of offload_optimizer",

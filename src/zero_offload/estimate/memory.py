@@ -34,7 +34,7 @@ __all__ = ["ModelShape", "MemoryEstimate", "estimate_memory", "model_shape", "ac
 # Kinds that `Engine.memory_breakdown()` also reports (measured from the tensors the engine holds).
 MODEL_STATE_KINDS = ("params", "grads", "buckets", "grad_partition", "grad_staging", "master", "exp_avg",
                      "exp_avg_sq", "param_staging", "param_incoming", "frozen_params", "nvme_buffers", "param_pool",
-                     "param_write_ring")
+                     "param_write_ring", "speculative_state")
 # Lines of the estimate that the engine's breakdown counts as part of the gradient partition.
 GRAD_PARTITION_PARTS = {"grad_spare": "grad_partition"}
 
@@ -177,6 +177,7 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
     # bf16.bf16_optimizer_states: the host kernel keeps both moments in bf16 (`host_state_dtype`).
     moment_bytes = 2 if cfg.bf16.bf16_optimizer_states and (offload_opt or not accelerator) else 4
     pin = zc.offload_optimizer.pin_memory or (zc.stage == 3 and zc.offload_param.pin_memory)
+    speculative = zc.offload_optimizer.super_offload
     rounding = 0
 
     def host(kind: str, numel: int, dtype_: torch.dtype) -> None:
@@ -258,7 +259,8 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
                 host("grad_partition", p, grad_dtype)
                 if gas > 1:
                     grad_staging(shard, shard_bytes)
-                if not (offload_param and d == 4 and not param_nvme):   # fp32 shards in memory are their masters
+                # fp32 shards in memory are their masters (not under super_offload, whose banks swap)
+                if not (offload_param and d == 4 and not param_nvme) or speculative:
                     host("master", p, torch.float32)
             else:
                 est.add("device", "grad_partition", p * grad_dtype_bytes)
@@ -266,6 +268,11 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
                     est.add("device", "master", p * 4)
             moments(p, on_host=host_step)
     grads_on_host = offload_opt or offload_param
+    if speculative:
+        # super_offload steps into a second bank of masters and moments (`zero_offload.zero.speculation`).
+        for p in parts:
+            host("speculative_state", p * (4 + 2 * moment_bytes), torch.uint8)
+        est.formulas["speculative_state"] = "super_offload: a second master and both moments (P x (4 + 2 x moment)"
     if grads_on_host and zc.offload_optimizer.delayed_param_update:
         # The delayed update hands this step's gradient partitions to the host step. Filled straight by the copies
         # down, a partition is lent and the next backward refills it behind the step (`GradPartition.take`);
@@ -288,9 +295,11 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
                 host("param_staging", p, dtype)
         est.formulas["param_staging"] = ("delayed update: none where the gradient partition has the parameters' "
                                          "dtype (written over it), else the 16-bit partition (P x d)")
-    elif ring_used and d < 4 and not state_nvme and parts and (grad_dtype if zc.stage >= 2 else dtype) != dtype:
+    elif ring_used and d < 4 and not state_nvme and parts and \
+            ((grad_dtype if zc.stage >= 2 else dtype) != dtype or speculative):
         # Updated 16-bit parameters go up through a small pinned ring, not a partition-sized copy, where the
-        # gradient partition is fp32 (accumulation); a 16-bit one takes them in place (`PartitionedAdam`).
+        # gradient partition is fp32 (accumulation) or a speculated step stood (it wrote only the masters); a
+        # 16-bit one takes them in place (`PartitionedAdam`).
         slots, slot_numel = ring_shape(max(parts))
         host("param_staging", slots * slot_numel, dtype)
         est.formulas["param_staging"] = "min(4, ceil(P / 2^21)) slots x min(2^21, P) elements x d"

@@ -130,6 +130,11 @@ class CPUAdam(torch.optim.Optimizer):
 
     def _begin_step(self, p: torch.Tensor) -> None:
         """Make or cast ``p``'s moments and count its step (once per step, however many work items it has)."""
+        self.ensure_state(p)
+        self.count_step(p)
+
+    def ensure_state(self, p: torch.Tensor) -> None:
+        """Make ``p``'s moments (zeros, ``state_dtype``) or cast loaded ones, without counting a step."""
         state = self.state[p]
         if not state:
             state["step"] = 0
@@ -138,7 +143,29 @@ class CPUAdam(torch.optim.Optimizer):
         elif state["exp_avg"].dtype != self.state_dtype:  # load_state_dict casts states to fp32
             for key in ("exp_avg", "exp_avg_sq"):
                 state[key] = state[key].to(self.state_dtype).contiguous()
-        state["step"] += 1
+
+    def count_step(self, p: torch.Tensor) -> None:
+        """Count one step of ``p`` (after `step_into` filled every element of a second bank)."""
+        self.state[p]["step"] += 1
+
+    @torch.no_grad()
+    def step_into(self, gi: int, lo: int, hi: int, grad: torch.Tensor, grad_scale: float,
+                  into: dict[str, torch.Tensor], num_threads: int | None = None) -> None:
+        """The next step (not counted: `count_step`) of elements [lo, hi) of group ``gi``'s only parameter, read
+        from its live master and moments (`ensure_state` made them) and written to ``into``'s ``master``,
+        ``exp_avg`` and ``exp_avg_sq`` (1-D like the parameter, moments in ``state_dtype``) at [lo, hi); the live
+        state is left as it was (`zero_offload.zero.speculation`). ``grad``: hi - lo elements, any dtype the
+        kernel reads."""
+        group = self.param_groups[gi]
+        p = group["params"][0]
+        state = self.state[p]
+        beta1, beta2 = group["betas"]
+        live = (p.view(-1)[lo:hi], state["exp_avg"].view(-1)[lo:hi], state["exp_avg_sq"].view(-1)[lo:hi])
+        fused_adam_step(into["master"][lo:hi], grad.reshape(-1), into["exp_avg"][lo:hi], into["exp_avg_sq"][lo:hi],
+                        step=state["step"] + 1, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                        weight_decay=group["weight_decay"], adamw_mode=group["adamw_mode"],
+                        bias_correction=group["bias_correction"], grad_scale=grad_scale,
+                        num_threads=num_threads or self.num_threads, sources=live)
 
 
 def _work_items(groups: list[dict], stepped: dict, order) -> list[tuple[int, int, int, int]]:

@@ -92,8 +92,10 @@ def fused_adam_step(
     on_chunk: Callable[[int, int], None] | None = None,
     chunk_size: int | None = None,
     num_threads: int | None = None,
+    sources: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
-    """One Adam (L2) or AdamW (decoupled decay) step over 1-D CPU tensors of equal length N, in place.
+    """One Adam (L2) or AdamW (decoupled decay) step over 1-D CPU tensors of equal length N, in place (or, with
+    ``sources``, out of place).
 
     Args:
         master: fp32 [N], contiguous, updated in place.
@@ -107,6 +109,10 @@ def fused_adam_step(
             order, from the calling thread; e.g. to start the host-to-device copy of ``out[start:end]``.
         chunk_size: elements per chunk (default: the whole tensor, or ``DEFAULT_CHUNK`` with on_chunk).
         num_threads: threads to use (default ``torch.get_num_threads()``).
+        sources: (master, exp_avg, exp_avg_sq) to read the step's inputs from, each like its counterpart, which
+            then only receive the result: the sources are left as they were (a speculative step keeps what a
+            step with another gradient scale needs: `zero_offload.zero.speculation`). Bitwise the in-place
+            result. Default: read in place.
 
     Memory traffic per parameter: 2 (16-bit grad) + 3 x 8 (master, exp_avg, exp_avg_sq read and
     written) + 2 (16-bit out) = 28 bytes with fp32 states, 20 bytes with bf16 states.
@@ -129,6 +135,9 @@ def fused_adam_step(
         _check("out", out, {torch.bfloat16: 1, torch.float16: 2}, n)
     if int(step) < 1:
         raise ValueError(f"fused_adam_step: step must be >= 1 (1-based), got {step}")
+    if sources is not None:
+        for name, src, dst in zip(("master", "exp_avg", "exp_avg_sq"), sources, (master, exp_avg, exp_avg_sq)):
+            _check(f"sources' {name}", src, {dst.dtype: 0}, n)
     if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"fused_adam_step: chunk_size must be >= 1, got {chunk_size}")
     if n == 0:
@@ -149,6 +158,8 @@ def fused_adam_step(
             end = min(n, start + chunk)
             for lo in range(start, end, piece):
                 hi = min(end, lo + piece)
+                for src, dst in zip(sources or (), (master, exp_avg, exp_avg_sq)):
+                    dst[lo:hi].copy_(src[lo:hi])
                 _torch_step(master[lo:hi], grad[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi], step, lr, beta1,
                             beta2, eps, weight_decay, adamw_mode, bias_correction, grad_scale,
                             None if out is None else out[lo:hi], scratch)
@@ -170,13 +181,17 @@ def fused_adam_step(
                          math.sqrt(bc2), eps, -lr / bc1, flags, PREFETCH_ELEMS)
     threads = num_threads or torch.get_num_threads()
     gd, sd, od = _GRAD_CODES[grad.dtype], _STATE_CODES[exp_avg.dtype], _OUT_CODES[None if out is None else out.dtype]
+    reads = sources or (master, exp_avg, exp_avg_sq)
     ptrs = [t.data_ptr() for t in (master, grad, exp_avg, exp_avg_sq)] + [0 if out is None else out.data_ptr()]
-    sizes = [4, grad.element_size(), exp_avg.element_size(), exp_avg.element_size(), 2]
+    ptrs += [t.data_ptr() for t in reads]
+    state = exp_avg.element_size()
+    sizes = [4, grad.element_size(), state, state, 2, 4, state, state]
     hp_ref = ctypes.byref(hp)
     for start in range(0, n, chunk):
         end = min(n, start + chunk)
         p = [0 if base == 0 else base + start * size for base, size in zip(ptrs, sizes)]
-        lib.zo_adam_step(p[0], p[1], gd, p[2], p[3], sd, p[4] or None, od, end - start, hp_ref, threads)
+        lib.zo_adam_step_from(p[0], p[1], gd, p[2], p[3], sd, p[4] or None, od, end - start, hp_ref, threads,
+                              p[5], p[6], p[7])
         if on_chunk is not None:
             on_chunk(start, end)
 

@@ -115,6 +115,19 @@ class ZeroOptimizerBase:
         self.adam.close()
         self.copies.close()
 
+    # -- the speculative step (offload_optimizer.super_offload; zero_offload.zero.speculation) ---------------
+    def begin_speculation(self, grad_scale: float) -> None:
+        """The next backward is the boundary: its gradient pieces are stepped with ``grad_scale`` (1 / loss
+        scale) as they land on the host; `step` keeps that step or redoes it, exactly."""
+        for partition, sink in zip(self.partitions, self.adam.begin_speculation(grad_scale)):
+            partition.report_final_ranges(sink)
+
+    def discard_speculation(self) -> None:
+        """The boundary takes no step (fp16 overflow): what was speculated is dropped."""
+        discard = getattr(self.adam, "discard_speculation", None)
+        if discard is not None:
+            discard()
+
     # -- the delayed parameter update (zero_offload.zero.delayed_update) ---------------------------------
     def take_grads(self) -> list[ReadyGrad]:
         """This step's gradient partitions, handed over whole; the next backward fills other buffers."""
@@ -125,7 +138,12 @@ class ZeroOptimizerBase:
         thread count) where the step runs on the host; empty otherwise (`Engine.timings`)."""
         if not self.adam.on_host:
             return {}
-        return {"host_step_s": self.adam.host_step_s, "host_step_threads": float(self.adam.host_threads)}
+        out = {"host_step_s": self.adam.host_step_s, "host_step_threads": float(self.adam.host_threads)}
+        speculation = getattr(self.adam, "speculation", None)
+        if speculation is not None:      # super_offload: how much of the host step ran during backward, and whether
+            out["host_step_hidden_s"] = speculation.hidden_s                       # the speculated step stood
+            out["host_step_kept"] = float(speculation.last == "accepted")
+        return out
 
     def publish_readers(self) -> None:
         """After the partition optimizer published: tell each gradient partition which copy up still reads one

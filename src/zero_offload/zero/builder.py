@@ -91,18 +91,21 @@ def _in_memory(config: Config, parts: list[torch.Tensor], hparams: list[dict], o
                host_params: bool, segments: list | None = None, all_reduce=None) -> PartitionedAdam:
     """States in device or host memory: the fused kernel for Adam/AdamW, a torch optimizer otherwise."""
     opt = config.optimizer
-    deferred = config.zero_optimization.offload_optimizer.delayed_param_update
+    offload_opt = config.zero_optimization.offload_optimizer
+    deferred, speculative = offload_opt.delayed_param_update, offload_opt.super_offload
     if opt.torch_kwargs is None and not opt.params.amsgrad:
-        # A step beside the training thread (the delayed update) gets its share of the cores; a synchronous one
-        # every core, the training thread waiting for it.
-        threads = (len(host_step_cores(config.zero_optimization.offload_optimizer.cpuadam_cores_perc))
-                   if deferred else None)
+        # A step beside the training thread (the delayed update, the speculative step) gets its share of the
+        # cores; a synchronous one every core, the training thread waiting for it.
+        cores = host_step_cores(offload_opt.cpuadam_cores_perc)
         return PartitionedAdam(parts, hparams, offload, copies, host_params=host_params, deferred=deferred,
-                               state_dtype=host_state_dtype(config), host_threads=threads)
-    if deferred:
-        raise ConfigError("config key 'zero_optimization.offload_optimizer.delayed_param_update' = true needs "
-                          f"optimizer type Adam/AdamW without amsgrad (got {opt.type!r}): only the fused host "
-                          "kernel's step runs in the background")
+                               state_dtype=host_state_dtype(config),
+                               host_threads=len(cores) if deferred or speculative else None,
+                               speculative=speculative, host_cpus=cores if speculative else None)
+    for key, on in (("delayed_param_update", deferred), ("super_offload", speculative)):
+        if on:
+            raise ConfigError(f"config key 'zero_optimization.offload_optimizer.{key}' = true needs optimizer "
+                              f"type Adam/AdamW without amsgrad (got {opt.type!r}): only the fused host kernel's "
+                              "step runs beside training")
     return PartitionedTorchOptimizer(parts, hparams, offload, copies, host_params=host_params,
                                      type_name=opt.type, torch_kwargs=opt.torch_kwargs, segments=segments,
                                      all_reduce=all_reduce)

@@ -129,6 +129,9 @@ class GradPartition:
         self.reader: CopyHandle | None = None
         self.spare_reader: CopyHandle | None = None
         self.tracks_norm = offload and not self.in_place
+        # super_offload: where the boundary micro-step's final ranges are reported (`report_final_ranges`).
+        self.final_sink = None
+        self.final_micro_step = -1
         # The norm pieces are written by the training thread and the worker: under this lock.
         self.norm_lock = threading.Lock()
         self.sq_device: torch.Tensor | None = None   # 0-dim fp32: buckets summed on the device, this micro-step
@@ -162,8 +165,21 @@ class GradPartition:
         return cls(hi - lo, flat.dtype, flat.device, stage, offload, accumulate_fp32, copies, view, lo,
                    piece_numel=piece)
 
+    def report_final_ranges(self, sink) -> None:
+        """The next micro-step is the boundary (``super_offload``): each range it writes is reported to ``sink``
+        (a `zero_offload.zero.speculation.FinalRanges`) once final -- at its copy down, or after its staged add. A
+        later micro-step before the step (another backward) invalidates what was reported."""
+        self.final_sink, self.final_micro_step = sink, self.micro_step + 1
+
+    def _final_sink(self):
+        """The sink this micro-step's ranges are reported to, or None."""
+        return self.final_sink if self.micro_step == self.final_micro_step else None
+
     def begin_micro_step(self) -> None:
         """A micro-step that reduces into this partition starts: its writes replace the norm's pieces."""
+        if self._final_sink() is not None:       # the ranges reported change again
+            self.final_sink.invalidate()
+            self.final_sink = None
         with self.norm_lock:
             self.sq_device = self.sq_host = None
             self.sq_covered = 0 if self.tracks_norm else -1
@@ -205,6 +221,9 @@ class GradPartition:
                     self.sq_covered += reduced.numel()
             handle = self.copies.to_host(dst, reduced)
             self.pending.append((handle, offset, reduced.numel()))
+            sink = self._final_sink()
+            if sink is not None:
+                sink.landed(offset, dst, handle)
             while self.pending and self.pending[0][0].query():     # landed: forget them (never blocks)
                 self.pending.popleft()
             return handle
@@ -217,7 +236,8 @@ class GradPartition:
             i = self._free_slot()
             slot = self.staging[i][:piece.numel() * piece.element_size()].view(piece.dtype)
             handle = self.copies.to_host(slot, piece)
-            self.worker.submit(self._host_side(handle, i, slot, dst[lo:lo + piece.numel()], overwrite))
+            self.worker.submit(self._host_side(handle, i, slot, offset + lo, dst[lo:lo + piece.numel()],
+                                               overwrite))
         return handle                                # one stream: the last copy down finishes last
 
     def _after_lease(self, offset: int) -> None:
@@ -239,13 +259,14 @@ class GradPartition:
         self.slot_free[i].clear()
         return i
 
-    def _host_side(self, handle: CopyHandle, i: int, staged: torch.Tensor, dst: torch.Tensor,
+    def _host_side(self, handle: CopyHandle, i: int, staged: torch.Tensor, at: int, dst: torch.Tensor,
                    overwrite: bool) -> Callable[[], None]:
         """The worker's share of one staged piece: wait for its copy down, convert it into (``overwrite``) or add
-        it to ``dst`` (fp32, bound now: the delayed update may swap the buffer before it runs) and sum the squares
-        of the result in the same pass (`zero_offload.optim.host_add`, on a fixed thread count), free slot ``i``,
+        it to ``dst`` (fp32, partition elements from ``at``, bound now: the delayed update may swap the buffer
+        before it runs) and sum the squares of the result in the same pass (`zero_offload.optim.host_add`, on a
+        fixed thread count), free slot ``i``, report the range final (boundary micro-step, ``super_offload``),
         then add the squares into this micro-step's norm piece."""
-        micro_step = self.micro_step
+        micro_step, sink = self.micro_step, self._final_sink()
 
         def run() -> None:
             try:
@@ -256,6 +277,8 @@ class GradPartition:
                     tl.host_work("host_add", dst.numel())
             finally:
                 self.slot_free[i].set()
+            if sink is not None:
+                sink.landed(at, dst, None)
             if self.tracks_norm:
                 with self.norm_lock:
                     if self.sq_covered >= 0 and micro_step == self.micro_step:   # an earlier one's lands late

@@ -23,6 +23,7 @@ from zero_offload.optim.cpu_adam import CPUAdam
 from zero_offload.state import WholeGroupState, fill_from_chunks
 from zero_offload.zero.copy_in import forward_order
 from zero_offload.zero.grad_partition import GradSource
+from zero_offload.zero.speculation import FinalRanges, SpeculativeStep
 
 __all__ = ["PartitionedAdam", "host_state_dtype", "COPY_CHUNK", "copy_chunk"]
 
@@ -96,6 +97,9 @@ class PartitionedAdam(WholeGroupState):
             16-bit outputs are always separate buffers).
         state_dtype: dtype of the host Adam moments, fp32 or bf16 (``bf16.bf16_optimizer_states``).
         host_threads: the host kernel's thread count (`zero_offload.offload.host_cores`); None: torch's.
+        speculative: ``offload_optimizer.super_offload``: the boundary's pieces are stepped while backward runs,
+            into a second bank of state (`zero_offload.zero.speculation.SpeculativeStep`, on ``host_threads``
+            threads pinned to ``host_cpus``), and `step` keeps or redoes them exactly.
 
     Attributes:
         optimizer: the inner ``torch.optim.Optimizer`` whose param groups carry the live learning rates
@@ -116,7 +120,8 @@ class PartitionedAdam(WholeGroupState):
 
     def __init__(self, parts: list[torch.Tensor], hparams: list[dict], offload: bool, copies: Copies,
                  host_params: bool = False, deferred: bool = False, state_dtype: torch.dtype = torch.float32,
-                 host_threads: int | None = None):
+                 host_threads: int | None = None, speculative: bool = False,
+                 host_cpus: tuple[int, ...] | None = None):
         self.parts, self.offload, self.copies = parts, offload, copies
         self.host_threads = host_threads or torch.get_num_threads()
         self.chunk = COPY_CHUNK                   # elements per host-step chunk and copy up (`copy_chunk`)
@@ -142,7 +147,7 @@ class PartitionedAdam(WholeGroupState):
         self.copy_order: list[tuple[int, int, int]] | None = None
         for part in parts:
             sixteen_bit = part.dtype != torch.float32
-            if offload and (deferred or not (host_params and not sixteen_bit)):
+            if offload and (deferred or speculative or not (host_params and not sixteen_bit)):
                 # fp32 masters are only read by the kernel (and copied up in fp32 runs): pinned only then.
                 master = (copies.host_empty(part.numel(), torch.float32) if not sixteen_bit
                           else torch.empty(part.numel(), dtype=torch.float32)).copy_(part)
@@ -177,6 +182,9 @@ class PartitionedAdam(WholeGroupState):
                                      "always corrects bias")
             adamw = [g.pop("adamw_mode") for g in groups][0]
             self.optimizer = (torch.optim.AdamW if adamw else torch.optim.Adam)(groups, fused=True)
+        # The speculative step (super_offload): only with the fused host kernel over offloaded states.
+        self.speculation = (SpeculativeStep(self.optimizer, copies, self.host_threads, host_cpus, copies.device,
+                                            self.chunk) if speculative and self.on_host else None)
 
     @torch.no_grad()
     def step(self, grads: Sequence[GradSource], grad_scale: float, lrs: Sequence[float] | None = None,
@@ -192,10 +200,18 @@ class PartitionedAdam(WholeGroupState):
         """
         ready = [g.ready() for g in grads]
         self.sources = list(grads)        # told which chunks the step is done with (`GradSource.released`)
+        if self.speculation is not None and self.speculation.active:
+            start = time.perf_counter()
+            if self.speculation.settle(grad_scale, ready):      # the speculated step stands: publish it
+                self._publish_masters()
+                self.host_step_s = self.speculation.total_s + time.perf_counter() - start
+                return
         if self.on_host:
             self._host_step(ready, grad_scale, lrs)
             if self.deferred and publish:
                 self.publish()
+            elif self.host_params and not self.deferred:   # fp32 host shards apart from their masters (super_offload)
+                self.write_parts([g for g, out in enumerate(self.outs) if out is None])
             return
         with record_function("zero_offload.optimizer.device_step"):
             for master, g in zip(self.masters, ready):
@@ -215,6 +231,34 @@ class PartitionedAdam(WholeGroupState):
             self.masters[g].grad = None
             if self.masters[g].data_ptr() != self.parts[g].data_ptr():
                 self.parts[g].copy_(self.masters[g])
+
+    def begin_speculation(self, grad_scale: float) -> list[FinalRanges]:
+        """The boundary micro-step starts (``super_offload``): its gradient pieces are stepped with ``grad_scale``
+        as they land. Returns one `FinalRanges` per group, for its gradient partition to report them to."""
+        self.speculation.begin(grad_scale)
+        # The second bank was the live state a step ago: copies up of that step may still read it.
+        self._wait_copies_up({_storage(t) for t in self.speculation.bank_tensors()})
+        return self.speculation.sinks()
+
+    def discard_speculation(self) -> None:
+        """The boundary takes no step (fp16 overflow, or a checkpoint load): drop what was speculated."""
+        if self.speculation is not None:
+            self.speculation.discard()
+
+    def _publish_masters(self) -> None:
+        """After a speculated step stood: the parameters from the new masters (chunk by chunk through the ring
+        up to the device, in the next forward's order; in place on the host)."""
+        if not (self.offload and not self.host_params):
+            self.write_parts()
+            return
+        self.params_free = self.copies.compute_point()
+        self.published_from = [None] * len(self.parts)
+        self.publish_copies = [None] * len(self.parts)
+        for g, lo, hi in self._chunk_order():
+            self._issue(self._copy_up, g, lo, hi)
+        if self.issuer is not None:
+            self.issuer.join()
+        self._release_copies_up()
 
     def _copy_up(self, g: int, lo: int, hi: int) -> None:
         """Queue the copy up of group ``g``'s updated elements [lo, hi): from where the kernel wrote them in 16
@@ -407,7 +451,9 @@ class PartitionedAdam(WholeGroupState):
             self.incoming_free = self.copies.compute_point()
 
     def close(self) -> None:
-        """End the issuing thread and let the copies up in flight land (from `Engine.close`)."""
+        """End the issuing and speculative threads and let the copies up in flight land (from `Engine.close`)."""
+        if self.speculation is not None:
+            self.speculation.close()
         if self.issuer is not None:
             self.issuer.close()
         self._wait_copies_up()
@@ -441,9 +487,12 @@ class PartitionedAdam(WholeGroupState):
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         """The tensors this optimizer holds, by kind: master, exp_avg, exp_avg_sq (one per group)."""
         states = [self.optimizer.state.get(m, {}) for m in self.masters]
-        return {"master": self.masters,
-                "exp_avg": [s["exp_avg"] for s in states if "exp_avg" in s],
-                "exp_avg_sq": [s["exp_avg_sq"] for s in states if "exp_avg_sq" in s]}
+        kinds = {"master": self.masters,
+                 "exp_avg": [s["exp_avg"] for s in states if "exp_avg" in s],
+                 "exp_avg_sq": [s["exp_avg_sq"] for s in states if "exp_avg_sq" in s]}
+        if self.speculation is not None:
+            kinds["speculative_state"] = self.speculation.bank_tensors()
+        return kinds
 
     # -- state (the `PartitionedOptimizerState` protocol of zero_offload.state) ----------------------------
     def group_step(self, g: int) -> int:
@@ -482,6 +531,7 @@ class PartitionedAdam(WholeGroupState):
             ValueError: pieces that do not exactly cover the partition (nothing is changed before the
                 first piece is checked; a gap is reported after the pieces were written).
         """
+        self.discard_speculation()
         mine = self.masters[g]
         n = mine.numel()
         if step > 0:

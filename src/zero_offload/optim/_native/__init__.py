@@ -64,6 +64,8 @@ def load(reload: bool = False) -> ctypes.CDLL | None:
         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
         ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.POINTER(HParams), ctypes.c_int,
     ]
+    lib.zo_adam_step_from.restype = ctypes.c_int
+    lib.zo_adam_step_from.argtypes = lib.zo_adam_step.argtypes + [ctypes.c_void_p] * 3
     lib.zo_set_isa.restype = ctypes.c_int
     lib.zo_set_isa.argtypes = [ctypes.c_int]
     lib.zo_num_threads_max.restype = ctypes.c_int

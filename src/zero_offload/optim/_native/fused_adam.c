@@ -49,10 +49,14 @@ typedef struct {
     int32_t prefetch_elems; /* distance for ZO_PREFETCH, elements */
 } zo_hparams;
 
+/* The step reads master and moments from the *_in pointers and writes them to master/exp_avg/exp_avg_sq: the same
+   buffers for a step in place, others for a step out of place (a speculative step keeps what it read). */
 typedef struct {
     float *master;
     const void *grad;
     void *exp_avg, *exp_avg_sq, *out;
+    const float *master_in;
+    const void *exp_avg_in, *exp_avg_sq_in;
 } zo_bufs;
 
 /* ---------------------------------------------------------------- scalar conversions */
@@ -105,13 +109,13 @@ ZO_INLINE void zo_range_scalar(const int gd, const int sd, const int od, const z
     for (; i < end; ++i) {
         float g = zo_load1(b->grad, i, gd);
         if (fl & ZO_SCALE) g = g * h->grad_scale;
-        float p = b->master[i];
+        float p = b->master_in[i];
         if (fl & ZO_DECAY) p = p * h->decay;                        /* param.mul_(1 - lr*wd) */
         if (fl & ZO_L2) g = fmaf(p, h->l2, g);                       /* grad.add(param, alpha=wd) */
-        float m = zo_load1(b->exp_avg, i, sd);
+        float m = zo_load1(b->exp_avg_in, i, sd);
         const float diff = g - m;                                    /* exp_avg.lerp_(g, 1 - beta1) */
         m = (fl & ZO_LERP_SMALL) ? fmaf(h->w1, diff, m) : fmaf(h->w1 - 1.0f, diff, g);
-        float v = zo_load1(b->exp_avg_sq, i, sd) * h->beta2;        /* exp_avg_sq.mul_(beta2) */
+        float v = zo_load1(b->exp_avg_sq_in, i, sd) * h->beta2;        /* exp_avg_sq.mul_(beta2) */
         v = fmaf(h->one_minus_beta2 * g, g, v);                      /* .addcmul_(g, g, 1 - beta2) */
         const float d = sqrtf(v) / h->bc2_sqrt + h->eps;            /* (sqrt(v) / sqrt(bc2)).add_(eps) */
         p = p + (h->neg_step_size * m) / d;                          /* param.addcdiv_(m, d, -lr/bc1) */
@@ -187,20 +191,20 @@ ZO_T512 ZO_INLINE void zo_range512(const int gd, const int sd, const int od, con
     for (; i + 16 <= end; i += 16) {
         if (pf && (i & 31) == 0) {
             const int64_t j = i + pf;
-            _mm_prefetch((const char *)(b->master + j), _MM_HINT_T0);
-            _mm_prefetch((const char *)b->exp_avg + sdsz * j, _MM_HINT_T0);
-            _mm_prefetch((const char *)b->exp_avg_sq + sdsz * j, _MM_HINT_T0);
+            _mm_prefetch((const char *)(b->master_in + j), _MM_HINT_T0);
+            _mm_prefetch((const char *)b->exp_avg_in + sdsz * j, _MM_HINT_T0);
+            _mm_prefetch((const char *)b->exp_avg_sq_in + sdsz * j, _MM_HINT_T0);
             _mm_prefetch((const char *)b->grad + (gd == ZO_F32 ? 4 : 2) * j, _MM_HINT_T0);
         }
         __m512 g = zo_ld16(b->grad, i, gd);
         if (fl & ZO_SCALE) g = _mm512_mul_ps(g, gs);
-        __m512 p = _mm512_loadu_ps(b->master + i);
+        __m512 p = _mm512_loadu_ps(b->master_in + i);
         if (fl & ZO_DECAY) p = _mm512_mul_ps(p, decay);
         if (fl & ZO_L2) g = _mm512_fmadd_ps(p, l2, g);
-        __m512 m = zo_ld16(b->exp_avg, i, sd);
+        __m512 m = zo_ld16(b->exp_avg_in, i, sd);
         const __m512 diff = _mm512_sub_ps(g, m);
         m = (fl & ZO_LERP_SMALL) ? _mm512_fmadd_ps(w1, diff, m) : _mm512_fmadd_ps(w1m1, diff, g);
-        __m512 v = _mm512_mul_ps(zo_ld16(b->exp_avg_sq, i, sd), b2);
+        __m512 v = _mm512_mul_ps(zo_ld16(b->exp_avg_sq_in, i, sd), b2);
         v = _mm512_fmadd_ps(_mm512_mul_ps(omb2, g), g, v);
         const __m512 d = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), bc2), eps);
         p = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(nss, m), d));
@@ -257,13 +261,13 @@ ZO_T256 ZO_INLINE void zo_range256(const int gd, const int sd, const int od, con
     for (; i + 8 <= end; i += 8) {
         __m256 g = zo_ld8(b->grad, i, gd);
         if (fl & ZO_SCALE) g = _mm256_mul_ps(g, gs);
-        __m256 p = _mm256_loadu_ps(b->master + i);
+        __m256 p = _mm256_loadu_ps(b->master_in + i);
         if (fl & ZO_DECAY) p = _mm256_mul_ps(p, decay);
         if (fl & ZO_L2) g = _mm256_fmadd_ps(p, l2, g);
-        __m256 m = zo_ld8(b->exp_avg, i, sd);
+        __m256 m = zo_ld8(b->exp_avg_in, i, sd);
         const __m256 diff = _mm256_sub_ps(g, m);
         m = (fl & ZO_LERP_SMALL) ? _mm256_fmadd_ps(w1, diff, m) : _mm256_fmadd_ps(w1m1, diff, g);
-        __m256 v = _mm256_mul_ps(zo_ld8(b->exp_avg_sq, i, sd), b2);
+        __m256 v = _mm256_mul_ps(zo_ld8(b->exp_avg_sq_in, i, sd), b2);
         v = _mm256_fmadd_ps(_mm256_mul_ps(omb2, g), g, v);
         const __m256 d = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), bc2), eps);
         p = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(nss, m), d));
@@ -321,13 +325,16 @@ static void zo_run(int isa, int gd, int sd, int od, const zo_bufs *b, int64_t i,
 
 #define ZO_MIN_PER_THREAD 32768 /* below this a second thread costs more than it saves */
 
-/* One step over elements [0, n). Returns 0, or -1 for a bad dtype code. */
-int zo_adam_step(float *master, const void *grad, int gd, void *exp_avg, void *exp_avg_sq, int sd,
-                 void *out, int od, int64_t n, const zo_hparams *h, int nthreads) {
+/* One step over elements [0, n), reading master and moments from master_in, exp_avg_in, exp_avg_sq_in (NULL: in
+   place) and writing master, exp_avg, exp_avg_sq. Returns 0, or -1 for a bad dtype code. */
+int zo_adam_step_from(float *master, const void *grad, int gd, void *exp_avg, void *exp_avg_sq, int sd,
+                      void *out, int od, int64_t n, const zo_hparams *h, int nthreads, const float *master_in,
+                      const void *exp_avg_in, const void *exp_avg_sq_in) {
     if (gd < 0 || gd > 2 || sd < 0 || sd > 1 || od < 0 || od > 2) return -1;
     if (n <= 0) return 0;
     if (zo_isa < 0) zo_set_isa(-1);
-    const zo_bufs b = {master, grad, exp_avg, exp_avg_sq, out};
+    const zo_bufs b = {master, grad, exp_avg, exp_avg_sq, out, master_in ? master_in : master,
+                       exp_avg_in ? exp_avg_in : exp_avg, exp_avg_sq_in ? exp_avg_sq_in : exp_avg_sq};
     const int isa = zo_isa;
     if (nthreads < 1) nthreads = 1;
     if (n < (int64_t)ZO_MIN_PER_THREAD * nthreads) nthreads = (int)(n / ZO_MIN_PER_THREAD) + 1;
@@ -354,6 +361,12 @@ int zo_adam_step(float *master, const void *grad, int gd, void *exp_avg, void *e
         if (lo < hi) zo_run(isa, gd, sd, od, &b, lo, hi, h);
     }
     return 0;
+}
+
+/* One step in place over elements [0, n). Returns 0, or -1 for a bad dtype code. */
+int zo_adam_step(float *master, const void *grad, int gd, void *exp_avg, void *exp_avg_sq, int sd,
+                 void *out, int od, int64_t n, const zo_hparams *h, int nthreads) {
+    return zo_adam_step_from(master, grad, gd, exp_avg, exp_avg_sq, sd, out, od, n, h, nthreads, NULL, NULL, NULL);
 }
 
 /* ---------------------------------------------------------------- staged gradient accumulation */

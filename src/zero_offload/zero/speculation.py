@@ -1,0 +1,242 @@
+"""The speculative host step: each piece of the partition is stepped while backward still runs, exactly.
+
+SuperOffload (Lian et al. 2025, arXiv 2509.21271, Sec. 4.3; DeepSpeed 0.18+'s ``offload_optimizer.super_offload``)
+starts a sub-group's CPU Adam step as soon as its gradient is on the host, before the global norm is known, and
+rolls it back with an inverse Adam step on fp16 overflow; under gradient clipping it does not speculate at all. The
+inverse is not exact: it rebuilds the old moments from the new ones and the gradient, m = (m' - (1 - b1) g) / b1,
+which cancels when the gradient dwarfs the moments' history, a relative error of about 2**-24 / c in m and
+2**-24 / c**2 in v for a clip coefficient c (6e-4 in v at c = 0.01).
+
+Here nothing is rebuilt. The speculative kernel reads the master weights and moments and writes its result into a
+second bank of the same size (`fused_adam_step`'s ``sources``), so what it read stays as it was. When the boundary
+knows the global norm (`settle`):
+
+- no clipping fired and no overflow (the scale is the one speculated with): the banks swap, a pointer swap, no
+  copy. The result is bitwise the plain step's: the same kernel on the same inputs.
+- clipping fired (another scale): the second bank is dropped and the caller runs the plain step in place, on the
+  untouched state, with the true coefficient: bitwise the plain step's.
+- fp16 overflow (`discard`): the second bank is dropped; nothing was stepped.
+
+So the error bound is 0 for every coefficient. The price is memory, not accuracy: one more copy of the master
+weights and moments on the host, 12 bytes per parameter (8 with bf16 moments), counted by
+``zero_offload.estimate.memory`` as ``speculative_state`` and shown by ``memory_breakdown()``; and under clipping
+the speculated work is done again (the plain step's time, exposed, as without speculation).
+
+The pieces run in the order their gradients land, on one persistent `HostThread` ("host-step") pinned to the
+``cpuadam_cores_perc`` share of the cores, each after its gradient copy's event (or the staged add that made it
+final). DeepSpeed's SuperOffload asserts CUDA and stage 3; this runs wherever the host step does, at stages 2 and 3.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Protocol, Sequence
+
+import torch
+
+from zero_offload.host_thread import HostThread
+from zero_offload.offload import timeline
+from zero_offload.offload.copies import CopyHandle, Copies
+from zero_offload.optim.cpu_adam import CPUAdam
+
+__all__ = ["SpeculativeStep", "FinalRanges"]
+
+
+class FinalRanges(Protocol):
+    """Where a gradient partition reports the ranges of its boundary micro-step that are final (`GradPartition`)."""
+
+    def landed(self, offset: int, values: torch.Tensor, copy: CopyHandle | None) -> None:
+        """Elements [offset, offset + len(values)) of the partition are final once ``copy`` (None: already) has
+        landed; ``values`` is the partition's view of them."""
+        ...
+
+    def invalidate(self) -> None:
+        """The partition changed after it reported ranges (another backward before the step)."""
+        ...
+
+
+class _GroupRanges:
+    """`FinalRanges` of one param group: forwards to the `SpeculativeStep`."""
+
+    def __init__(self, owner: "SpeculativeStep", group: int):
+        self.owner, self.group = owner, group
+
+    def landed(self, offset: int, values: torch.Tensor, copy: CopyHandle | None) -> None:
+        self.owner.submit(self.group, offset, values, copy)
+
+    def invalidate(self) -> None:
+        self.owner.invalidate()
+
+
+class SpeculativeStep:
+    """The speculative half of a host step over the partitions of a `CPUAdam` (see the module docstring).
+
+    Args:
+        optimizer: the host optimizer; one fp32 master partition per param group (its only parameter).
+        copies: page-locks the second bank where the masters are page-locked (copies up read them).
+        threads: the kernel's thread count beside training; cpus: the cores its thread is pinned to.
+        device: the CUDA device the thread binds (None on the CPU).
+        chunk: elements per piece (a cancelled speculation stops within one piece).
+
+    Attributes:
+        hidden_s: seconds of speculative kernel time that ran before the boundary step began (during backward).
+        total_s: seconds of speculative kernel time at the last boundary.
+        last: "accepted", "redone" (clipping fired or the gradient changed) or "discarded" (overflow).
+    """
+
+    def __init__(self, optimizer: CPUAdam, copies: Copies, threads: int, cpus: tuple[int, ...] | None,
+                 device: torch.device | None, chunk: int):
+        self.optimizer, self.copies, self.threads, self.chunk = optimizer, copies, threads, chunk
+        self.thread = HostThread("host-step", device, cpus)
+        self.banks: list[dict[str, torch.Tensor]] = []       # per group: master, exp_avg, exp_avg_sq
+        self.lock = threading.Lock()
+        self.active = False
+        self.valid = True
+        self.cancelled = False
+        self.grad_scale = 1.0
+        self.ranges: list[list[tuple[int, int]]] = []     # per group: [lo, hi) submitted this boundary
+        self.busy_s = 0.0
+        self.hidden_s = self.total_s = 0.0
+        self.last = ""
+
+    @property
+    def masters(self) -> list[torch.Tensor]:
+        return [g["params"][0] for g in self.optimizer.param_groups]
+
+    def sinks(self) -> list[FinalRanges]:
+        """One `FinalRanges` per param group, for its gradient partition."""
+        return [_GroupRanges(self, g) for g in range(len(self.optimizer.param_groups))]
+
+    def begin(self, grad_scale: float) -> None:
+        """The boundary micro-step starts: its pieces are stepped with ``grad_scale`` (1 / loss scale, clip
+        coefficient 1) as they land. The learning rates are the param groups' now (the schedule steps after)."""
+        self.join()
+        if not self.banks:
+            self._allocate()
+        for master in self.masters:
+            self.optimizer.ensure_state(master)
+        self.grad_scale, self.active, self.valid, self.cancelled = grad_scale, True, True, False
+        self.ranges = [[] for _ in self.masters]
+        self.busy_s = 0.0
+
+    def submit(self, g: int, lo: int, values: torch.Tensor, copy: CopyHandle | None) -> None:
+        """Step group ``g``'s elements [lo, lo + len(values)) into the second bank once ``copy`` has landed (any
+        thread). A range submitted twice (the gradient changed after its step) invalidates the speculation."""
+        hi = lo + values.numel()
+        with self.lock:
+            if not self.active or not self.valid:
+                return
+            if any(a < hi and lo < b for a, b in self.ranges[g]):
+                self.valid = False
+                return
+            self.ranges[g].append((lo, hi))
+        tl = timeline.current()
+
+        def run() -> None:
+            if copy is not None:
+                copy.synchronize()
+            for start in range(0, hi - lo, self.chunk):
+                if self.cancelled:
+                    return
+                end = min(hi - lo, start + self.chunk)
+                began = time.perf_counter()
+                self._step_piece(g, lo + start, lo + end, values[start:end], self.grad_scale)
+                self.busy_s += time.perf_counter() - began
+                if tl is not None:
+                    tl.host_work("host_step", end - start)
+        self.thread.submit(run)
+
+    def invalidate(self) -> None:
+        """The gradients changed after pieces were stepped: the boundary redoes the step (`settle` is False)."""
+        with self.lock:
+            self.valid = False
+
+    def settle(self, grad_scale: float, grads: Sequence[torch.Tensor]) -> bool:
+        """At the boundary, once the global norm is known: True when the speculated step stands (``grad_scale`` is
+        the one speculated with and no gradient changed after its piece was stepped); the banks are then swapped
+        and the step counted, every range no piece covered stepped first on this thread from ``grads`` (the
+        finished partitions). False: nothing changed, and the caller steps in place with ``grad_scale``.
+
+        Raises:
+            HostThreadError: a speculative piece failed (chained to its exception).
+        """
+        hidden = self.busy_s
+        keep = self.active and self.valid and grad_scale == self.grad_scale
+        if not keep:
+            self.cancelled = True
+        self.join()
+        self.hidden_s, self.total_s = (hidden if keep else 0.0), self.busy_s
+        self.active = False
+        if not keep:
+            self.last = "redone"
+            return False
+        for g, grad in enumerate(grads):
+            for lo, hi in _gaps(self.ranges[g], grad.numel()):
+                self._step_piece(g, lo, hi, grad[lo:hi], grad_scale)
+        self._swap_banks()
+        for master in self.masters:
+            self.optimizer.count_step(master)
+        self.last = "accepted"
+        return True
+
+    def discard(self) -> None:
+        """fp16 overflow: the speculated pieces are dropped (no step is counted)."""
+        if self.active:
+            self.cancelled = True
+            self.join()
+            self.active = False
+            self.last = "discarded"
+
+    def join(self) -> None:
+        self.thread.join()
+
+    def close(self) -> None:
+        self.cancelled = True
+        self.thread.close()
+
+    def bank_tensors(self) -> list[torch.Tensor]:
+        """The second bank: one more master and both moments per group (memory accounting)."""
+        return [t for bank in self.banks for t in bank.values()]
+
+    def _allocate(self) -> None:
+        for master in self.masters:
+            state = self.optimizer.state.get(master) or {}
+            dtype = state["exp_avg"].dtype if "exp_avg" in state else self.optimizer.state_dtype
+            pinned = master.is_pinned()
+            make = (lambda n, d: self.copies.host_empty(n, d)) if pinned else \
+                (lambda n, d: torch.empty(n, dtype=d))
+            self.banks.append({"master": make(master.numel(), torch.float32),
+                               "exp_avg": make(master.numel(), dtype), "exp_avg_sq": make(master.numel(), dtype)})
+
+    def _step_piece(self, g: int, lo: int, hi: int, grad: torch.Tensor, grad_scale: float) -> None:
+        """Group ``g``'s [lo, hi): read from the live state, written into the second bank."""
+        self.optimizer.step_into(g, lo, hi, grad, grad_scale, self.banks[g], self.threads)
+
+    def _swap_banks(self) -> None:
+        """The second bank becomes the live state (the tensors keep their identity: the optimizer's param groups
+        and state are keyed by them); the old state becomes the next boundary's second bank."""
+        for master, bank in zip(self.masters, self.banks):
+            state = self.optimizer.state[master]
+            for live, spare in ((master, bank["master"]), (state["exp_avg"], bank["exp_avg"]),
+                                (state["exp_avg_sq"], bank["exp_avg_sq"])):
+                _swap_storage(live, spare)
+
+
+def _swap_storage(a: torch.Tensor, b: torch.Tensor) -> None:
+    """Exchange the storages of two whole, contiguous tensors of one shape and dtype, in place."""
+    sa, sb = a.untyped_storage(), b.untyped_storage()
+    with torch.no_grad():
+        a.set_(sb, 0, b.shape, b.stride())
+        b.set_(sa, 0, a.shape, a.stride())
+
+
+def _gaps(ranges: list[tuple[int, int]], n: int) -> list[tuple[int, int]]:
+    """The parts of [0, n) that no range covers."""
+    out, at = [], 0
+    for lo, hi in sorted(ranges):
+        if lo > at:
+            out.append((at, lo))
+        at = max(at, hi)
+    if at < n:
+        out.append((at, n))
+    return out

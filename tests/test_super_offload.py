@@ -1,0 +1,205 @@
+"""``offload_optimizer.super_offload``: the host step speculated during backward is exact.
+
+- fp32 at stages 2 and 3 (the optimizer offloaded; at stage 3 also the parameters), 1 and 2 ranks, accumulation 1
+  and 3, clipping off, clipping that fires on some steps and not others, and heavy clipping (coefficient <= 0.01 at
+  every step): within 1e-5 of ``torch.optim.AdamW`` on one process, and bitwise the plain engine's run;
+- heavy clipping only at step 1 and at a later step (the loss scaled up 1000x there): against AdamW with
+  ``clip_grad_norm_``, the speculated step kept exactly where clipping did not fire and redone where it did;
+- an fp16 overflow step in the middle leaves masters and moments as they were and the step count unchanged;
+- the second bank is counted (``speculative_state``) and the estimate predicts it;
+- bad combinations are refused, naming the keys.
+The 16-bit lockstep matrix (`test_exact16`), the power tests (`test_power`) and the simulated streams
+(`test_simulated_streams`) cover it too.
+"""
+from __future__ import annotations
+
+import copy
+import itertools
+
+import pytest
+import torch
+
+import zero_offload
+from dist_utils import run_ranks
+from reference import LR, MICRO, WD, engine_config, engine_runs, reference_run
+from toy_model import batch, make_model
+from zero_offload.config import ConfigError
+from zero_offload.estimate import estimate_memory
+
+ATOL = 1e-5
+CLIPS = ("off", "some", "heavy")
+CASES = list(itertools.product((2, 3), (1, 3), CLIPS))
+
+
+def spec_config(stage: int, gas: int, clip: float, ws: int, super_offload: bool = True) -> dict:
+    cfg = engine_config(stage, "cpu", gas, clip, ws=ws)
+    zero = cfg["zero_optimization"]
+    zero["offload_optimizer"]["super_offload"] = super_offload
+    if stage == 3:
+        zero.update(offload_param={"device": "cpu"}, stage3_param_persistence_threshold=0,
+                    stage3_max_reuse_distance=0)
+    return cfg
+
+
+def clip_value(kind: str, gas: int, ws: int) -> float:
+    """``gradient_clipping`` for ``kind``, from the unclipped reference's norms: off; between the smallest and the
+    largest norm, so it fires on some steps only; 1/200 of the smallest (coefficient <= 0.005 every step)."""
+    if kind == "off":
+        return 0.0
+    _, _, norms = reference_run(gas=gas, ws=ws, with_norms=True)
+    return sorted(norms)[len(norms) // 2] if kind == "some" else min(norms) / 200
+
+
+@pytest.fixture(scope="module")
+def results():
+    out = {}
+    for ws in (1, 2):
+        configs = []
+        for stage, gas, kind in CASES:
+            clip = clip_value(kind, gas, ws)
+            configs += [spec_config(stage, gas, clip, ws), spec_config(stage, gas, clip, ws, super_offload=False)]
+        runs = engine_runs(configs, with_norms=True) if ws == 1 else run_ranks(engine_runs, 2, configs, 5, True)[0]
+        for i, case in enumerate(CASES):
+            out[(ws, *case)] = (runs[2 * i], runs[2 * i + 1])
+    return out
+
+
+@pytest.mark.parametrize("ws", (1, 2))
+@pytest.mark.parametrize("stage,gas,kind", CASES)
+def test_matches_adamw_and_the_plain_engine(results, ws, stage, gas, kind):
+    ref_params, ref_losses = reference_run(gas=gas, clip=clip_value(kind, gas, ws), ws=ws)
+    (masters, params, losses, _), (plain_masters, plain_params, plain_losses, _) = results[(ws, stage, gas, kind)]
+    for name, ref in ref_params.items():
+        assert (masters[name] - ref).abs().max().item() <= ATOL, name
+        assert (params[name] - ref).abs().max().item() <= ATOL, name
+        assert torch.equal(masters[name], plain_masters[name]), f"{name}: not bitwise the plain engine's"
+        assert torch.equal(params[name], plain_params[name]), name
+    assert losses == plain_losses
+    assert losses == pytest.approx(ref_losses, abs=1e-5)
+
+
+@pytest.mark.parametrize("ws", (1, 2))
+@pytest.mark.parametrize("gas", (1, 3))
+def test_clip_kinds_engage(results, ws, gas):
+    """"some" clips some steps and not others; "heavy" clips every step to a coefficient <= 0.01."""
+    norms = results[(ws, 2, gas, "off")][0][3]
+    some, heavy = clip_value("some", gas, ws), clip_value("heavy", gas, ws)
+    assert any(n > some for n in norms) and any(n <= some for n in norms), (norms, some)
+    assert all(heavy / n <= 0.01 for n in norms), (norms, heavy)
+
+
+# -- heavy clipping at step 1 and at a later step only ---------------------------------------------------------
+SPIKES = {0: 1000.0, 3: 1000.0}     # the loss (so the gradient) scaled up at these steps
+STEPS = 6
+
+
+def _spike_reference(clip: float):
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    for step in range(STEPS):
+        x, y = batch(step, MICRO)
+        opt.zero_grad()
+        (model(x, y) * SPIKES.get(step, 1.0)).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _spike_run(config: dict):
+    engine = zero_offload.initialize(make_model(), config)
+    kept, norms = [], []
+    for step in range(STEPS):
+        x, y = batch(step, MICRO)
+        engine.backward(engine(x, y) * SPIKES.get(step, 1.0))
+        engine.step()
+        kept.append(engine.timings.get("host_step_kept"))
+        norms.append(engine.last_grad_norm)
+    state = engine.full_state_dict()
+    engine.close()
+    return state, kept, norms
+
+
+@pytest.mark.parametrize("stage", (2, 3))
+def test_heavy_clipping_at_the_first_and_a_later_step(stage):
+    plain_norms = _spike_run(spec_config(stage, 1, 0.0, 1, super_offload=False))[2]
+    clip = 2 * max(n for i, n in enumerate(plain_norms) if i not in SPIKES)   # fires at the spikes only
+    state, kept, norms = _spike_run(spec_config(stage, 1, clip, 1))
+    assert all(clip / norms[i] <= 0.01 for i in SPIKES), norms
+    assert kept == [0.0 if i in SPIKES else 1.0 for i in range(STEPS)]     # redone where clipping fired
+    plain = _spike_run(spec_config(stage, 1, clip, 1, super_offload=False))[0]
+    ref = _spike_reference(clip)
+    for name, value in ref.items():
+        assert (state[name] - value).abs().max().item() <= ATOL, name
+        assert torch.equal(state[name], plain[name]), name
+
+
+# -- fp16 overflow in the middle ----------------------------------------------------------------------------
+OVERFLOW_STEP = 2
+
+
+def _overflow_run(config: dict):
+    engine = zero_offload.initialize(make_model(), config)
+    states = []
+    for step in range(5):
+        x, y = batch(step, MICRO)
+        loss = engine(x, y)
+        engine.backward(loss * (1e30 if step == OVERFLOW_STEP else 1.0))     # inf in the fp16 gradients
+        engine.step()
+        states.append({k: v.clone() for k, v in engine.full_state_dict().items()})
+    engine.close()
+    return states, engine.skipped_steps
+
+
+@pytest.mark.parametrize("stage", (2, 3))
+def test_fp16_overflow_is_undone(stage):
+    cfg = spec_config(stage, 1, 1.0, 1)
+    cfg["fp16"] = {"enabled": True, "initial_scale_power": 8, "hysteresis": 1}
+    states, skipped = _overflow_run(cfg)
+    plain_cfg = copy.deepcopy(cfg)
+    plain_cfg["zero_optimization"]["offload_optimizer"]["super_offload"] = False
+    plain_states, plain_skipped = _overflow_run(plain_cfg)
+    assert skipped == plain_skipped == 1
+    for name in states[0]:
+        assert torch.equal(states[OVERFLOW_STEP][name], states[OVERFLOW_STEP - 1][name]), name   # no step taken
+        assert torch.equal(states[-1][name], plain_states[-1][name]), name
+
+
+# -- memory and configuration --------------------------------------------------------------------------------
+@pytest.mark.parametrize("precision,moment_bytes", [("fp32", 4), ("bf16", 2)])
+def test_second_bank_is_counted_and_estimated(precision, moment_bytes):
+    cfg = spec_config(2, 1, 0.0, 1)
+    if precision == "bf16":
+        cfg["bf16"] = {"enabled": True, "bf16_optimizer_states": True}
+    engine = zero_offload.initialize(make_model(), cfg)
+    x, y = batch(0, MICRO)
+    engine.backward(engine(x, y))
+    engine.step()
+    held = engine.memory_breakdown()
+    engine.close()
+    part = held["master"]["numel"]
+    assert held["speculative_state"] == {"bytes": part * (4 + 2 * moment_bytes), "numel": 3 * part, "side": "host"}
+    est = estimate_memory(make_model(), cfg, 1, accelerator=False)
+    assert est.host["speculative_state"] == held["speculative_state"]["bytes"]
+
+
+@pytest.mark.parametrize("change,named", [
+    ({"offload_optimizer": {"device": "cpu", "super_offload": True, "delayed_param_update": True}},
+     "delayed_param_update"),
+    ({"stage": 1, "offload_optimizer": {"device": "cpu", "super_offload": True}}, "zero_optimization.stage"),
+    ({"offload_optimizer": {"device": "none", "super_offload": True}}, "offload_optimizer.device"),
+    ({"stage": 3, "offload_optimizer": {"device": "cpu", "super_offload": True},
+      "offload_param": {"device": "nvme", "nvme_path": "/tmp"}}, "offload_param.device"),
+])
+def test_bad_combinations_are_refused(change, named):
+    cfg = engine_config(2, "cpu")
+    cfg["zero_optimization"].update(change)
+    with pytest.raises(ConfigError, match="super_offload") as err:
+        zero_offload.initialize(make_model(), cfg)
+    assert named in str(err.value)
+
+
+def test_torch_optimizer_is_refused():
+    cfg = spec_config(2, 1, 0.0, 1)
+    cfg["optimizer"] = {"type": "SGD", "params": {"lr": 0.1}}
+    with pytest.raises(ConfigError, match="super_offload.*Adam"):
+        zero_offload.initialize(make_model(), cfg)

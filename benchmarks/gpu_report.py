@@ -5,8 +5,8 @@ import json
 
 __all__ = ["markdown"]
 
-SECTIONS = ("calibrate", "cuda_tests", "sanitizer", "gpt2", "gpt2_compiled", "gpt2_10b", "gpt2_10b_dpu", "largest",
-            "two_gpus")
+SECTIONS = ("calibrate", "cuda_tests", "sanitizer", "gpt2", "gpt2_xl", "gpt2_compiled", "gpt2_10b", "gpt2_10b_dpu",
+            "largest", "two_gpus")
 
 
 def _gib(n) -> str:
@@ -27,6 +27,25 @@ def _build_note(build: dict) -> str:
 
 RUN_HEAD = ("| run | native | tokens/s | vs plain | MFU | peak dev GiB | reserved GiB | estimate / peak "
             "| device fwd s | device bwd s | device opt s | exposed host step s | host syncs / step | copy overlap |")
+
+
+def _comparison(title: str, section: dict) -> list[str]:
+    """A model's runs side by side (`gpu_validate._compare`), and the speculated step's figures."""
+    if not section.get("runs"):
+        return []
+    runs = section["runs"]
+    lines = ["", f"## {title}, bf16, seq {section['seq_len']}, micro-batch {section['micro_batch']}", "", RUN_HEAD,
+             "| --- |" + " --- |" * 12]
+    lines += [_run_row(key, r) for key, r in runs.items()]
+    lines += ["", COPY_HEAD, "| --- |" + " --- |" * 7] + [_copy_row(k, r) for k, r in runs.items()]
+    spec = {k: r for k, r in runs.items() if "host_step_kept" in (r.get("timings") or {})}
+    if spec:
+        lines += ["", "| super_offload run | host step s | of it during backward s | kept | second bank GiB (host) |",
+                  "| --- | --- | --- | --- | --- |"]
+        lines += [f"| {k} | {_num(r['timings'].get('host_step_s'), '.4f')} | "
+                  f"{_num(r['timings'].get('host_step_hidden_s'), '.4f')} | {_num(r['timings']['host_step_kept'])} | "
+                  f"{_gib(r.get('speculative_state_bytes', 0))} |" for k, r in spec.items()]
+    return lines
 
 
 def _run_row(key: str, r: dict) -> str:
@@ -110,12 +129,8 @@ def markdown(report: dict) -> str:
             s = sections[name]
             lines.append(f"| {name} | {s.get('ok')} | {s.get('wall_s')} |" + (f" {s['skipped']} |"
                                                                               if s.get("skipped") else ""))
-    gpt2 = sections.get("gpt2", {})
-    if gpt2.get("runs"):
-        lines += ["", f"## (c) gpt2, bf16, seq {gpt2['seq_len']}, micro-batch {gpt2['micro_batch']}", "", RUN_HEAD,
-                  "| --- |" + " --- |" * 12]
-        lines += [_run_row(key, r) for key, r in gpt2["runs"].items()]
-        lines += ["", COPY_HEAD, "| --- |" + " --- |" * 7] + [_copy_row(k, r) for k, r in gpt2["runs"].items()]
+    for name, title in (("gpt2", "(c) gpt2"), ("gpt2_xl", "gpt2 XL, activation checkpointing")):
+        lines += _comparison(title, sections.get(name, {}))
     compiled = sections.get("gpt2_compiled", {})
     if compiled.get("runs"):
         lines += ["", f"## gpt2, compiled ({compiled['backend']}), micro-batch {compiled['micro_batch']}", "",

@@ -18,10 +18,13 @@ subprocess with its own time limit (`LIMITS`), so a crash or an out-of-memory in
     step's thread count and at every core), written to ``DIR/calibration.json`` for ``zero-offload estimate
     --calibration``.
 (a) ``cuda_tests``: ``pytest tests/test_cuda.py`` (the CUDA-only tests).
-(b) ``sanitizer``: ``TORCH_CUDA_SANITIZER=1`` over stage 2 + offload (pinned and pageable, accumulation 2, DPU) and
-    stage 3 + both offloads; counts reported data races.
+(b) ``sanitizer``: ``TORCH_CUDA_SANITIZER=1`` over stage 2 + offload (pinned and pageable, accumulation 2, DPU,
+    super_offload) and stage 3 + both offloads (plain, super_offload); counts reported data races.
 (c) ``gpt2``: GPT-2 124M, bf16, sequence 1024, micro-batch 8: plain ``torch.optim.AdamW(fused=True)`` against
-    stage 2 + offload_optimizer and stage 3 + both offloads, each with DPU off and on.
+    stage 2 + offload_optimizer and stage 3 + both offloads, each plain, with DPU, and with super_offload (with
+    ``gradient_clipping`` 1.0 as every run, where the speculated step is redone whenever clipping fires, and 0).
+(c'') ``gpt2_xl`` (not in the default run): GPT-2 XL (1.56B), activation checkpointing, micro-batch 16: plain AdamW
+    against stage 2 + offload_optimizer with the same four variants (issue 28's >= 0.9x target).
 (c') ``gpt2_compiled`` (not in the default run): the same GPT-2 124M, plain AdamW eager and compiled, stage 2 +
     offload + DPU and stage 3 + both offloads compiled with ``engine.compile()`` (issue 29; inductor).
 (d) ``largest``: the largest GPT (hidden 4096, 32 heads) that trains with stage 3 + both offloads + activation
@@ -64,12 +67,13 @@ import gpu_measure as gm  # noqa: E402
 from gpu_native import ensure_native, native_report  # noqa: E402,F401 (ensure_native: tests call it here)
 from gpu_report import markdown  # noqa: E402
 
-SECTIONS = ("calibrate", "cuda_tests", "sanitizer", "gpt2", "gpt2_compiled", "gpt2_10b", "gpt2_10b_dpu", "largest",
-            "two_gpus")
+SECTIONS = ("calibrate", "cuda_tests", "sanitizer", "gpt2", "gpt2_xl", "gpt2_compiled", "gpt2_10b", "gpt2_10b_dpu",
+            "largest", "two_gpus")
 # The default run: what matters most, inside one 9-minute call with the native build (issue 27, item 8).
 DEFAULT_SECTIONS = ("calibrate", "cuda_tests", "sanitizer", "gpt2", "gpt2_10b", "gpt2_10b_dpu")
 # Seconds per section on one H100 (the default sections sum to 520 s; the build takes ~20 s).
-LIMITS = {"calibrate": 45, "cuda_tests": 60, "sanitizer": 40, "gpt2": 75, "gpt2_compiled": 240, "gpt2_10b": 150,
+LIMITS = {"calibrate": 45, "cuda_tests": 60, "sanitizer": 40, "gpt2": 110, "gpt2_xl": 200, "gpt2_compiled": 240,
+          "gpt2_10b": 150,
           "gpt2_10b_dpu": 150,
           "largest": 300, "two_gpus": 150}
 # The 10B model's pinned config (the same every run, so runs compare): stage 2, optimizer offloaded with bf16
@@ -113,16 +117,17 @@ def gpt_config(name: str, tiny: bool, **overrides):
 
 
 def engine_config(stage: int, offload_param: bool, dpu: bool, micro: int, gas: int = 1, pin: bool = True,
-                  bf16_states: bool = False, precision: str = "bf16") -> dict:
+                  bf16_states: bool = False, precision: str = "bf16", super_offload: bool = False,
+                  clip: float = 1.0) -> dict:
     zero = {"stage": stage, "overlap_comm": True, "contiguous_gradients": True,
             "reduce_bucket_size": 50_000_000, "allgather_bucket_size": 200_000_000,
             "offload_optimizer": {"device": "cpu", "pin_memory": pin, "delayed_param_update": dpu,
-                                  "dpu_warmup_steps": 1}}
+                                  "dpu_warmup_steps": 1, "super_offload": super_offload}}
     if offload_param:
         zero["offload_param"] = {"device": "cpu", "pin_memory": pin}
     cfg = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1}},
-           "zero_optimization": zero, "gradient_clipping": 1.0}
+           "zero_optimization": zero, "gradient_clipping": clip}
     if precision == "bf16":
         cfg["bf16"] = {"enabled": True, "bf16_optimizer_states": bf16_states}
     return cfg
@@ -176,7 +181,9 @@ def sanitize_body(args) -> None:
             ("stage2-offload-pinned-gas2", engine_config(2, False, False, 1, gas=2, pin=True), False),
             ("stage2-offload-pageable-gas2", engine_config(2, False, False, 1, gas=2, pin=False), False),
             ("stage2-offload-dpu", engine_config(2, False, True, 1), False),
-            ("stage3-offload-both", engine_config(3, True, False, 1), True)):
+            ("stage3-offload-both", engine_config(3, True, False, 1), True),
+            ("stage2-offload-super-gas2", engine_config(2, False, False, 1, gas=2, super_offload=True, clip=0.0), False),
+            ("stage3-offload-both-super", engine_config(3, True, False, 1, super_offload=True, clip=0.0), True)):
         result = gm.run_engine(cfg, config, device, steps=1, split_steps=0, sharded=sharded, profile=False)
         print(name, "loss", result["losses"][-1], flush=True)
 
@@ -186,17 +193,37 @@ def section_gpt2(args) -> dict:
     cfg = gpt_config("gpt2", args.tiny)
     micro = 2 if args.tiny else 8
     steps, split_steps = (2, 1) if args.tiny else (6, 2)
+    return _compare(args, cfg, micro, steps, split_steps, ((2, False), (3, True)))
+
+
+def section_gpt2_xl(args) -> dict:
+    """GPT-2 XL (1.56B) with activation checkpointing, micro-batch 16: plain AdamW, ZeRO-2 + offload plain, delayed
+    and speculated (issue 28's >= 0.9x target)."""
+    cfg = gpt_config("custom", args.tiny, n_layer=48, n_head=25, n_embd=1600, vocab_size=50257, block_size=1024,
+                     activation_checkpointing=True)
+    micro = 2 if args.tiny else 16
+    steps, split_steps = (2, 1) if args.tiny else (4, 1)
+    return _compare(args, cfg, micro, steps, split_steps, ((2, False),))
+
+
+def _compare(args, cfg, micro: int, steps: int, split_steps: int, stages) -> dict:
+    """Plain AdamW, then per (stage, offload_param) in ``stages`` the engine with the optimizer offloaded: plain,
+    delayed update, and super_offload with the clipping every run has (redone wherever it fires) and without."""
+    device = _device(args)
     peak = measure_matmul_peak(device, args.tiny)
     runs = {"plain-adamw": gm.run_plain(cfg, device, micro, steps)}
-    for name, stage, offload_param in (("stage2-offload", 2, False), ("stage3-offload-both", 3, True)):
-        for dpu in (False, True):
-            runs[f"{name}{'-dpu' if dpu else ''}"] = gm.run_engine(
-                cfg, engine_config(stage, offload_param, dpu, micro), device, steps, split_steps, sharded=stage == 3)
+    for stage, offload_param in stages:
+        name = "stage3-offload-both" if offload_param else f"stage{stage}-offload"
+        variants = {"": {}, "-dpu": {"dpu": True}, "-super": {"super_offload": True},
+                    "-super-noclip": {"super_offload": True, "clip": 0.0}}
+        for suffix, kw in variants.items():
+            config = engine_config(stage, offload_param, kw.pop("dpu", False), micro, **kw)
+            runs[name + suffix] = gm.run_engine(cfg, config, device, steps, split_steps, sharded=stage == 3)
     base = runs["plain-adamw"]
     for r in runs.values():
         r["mfu"] = r["flops_per_token"] * r["tokens_per_s"] / peak
         r["tokens_per_s_vs_plain"] = r["tokens_per_s"] / base["tokens_per_s"]
-        r.pop("memory_breakdown", None)
+        r["speculative_state_bytes"] = r.pop("memory_breakdown", {}).get("speculative_state", 0)
     return {"matmul_peak_flops": peak, "micro_batch": micro, "seq_len": cfg.block_size, "runs": runs, "ok": True}
 
 
@@ -387,7 +414,7 @@ def section_two_gpus(args) -> dict:
 BODIES = {"calibrate": section_calibrate, "cuda_tests": section_cuda_tests, "sanitizer": section_sanitizer,
           "gpt2": section_gpt2, "gpt2_compiled": section_gpt2_compiled,
           "largest": section_largest, "gpt2_10b": section_gpt2_10b,
-          "gpt2_10b_dpu": section_gpt2_10b_dpu, "two_gpus": section_two_gpus}
+          "gpt2_10b_dpu": section_gpt2_10b_dpu, "two_gpus": section_two_gpus, "gpt2_xl": section_gpt2_xl}
 
 
 # -- the driver -----------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """CUDA-only checks (skipped without a GPU; run by benchmarks/gpu_validate.py section (a)).
 
 Exactness against plain AdamW at stages 0-3 with and without offload, accumulation 1 and 3, and with the
-delayed parameter update; host bytes of pinned partitions against the arithmetic; export peak memory
+delayed parameter update, and with super_offload; host bytes of pinned partitions against the arithmetic; export peak memory
 (torch.cuda.max_memory_allocated) within 2x the largest parameter; copies overlapping compute; stage-3 gather memory
 reused in stream order while the host runs ahead."""
 import itertools
@@ -41,6 +41,21 @@ def test_cuda_delayed_update_matches_its_schedule(stage, gas):
     masters, _, _ = engine_run(dpu_config(stage, gas, 1), STEPS)
     for name, value in ref.items():
         assert (masters[name] - value).abs().max().item() <= ATOL, name
+
+
+@pytest.mark.parametrize("stage,gas,kind", itertools.product((2, 3), (1, 3), ("off", "some")))
+def test_cuda_super_offload_matches_adamw(stage, gas, kind):
+    """The speculated step on CUDA (pieces stepped as their copies' events complete): kept without clipping,
+    redone where clipping fires, within the fp32 bound of plain AdamW either way."""
+    from reference import engine_run, reference_run
+    from test_super_offload import clip_value, spec_config
+    torch.backends.cuda.matmul.allow_tf32 = False
+    clip = clip_value(kind, gas, 1)
+    ref, ref_losses = reference_run(gas=gas, clip=clip)
+    masters, _, losses = engine_run(spec_config(stage, gas, clip, 1))
+    for name, value in ref.items():
+        assert (masters[name] - value).abs().max().item() <= ATOL, name
+    assert losses == pytest.approx(ref_losses, abs=1e-3)
 
 
 def test_pinned_partition_bytes_match_the_arithmetic():

@@ -38,7 +38,7 @@ def test_gpu_validate_tiny_cpu_smoke(tmp_path):
     """The smoke run, from a checkout that lacks the native libraries: the run builds them first (issue 20)."""
     root = _checkout_without_libraries(tmp_path / "checkout")
     out = tmp_path / "out"
-    sections = "calibrate,cuda_tests,sanitizer,gpt2,gpt2_compiled,gpt2_10b,gpt2_10b_dpu,largest,two_gpus"
+    sections = "calibrate,cuda_tests,sanitizer,gpt2,gpt2_xl,gpt2_compiled,gpt2_10b,gpt2_10b_dpu,largest,two_gpus"
     proc = subprocess.run([sys.executable, str(root / "benchmarks" / "gpu_validate.py"), "--device", "cpu",
                            "--tiny", "--out", str(out), "--sections", sections], capture_output=True, text=True,
                           timeout=600)
@@ -47,8 +47,12 @@ def test_gpu_validate_tiny_cpu_smoke(tmp_path):
     assert set(report["sections"]) == set(sections.split(","))
     assert all(s["ok"] for s in report["sections"].values())
     runs = report["sections"]["gpt2"]["runs"]
-    assert set(runs) == {"plain-adamw", "stage2-offload", "stage2-offload-dpu", "stage3-offload-both",
-                         "stage3-offload-both-dpu"}
+    engine_runs = {f"{name}{suffix}" for name in ("stage2-offload", "stage3-offload-both")
+                   for suffix in ("", "-dpu", "-super", "-super-noclip")}
+    assert set(runs) == {"plain-adamw", *engine_runs}
+    assert set(report["sections"]["gpt2_xl"]["runs"]) == {"plain-adamw", *(r for r in engine_runs if "stage2" in r)}
+    for key in ("stage2-offload-super-noclip", "stage3-offload-both-super-noclip"):   # issue 28: no clipping, kept
+        assert runs[key]["timings"]["host_step_kept"] == 1.0 and runs[key]["speculative_state_bytes"] > 0
     assert all(r["tokens_per_s"] > 0 for r in runs.values())
     # Issue 20, section 6: every run reports host syncs (0 on the CPU: the count path ran) and the copy overlap
     # (None: no copies on the CPU); engine runs the native kernel's state and engine.timings.
@@ -75,7 +79,7 @@ def test_gpu_validate_tiny_cpu_smoke(tmp_path):
     assert set(compiled) == {"plain-adamw", "plain-adamw-compiled", "stage2-offload-dpu-compiled",
                              "stage3-offload-both-compiled"} and all(r["tokens_per_s"] > 0 for r in compiled.values())
     md = (out / "gpu_validate.md").read_text()
-    assert "(c) gpt2" in md and "gpt2, compiled (aot_eager)" in md
+    assert "(c) gpt2" in md and "gpt2, compiled (aot_eager)" in md and "| super_offload run |" in md
     # Issue 20: the missing libraries built by the run, and native_available() of both in its output.
     native, enabled = report["native"], not native_disabled()
     assert native["available"] == {"fused_adam": enabled, "aio": enabled}, native

@@ -182,7 +182,8 @@ def sanitize_body(args) -> None:
             ("stage2-offload-pageable-gas2", engine_config(2, False, False, 1, gas=2, pin=False), False),
             ("stage2-offload-dpu", engine_config(2, False, True, 1), False),
             ("stage3-offload-both", engine_config(3, True, False, 1), True),
-            ("stage2-offload-super-gas2", engine_config(2, False, False, 1, gas=2, super_offload=True, clip=0.0), False),
+            ("stage2-offload-super-gas2", engine_config(2, False, False, 1, gas=2, super_offload=True, clip=0.0),
+             False),
             ("stage3-offload-both-super", engine_config(3, True, False, 1, super_offload=True, clip=0.0), True)):
         result = gm.run_engine(cfg, config, device, steps=1, split_steps=0, sharded=sharded, profile=False)
         print(name, "loss", result["losses"][-1], flush=True)

@@ -269,10 +269,17 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
             moments(p, on_host=host_step)
     grads_on_host = offload_opt or offload_param
     if speculative:
-        # super_offload steps into a second bank of masters and moments (`zero_offload.zero.speculation`).
+        # super_offload steps into a second bank of masters and moments (`zero_offload.zero.speculation`); with
+        # device parameters each piece's 16-bit parameters go through a pinned buffer into device landing buffers.
         for p in parts:
             host("speculative_state", p * (4 + 2 * moment_bytes), torch.uint8)
-        est.formulas["speculative_state"] = "super_offload: a second master and both moments (P x (4 + 2 x moment)"
+        est.formulas["speculative_state"] = "super_offload: a second master and both moments (P x (4 + 2 x moment))"
+        if offload_opt and not offload_param:
+            est.add("device", "param_incoming", sum(parts) * d)
+            est.formulas["param_incoming"] = "super_offload: the partition again on the device (P x d)"
+            if d < 4:
+                for p in parts:
+                    host("param_staging", p, dtype)
     if grads_on_host and zc.offload_optimizer.delayed_param_update:
         # The delayed update hands this step's gradient partitions to the host step. Filled straight by the copies
         # down, a partition is lent and the next backward refills it behind the step (`GradPartition.take`);
@@ -295,11 +302,9 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
                 host("param_staging", p, dtype)
         est.formulas["param_staging"] = ("delayed update: none where the gradient partition has the parameters' "
                                          "dtype (written over it), else the 16-bit partition (P x d)")
-    elif ring_used and d < 4 and not state_nvme and parts and \
-            ((grad_dtype if zc.stage >= 2 else dtype) != dtype or speculative):
+    elif ring_used and d < 4 and not state_nvme and parts and (grad_dtype if zc.stage >= 2 else dtype) != dtype:
         # Updated 16-bit parameters go up through a small pinned ring, not a partition-sized copy, where the
-        # gradient partition is fp32 (accumulation) or a speculated step stood (it wrote only the masters); a
-        # 16-bit one takes them in place (`PartitionedAdam`).
+        # gradient partition is fp32 (accumulation); a 16-bit one takes them in place (`PartitionedAdam`).
         slots, slot_numel = ring_shape(max(parts))
         host("param_staging", slots * slot_numel, dtype)
         est.formulas["param_staging"] = "min(4, ceil(P / 2^21)) slots x min(2^21, P) elements x d"

@@ -150,12 +150,13 @@ class CPUAdam(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step_into(self, gi: int, lo: int, hi: int, grad: torch.Tensor, grad_scale: float,
-                  into: dict[str, torch.Tensor], num_threads: int | None = None) -> None:
+                  into: dict[str, torch.Tensor], num_threads: int | None = None,
+                  out: torch.Tensor | None = None) -> None:
         """The next step (not counted: `count_step`) of elements [lo, hi) of group ``gi``'s only parameter, read
         from its live master and moments (`ensure_state` made them) and written to ``into``'s ``master``,
         ``exp_avg`` and ``exp_avg_sq`` (1-D like the parameter, moments in ``state_dtype``) at [lo, hi); the live
         state is left as it was (`zero_offload.zero.speculation`). ``grad``: hi - lo elements, any dtype the
-        kernel reads."""
+        kernel reads; ``out``: an optional 16-bit tensor of hi - lo elements that receives the new parameters."""
         group = self.param_groups[gi]
         p = group["params"][0]
         state = self.state[p]
@@ -165,7 +166,7 @@ class CPUAdam(torch.optim.Optimizer):
                         step=state["step"] + 1, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                         weight_decay=group["weight_decay"], adamw_mode=group["adamw_mode"],
                         bias_correction=group["bias_correction"], grad_scale=grad_scale,
-                        num_threads=num_threads or self.num_threads, sources=live)
+                        num_threads=num_threads or self.num_threads, sources=live, out=out)
 
 
 def _work_items(groups: list[dict], stepped: dict, order) -> list[tuple[int, int, int, int]]:

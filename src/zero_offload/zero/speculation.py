@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 
@@ -40,6 +40,8 @@ from zero_offload.offload.copies import CopyHandle, Copies
 from zero_offload.optim.cpu_adam import CPUAdam
 
 __all__ = ["SpeculativeStep", "FinalRanges"]
+
+ALIGN = 16    # elements: 64 bytes of fp32 master, 32 of bf16 moments (the kernel's streaming stores need both)
 
 
 class FinalRanges(Protocol):
@@ -79,6 +81,10 @@ class SpeculativeStep:
         chunk: elements per piece (a cancelled speculation stops within one piece).
 
     Attributes:
+        outs: per group, a 16-bit host buffer each piece's updated parameters are also written to (rounded from
+            the new master), or None; set by the owner.
+        on_piece: called as ``on_piece(group, lo, hi)`` after each piece, on the thread that stepped it (the owner
+            starts the piece's copy up into a landing buffer); None: nothing.
         hidden_s: seconds of speculative kernel time that ran before the boundary step began (during backward).
         total_s: seconds of speculative kernel time at the last boundary.
         last: "accepted", "redone" (clipping fired or the gradient changed) or "discarded" (overflow).
@@ -98,6 +104,8 @@ class SpeculativeStep:
         self.busy_s = 0.0
         self.hidden_s = self.total_s = 0.0
         self.last = ""
+        self.outs: list[torch.Tensor | None] = [None] * len(optimizer.param_groups)
+        self.on_piece: Callable[[int, int, int], None] | None = None
 
     @property
     def masters(self) -> list[torch.Tensor]:
@@ -203,14 +211,24 @@ class SpeculativeStep:
             state = self.optimizer.state.get(master) or {}
             dtype = state["exp_avg"].dtype if "exp_avg" in state else self.optimizer.state_dtype
             pinned = master.is_pinned()
-            make = (lambda n, d: self.copies.host_empty(n, d)) if pinned else \
-                (lambda n, d: torch.empty(n, dtype=d))
+            # Touched now (zeros), not by the first speculative piece: first-touch page faults cost ~1.5 s/GB.
+            make = (lambda n, d: self.copies.host_empty(n, d).zero_()) if pinned else \
+                (lambda n, d: torch.zeros(n, dtype=d))
             self.banks.append({"master": make(master.numel(), torch.float32),
                                "exp_avg": make(master.numel(), dtype), "exp_avg_sq": make(master.numel(), dtype)})
 
     def _step_piece(self, g: int, lo: int, hi: int, grad: torch.Tensor, grad_scale: float) -> None:
-        """Group ``g``'s [lo, hi): read from the live state, written into the second bank."""
-        self.optimizer.step_into(g, lo, hi, grad, grad_scale, self.banks[g], self.threads)
+        """Group ``g``'s [lo, hi): read from the live state, written into the second bank (and ``outs``), then
+        handed to ``on_piece``. The body starts on a 16-element boundary, so that the kernel's streaming stores
+        (aligned only) cover all of it."""
+        out = self.outs[g]
+        cut = min(hi, -(-lo // ALIGN) * ALIGN)
+        for a, b in ((lo, cut), (cut, hi)):
+            if a < b:
+                self.optimizer.step_into(g, a, b, grad[a - lo:b - lo], grad_scale, self.banks[g], self.threads,
+                                         out=None if out is None else out[a:b])
+        if self.on_piece is not None:
+            self.on_piece(g, lo, hi)
 
     def _swap_banks(self) -> None:
         """The second bank becomes the live state (the tensors keep their identity: the optimizer's param groups

@@ -38,7 +38,8 @@ enum { ZO_ISA_SCALAR = 0, ZO_ISA_AVX2 = 1, ZO_ISA_AVX512 = 2 };
 #define ZO_L2 4          /* Adam: g += l2 * p */
 #define ZO_LERP_SMALL 8  /* |1 - beta1| < 0.5: torch's lerp takes its first branch */
 #define ZO_NT_OUT 16     /* non-temporal stores for the 16-bit output */
-#define ZO_NT_STATE 32   /* non-temporal stores for master and moments (AVX-512 only; slower: off) */
+#define ZO_NT_STATE 32   /* non-temporal stores for master and moments (slower in place; on out of place, where
+                            nothing reads the destination, they save its read-for-ownership) */
 #define ZO_DYNAMIC 128   /* threads take ZO_BLOCK-element blocks in turn instead of one slice each */
 #define ZO_BLOCK 65536
 #define ZO_PREFETCH 64   /* software prefetch ahead (AVX-512 only; slower than the hardware's: off) */
@@ -233,7 +234,11 @@ ZO_T256 ZO_INLINE __m256 zo_ld8(const void *p, int64_t i, const int dt) {
 }
 
 ZO_T256 ZO_INLINE void zo_st8(void *p, int64_t i, const int dt, __m256 x, int nt) {
-    if (dt == ZO_F32) { _mm256_storeu_ps((float *)p + i, x); return; }
+    if (dt == ZO_F32) {
+        if (nt) _mm256_stream_ps((float *)p + i, x);
+        else _mm256_storeu_ps((float *)p + i, x);
+        return;
+    }
     __m128i h;
     if (dt == ZO_BF16) {
         const __m256i u = _mm256_castps_si256(x);
@@ -258,6 +263,10 @@ ZO_T256 ZO_INLINE void zo_range256(const int gd, const int sd, const int od, con
                  omb2 = _mm256_set1_ps(h->one_minus_beta2), bc2 = _mm256_set1_ps(h->bc2_sqrt),
                  eps = _mm256_set1_ps(h->eps), nss = _mm256_set1_ps(h->neg_step_size);
     const int nt_out = (fl & ZO_NT_OUT) && od != ZO_OUT_NONE && ((uintptr_t)b->out + 2 * i) % 16 == 0;
+    const int sdsz = sd == ZO_F32 ? 4 : 2;
+    const int nt_p = (fl & ZO_NT_STATE) && ((uintptr_t)(b->master + i)) % 32 == 0;
+    const int nt_s = (fl & ZO_NT_STATE) && ((uintptr_t)b->exp_avg + sdsz * i) % (8 * sdsz) == 0 &&
+                     ((uintptr_t)b->exp_avg_sq + sdsz * i) % (8 * sdsz) == 0;
     for (; i + 8 <= end; i += 8) {
         __m256 g = zo_ld8(b->grad, i, gd);
         if (fl & ZO_SCALE) g = _mm256_mul_ps(g, gs);
@@ -271,12 +280,12 @@ ZO_T256 ZO_INLINE void zo_range256(const int gd, const int sd, const int od, con
         v = _mm256_fmadd_ps(_mm256_mul_ps(omb2, g), g, v);
         const __m256 d = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), bc2), eps);
         p = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(nss, m), d));
-        zo_st8(b->master, i, ZO_F32, p, 0);
-        zo_st8(b->exp_avg, i, sd, m, 0);
-        zo_st8(b->exp_avg_sq, i, sd, v, 0);
+        zo_st8(b->master, i, ZO_F32, p, nt_p);
+        zo_st8(b->exp_avg, i, sd, m, nt_s);
+        zo_st8(b->exp_avg_sq, i, sd, v, nt_s);
         if (od != ZO_OUT_NONE) zo_st8(b->out, i, od == ZO_OUT_BF16 ? ZO_BF16 : ZO_F16, p, nt_out);
     }
-    if (nt_out) _mm_sfence();
+    if (nt_out || nt_p || nt_s) _mm_sfence();
     zo_range_scalar(gd, sd, od, b, i, end, h);
 }
 

@@ -25,8 +25,16 @@ from reference import LR, MICRO, WD, engine_config, engine_runs, reference_run
 from toy_model import batch, make_model
 from zero_offload.config import ConfigError
 from zero_offload.estimate import estimate_memory
+from zero_offload.optim.fused_adam import native_available
 
 ATOL = 1e-5
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise with the native kernel (the speculative kernel is the in-place one reading other buffers); within
+    fp32 rounding on torch's fallback, whose fused kernel rounds a vector body and a scalar tail differently, so
+    that a piece starting elsewhere than the plain step's chunks may differ in the last bit."""
+    return torch.equal(a, b) if native_available() else torch.allclose(a, b, rtol=1e-6, atol=1e-7)
 CLIPS = ("off", "some", "heavy")
 CASES = list(itertools.product((2, 3), (1, 3), CLIPS))
 
@@ -72,9 +80,9 @@ def test_matches_adamw_and_the_plain_engine(results, ws, stage, gas, kind):
     for name, ref in ref_params.items():
         assert (masters[name] - ref).abs().max().item() <= ATOL, name
         assert (params[name] - ref).abs().max().item() <= ATOL, name
-        assert torch.equal(masters[name], plain_masters[name]), f"{name}: not bitwise the plain engine's"
-        assert torch.equal(params[name], plain_params[name]), name
-    assert losses == plain_losses
+        assert same(masters[name], plain_masters[name]), f"{name}: not bitwise the plain engine's"
+        assert same(params[name], plain_params[name]), name
+    assert losses == pytest.approx(plain_losses, rel=0 if native_available() else 1e-6)
     assert losses == pytest.approx(ref_losses, abs=1e-5)
 
 
@@ -130,7 +138,7 @@ def test_heavy_clipping_at_the_first_and_a_later_step(stage):
     ref = _spike_reference(clip)
     for name, value in ref.items():
         assert (state[name] - value).abs().max().item() <= ATOL, name
-        assert torch.equal(state[name], plain[name]), name
+        assert same(state[name], plain[name]), name
 
 
 # -- fp16 overflow in the middle ----------------------------------------------------------------------------
@@ -161,7 +169,7 @@ def test_fp16_overflow_is_undone(stage):
     assert skipped == plain_skipped == 1
     for name in states[0]:
         assert torch.equal(states[OVERFLOW_STEP][name], states[OVERFLOW_STEP - 1][name]), name   # no step taken
-        assert torch.equal(states[-1][name], plain_states[-1][name]), name
+        assert same(states[-1][name], plain_states[-1][name]), name
 
 
 # -- memory and configuration --------------------------------------------------------------------------------
@@ -203,3 +211,37 @@ def test_torch_optimizer_is_refused():
     cfg["optimizer"] = {"type": "SGD", "params": {"lr": 0.1}}
     with pytest.raises(ConfigError, match="super_offload.*Adam"):
         zero_offload.initialize(make_model(), cfg)
+
+
+# -- overlap: the recorded step graph (item 4) ----------------------------------------------------------------
+def test_the_recorded_step_starts_the_host_step_before_backward_ends():
+    """Under simulated streams the engine's recorded step (`step_graph`) has the first speculated piece's host step
+    start before the boundary backward's last module ends; replayed with the 10B plan's durations, the speculative
+    step hides part of the host step that plain offload exposes, and the step is shorter."""
+    from zero_offload.estimate.step_graph import Phases, Structure, predict_step, recording
+    from zero_offload.offload import timeline
+    spec = Structure(stage=2, offload_param=False, delayed=False, accumulates=False, fp32=False, speculative=True)
+    tl, marks = recording(spec)
+    third = marks[-1][0]                                  # the last recorded step
+    ops = [o for o in tl.ops if o.id >= third]
+    pred = timeline.predict(tl, lambda o: 1.0 if o.kind in ("backward", "host_step") else 0.0)
+    backward_end = max(pred.times[o.id][1] for o in ops if o.kind == "backward")
+    host = [o for o in ops if o.kind == "host_step"]
+    assert host and all("host-step" in o.lane for o in host), {o.lane for o in host}
+    assert min(pred.times[o.id][0] for o in host) < backward_end
+    phases = dict(forward_s=0.60, backward_s=1.59, down_s=0.37, up_s=0.42, add_s=0.0, host_s=1.79)
+    plain = predict_step(Structure(2, False, False, False, False), Phases(**phases))
+    spec_step = predict_step(spec, Phases(**phases))
+    assert spec_step.step_s < plain.step_s - 0.5, (spec_step.lines(), plain.lines())
+    assert "speculative step thread" in spec_step.bars
+
+
+def test_timings_report_the_hidden_share():
+    engine = zero_offload.initialize(make_model(), spec_config(2, 1, 0.0, 1))
+    for step in range(3):
+        x, y = batch(step, MICRO)
+        engine.backward(engine(x, y))
+        engine.step()
+    t = engine.timings
+    engine.close()
+    assert t["host_step_kept"] == 1.0 and 0.0 <= t["host_step_hidden_s"] <= t["host_step_s"]

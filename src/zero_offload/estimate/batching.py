@@ -1,12 +1,14 @@
-"""The planner's choice of micro-batch, gradient accumulation, activation checkpointing and the delayed parameter
-update for one ZeRO config (`zero_offload.estimate.planner` calls `choose_batch` per candidate).
+"""The planner's choice of micro-batch, gradient accumulation, activation checkpointing and how the host step is
+hidden -- the delayed parameter update, ``super_offload``'s speculative step, or neither -- for one ZeRO config
+(`zero_offload.estimate.planner` calls `choose_batch` per candidate).
 
 Every setting tried is checked against memory with the engine's own model (`estimate_memory`), with the delayed
-update's spare gradient partition and the gradient staging of accumulation counted, so a plan never turns on
-something that does not fit. Among the settings that fit, the step model of `zero_offload.estimate.throughput`
-predicts tokens/s; the plan takes the fewest tokens per optimizer step within `TIE` of the best prediction
-(larger batches than needed change the training, not only its speed), then checkpointing off, then the delayed
-update off (no stale step), then the larger micro-batch.
+update's spare gradient partition, super_offload's second bank of state and the gradient staging of accumulation
+counted, so a plan never turns on something that does not fit. Among the settings that fit, the step model of
+`zero_offload.estimate.throughput` predicts tokens/s; the plan takes the fewest tokens per optimizer step within
+`TIE` of the best prediction (larger batches than needed change the training, not only its speed), then
+checkpointing off, then the delayed update off (no stale step), then super_offload off (no second bank), then the
+larger micro-batch.
 """
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ from zero_offload.estimate.memory import MemoryEstimate, ModelShape
 from zero_offload.estimate.step_graph import Phases, Structure, predict_step
 from zero_offload.estimate.throughput import (EXPOSED_FRACTION, MAX_GRADIENT_ACCUMULATION, STAGE3_UNIT_SECONDS,
                                               Assumptions, StepTiming, accumulation_to_hide, host_add_seconds,
-                                              host_step_seconds, micro_step_seconds, step_timing)
+                                              SPECULATIVE_KERNEL_COST, host_step_seconds, micro_step_seconds,
+                                              step_timing)
 from zero_offload.flat import partition_numel
 
 __all__ = ["Knobs", "BatchChoice", "choose_batch", "MICRO_BATCHES", "TIE"]
@@ -42,6 +45,7 @@ class Knobs:
         gradient_accumulation: micro-steps per optimizer step.
         checkpointing: activation checkpointing (None for a shape without a transformer: not modelled).
         delayed_update: ``offload_optimizer.delayed_param_update``.
+        super_offload: ``offload_optimizer.super_offload``.
         choose_checkpointing: whether ``checkpointing`` None means "choose" (a GPT shape) or "the model's own".
     """
     micro_batch: int | None = None
@@ -49,6 +53,7 @@ class Knobs:
     checkpointing: bool | None = None
     delayed_update: bool | None = None
     choose_checkpointing: bool = True
+    super_offload: bool | None = None
 
 
 @dataclass
@@ -56,8 +61,9 @@ class BatchChoice:
     """One setting of the knobs for a config, with its memory and predicted step.
 
     Attributes:
-        raw: the config dict with the micro-batch, accumulation and delayed update written in.
-        micro, gas, checkpointing, delayed: the setting (checkpointing None: the model's own).
+        raw: the config dict with the micro-batch, accumulation, delayed update and super_offload written in.
+        micro, gas, checkpointing, delayed, speculative: the setting (checkpointing None: the model's own;
+            speculative: super_offload).
         estimate, short: `estimate_memory` of it and {side: bytes missing} (all 0: it fits).
         timing: the predicted step (None without a throughput model: no accelerator or no sequence length).
         notes: {reason key: why}, for `Plan.reasons`.
@@ -67,6 +73,7 @@ class BatchChoice:
     gas: int
     checkpointing: bool | None
     delayed: bool
+    speculative: bool
     estimate: MemoryEstimate
     short: dict[str, int]
     timing: StepTiming | None = None
@@ -77,16 +84,25 @@ class BatchChoice:
         return not any(self.short.values())
 
 
-def _with(raw: dict, micro: int, gas: int, delayed: bool | None) -> dict:
+def _with(raw: dict, micro: int, gas: int, policy: tuple) -> dict:
     out = copy.deepcopy(raw)
     out.pop("train_batch_size", None)
     out["train_micro_batch_size_per_gpu"], out["gradient_accumulation_steps"] = micro, gas
     offload = out["zero_optimization"].get("offload_optimizer")
-    if delayed and isinstance(offload, dict):
-        offload["delayed_param_update"] = True
-    elif delayed is False and isinstance(offload, dict):
-        offload.pop("delayed_param_update", None)          # off is the default
+    for key, on in zip(("delayed_param_update", "super_offload"), policy):
+        if on and isinstance(offload, dict):
+            offload[key] = True
+        elif on is False and isinstance(offload, dict):
+            offload.pop(key, None)          # off is the default
     return out
+
+
+def _policies(knobs: Knobs, dpu_possible: bool, spec_possible: bool) -> list[tuple]:
+    """How the host step may be hidden, as (delayed update, super_offload) pairs, the default first (a fixed knob
+    is kept; None: not applicable)."""
+    dpu = [knobs.delayed_update] if knobs.delayed_update is not None else ([False, True] if dpu_possible else [None])
+    spec = [knobs.super_offload] if knobs.super_offload is not None else ([False, True] if spec_possible else [None])
+    return [(d, s) for d in dpu for s in spec if not (d and s)]
 
 
 def _host_step(shape: ModelShape, cfg: Config, gpus: int, gas: int, a: Assumptions) -> tuple[float, int, float]:
@@ -119,40 +135,40 @@ def choose_batch(shape: ModelShape, raw: dict, gpus: int, seq: int | None, knobs
     micros = list(MICRO_BATCHES) if knobs.micro_batch is None else [knobs.micro_batch]
     zc = base.zero_optimization
     dpu_possible = (zc.offload_optimizer.device == "cpu" and not (zc.stage == 3 and zc.offload_param.device != "none"))
-    fixed_dpu = knobs.delayed_update is not None
-    default_dpu = knobs.delayed_update if fixed_dpu else (False if dpu_possible else None)
-    dpu_options = [default_dpu] if fixed_dpu or not dpu_possible else [False, True]
+    spec_possible = zc.offload_optimizer.device == "cpu" and zc.stage >= 2 and zc.offload_param.device != "nvme"
+    policies = _policies(knobs, dpu_possible, spec_possible)
+    default = policies[0]
 
-    def make(micro: int, gas: int, ckpt, delayed) -> BatchChoice:
-        cfg_raw = _with(raw, micro, gas, delayed)
+    def make(micro: int, gas: int, ckpt, policy) -> BatchChoice:
+        cfg_raw = _with(raw, micro, gas, policy)
         est, short = measure(cfg_raw, micro, ckpt)
-        return BatchChoice(cfg_raw, micro, gas, ckpt, bool(delayed), est, short)
+        return BatchChoice(cfg_raw, micro, gas, ckpt, bool(policy[0]), bool(policy[1]), est, short)
 
-    smallest = make(micros[0], gas0, ckpts[-1], default_dpu)
+    smallest = make(micros[0], gas0, ckpts[-1], default)
     if not smallest.fits or seq is None:
         return smallest
     options: list[BatchChoice] = []
     for ckpt in ckpts:
         for micro in micros:
-            first = make(micro, gas0, ckpt, default_dpu)
+            first = make(micro, gas0, ckpt, default)
             if not first.fits:
                 break                          # activations only grow with the micro-batch
             options.append(_timed(first, shape, gpus, seq, a))
-            for delayed in dpu_options:
+            for policy in policies:
                 gases = {gas0}
                 if knobs.gradient_accumulation is None:
-                    need = accumulation_to_hide(first.timing.micro_s, first.timing.host_s, bool(delayed))
+                    need = accumulation_to_hide(first.timing.micro_s, first.timing.host_s, bool(policy[0]))
                     gases.add(min(MAX_GRADIENT_ACCUMULATION, need))
-                for gas in sorted(gases - ({gas0} if delayed == default_dpu else set())):
-                    c = make(micro, gas, ckpt, delayed)
+                for gas in sorted(gases - ({gas0} if policy == default else set())):
+                    c = make(micro, gas, ckpt, policy)
                     if c.fits:
                         options.append(_timed(c, shape, gpus, seq, a))
     if not options:
         return smallest
     best = max(c.timing.tokens_per_s for c in options)
     near = [c for c in options if c.timing.tokens_per_s >= (1 - TIE) * best]
-    chosen = min(near, key=lambda c: (c.timing.tokens, bool(c.checkpointing), c.delayed, -c.micro))
-    chosen.notes = _explain(chosen, options, seq, free_ckpt, knobs, dpu_possible, a)
+    chosen = min(near, key=lambda c: (c.timing.tokens, bool(c.checkpointing), c.delayed, c.speculative, -c.micro))
+    chosen.notes = _explain(chosen, options, seq, free_ckpt, knobs, dpu_possible, spec_possible, a)
     return chosen
 
 
@@ -162,6 +178,7 @@ def _timed(c: BatchChoice, shape: ModelShape, gpus: int, seq: int, a: Assumption
     cfg = Config.load(c.raw)
     zc = cfg.zero_optimization
     host_s, down, add_s = _host_step(shape, cfg, gpus, c.gas, a)
+    host_s *= SPECULATIVE_KERNEL_COST if c.speculative else 1.0
     tokens = c.micro * seq
     ckpt = c.checkpointing if c.checkpointing is not None else bool(shape.gpt and shape.gpt.activation_checkpointing)
     units = len(shape.units) if zc.stage == 3 else 0
@@ -174,7 +191,7 @@ def _timed(c: BatchChoice, shape: ModelShape, gpus: int, seq: int, a: Assumption
     forward = 2 * shape.n_params * tokens / flops + units * STAGE3_UNIT_SECONDS
     backward = (6 if ckpt else 4) * shape.n_params * tokens / flops + units * STAGE3_UNIT_SECONDS
     offload_param = zc.stage == 3 and zc.offload_param.device in ("cpu", "nvme")
-    structure = Structure(zc.stage, offload_param, c.delayed, c.gas > 1, cfg.precision == "fp32")
+    structure = Structure(zc.stage, offload_param, c.delayed, c.gas > 1, cfg.precision == "fp32", c.speculative)
     up = 0.0 if offload_param else down / a.pcie          # host shards are written in place, gathered later
     graph = predict_step(structure, Phases(forward, backward, down / a.pcie, up, add_s, host_s, c.gas))
     c.timing = StepTiming(micro_s, graph.compute_s, host_s, c.delayed, graph.idle_s, graph.step_s, tokens * c.gas,
@@ -183,7 +200,7 @@ def _timed(c: BatchChoice, shape: ModelShape, gpus: int, seq: int, a: Assumption
 
 
 def _explain(c: BatchChoice, options: list[BatchChoice], seq: int, free_ckpt: bool, knobs: Knobs,
-             dpu_possible: bool, a: Assumptions) -> dict[str, str]:
+             dpu_possible: bool, spec_possible: bool, a: Assumptions) -> dict[str, str]:
     t = c.timing
     notes = {"batch": (f"micro-batch {c.micro} x {seq} tokens, gradient accumulation {c.gas}: {t.tokens:,} tokens "
                        f"per optimizer step and rank ({'chosen' if knobs.micro_batch is None else 'given'} "
@@ -219,6 +236,16 @@ def _explain(c: BatchChoice, options: list[BatchChoice], seq: int, free_ckpt: bo
                                              "off: with it the config does not fit (its spare gradient partition, "
                                              "and under accumulation a 16-bit publish buffer, need host memory "
                                              "that is not there, or its device landing buffers device memory)")
+    if spec_possible and t.host_s > 0:
+        if c.speculative:
+            notes["super_offload"] = ("on: the boundary's host step starts during its backward, kept exactly or "
+                                      "redone where clipping fires (its second bank of master weights and moments "
+                                      "counted in host memory, its landing buffers in device memory)")
+        elif knobs.super_offload is None:
+            spec = [o for o in options if o.speculative]
+            notes["super_offload"] = ("off: it does not hide enough more of the host step to pay for its memory" if
+                                      spec else "off: its second bank of master weights and moments does not fit "
+                                      "in host memory (or its landing buffers in device memory)")
     share = f"{t.exposed_share:.0%}"
     notes["step"] = (f"~{t.step_s:.2f} s per optimizer step: {t.compute_s:.2f} s device compute "
                      f"({t.micro_s:.3f} s per micro-step at {a.gpu_flops / 1e12:.0f} TFLOP/s"

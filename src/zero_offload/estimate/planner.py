@@ -204,10 +204,12 @@ def _knobs(base: dict, user_config: bool, gpus: int, accelerator: bool, shape: M
     gas = gradient_accumulation if gradient_accumulation is not None else (
         sizes.gradient_accumulation_steps if given("gradient_accumulation_steps", "train_batch_size")
         or not accelerator else None)
-    dpu = base.get("zero_optimization", {}).get("offload_optimizer", {})
-    dpu = dpu.get("delayed_param_update") if isinstance(dpu, dict) else None
+    offload = base.get("zero_optimization", {}).get("offload_optimizer", {})
+    dpu, spec = (offload.get("delayed_param_update"), offload.get("super_offload")) if isinstance(offload, dict) \
+        else (None, None)
     return Knobs(micro, gas, activation_checkpointing, dpu if (dpu is not None or accelerator) else False,
-                 choose_checkpointing=accelerator and shape.gpt is not None)
+                 choose_checkpointing=accelerator and shape.gpt is not None,
+                 super_offload=spec if (spec is not None or accelerator) else False)
 
 
 def _positive_int(value, name: str) -> None:

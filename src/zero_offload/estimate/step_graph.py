@@ -6,7 +6,7 @@ the device's forward and backward of a micro-step, the gradient copies down and 
 host accumulation and the host Adam step (`Phases`). How they overlap -- what waits for what -- is recorded
 from the engine itself: a proxy of `PROXY_LAYERS` linear layers trains under simulated streams
 (`zero_offload.offload.simulated.forced`) with the plan's structure (`Structure`: stage, parameter offload,
-delayed update, accumulation, precision), one gradient bucket and `CHUNKS_PER_LAYER` host-step chunks per
+delayed update, accumulation, precision, super_offload), one gradient bucket and `CHUNKS_PER_LAYER` host-step chunks per
 layer, while `zero_offload.offload.timeline` records every op with what it waited for. Each op is
 given the plan's duration for its kind, in proportion to its share of the proxy's work of that kind per
 micro-step or step, and the graph is replayed (`timeline.predict`). The steady state between the starts of two
@@ -65,12 +65,14 @@ class Structure:
         delayed: the delayed parameter update.
         accumulates: more than one micro-step per optimizer step.
         fp32: fp32 training (else bf16).
+        speculative: super_offload's speculative host step during the boundary backward.
     """
     stage: int
     offload_param: bool
     delayed: bool
     accumulates: bool
     fp32: bool
+    speculative: bool = False
 
 
 @dataclass(frozen=True)
@@ -128,6 +130,7 @@ class StepGraph:
 
 def _lane_label(lane: str) -> str:
     for part, label in (("MainThread", "training thread"), ("dpu-host-step", "delayed step thread"),
+                        ("zero_offload-host-step", "speculative step thread"),
                         ("grad-staging", "staging thread"), ("copy-up-issuer", "copy issuer")):
         if part in lane:
             return label
@@ -136,7 +139,8 @@ def _lane_label(lane: str) -> str:
 
 def _config(s: Structure, layer: int) -> dict:
     zero = {"stage": s.stage, "reduce_bucket_size": layer, "overlap_comm": True,
-            "offload_optimizer": {"device": "cpu", "delayed_param_update": s.delayed, "dpu_warmup_steps": 1}}
+            "offload_optimizer": {"device": "cpu", "delayed_param_update": s.delayed, "dpu_warmup_steps": 1,
+                                  "super_offload": s.speculative}}
     if s.offload_param:
         zero["offload_param"] = {"device": "cpu"}
     if s.stage == 3:
@@ -301,7 +305,7 @@ def predict_step(s: Structure, p: Phases) -> StepGraph:
             if share > 0:
                 col[c][letter] = col[c].get(letter, 0.0) + share
     order = ["device compute", "copies down", "copies up", "training thread", "staging thread",
-             "delayed step thread", "copy issuer"]
+             "delayed step thread", "speculative step thread", "copy issuer"]
     bars = {label: "".join(max(c, key=c.get) if c else "." for c in cols[label])
             for label in sorted(cols, key=lambda x: order.index(x) if x in order else len(order))}
     compute = busy.get("device compute", 0.0)

@@ -184,6 +184,11 @@ def step_timing(micro_s: float, gas: int, host_s: float, delayed: bool, tokens: 
     return StepTiming(micro_s, compute, host_s, delayed, exposed, compute + exposed, tokens, later)
 
 
+# The speculative kernel (super_offload) writes a second bank of state: streaming stores, 1.2-1.25x the in-place
+# kernel's time (tests/test_fused_adam.py's kernel, measured on AVX-512 and AVX2; BENCHMARKS.md).
+SPECULATIVE_KERNEL_COST = 1.25
+
+
 def accumulation_to_hide(micro_s: float, host_s: float, delayed: bool,
                          exposed_fraction: float = EXPOSED_FRACTION) -> int:
     """The fewest micro-steps per optimizer step that leave at most ``exposed_fraction`` of the step to the

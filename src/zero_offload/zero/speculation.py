@@ -197,6 +197,9 @@ class SpeculativeStep:
 
     def join(self) -> None:
         self.thread.join()
+        tl = timeline.current()
+        if tl is not None:
+            tl.joined(self.thread.name)
 
     def close(self) -> None:
         self.cancelled = True

@@ -101,7 +101,7 @@ def _timeline(p: dict, big: dict) -> list[str]:
     if not p.get("timeline"):
         return []
     t, c, busy = big.get("timings") or {}, big.get("copies") or {}, p.get("busy") or {}
-    host = next((v for k, v in busy.items() if k in ("training thread", "delayed step thread")), None)
+    host = next((v for k, v in busy.items() if k in ("training thread", "host step thread")), None)
     device = (t["device_forward_s"] + t["device_backward_s"]) if "device_forward_s" in t else None
     rows = [("step s", p.get("step_s"), big.get("step_s")), ("device compute s", p.get("compute_s"), device),
             ("device idle share", p.get("idle_share"), big.get("device_idle_share")),

@@ -29,7 +29,7 @@ def test_the_replay_matches_the_measured_10b_steps():
     assert delayed.step_s <= 2.19 * 1.03, delayed.lines()
     path = [what for what, _ in plain.critical_path]
     assert path[:2] == ["forward", "backward"] and "host step (training thread)" in path, path
-    assert set(delayed.bars) >= {"device compute", "copies down", "copies up", "delayed step thread"}
+    assert set(delayed.bars) >= {"device compute", "copies down", "copies up", "host step thread"}
     assert all(len(bar) == step_graph.BAR_COLUMNS for bar in delayed.bars.values())
 
 
@@ -132,7 +132,7 @@ def test_gpu_validate_prints_the_replayed_step_beside_the_measured_one():
                 "copies": {"h2d": {"s": 0.46}, "d2h": {"s": 0.40}}}
     text = "\n".join(gpu_report._timeline(predicted, measured))
     assert "| step s | " in text and "| 2.210 |" in text and "| host step s | 2.020 | 2.020 |" in text
-    assert "delayed step thread |" in text and "critical path (s):" in text
+    assert "host step thread |" in text and "critical path (s):" in text
     assert gpu_report._timeline({}, measured) == []
 
 

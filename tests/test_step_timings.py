@@ -125,7 +125,7 @@ def test_cpuadam_cores_perc_sizes_the_host_step_and_pins_its_thread(perc):
     expected = host_step_cores(perc)
     assert len(expected) == max(1, int(len(cores) * perc)) and set(expected) <= set(cores)
     assert engine.timings["host_step_threads"] == len(expected)
-    assert _thread_cores("zero_offload-dpu-host-step", before) == set(expected)
+    assert _thread_cores("zero_offload-host-step", before) == set(expected)
     engine.close()
 
 

@@ -233,7 +233,7 @@ def test_the_recorded_step_starts_the_host_step_before_backward_ends():
     plain = predict_step(Structure(2, False, False, False, False), Phases(**phases))
     spec_step = predict_step(spec, Phases(**phases))
     assert spec_step.step_s < plain.step_s - 0.5, (spec_step.lines(), plain.lines())
-    assert "speculative step thread" in spec_step.bars
+    assert "host step thread" in spec_step.bars
 
 
 def test_timings_report_the_hidden_share():

@@ -18,7 +18,6 @@ from zero_offload.checkpoint.dcp import is_dcp, load_dcp, save_dcp
 from zero_offload.comm import DistContext, deadline
 from zero_offload.compiling import compile_module
 from zero_offload.config import AutoContext, Config, ConfigError
-from zero_offload.offload.host_cores import host_step_cores
 from zero_offload.optim.lr_schedules import build_scheduler
 from zero_offload.precision import LossScaler, is_overflow, training_dtype
 from zero_offload.stats import StepStats
@@ -111,8 +110,7 @@ class Engine:
                                          if not p.requires_grad and not self.zero.manages(p))])
         self.optimizer = self.zero.optimizer
         offload_opt = self.config.zero_optimization.offload_optimizer
-        self._dpu = (DelayedParamUpdate(self.zero, offload_opt.dpu_warmup_steps,
-                                        host_step_cores(offload_opt.cpuadam_cores_perc))
+        self._dpu = (DelayedParamUpdate(self.zero, offload_opt.dpu_warmup_steps)
                      if offload_opt.delayed_param_update else None)
         self._speculative = offload_opt.super_offload     # the host step starts during the boundary backward
         self.scaler = LossScaler(self.config)

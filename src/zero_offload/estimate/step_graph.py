@@ -129,8 +129,7 @@ class StepGraph:
 
 
 def _lane_label(lane: str) -> str:
-    for part, label in (("MainThread", "training thread"), ("dpu-host-step", "delayed step thread"),
-                        ("zero_offload-host-step", "speculative step thread"),
+    for part, label in (("MainThread", "training thread"), ("zero_offload-host-step", "host step thread"),
                         ("grad-staging", "staging thread"), ("copy-up-issuer", "copy issuer")):
         if part in lane:
             return label
@@ -305,7 +304,7 @@ def predict_step(s: Structure, p: Phases) -> StepGraph:
             if share > 0:
                 col[c][letter] = col[c].get(letter, 0.0) + share
     order = ["device compute", "copies down", "copies up", "training thread", "staging thread",
-             "delayed step thread", "speculative step thread", "copy issuer"]
+             "host step thread", "copy issuer"]
     bars = {label: "".join(max(c, key=c.get) if c else "." for c in cols[label])
             for label in sorted(cols, key=lambda x: order.index(x) if x in order else len(order))}
     compute = busy.get("device compute", 0.0)

@@ -22,6 +22,7 @@ import torch
 from torch.profiler import record_function
 
 from zero_offload.comm import DistContext
+from zero_offload.host_thread import HostThread
 from zero_offload.offload.copies import Copies
 from zero_offload.state import StateChunk
 from zero_offload.zero.gather import gather_masters, global_grad_sq_norm
@@ -132,6 +133,18 @@ class ZeroOptimizerBase:
     def take_grads(self) -> list[ReadyGrad]:
         """This step's gradient partitions, handed over whole; the next backward fills other buffers."""
         return [p.take() for p in self.partitions]
+
+    def host_step_thread(self) -> HostThread:
+        """The partition optimizer's host-step thread, which runs the delayed update's step (`DeferrableOptimizer`).
+
+        Raises:
+            RuntimeError: the partition optimizer runs no step beside training (no delayed update configured).
+        """
+        thread = getattr(self.adam, "host_thread", None)
+        if thread is None:
+            raise RuntimeError("the partition optimizer has no host-step thread: the delayed update needs the fused "
+                               "host kernel with offload_optimizer.delayed_param_update")
+        return thread
 
     def host_step_timings(self) -> dict[str, float]:
         """``host_step_s`` (the last host step's own duration, seconds) and ``host_step_threads`` (the kernel's

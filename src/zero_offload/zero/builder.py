@@ -100,7 +100,7 @@ def _in_memory(config: Config, parts: list[torch.Tensor], hparams: list[dict], o
         return PartitionedAdam(parts, hparams, offload, copies, host_params=host_params, deferred=deferred,
                                state_dtype=host_state_dtype(config),
                                host_threads=len(cores) if deferred or speculative else None,
-                               speculative=speculative, host_cpus=cores if speculative else None)
+                               speculative=speculative, host_cpus=cores if deferred or speculative else None)
     for key, on in (("delayed_param_update", deferred), ("super_offload", speculative)):
         if on:
             raise ConfigError(f"config key 'zero_optimization.offload_optimizer.{key}' = true needs optimizer "

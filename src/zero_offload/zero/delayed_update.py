@@ -12,10 +12,12 @@ backward fills a second set), the fp32 masters, the Adam moments and the 16-bit 
 learning rates are taken when the step is launched. The host kernel releases the GIL, so the step runs
 in parallel with the Python of the next forward.
 
-The step runs on one persistent `zero_offload.host_thread.HostThread`, made at the first delayed step and
-closed by `close` (`Engine.close`): no thread is created per step. A process that ends with a step in flight
-lets it finish at exit (the thread is not a daemon; a daemon thread inside torch's C++ when the interpreter
-finalizes aborts the process, "terminate called without an active exception": issues 20 and 26).
+The step runs on the partition optimizer's persistent host-step thread (`PartitionedAdam.host_thread`, a
+`zero_offload.host_thread.HostThread`, which super_offload's speculative pieces use too: one thread and one owner
+for every host step beside training), started by the first delayed step and closed with the optimizer
+(`Engine.close`): no thread is created per step. A process that ends with a step in flight lets it finish at exit
+(the thread is not a daemon; a daemon thread inside torch's C++ when the interpreter finalizes aborts the process,
+"terminate called without an active exception": issues 20 and 26).
 
 DeepSpeed has no counterpart (no config key, no code path): this follows the paper. It schedules the step of
 the ZeRO optimizers (`ZeroOptimizer`, `Stage3Optimizer`), so it lives beside them in `zero/`.
@@ -42,6 +44,8 @@ class DeferrableOptimizer(Protocol):
 
     def publish(self) -> None: ...
 
+    def host_step_thread(self) -> HostThread: ...
+
 
 class DelayedParamUpdate:
     """Runs the host step of a ZeRO optimizer one step behind, in a background thread.
@@ -50,16 +54,13 @@ class DelayedParamUpdate:
     `launch` (after the warm-up) or a synchronous step by the caller.
 
     Args:
-        zero: the ZeRO optimizer whose host step is delayed.
+        zero: the ZeRO optimizer whose host step is delayed; its host-step thread runs the step.
         warmup_steps: optimizer steps (``global_step`` values below it) that run synchronously.
-        cpus: the cores the host-step thread is pinned to (``offload_optimizer.cpuadam_cores_perc``).
     """
 
-    def __init__(self, zero: DeferrableOptimizer, warmup_steps: int, cpus: tuple[int, ...] | None = None):
+    def __init__(self, zero: DeferrableOptimizer, warmup_steps: int):
         self.zero, self.warmup_steps = zero, warmup_steps
-        # The CUDA device is per host thread; the worker binds the one current now (where the engine runs).
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_initialized() else None
-        self.thread = HostThread("dpu-host-step", device, cpus)
+        self.thread = zero.host_step_thread()
         self.unpublished = False     # a finished step whose parameters the model does not run on yet
 
     def engaged(self, global_step: int) -> bool:
@@ -112,8 +113,6 @@ class DelayedParamUpdate:
             self.unpublished = False
 
     def close(self) -> None:
-        """Finish the step in flight, copy its parameters up and end the thread (from `Engine.close`)."""
-        try:
-            self.flush()
-        finally:
-            self.thread.close()
+        """Finish the step in flight and copy its parameters up (from `Engine.close`; the optimizer closes the
+        thread)."""
+        self.flush()

@@ -98,8 +98,9 @@ class PartitionedAdam(WholeGroupState):
         state_dtype: dtype of the host Adam moments, fp32 or bf16 (``bf16.bf16_optimizer_states``).
         host_threads: the host kernel's thread count (`zero_offload.offload.host_cores`); None: torch's.
         speculative: ``offload_optimizer.super_offload``: the boundary's pieces are stepped while backward runs,
-            into a second bank of state (`zero_offload.zero.speculation.SpeculativeStep`, on ``host_threads``
-            threads pinned to ``host_cpus``), and `step` keeps or redoes them exactly.
+            into a second bank of state (`zero_offload.zero.speculation.SpeculativeStep`), and `step` keeps or
+            redoes them exactly.
+        host_cpus: the cores `host_thread` is pinned to (``cpuadam_cores_perc``, `zero_offload.offload.host_cores`).
 
     Attributes:
         optimizer: the inner ``torch.optim.Optimizer`` whose param groups carry the live learning rates
@@ -112,6 +113,10 @@ class PartitionedAdam(WholeGroupState):
             masters chunk by chunk into a small pinned `StagingRing`.
         incoming: per group, with the delayed update and device parts, a device tensor like the part (P x d
             bytes) that the step's chunks land in until `publish`; else None.
+        host_thread: with the delayed update or super_offload, the one persistent thread a host step beside
+            training runs on -- the delayed step (scheduled by `zero_offload.zero.delayed_update`) or the
+            speculated pieces -- pinned to ``host_cpus``; closed by `close`. None otherwise (the step runs on the
+            caller's thread).
 
     Raises:
         ValueError: ``bias_correction = false`` with the states on an accelerator (torch's Adam has no
@@ -184,8 +189,11 @@ class PartitionedAdam(WholeGroupState):
                                      "always corrects bias")
             adamw = [g.pop("adamw_mode") for g in groups][0]
             self.optimizer = (torch.optim.AdamW if adamw else torch.optim.Adam)(groups, fused=True)
+        # One host-step thread for whichever policy runs the step beside training (its tasks start it).
+        self.host_thread = (HostThread("host-step", copies.device, host_cpus)
+                            if (deferred or speculative) and self.on_host else None)
         # The speculative step (super_offload): only with the fused host kernel over offloaded states.
-        self.speculation = (SpeculativeStep(self.optimizer, copies, self.host_threads, host_cpus, copies.device,
+        self.speculation = (SpeculativeStep(self.optimizer, copies, self.host_threads, self.host_thread,
                                             self.chunk) if speculative and self.on_host else None)
         if self.speculation is not None and self.incoming[0] is not None:
             # Each speculated piece's 16-bit parameters are written to a pinned buffer and go up into the landing
@@ -474,9 +482,11 @@ class PartitionedAdam(WholeGroupState):
         self.incoming_free = self.copies.compute_point()
 
     def close(self) -> None:
-        """End the issuing and speculative threads and let the copies up in flight land (from `Engine.close`)."""
+        """End the host-step and issuing threads and let the copies up in flight land (from `Engine.close`)."""
         if self.speculation is not None:
             self.speculation.close()
+        if self.host_thread is not None:
+            self.host_thread.close()
         if self.issuer is not None:
             self.issuer.close()
         self._wait_copies_up()

@@ -22,7 +22,8 @@ weights and moments on the host, 12 bytes per parameter (8 with bf16 moments), c
 ``zero_offload.estimate.memory`` as ``speculative_state`` and shown by ``memory_breakdown()``; and under clipping
 the speculated work is done again (the plain step's time, exposed, as without speculation).
 
-The pieces run in the order their gradients land, on one persistent `HostThread` ("host-step") pinned to the
+The pieces run in the order their gradients land, on the partition optimizer's persistent host-step thread (the
+delayed update's step runs there too: one thread for every host step beside training), pinned to the
 ``cpuadam_cores_perc`` share of the cores, each after its gradient copy's event (or the staged add that made it
 final). DeepSpeed's SuperOffload asserts CUDA and stage 3; this runs wherever the host step does, at stages 2 and 3.
 """
@@ -76,8 +77,8 @@ class SpeculativeStep:
     Args:
         optimizer: the host optimizer; one fp32 master partition per param group (its only parameter).
         copies: page-locks the second bank where the masters are page-locked (copies up read them).
-        threads: the kernel's thread count beside training; cpus: the cores its thread is pinned to.
-        device: the CUDA device the thread binds (None on the CPU).
+        threads: the kernel's thread count beside training.
+        thread: the host-step thread the pieces run on (its owner's; not closed here).
         chunk: elements per piece (a cancelled speculation stops within one piece).
 
     Attributes:
@@ -90,10 +91,9 @@ class SpeculativeStep:
         last: "accepted", "redone" (clipping fired or the gradient changed) or "discarded" (overflow).
     """
 
-    def __init__(self, optimizer: CPUAdam, copies: Copies, threads: int, cpus: tuple[int, ...] | None,
-                 device: torch.device | None, chunk: int):
+    def __init__(self, optimizer: CPUAdam, copies: Copies, threads: int, thread: HostThread, chunk: int):
         self.optimizer, self.copies, self.threads, self.chunk = optimizer, copies, threads, chunk
-        self.thread = HostThread("host-step", device, cpus)
+        self.thread = thread
         self.banks: list[dict[str, torch.Tensor]] = []       # per group: master, exp_avg, exp_avg_sq
         self.lock = threading.Lock()
         self.active = False
@@ -202,8 +202,8 @@ class SpeculativeStep:
             tl.joined(self.thread.name)
 
     def close(self) -> None:
+        """Stop the pieces still queued (before the owner closes the thread)."""
         self.cancelled = True
-        self.thread.close()
 
     def bank_tensors(self) -> list[torch.Tensor]:
         """The second bank: one more master and both moments per group (memory accounting)."""

@@ -1,5 +1,5 @@
-"""The host step's policies side by side, predicted (issue 28, item 4): plain offload, the delayed update and
-``super_offload`` for GPT-2 XL and the 10B GPT-2 on one 80 GB GPU with a 128 GB host, each at the planner's
+"""The host step's policies side by side, predicted (issue 28, item 4): plain offload, the delayed update,
+``super_offload`` and the planner's ``ratio`` for GPT-2 XL and the 10B GPT-2 on one 80 GB GPU with a 128 GB host, each at the planner's
 micro-batch 16 of 1024 tokens with activation checkpointing (the pinned 10B config of `gpu_validate.py`), at stage
 2 with the optimizer offloaded, accumulation 1, and the planner's own choice of policy and accumulation
 (`zero_offload.estimate.batching.choose_batch`, as `zero_offload.estimate.plan` calls it). Prints a markdown table: fits, predicted step s, device idle share,
@@ -21,8 +21,10 @@ from zero_offload.train.model import GPTConfig, preset
 
 MODELS = {"GPT-2 XL (1.56B)": GPTConfig(n_layer=48, n_head=25, n_embd=1600, vocab_size=50257, block_size=1024),
           "GPT-2 10B": preset("gpt2-10b")}
-POLICIES = {"plain offload": (False, False), "delayed update": (True, False), "super_offload": (False, True),
-            "the planner's choice": (None, None)}
+# (delayed update, super_offload, ratio); None: the planner chooses
+POLICIES = {"plain offload": (False, False, 1.0), "delayed update": (True, False, 1.0),
+            "super_offload": (False, True, 1.0), "the planner's ratio": (False, False, None),
+            "the planner's choice": (None, None, None)}
 HEADROOM = 0.10      # the planner's
 
 
@@ -42,8 +44,9 @@ def choose(cfg, policy: tuple, gpu_bytes: int, host_bytes: int, rates):
         need = est.need()
         return est, {"device": max(0, int(need["device"] - gpu_bytes * (1 - HEADROOM))),
                      "host": max(0, int(need["host"] - host_bytes * (1 - HEADROOM))), "nvme": 0}
-    free = policy == (None, None)      # the planner's choice: policy and accumulation; else accumulation 1
-    knobs = Knobs(16, None if free else 1, True, policy[0], choose_checkpointing=False, super_offload=policy[1])
+    free = policy == (None, None, None)   # the planner's choice: policy and accumulation; else accumulation 1
+    knobs = Knobs(16, None if free else 1, True, policy[0], choose_checkpointing=False, super_offload=policy[1],
+                  ratio=policy[2])
     return choose_batch(shape, policy_config(), 1, cfg.block_size, knobs, rates, measure)
 
 
@@ -54,6 +57,7 @@ def row(name: str, label: str, b) -> str:
         return f"| {name} | {label} | no: {short} missing | - | - | - | {host:.0f} |"
     t = b.timing
     policy = "delayed" if b.delayed else ("super_offload" if b.speculative else "plain")
+    policy += f", ratio {b.ratio:g}" if b.ratio < 1 else ""
     return (f"| {name} | {label} | yes ({policy}, accumulation {b.gas}) | {t.step_s:.2f} | "
             f"{t.graph.idle_share if t.graph else t.exposed_share:.2f} | {t.tokens_per_s:,.0f} | {host:.0f} |")
 

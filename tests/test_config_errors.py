@@ -60,11 +60,11 @@ def test_deepspeed_only_keys_warn_once_and_are_accepted():
         warnings.simplefilter("always")
         cfg = _load(wall_clock_breakdown=True,
                     zero_optimization={"stage": 2, "round_robin_gradients": True,
-                                       "offload_optimizer": {"device": "cpu", "ratio": 1.0}})
+                                       "offload_optimizer": {"device": "cpu", "max_in_cpu": 1}})
     messages = [str(x.message) for x in w]
     assert sum("'wall_clock_breakdown' has no effect" in m for m in messages) == 1
     assert sum("'zero_optimization.round_robin_gradients'" in m for m in messages) == 1
-    assert sum("'zero_optimization.offload_optimizer.ratio'" in m for m in messages) == 1
+    assert sum("'zero_optimization.offload_optimizer.max_in_cpu'" in m for m in messages) == 1
     assert cfg.zero_optimization.offload_optimizer.device == "cpu"
 
 

@@ -76,11 +76,11 @@ def test_legacy_forms():
 
 def test_ignored_settings_warn_once_with_the_reason():
     cfg, msgs = _warned(lambda: Config.load({"train_batch_size": 4, "zero_optimization": {
-        "stage": 2, "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu", "ratio": 0.5},
+        "stage": 2, "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu", "pipeline": True},
         "zenflow": {"topk_ratio": 0.1}}, "activation_checkpointing": {"partition_activations": True}}))
     assert cfg.zero_optimization.offload_param.device == "none"
     for text in ("'zero_optimization.offload_param' has no effect at stage 2",
-                 "'zero_optimization.offload_optimizer.ratio'",
+                 "'zero_optimization.offload_optimizer.pipeline'",
                  "'zero_optimization.zenflow'", "'activation_checkpointing' has no effect"):
         assert sum(text in m for m in msgs) == 1, (text, msgs)
     assert sum("plain ZeRO-Offload host step runs" in m for m in msgs) == 1

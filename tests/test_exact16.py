@@ -42,12 +42,13 @@ class Case(NamedTuple):
     dpu: bool = False
     comm: str | None = None
     spec: bool = False           # offload_optimizer.super_offload
+    ratio: float = 1.0           # offload_optimizer.ratio: the share offloaded
 
 
     def __str__(self) -> str:
         return (f"{self.precision}-stage{self.stage}-{self.offload}-gas{self.gas}" + ("-clip" if self.clip else "")
                 + ("-dpu" if self.dpu else "") + (f"-comm_{self.comm}" if self.comm else "")
-                + ("-super_offload" if self.spec else ""))
+                + ("-super_offload" if self.spec else "") + (f"-ratio{self.ratio}" if self.ratio < 1 else ""))
 
 
 SHAPES = [(0, "none", 1, False, False), (0, "none", 3, True, False), (1, "none", 3, False, False),
@@ -59,6 +60,10 @@ CASES = [Case(p, *shape) for p in ("bf16", "fp16") for shape in SHAPES]
 # plain step's, since either way the masters are the plain kernel's result on the same inputs.
 SPEC_SHAPES = [(2, "cpu", 1, False), (2, "cpu", 3, True), (3, "cpu", 1, True), (3, "cpu", 3, False)]
 CASES += [Case(p, *shape, spec=True) for p in ("bf16", "fp16") for shape in SPEC_SHAPES]
+# ratio < 1: the device part's masters and moments stepped where the parameters are, under the same bound.
+RATIO_SHAPES = [(2, 1, True, False), (2, 3, False, True), (3, 3, True, False)]     # stage, gas, clip, super_offload
+CASES += [Case(p, stage, "cpu", gas, clip, ratio=0.5, spec=spec) for p in ("bf16", "fp16")
+          for stage, gas, clip, spec in RATIO_SHAPES]
 # communication_data_type shows only where a sum is not rounded back to the training dtype anyway: bf16
 # reductions of fp32 training, and fp32 reductions into stage 3's fp32 accumulation.
 COMM_CASES = [Case("fp32", 2, "cpu", 1, False, comm="bf16"), Case("bf16", 3, "cpu", 3, True, comm="fp32"),
@@ -76,7 +81,7 @@ def case_config(case: Case, ws: int, nvme_path: str) -> dict:
     if case.stage == 3:   # every unit released after use and gathered again, prefetched a few units ahead
         zero.update(stage3_param_persistence_threshold=0, stage3_max_reuse_distance=0,
                     stage3_prefetch_bucket_size=3000)
-    if case.stage == 3 and case.offload != "none":
+    if case.stage == 3 and case.offload != "none" and case.ratio == 1:    # ratio < 1 steps device parameters
         zero["offload_param"] = {"device": case.offload, **({"nvme_path": nvme_path, "buffer_count": 3,
                                                              "buffer_size": 10_000} if case.offload == "nvme" else {})}
     if case.offload == "nvme":
@@ -87,6 +92,8 @@ def case_config(case: Case, ws: int, nvme_path: str) -> dict:
         zero["offload_optimizer"].update(delayed_param_update=True, dpu_warmup_steps=DPU_WARMUP)
     if case.spec:
         zero["offload_optimizer"]["super_offload"] = True
+    if case.ratio < 1:
+        zero["offload_optimizer"]["ratio"] = case.ratio
     return cfg
 
 

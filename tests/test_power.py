@@ -120,6 +120,16 @@ def correction_applied_twice(mp):
     _wrap(mp, PartitionedAdam, "_host_step", make)
 
 
+def device_part_with_another_coefficient(mp):
+    """offload_optimizer.ratio: the device part is stepped with the coefficient of an unclipped step."""
+    from zero_offload.zero.split_adam import SplitAdam
+
+    def step(self, grads, grad_scale, lrs=None, publish=True):
+        self.device.step([g.device for g in grads], grad_scale * 2.0, lrs)
+        self.host.step([g.host for g in grads], grad_scale, lrs, publish)
+    mp.setattr(SplitAdam, "step", step)
+
+
 FAULTS = [
     (no_unscale, Case("fp16", 2, "cpu", 1, False), 1),
     (no_unscale, Case("fp16", 3, "none", 3, True), 1),
@@ -141,6 +151,8 @@ FAULTS = [
     (speculation_kept_when_clipped, Case("fp16", 3, "cpu", 1, True, spec=True), 2),
     (correction_applied_twice, Case("bf16", 3, "cpu", 1, True, spec=True), 1),
     (correction_applied_twice, Case("fp16", 2, "cpu", 3, True, spec=True), 2),
+    (device_part_with_another_coefficient, Case("bf16", 2, "cpu", 1, True, ratio=0.5), 1),
+    (device_part_with_another_coefficient, Case("fp16", 3, "cpu", 3, True, ratio=0.5), 2),
 ]
 
 

@@ -158,11 +158,12 @@ IGNORED_OFFLOAD = {
     "super_offload": "SuperOffload (Superchip CPU offload) is not built: the plain ZeRO-Offload host step "
                      "runs instead",
 }
-IGNORED_OFFLOAD_OPTIMIZER = {**{k: v for k, v in IGNORED_OFFLOAD.items() if k != "super_offload"},
+IGNORED_OFFLOAD_OPTIMIZER = {**{k: v for k, v in IGNORED_OFFLOAD.items() if k not in ("super_offload", "ratio")},
                              "buffer_size": "NVMe buffers hold one sub-group (sub_group_size) each",
                              "max_in_cpu": "a key of offload_param"}
 IGNORED_OFFLOAD_PARAM = {**IGNORED_OFFLOAD,
                          "super_offload": "a key of offload_optimizer (the speculative host step)",
+                         "ratio": "a key of offload_optimizer (the share of the optimizer state offloaded)",
                          "cpuadam_cores_perc": "a key of offload_optimizer",
                          "fast_init": "a key of offload_optimizer",
                          "pipeline_read": "a key of offload_optimizer",

@@ -99,6 +99,12 @@ class OffloadOptimizerConfig(OffloadConfig):
                                         "moments (12 bytes/param more host memory, 8 with bf16 moments); the "
                                         "boundary keeps it, or redoes it exactly when clipping fired, or drops it "
                                         "on fp16 overflow. Not with delayed_param_update.")
+    ratio: float = option(1.0, "ZeRO-Offload++'s Twin-Flow (DeepSpeed's key and default): the share of each "
+                               "partition whose optimizer state and step are offloaded, at stages 2 and 3 with "
+                               "device 'cpu' and the parameters on the device. The rest keeps its fp32 masters, "
+                               "moments and gradient on the device and is stepped there at the boundary, while the "
+                               "host steps its part; one global norm and clip coefficient for both.",
+                          min=0.0, max=1.0)
 
 
 @dataclass
@@ -190,6 +196,8 @@ class ZeroConfig:
                               f"parameters in memory; '{path}.offload_param.device' is 'nvme'")
         if self.offload_optimizer.super_offload:
             self._check_super_offload(path)
+        if self.offload_optimizer.ratio < 1.0:
+            self._check_ratio(path)
         if self.offload_optimizer.device != "none" and self.stage < 1:
             raise ConfigError(f"config key '{path}.offload_optimizer.device' = "
                               f"{self.offload_optimizer.device!r} needs '{path}.stage' >= 1 (got 0)")
@@ -208,6 +216,23 @@ class ZeroConfig:
             raise ConfigError(f"config key '{path}.offload_optimizer.buffer_count': got {oo.buffer_count}, needs "
                               f">= {need} (one sub-group stepped, plus one read ahead with pipeline_read and one "
                               "written behind with pipeline_write)")
+
+    def _check_ratio(self, path: str) -> None:
+        """``offload_optimizer.ratio`` < 1 splits a host step of stages 2/3 over device parameters."""
+        key = f"config key '{path}.offload_optimizer.ratio' = {self.offload_optimizer.ratio}"
+        if self.offload_optimizer.ratio <= 0.0:
+            raise ConfigError(f"{key} offloads nothing: set '{path}.offload_optimizer.device' = 'none' instead")
+        if self.offload_optimizer.delayed_param_update:
+            raise ConfigError(f"{key} and '{path}.offload_optimizer.delayed_param_update' = true do not combine: the "
+                              "device part would step on this step's gradients and the host part one step behind")
+        if self.stage < 2:
+            raise ConfigError(f"{key} needs '{path}.stage' 2 or 3 (got {self.stage})")
+        if self.offload_optimizer.device != "cpu":
+            raise ConfigError(f"{key} needs '{path}.offload_optimizer.device' = 'cpu' (got "
+                              f"{self.offload_optimizer.device!r})")
+        if self.offload_param.device != "none":
+            raise ConfigError(f"{key} needs the parameters on the device; '{path}.offload_param.device' is "
+                              f"{self.offload_param.device!r} (the device part steps device parameters)")
 
     def _check_super_offload(self, path: str) -> None:
         """``offload_optimizer.super_offload`` needs the host step of stages 2/3 in host memory, synchronous."""

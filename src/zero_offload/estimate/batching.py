@@ -21,14 +21,16 @@ from zero_offload.estimate.memory import MemoryEstimate, ModelShape
 from zero_offload.estimate.step_graph import Phases, Structure, predict_step
 from zero_offload.estimate.throughput import (EXPOSED_FRACTION, MAX_GRADIENT_ACCUMULATION, STAGE3_UNIT_SECONDS,
                                               Assumptions, StepTiming, accumulation_to_hide, host_add_seconds,
-                                              SPECULATIVE_KERNEL_COST, host_step_seconds, micro_step_seconds,
-                                              step_timing)
+                                              SPECULATIVE_KERNEL_COST, device_step_seconds, host_step_seconds,
+                                              micro_step_seconds, step_timing)
 from zero_offload.flat import partition_numel
 
 __all__ = ["Knobs", "BatchChoice", "choose_batch", "MICRO_BATCHES", "TIE"]
 
 # Micro-batch sizes the planner tries when it chooses one.
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32, 64)
+# offload_optimizer.ratio values the planner tries when it chooses one (the share of the state offloaded).
+RATIOS = (1.0, 0.9, 0.75, 0.5, 0.25)
 # Predicted throughputs this close to the best count as equal.
 TIE = 0.03
 
@@ -46,6 +48,7 @@ class Knobs:
         checkpointing: activation checkpointing (None for a shape without a transformer: not modelled).
         delayed_update: ``offload_optimizer.delayed_param_update``.
         super_offload: ``offload_optimizer.super_offload``.
+        ratio: ``offload_optimizer.ratio``.
         choose_checkpointing: whether ``checkpointing`` None means "choose" (a GPT shape) or "the model's own".
     """
     micro_batch: int | None = None
@@ -54,6 +57,7 @@ class Knobs:
     delayed_update: bool | None = None
     choose_checkpointing: bool = True
     super_offload: bool | None = None
+    ratio: float | None = None
 
 
 @dataclass
@@ -62,8 +66,8 @@ class BatchChoice:
 
     Attributes:
         raw: the config dict with the micro-batch, accumulation, delayed update and super_offload written in.
-        micro, gas, checkpointing, delayed, speculative: the setting (checkpointing None: the model's own;
-            speculative: super_offload).
+        micro, gas, checkpointing, delayed, speculative, ratio: the setting (checkpointing None: the model's own;
+            speculative: super_offload; ratio: the share of the optimizer state offloaded).
         estimate, short: `estimate_memory` of it and {side: bytes missing} (all 0: it fits).
         timing: the predicted step (None without a throughput model: no accelerator or no sequence length).
         notes: {reason key: why}, for `Plan.reasons`.
@@ -74,6 +78,7 @@ class BatchChoice:
     checkpointing: bool | None
     delayed: bool
     speculative: bool
+    ratio: float
     estimate: MemoryEstimate
     short: dict[str, int]
     timing: StepTiming | None = None
@@ -89,20 +94,26 @@ def _with(raw: dict, micro: int, gas: int, policy: tuple) -> dict:
     out.pop("train_batch_size", None)
     out["train_micro_batch_size_per_gpu"], out["gradient_accumulation_steps"] = micro, gas
     offload = out["zero_optimization"].get("offload_optimizer")
-    for key, on in zip(("delayed_param_update", "super_offload"), policy):
+    for key, on in zip(("delayed_param_update", "super_offload"), policy[:2]):
         if on and isinstance(offload, dict):
             offload[key] = True
         elif on is False and isinstance(offload, dict):
             offload.pop(key, None)          # off is the default
+    if isinstance(offload, dict) and policy[2] is not None:
+        offload["ratio"] = policy[2]
+        if policy[2] == 1.0:
+            offload.pop("ratio")            # 1 is the default
     return out
 
 
-def _policies(knobs: Knobs, dpu_possible: bool, spec_possible: bool) -> list[tuple]:
-    """How the host step may be hidden, as (delayed update, super_offload) pairs, the default first (a fixed knob
-    is kept; None: not applicable)."""
+def _policies(knobs: Knobs, dpu_possible: bool, spec_possible: bool, ratio_possible: bool) -> list[tuple]:
+    """How the host step may be hidden, as (delayed update, super_offload, ratio), the default first (a fixed knob
+    is kept; None: not applicable). The delayed update combines with neither of the others."""
     dpu = [knobs.delayed_update] if knobs.delayed_update is not None else ([False, True] if dpu_possible else [None])
     spec = [knobs.super_offload] if knobs.super_offload is not None else ([False, True] if spec_possible else [None])
-    return [(d, s) for d in dpu for s in spec if not (d and s)]
+    ratios = [knobs.ratio] if knobs.ratio is not None else (list(RATIOS) if ratio_possible else [None])
+    return [(d, s, r) for r in ratios for d in dpu for s in spec
+            if not (d and s) and not (d and r is not None and r < 1.0)]
 
 
 def _host_step(shape: ModelShape, cfg: Config, gpus: int, gas: int, a: Assumptions) -> tuple[float, int, float]:
@@ -136,13 +147,15 @@ def choose_batch(shape: ModelShape, raw: dict, gpus: int, seq: int | None, knobs
     zc = base.zero_optimization
     dpu_possible = (zc.offload_optimizer.device == "cpu" and not (zc.stage == 3 and zc.offload_param.device != "none"))
     spec_possible = zc.offload_optimizer.device == "cpu" and zc.stage >= 2 and zc.offload_param.device != "nvme"
-    policies = _policies(knobs, dpu_possible, spec_possible)
+    ratio_possible = spec_possible and zc.offload_param.device == "none"
+    policies = _policies(knobs, dpu_possible, spec_possible, ratio_possible)
     default = policies[0]
 
     def make(micro: int, gas: int, ckpt, policy) -> BatchChoice:
         cfg_raw = _with(raw, micro, gas, policy)
         est, short = measure(cfg_raw, micro, ckpt)
-        return BatchChoice(cfg_raw, micro, gas, ckpt, bool(policy[0]), bool(policy[1]), est, short)
+        return BatchChoice(cfg_raw, micro, gas, ckpt, bool(policy[0]), bool(policy[1]),
+                           1.0 if policy[2] is None else policy[2], est, short)
 
     smallest = make(micros[0], gas0, ckpts[-1], default)
     if not smallest.fits or seq is None:
@@ -167,8 +180,9 @@ def choose_batch(shape: ModelShape, raw: dict, gpus: int, seq: int | None, knobs
         return smallest
     best = max(c.timing.tokens_per_s for c in options)
     near = [c for c in options if c.timing.tokens_per_s >= (1 - TIE) * best]
-    chosen = min(near, key=lambda c: (c.timing.tokens, bool(c.checkpointing), c.delayed, c.speculative, -c.micro))
-    chosen.notes = _explain(chosen, options, seq, free_ckpt, knobs, dpu_possible, spec_possible, a)
+    chosen = min(near, key=lambda c: (c.timing.tokens, bool(c.checkpointing), c.delayed, c.speculative, -c.ratio,
+                                      -c.micro))
+    chosen.notes = _explain(chosen, options, seq, free_ckpt, knobs, dpu_possible, spec_possible, ratio_possible, a)
     return chosen
 
 
@@ -178,7 +192,7 @@ def _timed(c: BatchChoice, shape: ModelShape, gpus: int, seq: int, a: Assumption
     cfg = Config.load(c.raw)
     zc = cfg.zero_optimization
     host_s, down, add_s = _host_step(shape, cfg, gpus, c.gas, a)
-    host_s *= SPECULATIVE_KERNEL_COST if c.speculative else 1.0
+    host_s *= (SPECULATIVE_KERNEL_COST if c.speculative else 1.0) * c.ratio     # the host's part
     tokens = c.micro * seq
     ckpt = c.checkpointing if c.checkpointing is not None else bool(shape.gpt and shape.gpt.activation_checkpointing)
     units = len(shape.units) if zc.stage == 3 else 0
@@ -194,13 +208,16 @@ def _timed(c: BatchChoice, shape: ModelShape, gpus: int, seq: int, a: Assumption
     structure = Structure(zc.stage, offload_param, c.delayed, c.gas > 1, cfg.precision == "fp32", c.speculative)
     up = 0.0 if offload_param else down / a.pcie          # host shards are written in place, gathered later
     graph = predict_step(structure, Phases(forward, backward, down / a.pcie, up, add_s, host_s, c.gas))
-    c.timing = StepTiming(micro_s, graph.compute_s, host_s, c.delayed, graph.idle_s, graph.step_s, tokens * c.gas,
-                          later_s, graph)
+    # ratio < 1: the device part's step is queued at the boundary before the host steps its part (counted in
+    # full: the recorded proxy has no device step to overlap it with).
+    device_s = device_step_seconds(int(shape.n_params / gpus * (1.0 - c.ratio)))
+    c.timing = StepTiming(micro_s, graph.compute_s + device_s, host_s, c.delayed, graph.idle_s,
+                          graph.step_s + device_s, tokens * c.gas, later_s, graph)
     return c
 
 
 def _explain(c: BatchChoice, options: list[BatchChoice], seq: int, free_ckpt: bool, knobs: Knobs,
-             dpu_possible: bool, spec_possible: bool, a: Assumptions) -> dict[str, str]:
+             dpu_possible: bool, spec_possible: bool, ratio_possible: bool, a: Assumptions) -> dict[str, str]:
     t = c.timing
     notes = {"batch": (f"micro-batch {c.micro} x {seq} tokens, gradient accumulation {c.gas}: {t.tokens:,} tokens "
                        f"per optimizer step and rank ({'chosen' if knobs.micro_batch is None else 'given'} "
@@ -246,6 +263,11 @@ def _explain(c: BatchChoice, options: list[BatchChoice], seq: int, free_ckpt: bo
             notes["super_offload"] = ("off: it does not hide enough more of the host step to pay for its memory" if
                                       spec else "off: its second bank of master weights and moments does not fit "
                                       "in host memory (or its landing buffers in device memory)")
+    if ratio_possible and t.host_s > 0 and knobs.ratio is None:
+        notes["ratio"] = (f"{c.ratio:g}: " + ("the whole optimizer state on the host" if c.ratio == 1.0 else
+                          f"{1 - c.ratio:.0%} of each partition keeps its master weights, moments and gradient on "
+                          "the device (counted in device memory) and is stepped there, beside the host's part")
+                          + f" (tried {', '.join(f'{r:g}' for r in RATIOS)}: the fastest that fits)")
     share = f"{t.exposed_share:.0%}"
     notes["step"] = (f"~{t.step_s:.2f} s per optimizer step: {t.compute_s:.2f} s device compute "
                      f"({t.micro_s:.3f} s per micro-step at {a.gpu_flops / 1e12:.0f} TFLOP/s"

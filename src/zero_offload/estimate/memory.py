@@ -26,6 +26,7 @@ from zero_offload.presets import GPTConfig
 from zero_offload.zero.bucket_pool import bucket_pool_size
 from zero_offload.zero.collectives import MAX_IN_FLIGHT, scattered_dtype
 from zero_offload.zero.buckets import bucket_spans, largest_bucket
+from zero_offload.zero.split_partition import device_numel
 from zero_offload.zero.zero_optimizer import communication_dtype
 
 __all__ = ["ModelShape", "MemoryEstimate", "estimate_memory", "model_shape", "activation_bytes",
@@ -34,7 +35,8 @@ __all__ = ["ModelShape", "MemoryEstimate", "estimate_memory", "model_shape", "ac
 # Kinds that `Engine.memory_breakdown()` also reports (measured from the tensors the engine holds).
 MODEL_STATE_KINDS = ("params", "grads", "buckets", "grad_partition", "grad_staging", "master", "exp_avg",
                      "exp_avg_sq", "param_staging", "param_incoming", "frozen_params", "nvme_buffers", "param_pool",
-                     "param_write_ring", "speculative_state")
+                     "param_write_ring", "speculative_state", "device_grad_partition", "device_master",
+                     "device_exp_avg", "device_exp_avg_sq")
 # Lines of the estimate that the engine's breakdown counts as part of the gradient partition.
 GRAD_PARTITION_PARTS = {"grad_spare": "grad_partition"}
 
@@ -178,6 +180,8 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
     moment_bytes = 2 if cfg.bf16.bf16_optimizer_states and (offload_opt or not accelerator) else 4
     pin = zc.offload_optimizer.pin_memory or (zc.stage == 3 and zc.offload_param.pin_memory)
     speculative = zc.offload_optimizer.super_offload
+    # offload_optimizer.ratio < 1: each partition's first `device_numel` elements stay on the device
+    ratio = zc.offload_optimizer.ratio if offload_opt and not offload_param else 1.0
     rounding = 0
 
     def host(kind: str, numel: int, dtype_: torch.dtype) -> None:
@@ -202,6 +206,16 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
         host("grad_staging", slots * slot_bytes, torch.uint8)
         est.formulas["grad_staging"] = STAGING_FORMULA
 
+    def device_part(cut: int) -> None:
+        # The part of a split partition the device keeps: its gradient, fp32 master (unless fp32 training, where
+        # the parameters are their own masters) and torch's fp32 moments.
+        if cut:
+            est.add("device", "device_grad_partition", cut * grad_dtype_bytes)
+            if d < 4:
+                est.add("device", "device_master", cut * 4)
+            est.add("device", "device_exp_avg", cut * 4)
+            est.add("device", "device_exp_avg_sq", cut * 4)
+
     grad_dtype = torch.float32 if grad_dtype_bytes == 4 else dtype
     groups = shape.group_numels()
     if zc.stage < 3:
@@ -220,16 +234,19 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
                                        "count) x d")
         for p in parts:
             if offload_opt:
-                host("grad_partition", p, grad_dtype if zc.stage == 2 else dtype)
-                if zc.stage == 2 and gas > 1:
-                    grad_staging(largest_bucket(p, zc.reduce_bucket_size), d)   # pieces: this rank's buckets
-                host("master", p, torch.float32)
+                cut = device_numel(p, ratio)
+                device_part(cut)
+                host("grad_partition", p - cut, grad_dtype if zc.stage == 2 else dtype)
+                if zc.stage == 2 and gas > 1:       # pieces: this rank's buckets
+                    grad_staging(min(largest_bucket(p, zc.reduce_bucket_size), p - cut), d)
+                host("master", p - cut, torch.float32)
+                moments(p - cut, on_host=True)
             else:
                 if zc.stage == 2:
                     est.add("device", "grad_partition", p * grad_dtype_bytes)
                 if d < 4:
                     est.add("device", "master", p * 4)
-            moments(p, on_host=offload_opt)
+                moments(p, on_host=False)
     else:
         host_step = offload_opt or offload_param
         parts, shards = [], []
@@ -256,18 +273,22 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
             else:
                 est.add("device", "params", p * d)
             if host_step:
-                host("grad_partition", p, grad_dtype)
+                cut = device_numel(p, ratio)
+                device_part(cut)
+                host("grad_partition", p - cut, grad_dtype)
                 if gas > 1:
-                    grad_staging(shard, shard_bytes)
+                    grad_staging(min(shard, p - cut), shard_bytes)
                 # fp32 shards in memory are their masters (not under super_offload, whose banks swap)
                 if not (offload_param and d == 4 and not param_nvme) or speculative:
-                    host("master", p, torch.float32)
+                    host("master", p - cut, torch.float32)
+                moments(p - cut, on_host=True)
             else:
                 est.add("device", "grad_partition", p * grad_dtype_bytes)
                 if d < 4:
                     est.add("device", "master", p * 4)
-            moments(p, on_host=host_step)
+                moments(p, on_host=False)
     grads_on_host = offload_opt or offload_param
+    parts = [p - device_numel(p, ratio) for p in parts]       # the host parts (all of each, at ratio 1)
     if speculative:
         # super_offload steps into a second bank of masters and moments (`zero_offload.zero.speculation`); with
         # device parameters each piece's 16-bit parameters go through a pinned buffer into device landing buffers.

@@ -205,11 +205,12 @@ def _knobs(base: dict, user_config: bool, gpus: int, accelerator: bool, shape: M
         sizes.gradient_accumulation_steps if given("gradient_accumulation_steps", "train_batch_size")
         or not accelerator else None)
     offload = base.get("zero_optimization", {}).get("offload_optimizer", {})
-    dpu, spec = (offload.get("delayed_param_update"), offload.get("super_offload")) if isinstance(offload, dict) \
-        else (None, None)
+    dpu, spec, ratio = ((offload.get("delayed_param_update"), offload.get("super_offload"), offload.get("ratio"))
+                        if isinstance(offload, dict) else (None, None, None))
     return Knobs(micro, gas, activation_checkpointing, dpu if (dpu is not None or accelerator) else False,
                  choose_checkpointing=accelerator and shape.gpt is not None,
-                 super_offload=spec if (spec is not None or accelerator) else False)
+                 super_offload=spec if (spec is not None or accelerator) else False,
+                 ratio=ratio if (ratio is not None or accelerator) else 1.0)
 
 
 def _positive_int(value, name: str) -> None:

@@ -184,8 +184,20 @@ def step_timing(micro_s: float, gas: int, host_s: float, delayed: bool, tokens: 
     return StepTiming(micro_s, compute, host_s, delayed, exposed, compute + exposed, tokens, later)
 
 
+# The device part of offload_optimizer.ratio < 1: torch's fused AdamW reads and writes ~32 bytes per parameter (fp32
+# master and moments, the gradient, the 16-bit parameter) at about this device-memory rate (a share of an H100's
+# 3.35 TB/s; the planner's figure, not measured here).
+DEVICE_ADAM_BYTES_PER_S = 2.0e12
+DEVICE_ADAM_BYTES_PER_PARAM = 32
+
+
+def device_step_seconds(params: int) -> float:
+    """Seconds of the device's fused AdamW over ``params`` parameters (`DEVICE_ADAM_BYTES_PER_S`)."""
+    return params * DEVICE_ADAM_BYTES_PER_PARAM / DEVICE_ADAM_BYTES_PER_S
+
+
 # The speculative kernel (super_offload) writes a second bank of state: streaming stores, 1.2-1.25x the in-place
-# kernel's time (tests/test_fused_adam.py's kernel, measured on AVX-512 and AVX2; BENCHMARKS.md).
+# kernel's time (benchmarks/bench_speculative_kernel.py, AVX-512 and AVX2; BENCHMARKS.md).
 SPECULATIVE_KERNEL_COST = 1.25
 
 

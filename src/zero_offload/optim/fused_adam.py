@@ -44,6 +44,9 @@ _SCALE, _DECAY, _L2, _LERP_SMALL, _NT_OUT, _NT_STATE, _PREFETCH, _DYNAMIC = 1, 2
 # write-only 16-bit output (+12%; for the read-modify-write states they cost 35%), 64K-element blocks
 # handed to threads in turn (+2%, and a descheduled core no longer holds the others up), no software prefetch.
 KERNEL_FLAGS = _NT_OUT | _DYNAMIC
+# Out of place (``sources``), the destination is only written: streaming stores skip reading it first (1.5x
+# faster; benchmarks/bench_speculative_kernel.py).
+STREAM_OUT_OF_PLACE = True
 PREFETCH_ELEMS = 0
 _warned = False
 
@@ -176,8 +179,8 @@ def fused_adam_step(
         flags |= _DECAY if adamw_mode else _L2
     if PREFETCH_ELEMS:
         flags |= _PREFETCH
-    if sources is not None:
-        flags |= _NT_STATE     # the destination is only written: streaming stores skip reading it first (1.5x)
+    if sources is not None and STREAM_OUT_OF_PLACE:
+        flags |= _NT_STATE
     # Constants in double as torch computes them, rounded to fp32 once (as torch does with a Python scalar).
     hp = _native.HParams(grad_scale, 1.0 - lr * weight_decay, weight_decay, 1.0 - beta1, beta2, 1.0 - beta2,
                          math.sqrt(bc2), eps, -lr / bc1, flags, PREFETCH_ELEMS)

@@ -236,9 +236,14 @@ class ZeroOptimizerBase:
         parameters headed to the device) and ``param_incoming`` (the delayed update's device buffers its step
         lands updated parameters in)."""
         side = "host" if self.offload else "device"
+        # offload_optimizer.ratio < 1: the device part's kinds are named device_<kind>
+        kinds = {kind: ("device" if kind.startswith("device_") else side, tensors)
+                 for kind, tensors in self.adam.state_tensors().items()}
+        device_grads = [t for p in self.partitions for t in p.device_state_tensors()]
         return {"grad_partition": (side, [t for p in self.partitions for t in p.state_tensors()]),
+                **({"device_grad_partition": ("device", device_grads)} if device_grads else {}),
                 "grad_staging": ("host", [t for p in self.partitions for t in p.staging_tensors()]),
-                **{kind: (side, tensors) for kind, tensors in self.adam.state_tensors().items()},
+                **kinds,
                 "param_staging": ("host", self.adam.staging_tensors()),
                 "param_incoming": ("device", self.adam.incoming_tensors())}
 

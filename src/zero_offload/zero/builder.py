@@ -35,6 +35,8 @@ from zero_offload.offload.host_cores import host_step_cores
 from zero_offload.zero.optimizer_role import PartitionOptimizer
 from zero_offload.zero.partitioned_adam import PartitionedAdam, host_state_dtype
 from zero_offload.zero.partitioned_torch import PartitionedTorchOptimizer
+from zero_offload.zero.split_adam import SplitAdam
+from zero_offload.zero.split_partition import device_numel
 
 __all__ = ["build_partition_optimizer"]
 
@@ -79,6 +81,17 @@ def build_partition_optimizer(config: Config, parts: list[torch.Tensor], hparams
                               f"states through its buffers; optimizer.type = {opt.type!r}"
                               f"{' with amsgrad' if opt.params.amsgrad else ''} needs device 'cpu'")
         return build_nvme_adam(parts, hparams, copies, config, rank, param_io=param_store)
+    ratio = config.zero_optimization.offload_optimizer.ratio
+    if ratio < 1.0 and offload and not host_params:
+        if not fused:
+            raise ConfigError(f"config key 'zero_optimization.offload_optimizer.ratio' = {ratio} needs optimizer type "
+                              f"Adam/AdamW without amsgrad (got {opt.type!r}): the two parts are stepped by the "
+                              "fused kernels")
+        # The device part: torch's fused AdamW where the parameters live; the host part as any offloaded step.
+        cuts = [device_numel(p.numel(), ratio) for p in parts]
+        on_device = PartitionedAdam([p[:c] for p, c in zip(parts, cuts)], hparams, False, copies)
+        on_host = _in_memory(config, [p[c:] for p, c in zip(parts, cuts)], hparams, True, copies, False)
+        return SplitAdam(parts, cuts, on_device, on_host)
     if param_store is not None:
         # fp32 masters read from the files are the inner optimizer's parameters; the 16-bit ones are written
         # back to the files after each step.

@@ -386,6 +386,11 @@ class GradPartition:
             return []
         return [self.buffer] + ([self.spare] if self.spare is not None else [])
 
+    def device_state_tensors(self) -> list[torch.Tensor]:
+        """Buffers kept on the device beside an offloaded partition: none (``offload_optimizer.ratio`` < 1 splits a
+        partition: `zero_offload.zero.split_partition.SplitGradPartition`)."""
+        return []
+
     def staging_tensors(self) -> list[torch.Tensor]:
         """The pinned staging slots (uint8) later micro-steps' gradients come down through (memory accounting)."""
         return list(self.staging)

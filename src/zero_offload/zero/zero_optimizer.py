@@ -20,6 +20,7 @@ from zero_offload.zero.builder import build_partition_optimizer
 from zero_offload.zero import copy_in
 from zero_offload.zero.copy_in import CopyInWaits, CopyUpQueue, compiled
 from zero_offload.zero.grad_partition import GradPartition
+from zero_offload.zero.split_partition import split_for_flat
 from zero_offload.zero.layout import GroupLayout, contiguous_layout
 from zero_offload.zero.averaging import GradAveraging
 from zero_offload.zero.reducer import GradientReducer
@@ -74,7 +75,10 @@ class ZeroOptimizer(ZeroOptimizerBase):
         self.flat_grads = [torch.zeros_like(f.buffer) for f in self.flats] if self.stage < 2 else None
         self.copies = CopyEngine(ctx.device, zc.offload_optimizer.pin_memory)
         rank = ctx.rank if self.stage >= 1 else 0
-        self.partitions = [GradPartition.for_flat(f, rank, self.stage, self.flat_grads[i] if self.flat_grads else None,
+        ratio = zc.offload_optimizer.ratio                       # < 1: part of each partition stays on the device
+        self.partitions = [split_for_flat(f, rank, self.stage, gradient_accumulation > 1, self.copies,
+                                          zc.reduce_bucket_size, ratio) if ratio < 1.0 else
+                           GradPartition.for_flat(f, rank, self.stage, self.flat_grads[i] if self.flat_grads else None,
                                                   self.offload, gradient_accumulation > 1, self.copies,
                                                   bucket_numel=zc.reduce_bucket_size)
                            for i, f in enumerate(self.flats)]

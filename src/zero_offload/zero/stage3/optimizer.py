@@ -18,6 +18,7 @@ from zero_offload.offload.copies import CopyEngine
 from zero_offload.zero.base import MemoryKind, ZeroOptimizerBase
 from zero_offload.zero.builder import build_partition_optimizer
 from zero_offload.zero.grad_partition import GradPartition
+from zero_offload.zero.split_partition import split_partition
 from zero_offload.zero.collectives import scattered_dtype
 from zero_offload.zero.layout import GroupLayout, place_slots
 from zero_offload.zero.averaging import GradAveraging
@@ -113,7 +114,11 @@ class Stage3Optimizer(ZeroOptimizerBase):
         host_step = self.offload or self.offload_param
         # Pieces arrive as reduce-scattered unit shards.
         piece_dtype = scattered_dtype(self.ctx.world_size, communication_dtype(config), dtype)
-        self.partitions = [GradPartition(p.numel(), dtype, self.ctx.device, 3, host_step, gradient_accumulation > 1,
+        ratio = config.zero_optimization.offload_optimizer.ratio     # < 1: part of it stays on the device
+        self.partitions = [split_partition(p.numel(), ratio, dtype, self.ctx.device, 3, gradient_accumulation > 1,
+                                           self.copies, piece_numel=max((u.shard_numel for u in units), default=0),
+                                           piece_dtype=piece_dtype) if ratio < 1.0 else
+                           GradPartition(p.numel(), dtype, self.ctx.device, 3, host_step, gradient_accumulation > 1,
                                          self.copies, piece_numel=max((u.shard_numel for u in units), default=0),
                                          piece_dtype=piece_dtype)
                            for p, units in zip(self.parts, self.group_units)]

@@ -1,9 +1,9 @@
 """The host step's policies side by side, predicted (issue 28, item 4): plain offload, the delayed update,
-``super_offload`` and the planner's ``ratio`` for GPT-2 XL and the 10B GPT-2 on one 80 GB GPU with a 128 GB host, each at the planner's
-micro-batch 16 of 1024 tokens with activation checkpointing (the pinned 10B config of `gpu_validate.py`), at stage
-2 with the optimizer offloaded, accumulation 1, and the planner's own choice of policy and accumulation
-(`zero_offload.estimate.batching.choose_batch`, as `zero_offload.estimate.plan` calls it). Prints a markdown table: fits, predicted step s, device idle share,
-tokens/s, host GB needed. No GPU needed: the step model replays the engine's recorded step with the plan's times
+``super_offload`` and the planner's ``ratio`` for GPT-2 XL and the 10B GPT-2 on one 80 GB GPU with a 128 GB
+host, each at micro-batch 16 of 1024 tokens with activation checkpointing (the pinned 10B config of
+`gpu_validate.py`), at stage 2 with the optimizer offloaded, accumulation 1, and the planner's own choice of
+policy and accumulation (`zero_offload.estimate.batching.choose_batch`, as `zero_offload.estimate.plan` calls it).
+Prints a markdown table: fits, predicted step s, device idle share, tokens/s, host GiB needed. No GPU needed: the step model replays the engine's recorded step with the plan's times
 (`zero_offload.estimate.step_graph`); ``--calibration FILE`` uses a machine's measured rates (`zero-offload
 calibrate`), else the built-in assumptions.
 

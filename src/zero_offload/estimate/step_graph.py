@@ -6,8 +6,8 @@ the device's forward and backward of a micro-step, the gradient copies down and 
 host accumulation and the host Adam step (`Phases`). How they overlap -- what waits for what -- is recorded
 from the engine itself: a proxy of `PROXY_LAYERS` linear layers trains under simulated streams
 (`zero_offload.offload.simulated.forced`) with the plan's structure (`Structure`: stage, parameter offload,
-delayed update, accumulation, precision, super_offload), one gradient bucket and `CHUNKS_PER_LAYER` host-step chunks per
-layer, while `zero_offload.offload.timeline` records every op with what it waited for. Each op is
+delayed update, accumulation, precision, super_offload), one gradient bucket and `CHUNKS_PER_LAYER` host-step
+chunks per layer, while `zero_offload.offload.timeline` records every op with what it waited for. Each op is
 given the plan's duration for its kind, in proportion to its share of the proxy's work of that kind per
 micro-step or step, and the graph is replayed (`timeline.predict`). The steady state between the starts of two
 recorded steps gives the step time, the device's busy and idle time, each lane's busy time, the critical path

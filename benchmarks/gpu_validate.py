@@ -19,12 +19,14 @@ subprocess with its own time limit (`LIMITS`), so a crash or an out-of-memory in
     --calibration``.
 (a) ``cuda_tests``: ``pytest tests/test_cuda.py`` (the CUDA-only tests).
 (b) ``sanitizer``: ``TORCH_CUDA_SANITIZER=1`` over stage 2 + offload (pinned and pageable, accumulation 2, DPU,
-    super_offload) and stage 3 + both offloads (plain, super_offload); counts reported data races.
+    super_offload, ratio 0.5 with super_offload) and stage 3 + both offloads (plain, super_offload); counts reported
+    data races.
 (c) ``gpt2``: GPT-2 124M, bf16, sequence 1024, micro-batch 8: plain ``torch.optim.AdamW(fused=True)`` against
     stage 2 + offload_optimizer and stage 3 + both offloads, each plain, with DPU, and with super_offload (with
-    ``gradient_clipping`` 1.0 as every run, where the speculated step is redone whenever clipping fires, and 0).
+    ``gradient_clipping`` 1.0 as every run, where the speculated step is redone whenever clipping fires, and 0),
+    and at stage 2 with ``offload_optimizer.ratio`` 0.5, alone and with super_offload.
 (c'') ``gpt2_xl`` (not in the default run): GPT-2 XL (1.56B), activation checkpointing, micro-batch 16: plain AdamW
-    against stage 2 + offload_optimizer with the same four variants (issue 28's >= 0.9x target).
+    against stage 2 + offload_optimizer with the same six variants (issue 28's >= 0.9x target).
 (c') ``gpt2_compiled`` (not in the default run): the same GPT-2 124M, plain AdamW eager and compiled, stage 2 +
     offload + DPU and stage 3 + both offloads compiled with ``engine.compile()`` (issue 29; inductor).
 (d) ``largest``: the largest GPT (hidden 4096, 32 heads) that trains with stage 3 + both offloads + activation
@@ -118,11 +120,11 @@ def gpt_config(name: str, tiny: bool, **overrides):
 
 def engine_config(stage: int, offload_param: bool, dpu: bool, micro: int, gas: int = 1, pin: bool = True,
                   bf16_states: bool = False, precision: str = "bf16", super_offload: bool = False,
-                  clip: float = 1.0) -> dict:
+                  clip: float = 1.0, ratio: float = 1.0) -> dict:
     zero = {"stage": stage, "overlap_comm": True, "contiguous_gradients": True,
             "reduce_bucket_size": 50_000_000, "allgather_bucket_size": 200_000_000,
             "offload_optimizer": {"device": "cpu", "pin_memory": pin, "delayed_param_update": dpu,
-                                  "dpu_warmup_steps": 1, "super_offload": super_offload}}
+                                  "dpu_warmup_steps": 1, "super_offload": super_offload, "ratio": ratio}}
     if offload_param:
         zero["offload_param"] = {"device": "cpu", "pin_memory": pin}
     cfg = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas,
@@ -184,7 +186,9 @@ def sanitize_body(args) -> None:
             ("stage3-offload-both", engine_config(3, True, False, 1), True),
             ("stage2-offload-super-gas2", engine_config(2, False, False, 1, gas=2, super_offload=True, clip=0.0),
              False),
-            ("stage3-offload-both-super", engine_config(3, True, False, 1, super_offload=True, clip=0.0), True)):
+            ("stage3-offload-both-super", engine_config(3, True, False, 1, super_offload=True, clip=0.0), True),
+            ("stage2-offload-ratio0.5-super-gas2", engine_config(2, False, False, 1, gas=2, super_offload=True,
+                                                                 clip=0.0, ratio=0.5), False)):
         result = gm.run_engine(cfg, config, device, steps=1, split_steps=0, sharded=sharded, profile=False)
         print(name, "loss", result["losses"][-1], flush=True)
 
@@ -209,7 +213,8 @@ def section_gpt2_xl(args) -> dict:
 
 def _compare(args, cfg, micro: int, steps: int, split_steps: int, stages) -> dict:
     """Plain AdamW, then per (stage, offload_param) in ``stages`` the engine with the optimizer offloaded: plain,
-    delayed update, and super_offload with the clipping every run has (redone wherever it fires) and without."""
+    delayed update, super_offload with the clipping every run has (redone wherever it fires) and without, and with
+    the parameters on the device ``ratio`` 0.5 alone and with super_offload."""
     device = _device(args)
     peak = measure_matmul_peak(device, args.tiny)
     runs = {"plain-adamw": gm.run_plain(cfg, device, micro, steps)}
@@ -217,6 +222,8 @@ def _compare(args, cfg, micro: int, steps: int, split_steps: int, stages) -> dic
         name = "stage3-offload-both" if offload_param else f"stage{stage}-offload"
         variants = {"": {}, "-dpu": {"dpu": True}, "-super": {"super_offload": True},
                     "-super-noclip": {"super_offload": True, "clip": 0.0}}
+        if not offload_param:     # ratio < 1 steps device parameters: half of the state on the device
+            variants.update({"-ratio0.5": {"ratio": 0.5}, "-ratio0.5-super": {"ratio": 0.5, "super_offload": True}})
         for suffix, kw in variants.items():
             config = engine_config(stage, offload_param, kw.pop("dpu", False), micro, **kw)
             runs[name + suffix] = gm.run_engine(cfg, config, device, steps, split_steps, sharded=stage == 3)

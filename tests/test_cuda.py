@@ -1,7 +1,7 @@
 """CUDA-only checks (skipped without a GPU; run by benchmarks/gpu_validate.py section (a)).
 
 Exactness against plain AdamW at stages 0-3 with and without offload, accumulation 1 and 3, and with the
-delayed parameter update, and with super_offload; host bytes of pinned partitions against the arithmetic; export peak memory
+delayed parameter update, with super_offload and with ratio 0.5; host bytes of pinned partitions against the arithmetic; export peak memory
 (torch.cuda.max_memory_allocated) within 2x the largest parameter; copies overlapping compute; stage-3 gather memory
 reused in stream order while the host runs ahead."""
 import itertools
@@ -53,6 +53,20 @@ def test_cuda_super_offload_matches_adamw(stage, gas, kind):
     clip = clip_value(kind, gas, 1)
     ref, ref_losses = reference_run(gas=gas, clip=clip)
     masters, _, losses = engine_run(spec_config(stage, gas, clip, 1))
+    for name, value in ref.items():
+        assert (masters[name] - value).abs().max().item() <= ATOL, name
+    assert losses == pytest.approx(ref_losses, abs=1e-3)
+
+
+@pytest.mark.parametrize("stage,gas,spec", [(2, 1, False), (2, 3, True), (3, 3, False), (3, 1, True)])
+def test_cuda_ratio_matches_adamw(stage, gas, spec):
+    """offload_optimizer.ratio 0.5 on CUDA: the device half stepped by torch's fused AdamW, the host half by the
+    host kernel, with one coefficient (clipping on)."""
+    from reference import engine_run, reference_run
+    from test_offload_ratio import ratio_config
+    torch.backends.cuda.matmul.allow_tf32 = False
+    ref, ref_losses = reference_run(gas=gas, clip=1.0)
+    masters, _, losses = engine_run(ratio_config(stage, gas, 1.0, 0.5, spec))
     for name, value in ref.items():
         assert (masters[name] - value).abs().max().item() <= ATOL, name
     assert losses == pytest.approx(ref_losses, abs=1e-3)

@@ -49,6 +49,7 @@ def test_gpu_validate_tiny_cpu_smoke(tmp_path):
     runs = report["sections"]["gpt2"]["runs"]
     engine_runs = {f"{name}{suffix}" for name in ("stage2-offload", "stage3-offload-both")
                    for suffix in ("", "-dpu", "-super", "-super-noclip")}
+    engine_runs |= {f"stage2-offload{suffix}" for suffix in ("-ratio0.5", "-ratio0.5-super")}   # issue 28, item 2
     assert set(runs) == {"plain-adamw", *engine_runs}
     assert set(report["sections"]["gpt2_xl"]["runs"]) == {"plain-adamw", *(r for r in engine_runs if "stage2" in r)}
     for key in ("stage2-offload-super-noclip", "stage3-offload-both-super-noclip"):   # issue 28: no clipping, kept

@@ -33,13 +33,16 @@ def config(case: dict, nvme_dir: str) -> dict:
     if offload == "nvme":
         zero["offload_optimizer"].update(nvme_path=nvme_dir, buffer_count=3)
         zero["sub_group_size"] = 3000
+    policy = case.get("dpu")          # True: the delayed update; "super": super_offload; "ratio": ratio 0.5
     if case["stage"] == 3:
         zero.update(stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=3000)
-        if offload != "none":
+        if offload != "none" and policy != "ratio":
             zero["offload_param"] = {"device": offload, **({"nvme_path": nvme_dir, "buffer_count": 3,
                                                             "buffer_size": 10_000} if offload == "nvme" else {})}
-    if case.get("dpu"):
+    if policy is True:
         zero["offload_optimizer"].update(delayed_param_update=True, dpu_warmup_steps=1)
+    elif policy in ("super", "ratio"):
+        zero["offload_optimizer"].update({"super": {"super_offload": True}, "ratio": {"ratio": 0.5}}[policy])
     return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": case["gas"],
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": zero,
             **({"aio": {"block_size": 8192}} if offload == "nvme" else {})}

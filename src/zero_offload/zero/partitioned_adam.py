@@ -201,7 +201,7 @@ class PartitionedAdam(WholeGroupState):
             # the landing buffers over the parameters on the device.
             self.speculation.outs = [copies.host_empty(p.numel(), p.dtype) if p.dtype != torch.float32 else None
                                      for p in parts]
-            self.speculation.on_piece = lambda g, lo, hi: self._issue(self._copy_speculated, g, lo, hi)
+            self.speculation.on_piece = self._land_speculated
 
     @torch.no_grad()
     def step(self, grads: Sequence[GradSource], grad_scale: float, lrs: Sequence[float] | None = None,
@@ -276,15 +276,19 @@ class PartitionedAdam(WholeGroupState):
         if self.issuer is not None:
             self.issuer.join()
 
-    def _copy_speculated(self, g: int, lo: int, hi: int) -> None:
+    def _land_speculated(self, g: int, lo: int, hi: int) -> None:
         """A speculated piece [lo, hi) of group ``g`` goes up into its landing buffer (`incoming`), from the pinned
         16-bit output or the second bank's fp32 master, once the compute stream has read the buffer's previous
-        contents (`incoming_free`)."""
+        contents (`incoming_free`). The source is bound here, on the thread that stepped the piece: the issuing
+        thread may run the copy after the boundary swapped the banks."""
         spec = self.speculation
-        source = spec.outs[g] if spec.outs[g] is not None else spec.banks[g]["master"]
-        handle = self.copies.to_device(self.incoming[g][lo:hi], source[lo:hi], after=self.incoming_free)
-        self.publish_copies[g] = handle
-        self._track(handle, _storage(source))
+        source = (spec.outs[g] if spec.outs[g] is not None else spec.banks[g]["master"])[lo:hi]
+
+        def copy(g: int, lo: int, hi: int) -> None:
+            handle = self.copies.to_device(self.incoming[g][lo:hi], source, after=self.incoming_free)
+            self.publish_copies[g] = handle
+            self._track(handle, _storage(source))
+        self._issue(copy, g, lo, hi)
 
     def _copy_up(self, g: int, lo: int, hi: int) -> None:
         """Queue the copy up of group ``g``'s updated elements [lo, hi): from where the kernel wrote them in 16

@@ -218,8 +218,8 @@ class PartitionedAdam(WholeGroupState):
         ready = [g.ready() for g in grads]
         self.sources = list(grads)        # told which chunks the step is done with (`GradSource.released`)
         if self.speculation is not None and self.speculation.active:
-            start = time.perf_counter()
             if self.speculation.settle(grad_scale, ready):      # the speculated step stands: publish it
+                start = time.perf_counter()
                 self.published_from = [None] * len(self.parts)
                 if self.incoming[0] is not None:
                     self._join_issuer()      # every piece's copy up is queued

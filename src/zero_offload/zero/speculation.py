@@ -87,7 +87,8 @@ class SpeculativeStep:
         on_piece: called as ``on_piece(group, lo, hi)`` after each piece, on the thread that stepped it (the owner
             starts the piece's copy up into a landing buffer); None: nothing.
         hidden_s: seconds of speculative kernel time that ran before the boundary step began (during backward).
-        total_s: seconds of speculative kernel time at the last boundary.
+        total_s: seconds of kernel time of the last boundary's speculated step (the pieces, and any range no piece
+            covered, stepped at `settle`).
         last: "accepted", "redone" (clipping fired or the gradient changed) or "discarded" (overflow).
     """
 
@@ -147,9 +148,7 @@ class SpeculativeStep:
                 if self.cancelled:
                     return
                 end = min(hi - lo, start + self.chunk)
-                began = time.perf_counter()
                 self._step_piece(g, lo + start, lo + end, values[start:end], self.grad_scale)
-                self.busy_s += time.perf_counter() - began
                 if tl is not None:
                     tl.host_work("host_step", end - start)
         self.thread.submit(run)
@@ -173,14 +172,15 @@ class SpeculativeStep:
         if not keep:
             self.cancelled = True
         self.join()
-        self.hidden_s, self.total_s = (hidden if keep else 0.0), self.busy_s
         self.active = False
         if not keep:
+            self.hidden_s = self.total_s = 0.0
             self.last = "redone"
             return False
         for g, grad in enumerate(grads):
             for lo, hi in _gaps(self.ranges[g], grad.numel()):
                 self._step_piece(g, lo, hi, grad[lo:hi], grad_scale)
+        self.hidden_s, self.total_s = hidden, self.busy_s
         self._swap_banks()
         for master in self.masters:
             self.optimizer.count_step(master)
@@ -223,13 +223,15 @@ class SpeculativeStep:
     def _step_piece(self, g: int, lo: int, hi: int, grad: torch.Tensor, grad_scale: float) -> None:
         """Group ``g``'s [lo, hi): read from the live state, written into the second bank (and ``outs``), then
         handed to ``on_piece``. The body starts on a 16-element boundary, so that the kernel's streaming stores
-        (aligned only) cover all of it."""
+        (aligned only) cover all of it. Its kernel time counts in ``busy_s``."""
+        began = time.perf_counter()
         out = self.outs[g]
         cut = min(hi, -(-lo // ALIGN) * ALIGN)
         for a, b in ((lo, cut), (cut, hi)):
             if a < b:
                 self.optimizer.step_into(g, a, b, grad[a - lo:b - lo], grad_scale, self.banks[g], self.threads,
                                          out=None if out is None else out[a:b])
+        self.busy_s += time.perf_counter() - began
         if self.on_piece is not None:
             self.on_piece(g, lo, hi)
 

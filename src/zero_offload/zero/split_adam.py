@@ -47,8 +47,6 @@ class SplitAdam(WholeGroupState):
         host: a `PartitionedAdam` over ``part[cut:]`` with the states offloaded.
     """
 
-    state_format_name = "adam"
-
     def __init__(self, parts: list[torch.Tensor], cuts: list[int], device: PartitionedAdam, host: PartitionedAdam):
         self.parts, self.cuts, self.device, self.host = parts, cuts, device, host
         self.masters = _Masters(self)
@@ -130,7 +128,7 @@ class SplitAdam(WholeGroupState):
 
     # -- state: one flat partition per group, the device part first --------------------------------------------
     def state_format(self) -> str:
-        return self.state_format_name
+        return "adam"
 
     def group_step(self, g: int) -> int:
         return self.host.group_step(g)

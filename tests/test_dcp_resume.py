@@ -112,13 +112,13 @@ def test_the_check_sees_moments_that_were_not_loaded(tmp_path, monkeypatch):
     """Power: the parameters loaded but Adam's moments left at zero (a weights-only resume) end elsewhere."""
     from zero_offload.checkpoint import dcp
     run_ranks(_fsdp2_save, 1, str(tmp_path / "dcp"))
-    chunks = dcp._chunks
+    reader = dcp._reader
 
     def weights_only(*args):
-        for lo, piece in chunks(*args):
-            yield lo, {**piece, "exp_avg": torch.zeros_like(piece["exp_avg"]),
-                       "exp_avg_sq": torch.zeros_like(piece["exp_avg_sq"])}
-    monkeypatch.setattr(dcp, "_chunks", weights_only)
+        read = reader(*args)
+        return lambda name, shape: {**read(name, shape), "exp_avg": torch.zeros(shape).reshape(-1),
+                                    "exp_avg_sq": torch.zeros(shape).reshape(-1)}
+    monkeypatch.setattr(dcp, "_reader", weights_only)
     assert max_diff(resumed(str(tmp_path / "dcp"), 2, True), reference()) > 1e-4
 
 
@@ -207,9 +207,48 @@ def test_the_fsdp2_check_sees_moments_that_were_not_written(tmp_path, monkeypatc
 def test_save_checkpoint_refuses_an_unknown_format_or_client_state_with_dcp(tmp_path):
     engine = zero_offload.initialize(make_model(), config(2, False))
     try:
-        with pytest.raises(ValueError, match="format must be 'zero-offload' or 'dcp', got 'deepspeed-universal'"):
-            engine.save_checkpoint(str(tmp_path), format="deepspeed-universal")
+        with pytest.raises(ValueError, match="format must be 'zero-offload', 'deepspeed-universal' or 'dcp', got "
+                                             "'deepspeed'"):
+            engine.save_checkpoint(str(tmp_path), format="deepspeed")
+        with pytest.raises(ValueError, match="client_state's keys .* must be a dict; got list"):
+            engine.save_checkpoint(str(tmp_path), client_state=[1], format="deepspeed-universal")
         with pytest.raises(ValueError, match="format='dcp' has no place for client_state"):
             engine.save_checkpoint(str(tmp_path), client_state={"a": 1}, format="dcp")
     finally:
         engine.close()
+
+
+def _fsdp2_save_scheduled(path: str) -> None:
+    """FSDP2 with a warm-up LR schedule (DeepSpeed's WarmupLR over torch's AdamW) trains N steps and saves."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from deepspeed_peer import BATCH, SCHEDULE, my_half
+    from deepspeed_peer import batches as peer_batches
+    from zero_offload.config import WarmupLRParams
+    from zero_offload.optim.lr_schedules import WarmupLR
+    model, opt, rank, world = _fsdp2()
+    schedule = WarmupLR(opt, WarmupLRParams(**SCHEDULE))
+    for x in peer_batches(N):
+        assert x.shape[0] == BATCH
+        model(my_half(x, rank, world)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        schedule.step()
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+
+
+def _ours_resume_scheduled(path: str, stage: int):
+    import torch.distributed as dist
+    from deepspeed_peer import ours_resume
+    return ours_resume(path, stage, True, dist.get_rank(), dist.get_world_size())[0]
+
+
+@pytest.mark.parametrize("saved_on,stage,resumed_on", [(2, 1, 1), (1, 3, 2)])
+def test_an_fsdp2_run_mid_warm_up_resumes_on_its_schedule(tmp_path, saved_on, stage, resumed_on):
+    """A DCP checkpoint carries no LR schedule; the engine's (the same warm-up) moves to the checkpoint's step, so
+    the resumed run warms up on from there and ends on plain AdamW's uninterrupted N + M run with the schedule."""
+    from deepspeed_peer import max_diff as by_name, reference as scheduled_reference
+    run_ranks(_fsdp2_save_scheduled, saved_on, str(tmp_path / "dcp"))
+    results = run_ranks(_ours_resume_scheduled, resumed_on, str(tmp_path / "dcp"), stage)
+    assert max(by_name(r, scheduled_reference()) for r in results) <= 1e-5

@@ -15,6 +15,8 @@ from torch.utils._pytree import tree_map
 
 from zero_offload.checkpoint import load_checkpoint, save_checkpoint
 from zero_offload.checkpoint.dcp import is_dcp, load_dcp, save_dcp
+from zero_offload.checkpoint.deepspeed_read import find_deepspeed, load_deepspeed
+from zero_offload.checkpoint.deepspeed_write import save_universal
 from zero_offload.comm import DistContext, deadline
 from zero_offload.compiling import compile_module
 from zero_offload.config import AutoContext, Config, ConfigError
@@ -359,37 +361,49 @@ class Engine:
         A collective: every rank calls it. ``tag`` defaults to ``global_step{N}``; ``save_dir/latest`` is
         updated last. Returns the checkpoint's directory. ``format="dcp"`` writes ``save_dir`` (or
         ``save_dir/tag``) as a ``torch.distributed.checkpoint`` directory that FSDP2 resumes
-        (`zero_offload.checkpoint.dcp.save_dcp`; no ``client_state``).
+        (`zero_offload.checkpoint.dcp.save_dcp`; no ``client_state``); ``format="deepspeed-universal"`` writes
+        DeepSpeed's universal layout under ``save_dir/tag``, which DeepSpeed resumes at any stage and world size
+        with ``checkpoint.load_universal`` (`zero_offload.checkpoint.deepspeed_write`).
 
         Raises:
             ValueError: an unknown ``format``, or ``client_state`` with ``format="dcp"``.
         """
-        if format not in ("zero-offload", "dcp"):
-            raise ValueError(f"save_checkpoint: format must be 'zero-offload' or 'dcp', got {format!r} (DeepSpeed's "
-                             f"universal format is not written yet)")
+        if format not in ("zero-offload", "deepspeed-universal", "dcp"):
+            raise ValueError(f"save_checkpoint: format must be 'zero-offload', 'deepspeed-universal' or 'dcp', got "
+                             f"{format!r}")
         self.flush_delayed_update()
         if format == "dcp":
             if client_state is not None:
                 raise ValueError("save_checkpoint: format='dcp' has no place for client_state; save it yourself")
             return save_dcp(self, Path(save_dir) / tag if tag is not None else Path(save_dir))
+        if format == "deepspeed-universal":
+            return save_universal(self, save_dir, tag, client_state)
         return save_checkpoint(self, save_dir, tag, client_state)
 
     @deadline
-    def load_checkpoint(self, load_dir, tag: str | None = None) -> Any:
+    def load_checkpoint(self, load_dir, tag: str | None = None, *, load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True, load_module_only: bool = False) -> Any:
         """Restore a checkpoint (default: the ``latest`` one), resharding from any world size or stage,
-        and return the ``client_state`` it was saved with. A ``torch.distributed.checkpoint`` directory that
-        FSDP2 wrote (``load_dir``, or ``load_dir/tag``, holding ``.metadata``) loads too: its parameters,
-        AdamW moments and step (`zero_offload.checkpoint.dcp`); it returns None then.
+        and return the ``client_state`` it was saved with. Two foreign kinds load too, into any stage and world
+        size: a ``torch.distributed.checkpoint`` directory that FSDP2 wrote (``load_dir``, or ``load_dir/tag``,
+        holding ``.metadata``: its parameters, AdamW moments and step; returns None), and a DeepSpeed checkpoint,
+        ZeRO stage 1-3 or universal (`zero_offload.checkpoint.deepspeed_read`: masters, moments, step, loss
+        scale, LR schedule; returns the user's ``client_state`` keys). The keyword flags are DeepSpeed's and apply
+        to DeepSpeed checkpoints.
 
         Raises:
-            CheckpointError: a missing or corrupted file, an unknown tag, or another model's checkpoint;
-                the engine is left as it was.
+            CheckpointError: a missing or corrupted file, an unknown tag, another model's checkpoint, or a
+                foreign one that cannot be mapped; the engine is left as it was.
         """
         # Finish (not drop) a delayed step first: if the load then fails, the engine stays consistent.
         self.flush_delayed_update()
         dcp_dir = Path(load_dir) / tag if tag is not None else Path(load_dir)
         if is_dcp(dcp_dir):
             return load_dcp(self, dcp_dir)
+        deepspeed_dir = find_deepspeed(load_dir, tag)
+        if deepspeed_dir is not None:
+            return load_deepspeed(self, deepspeed_dir, load_optimizer_states, load_lr_scheduler_states,
+                                  load_module_only)
         return load_checkpoint(self, load_dir, tag)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:

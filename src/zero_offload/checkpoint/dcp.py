@@ -8,8 +8,9 @@ names; AdamW's ``exp_avg``, ``exp_avg_sq`` and ``step`` per parameter) and ``dcp
 ZeRO stage and world size: DCP reshards on read, and each rank reads, one parameter at a time, only the parameters
 its partition holds pieces of (never more than one parameter's full state beyond the engine's own memory).
 Buffers and frozen parameters present in the checkpoint are loaded too. The learning rate and its schedule are the
-engine's config's (an FSDP2 checkpoint's schedule belongs to the script that wrote it); the step count moves to the
-checkpoint's. Everything is checked before the engine changes: a checkpoint of another model names the first
+engine's config's (an FSDP2 checkpoint's schedule belongs to the script that wrote it): the step count moves to the
+checkpoint's, and the schedule with it (ours are functions of the step), so a run resumed mid-warm-up goes on
+warming up from there. Everything is checked before the engine changes: a checkpoint of another model names the first
 parameter that is missing or shaped otherwise, and an unreadable or truncated file names the file.
 """
 from __future__ import annotations
@@ -17,12 +18,11 @@ from __future__ import annotations
 import os
 import warnings
 from pathlib import Path
-from typing import Iterator
-
 import torch
 
+from zero_offload.checkpoint.foreign import ForeignState, apply_foreign, export_staged
 from zero_offload.checkpoint.io import CheckpointError, agree, module_state
-from zero_offload.state import CheckpointTarget, StateChunk
+from zero_offload.state import CheckpointTarget
 
 __all__ = ["is_dcp", "load_dcp", "save_dcp", "MODEL_KEY", "OPTIM_KEY"]
 
@@ -98,23 +98,14 @@ def _step(engine: CheckpointTarget, path: Path, optim_key: str) -> int:
     return steps.pop()
 
 
-def _chunks(group, path: Path, rank: int, model_key: str, optim_key: str) -> Iterator[StateChunk]:
-    """This rank's partition of ``group`` (a `GroupLayout`) as contiguous pieces (padding as zeros), each parameter
-    read once."""
-    covered = 0
-    for p in sorted((p for p in group.params if any(c.rank == rank for c in p.pieces)),
-                    key=lambda p: min(c.part_offset for c in p.pieces if c.rank == rank)):
-        state = {"exp_avg": torch.empty(p.shape), "exp_avg_sq": torch.empty(p.shape)}
-        read = _read(path, {model_key: {p.name: torch.empty(p.shape)}, optim_key: {"state": {p.name: state}}})
-        full = {"master": read[model_key][p.name].reshape(-1),
-                **{k: v.reshape(-1) for k, v in read[optim_key]["state"][p.name].items()}}
-        for c in sorted((c for c in p.pieces if c.rank == rank), key=lambda c: c.part_offset):
-            if c.part_offset > covered:
-                yield covered, {k: torch.zeros(c.part_offset - covered) for k in full}
-            yield c.part_offset, {k: t[c.param_offset:c.param_offset + c.length].float() for k, t in full.items()}
-            covered = c.part_offset + c.length
-    if covered < group.partition_numel:
-        yield covered, {k: torch.zeros(group.partition_numel - covered) for k in ("master", "exp_avg", "exp_avg_sq")}
+def _reader(path: Path, model_key: str, optim_key: str):
+    """`ParamReader` of the DCP directory: one parameter's weights and moments per call."""
+    def read(name: str, shape: tuple) -> dict:
+        state = {"exp_avg": torch.empty(shape), "exp_avg_sq": torch.empty(shape)}
+        got = _read(path, {model_key: {name: torch.empty(shape)}, optim_key: {"state": {name: state}}})
+        return {"master": got[model_key][name].reshape(-1),
+                **{k: v.reshape(-1) for k, v in got[optim_key]["state"][name].items()}}
+    return read
 
 
 def load_dcp(engine: CheckpointTarget, path: str | os.PathLike, model_key: str = MODEL_KEY,
@@ -141,17 +132,15 @@ def load_dcp(engine: CheckpointTarget, path: str | os.PathLike, model_key: str =
     except CheckpointError as e:
         error = e
     agree(engine, error, "loading the DCP checkpoint")
-    opt = engine.optimizer_state
-    rank = engine.rank if opt.partitions_count > 1 else 0
-    for g, group in enumerate(opt.layout()):
-        opt.load_state_chunks(g, step, _chunks(group, path, rank, model_key, optim_key))
-    with torch.no_grad():
-        live = module_state(engine.module)
-        for name, value in extra.items():
-            live[name].copy_(value)
-    opt.after_load()
-    state = engine.state_dict()
-    engine.load_state_dict({**state, "global_step": step, "micro_steps": step * engine.gradient_accumulation_steps})
+    apply_foreign(engine, _reader(path, model_key, optim_key), ForeignState(
+        step=step, engine={"global_step": step, **_schedule_at(engine, step)}, module=extra))
+
+
+def _schedule_at(engine: CheckpointTarget, step: int) -> dict:
+    """The engine's LR schedule moved to ``step``: a DCP checkpoint carries no schedule, and ours are functions
+    of the step (DeepSpeed's ``last_batch_iteration``, one behind the step count)."""
+    schedule = engine.state_dict()["lr_scheduler"]
+    return {} if schedule is None else {"lr_scheduler": {**schedule, "last_batch_iteration": step - 1}}
 
 
 def save_dcp(engine: CheckpointTarget, path: str | os.PathLike, model_key: str = MODEL_KEY,
@@ -168,37 +157,27 @@ def save_dcp(engine: CheckpointTarget, path: str | os.PathLike, model_key: str =
     Raises:
         CheckpointError: writing failed on some rank (named); the engine is not changed.
     """
-    import shutil
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
     from zero_offload.checkpoint.consolidate import consolidate
-    from zero_offload.checkpoint.load import full_parameters, read_manifest, resolve_tag
-    from zero_offload.checkpoint.save import save_checkpoint
+    from zero_offload.checkpoint.load import full_parameters
     path = Path(path)
-    staging = path.parent / f".{path.name}.zero-offload"
-    save_checkpoint(engine, staging, "state", None)
     opt = engine.optimizer_state
     names = [[p.name for p in g.params] for g in opt.layout()]
     steps = [opt.group_step(g) for g in range(len(names))]
-    error = None
-    if engine.rank == 0:
-        try:
-            directory = resolve_tag(staging, "state")
-            manifest = read_manifest(directory)
-            moments = {kind: dict(full_parameters(directory, manifest, kind)) for kind in ("exp_avg", "exp_avg_sq")}
-            state = {n: {"step": torch.tensor(float(steps[g])), **{k: moments[k][n] for k in moments}}
-                     for g, group in enumerate(names) for n in group}
-            groups = [_adamw_group(h, group) for h, group in zip(engine.optimizer.param_groups, names)]
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                everything = {model_key: consolidate(staging, "state"),
-                              optim_key: {"state": state, "param_groups": groups}}
-                dcp.save(everything, storage_writer=FileSystemWriter(str(path)), no_dist=True)
-        except (OSError, ValueError, RuntimeError) as e:
-            error = CheckpointError(f"writing the DCP checkpoint '{path}' failed: {e}")
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-    agree(engine, error, "writing the DCP checkpoint")
+    groups = [_adamw_group(h, group) for h, group in zip(engine.optimizer.param_groups, names)]
+
+    def write(directory: Path, manifest: dict) -> None:
+        moments = {kind: dict(full_parameters(directory, manifest, kind)) for kind in ("exp_avg", "exp_avg_sq")}
+        state = {n: {"step": torch.tensor(float(steps[g])), **{k: moments[k][n] for k in moments}}
+                 for g, group in enumerate(names) for n in group}
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            everything = {model_key: consolidate(directory.parent, directory.name),
+                          optim_key: {"state": state, "param_groups": groups}}
+            dcp.save(everything, storage_writer=FileSystemWriter(str(path)), no_dist=True)
+
+    export_staged(engine, path, write, "the DCP checkpoint")
     return path
 
 

@@ -197,8 +197,11 @@ class DeepSpeedEngine(torch.nn.Module):
                         load_module_only: bool = False, custom_load_fn=None) -> tuple[str | None, Any]:
         """DeepSpeed's return value: (the checkpoint's path, its client_state)."""
         from zero_offload.checkpoint import resolve_tag
-        path = resolve_tag(load_dir, tag)
-        client_state = self.engine.load_checkpoint(load_dir, tag)
+        from zero_offload.checkpoint.deepspeed_read import find_deepspeed
+        path = find_deepspeed(load_dir, tag) or resolve_tag(load_dir, tag)
+        client_state = self.engine.load_checkpoint(load_dir, tag, load_optimizer_states=load_optimizer_states,
+                                                   load_lr_scheduler_states=load_lr_scheduler_states,
+                                                   load_module_only=load_module_only)
         return str(path), client_state
 
     def module_state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False,

@@ -1,0 +1,142 @@
+"""Read the ``.pt`` files DeepSpeed writes without DeepSpeed installed and without running code from them.
+
+DeepSpeed pickles some of its own objects into a checkpoint (``LossScaler``/``DynamicLossScaler``,
+``ZeroStageEnum``, ``fragment_address``), so ``torch.load(weights_only=True)`` refuses its files and a plain
+``torch.load`` needs ``deepspeed`` importable and trusts whatever the file names. `load_pt` unpickles with an
+allow-list instead: torch's tensor rebuilders, plain containers, numpy arrays and ``argparse.Namespace`` (which
+Megatron puts in ``client_state``) load as themselves; each DeepSpeed class loads as a `Foreign` record of
+its attributes; anything else fails, naming the file and the class. Tensors are memory-mapped (``mmap=True``)
+so that reading one parameter's slice of a rank's partition touches only those pages.
+
+`save_pt` writes the other way: a `Foreign` record pickles under its DeepSpeed name (module and class), so that
+DeepSpeed, loading the file, rebuilds its own object (``DynamicLossScaler`` with our loss scale).
+"""
+from __future__ import annotations
+
+import io
+import pickle
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from zero_offload.checkpoint.io import CheckpointError
+
+__all__ = ["Foreign", "foreign_class", "load_pt", "save_pt"]
+
+
+class Foreign:
+    """A DeepSpeed object read without its class: the class's ``module`` and ``name``, the arguments it was rebuilt
+    with (``args``: an enum's value, a namedtuple's fields) and its attributes (``state``)."""
+
+    module = name = ""
+
+    def __new__(cls, *args: Any):
+        self = object.__new__(cls)
+        self.args, self.state = args, {}
+        return self
+
+    def __init__(self, *args: Any):
+        pass
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state if isinstance(state, dict) else {"state": state}
+
+    def __getattr__(self, key: str) -> Any:
+        state = self.__dict__.get("state", {})
+        if key in state:
+            return state[key]
+        raise AttributeError(f"{type(self).name or 'Foreign'} has no attribute {key!r}")
+
+    def __repr__(self) -> str:
+        return f"{self.module}.{self.name}(args={self.args}, state={self.state})"
+
+
+def foreign_class(module: str, name: str) -> type[Foreign]:
+    """The `Foreign` subclass standing for DeepSpeed's ``module.name``."""
+    return type(name, (Foreign,), {"module": module, "name": name})
+
+
+_ALLOWED = {
+    ("collections", "OrderedDict"), ("collections", "defaultdict"), ("builtins", "set"), ("builtins", "frozenset"),
+    ("builtins", "slice"), ("builtins", "complex"), ("builtins", "bytearray"), ("argparse", "Namespace"),
+    ("numpy", "ndarray"), ("numpy", "dtype"), ("numpy.core.multiarray", "_reconstruct"),
+    ("numpy._core.multiarray", "_reconstruct"), ("numpy.core.multiarray", "scalar"),
+    ("numpy._core.multiarray", "scalar"), ("torch", "Size"), ("torch", "device"), ("torch", "Tensor"),
+    ("torch.nn.parameter", "Parameter"),
+}
+_TORCH_PREFIXES = ("torch._utils", "torch.storage", "torch._tensor")
+
+
+class _Unpickler(pickle.Unpickler):
+    """find_class with an allow-list; DeepSpeed's classes become `Foreign` constructors."""
+
+    def find_class(self, module: str, name: str):
+        if module.split(".")[0] == "deepspeed":
+            return foreign_class(module, name)
+        if (module, name) in _ALLOWED or module.startswith(_TORCH_PREFIXES) or \
+                (module == "torch" and (name.endswith("Storage") or name in ("float32", "bfloat16", "float16"))):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"the file names class {module}.{name}, which a checkpoint reader does not "
+                                     f"load (only tensors, containers, numpy arrays and DeepSpeed's records)")
+
+
+class _LoadModule:
+    """What ``torch.load(pickle_module=...)`` uses: our Unpickler."""
+    Unpickler = _Unpickler
+    __name__ = "zero_offload.checkpoint.foreign_pickle"
+
+    @staticmethod
+    def load(f, **kwargs):
+        return _Unpickler(f, **kwargs).load()
+
+
+def load_pt(path: str | Path) -> Any:
+    """The object in ``path`` (a file ``torch.save`` wrote), tensors memory-mapped on the CPU.
+
+    Raises:
+        CheckpointError: the file is missing, truncated or damaged, or names a class outside the allow-list
+            (the message names the file and the class).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint file '{path}' is missing")
+    try:
+        mmap = zipfile.is_zipfile(path)          # the legacy (non-zip) format cannot be memory-mapped
+        return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap, pickle_module=_LoadModule)
+    except Exception as e:                       # a damaged pickle or archive raises anything
+        raise CheckpointError(f"checkpoint file '{path}' cannot be read ({type(e).__name__}: {e}); it is truncated, "
+                              f"damaged or not a checkpoint") from e
+
+
+class _Pickler(pickle._Pickler):                 # the Python pickler: its save can be extended
+    """Pickles a `Foreign` record as its DeepSpeed class: ``cls.__new__(cls, *args)`` and its attributes (what
+    pickle writes for any plain object), with the class named, not imported."""
+
+    def save(self, obj, save_persistent_id=True):
+        if not isinstance(obj, Foreign):
+            return super().save(obj, save_persistent_id)
+        self.write(pickle.GLOBAL + f"{obj.module}\n{obj.name}\n".encode())
+        self.save(tuple(obj.args))
+        self.write(pickle.NEWOBJ)
+        self.memoize(obj)
+        if obj.state:
+            self.save(obj.state)
+            self.write(pickle.BUILD)
+
+
+class _SaveModule:
+    Pickler = _Pickler
+    __name__ = "zero_offload.checkpoint.foreign_pickle"
+
+    @staticmethod
+    def dump(obj, f, protocol=2):
+        _Pickler(f, protocol).dump(obj)
+
+
+def save_pt(obj: Any, path: str | Path) -> None:
+    """``torch.save(obj, path)``, with every `Foreign` record pickled under its DeepSpeed class name."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer, pickle_module=_SaveModule)
+    Path(path).write_bytes(buffer.getvalue())

@@ -1,0 +1,174 @@
+"""Switching from DeepSpeed to zero-offload in the middle of a run (issue 30, items 1, 4 and 5): DeepSpeed 0.19
+(CPU accelerator, gloo, fp32, torch's AdamW, a warm-up LR schedule) trains N steps and saves; zero-offload loads
+the checkpoint, at another stage and world size, and trains M more. The result equals plain AdamW's uninterrupted
+N + M run within 1e-5, and so does DeepSpeed's own (the peer agrees with the reference). Skipped, naming the
+package, where DeepSpeed is not installed; CI installs it.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from zero_offload.checkpoint import CheckpointError
+
+from deepspeed_peer import (N, ds_train_and_save, max_diff, needs_deepspeed, our_config, ours_resume,
+                            ours_resume_on_ranks, reference, to_universal)
+from dist_utils import run_ranks
+
+pytestmark = needs_deepspeed
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """DeepSpeed checkpoints, written once per (stage, ranks, offload): {key: (path, DeepSpeed's N + M result)}."""
+    cache = {}
+
+    def get(stage: int, world: int, offload: bool, universal: bool = False):
+        key = (stage, world, offload)
+        if key not in cache:
+            path = str(tmp_path_factory.mktemp("ds") / f"s{stage}w{world}{'o' if offload else ''}")
+            cache[key] = (path, run_ranks(ds_train_and_save, world, path, stage, offload)[0])
+        path, result = cache[key]
+        if universal and not (ds := f"{path}-universal") in cache:
+            to_universal(path)
+            cache[ds] = True
+        return (f"{path}-universal" if universal else path), result
+    return get
+
+
+# (DeepSpeed's stage, its ranks, its offload) -> (our stage, our ranks, our offload): every DeepSpeed stage, with
+# and without offload, from 2 ranks to 1 and from 1 to 2.
+CASES = [((1, 2, False), (2, 1, True)), ((2, 2, True), (3, 1, True)), ((3, 2, False), (0, 1, False)),
+         ((3, 2, True), (2, 2, True)), ((2, 1, False), (3, 2, False)), ((1, 1, True), (1, 2, False))]
+
+
+@pytest.mark.parametrize("theirs,ours", CASES, ids=[f"ds{t}-to-ours{o}" for t, o in CASES])
+def test_a_deepspeed_checkpoint_resumes_exactly(saved, theirs, ours):
+    path, deepspeed_result = saved(*theirs)
+    expected = reference()
+    assert max_diff(deepspeed_result, expected) <= 1e-5          # the peer's own uninterrupted run
+    stage, world, offload = ours
+    if world == 1:
+        result, client_state = ours_resume(path, stage, offload)
+        assert client_state == {"epoch": 7}
+        results = [result]
+    else:
+        results = [r for r, _ in run_ranks(ours_resume_on_ranks, world, path, stage, offload)]
+    assert max(max_diff(r, expected) for r in results) <= 1e-5
+
+
+@pytest.mark.parametrize("theirs,ours", [((3, 2, False), (2, 1, True)), ((2, 2, True), (3, 2, False))],
+                         ids=["ds-stage3-to-ours-stage2", "ds-stage2-to-ours-stage3-two-ranks"])
+def test_a_universal_checkpoint_from_ds_to_universal_resumes_exactly(saved, theirs, ours):
+    path, _ = saved(*theirs, universal=True)
+    stage, world, offload = ours
+    if world == 1:
+        results = [ours_resume(path, stage, offload)[0]]
+    else:
+        results = [r for r, _ in run_ranks(ours_resume_on_ranks, world, path, stage, offload)]
+    assert max(max_diff(r, reference()) for r in results) <= 1e-5
+
+
+def test_the_check_sees_moments_or_schedule_not_loaded(saved):
+    """Power: a resume without Adam's moments (load_optimizer_states=False), or without the LR schedule, ends
+    elsewhere: the 1e-5 bound above sees both."""
+    path, _ = saved(2, 2, True)
+    without_moments, _ = ours_resume(path, 2, True, load_optimizer_states=False)
+    assert max_diff(without_moments, reference()) > 1e-4
+    without_schedule, _ = ours_resume(path, 2, True, load_lr_scheduler_states=False)
+    assert max_diff(without_schedule, reference()) > 1e-4
+
+
+def _refused(path, model: torch.nn.Module, match: str) -> None:
+    """Loading ``path`` into an engine of ``model`` fails with ``match`` and leaves every master as it was."""
+    import warnings
+    import zero_offload
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine = zero_offload.initialize(model, our_config(2, True))
+    try:
+        before = engine.full_state_dict()
+        step = engine.global_step
+        with pytest.raises(CheckpointError, match=match):
+            engine.load_checkpoint(str(path))
+        assert engine.global_step == step
+        assert all(torch.equal(before[k], v) for k, v in engine.full_state_dict().items())
+    finally:
+        engine.close()
+
+
+def test_a_damaged_or_foreign_deepspeed_checkpoint_is_refused_before_anything_changes(saved, tmp_path):
+    import shutil
+    from deepspeed_peer import make_model
+    source, _ = saved(2, 2, True)
+    path = tmp_path / "ds"
+    shutil.copytree(source, path)
+    tag = path / f"global_step{N}"
+    other = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 5))
+    _refused(path, other, r"parameter '2.weight' has shape \[4, 16\] there and \[5, 16\] here")
+    renamed = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16))
+    renamed.add_module("3", torch.nn.Linear(16, 4))
+    _refused(path, renamed, r"it has no parameter '3.weight'")
+    rank1 = tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    data = rank1.read_bytes()
+    rank1.write_bytes(data[:len(data) // 2])                     # truncated
+    _refused(path, make_model(), rf"file '{rank1}' cannot be read")
+    rank1.unlink()                                              # missing
+    _refused(path, make_model(), rf"file '{rank1}' is missing: the checkpoint was written by 2 ranks")
+
+
+def test_what_cannot_be_mapped_is_refused_naming_the_reason(saved, tmp_path):
+    import shutil
+    from deepspeed_peer import make_model
+    source, _ = saved(2, 2, True)
+    path = tmp_path / "ds"
+    shutil.copytree(source, path)
+    tag = path / f"global_step{N}"
+    shutil.copy(tag / "mp_rank_00_model_states.pt", tag / "mp_rank_01_model_states.pt")
+    _refused(path, make_model(), r"tensor-parallel rank files \('mp_rank_01_model_states.pt'\)")
+    (tag / "mp_rank_01_model_states.pt").unlink()
+    (tag / "offloaded_tensors").mkdir()
+    _refused(path, make_model(), r"keeps its optimizer state in NVMe swap files")
+
+
+# Ours (stage, ranks, offload) writes universal -> DeepSpeed (stage, ranks, offload) resumes it.
+BACK = [((2, 1, True), (3, 2, False)), ((3, 2, True), (1, 1, False)), ((0, 1, False), (2, 2, True))]
+
+
+@pytest.mark.parametrize("ours,theirs", BACK, ids=[f"ours{o}-to-ds{t}" for o, t in BACK])
+def test_deepspeed_resumes_a_universal_checkpoint_written_here(tmp_path, ours, theirs):
+    """Issue 30, item 3: zero-offload trains N steps and writes DeepSpeed's universal layout
+    (save_checkpoint(format="deepspeed-universal")); DeepSpeed resumes it with load_universal at another stage
+    and world size and trains M more, ending on the uninterrupted run's weights."""
+    from deepspeed_peer import ds_resume, ours_train_and_save
+    stage, world, offload = ours
+    run_ranks(ours_train_and_save, world, str(tmp_path / "uc"), stage, offload)
+    assert (tmp_path / "uc" / "latest_universal").read_text() == f"global_step{N}"
+    assert not list(tmp_path.glob(".*zero-offload")) and not list((tmp_path / "uc").glob(".tmp-*"))
+    ds_stage, ds_world, ds_offload = theirs
+    results = run_ranks(ds_resume, ds_world, str(tmp_path / "uc"), ds_stage, ds_offload)
+    assert max(max_diff(r, reference()) for r in results) <= 1e-5
+
+
+def test_the_deepspeed_check_sees_moments_that_were_not_written(tmp_path, monkeypatch):
+    """Power: a universal checkpoint written with its moments zeroed makes DeepSpeed's resumed run end elsewhere."""
+    from deepspeed_peer import ds_resume, ours_train_and_save
+    from zero_offload.checkpoint import load
+    full = load.full_parameters
+
+    def zeroed(directory, manifest, kind="master"):
+        for name, t in full(directory, manifest, kind):
+            yield name, t if kind == "master" else torch.zeros_like(t)
+    monkeypatch.setattr(load, "full_parameters", zeroed)
+    run_ranks(ours_train_and_save, 1, str(tmp_path / "uc"), 2, True)
+    results = run_ranks(ds_resume, 1, str(tmp_path / "uc"), 2, False)
+    assert max_diff(results[0], reference()) > 1e-4
+
+
+def test_our_universal_checkpoint_loads_back_here(tmp_path):
+    """The universal layout we write is one our reader takes too (at another stage and world size)."""
+    from deepspeed_peer import ours_train_and_save
+    run_ranks(ours_train_and_save, 2, str(tmp_path / "uc"), 3, True)
+    result, client_state = ours_resume(str(tmp_path / "uc"), 1, False)
+    assert client_state == {}
+    assert max_diff(result, reference()) <= 1e-5

@@ -172,3 +172,106 @@ def test_our_universal_checkpoint_loads_back_here(tmp_path):
     result, client_state = ours_resume(str(tmp_path / "uc"), 1, False)
     assert client_state == {}
     assert max_diff(result, reference()) <= 1e-5
+
+
+def _fp16_engine(scale_power: int = 4):
+    import warnings
+    import zero_offload
+    from deepspeed_peer import make_model
+    config = {**our_config(2, True), "fp16": {"enabled": True, "initial_scale_power": scale_power,
+                                              "loss_scale_window": 1, "hysteresis": 3}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return zero_offload.initialize(make_model().half(), config)
+
+
+def _deepspeed_reads_loss_scaler(path: str) -> tuple[str, float, int, int]:
+    import os
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed  # noqa: F401  (the class the file names must import)
+    scaler = torch.load(path, weights_only=False)["loss_scaler"]
+    return type(scaler).__name__, scaler.loss_scale, scaler.cur_iter, scaler.cur_hysteresis
+
+
+def test_an_fp16_loss_scale_crosses_in_deepspeed_s_own_class(tmp_path):
+    """fp16: the dynamic loss scale (scale, iteration, hysteresis) is written as DeepSpeed's DynamicLossScaler,
+    which DeepSpeed unpickles as its own, and read back from it."""
+    from deepspeed_peer import batches
+    engine = _fp16_engine()
+    try:
+        for x in batches(N):
+            engine.backward(engine(x.half()).float().square().mean())
+            engine.step()
+        saved = engine.state_dict()["loss_scaler"]
+        assert saved["scale"] > 2 ** 4                             # the scale grew: it is not the initial one
+        engine.save_checkpoint(str(tmp_path / "uc"), format="deepspeed-universal")
+    finally:
+        engine.close()
+    file = tmp_path / "uc" / f"global_step{N}" / "zero" / "optimizer_state.pt"
+    name, scale, iteration, hysteresis = run_ranks(_deepspeed_reads_loss_scaler, 1, str(file))[0]
+    assert (name, scale, iteration, hysteresis) == ("DynamicLossScaler", saved["scale"], saved["iteration"],
+                                                    saved["hysteresis"])
+    engine = _fp16_engine(scale_power=10)
+    try:
+        engine.load_checkpoint(str(tmp_path / "uc"))
+        assert engine.state_dict()["loss_scaler"] == saved
+    finally:
+        engine.close()
+
+
+def test_a_tampered_or_unmappable_file_is_refused_naming_it(saved, tmp_path):
+    """Files from another run, another optimizer, stage 0, or a damaged universal file: each refused before the
+    engine changes, naming the file."""
+    import shutil
+    from deepspeed_peer import make_model
+    from zero_offload.checkpoint.foreign_pickle import load_pt, save_pt
+    source, _ = saved(2, 2, True)
+    path = tmp_path / "ds"
+    shutil.copytree(source, path)
+    tag = path / f"global_step{N}"
+    rank1 = tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    sd = load_pt(rank1)
+    flats = sd["optimizer_state_dict"]["single_partition_of_fp32_groups"]
+    moments = sd["optimizer_state_dict"]["base_optimizer_state"]["state"][0]
+    good = flats[0].clone()
+    flats[0] = torch.zeros(good.numel() + 2)             # moments of another size than the masters
+    save_pt(sd, rank1)
+    _refused(path, make_model(), rf"file '{rank1}' is damaged: group 0's exp_avg has {good.numel()} elements")
+    kept = {k: moments[k] for k in ("exp_avg", "exp_avg_sq")}
+    moments.update({k: torch.zeros(good.numel() + 2) for k in kept})     # a partition of another run's size
+    save_pt(sd, rank1)
+    _refused(path, make_model(), rf"file '{rank1}' holds partitions of \[{good.numel() + 2}\] elements")
+    flats[0] = good
+    moments.update(kept)
+    del sd["optimizer_state_dict"]["base_optimizer_state"]["state"][0]["exp_avg_sq"]    # not Adam
+    save_pt(sd, rank1)
+    _refused(path, make_model(), rf"file '{rank1}' holds optimizer state \['exp_avg', 'step'\]")
+    model_states = tag / "mp_rank_00_model_states.pt"
+    states = load_pt(model_states)
+    states["param_shapes"] = None                          # what DeepSpeed writes without ZeRO
+    save_pt(states, model_states)
+    _refused(path, make_model(), rf"file '{model_states}' was written without ZeRO")
+    universal, _ = saved(3, 2, False, universal=True)
+    shutil.copytree(universal, tmp_path / "uc")
+    file = tmp_path / "uc" / f"global_step{N}" / "zero" / "2.weight" / "exp_avg.pt"
+    file.write_bytes(file.read_bytes()[:100])
+    _refused(tmp_path / "uc", make_model(), rf"file '{file}' cannot be read")
+
+
+def test_the_deepspeed_drop_in_takes_deepspeed_s_load_flags(saved):
+    """The drop-in's load_checkpoint(dir, load_module_only=True) loads the weights alone and returns DeepSpeed's
+    (path, client_state)."""
+    import warnings
+    import zero_offload.deepspeed as ds_drop_in
+    from deepspeed_peer import make_model
+    path, _ = saved(1, 2, False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine, *_ = ds_drop_in.initialize(model=make_model(), config=our_config(2, True))
+    try:
+        where, client_state = engine.load_checkpoint(path, load_module_only=True)
+        assert where.endswith(f"global_step{N}") and client_state == {"epoch": 7}
+        assert engine.global_steps == 0                    # counters untouched: weights only
+        assert engine.engine.optimizer_state.group_step(0) == 0
+    finally:
+        engine.engine.close()

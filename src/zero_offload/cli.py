@@ -128,6 +128,18 @@ def main(argv: list[str] | None = None) -> int:
     cons.add_argument("--tag", default=None, help="which checkpoint (default: the one `latest` names)")
     cons.add_argument("--out", default="model.safetensors", help="output file (default model.safetensors)")
     cons.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="tensor dtype in the file")
+    conv = sub.add_parser("convert", help="a checkpoint to another framework's format (offline, no GPU)",
+                          description="Rewrite a checkpoint of zero-offload, DeepSpeed (ZeRO stage 1-3 or universal) "
+                                      "or FSDP2 (DCP) as zero-offload's, DeepSpeed's universal layout or DCP, with "
+                                      "master weights, Adam's moments, the step, the loss scale and the LR schedule, "
+                                      "on one process without the model's code.")
+    conv.add_argument("src", help="the checkpoint directory (the one holding `latest`, or a DCP directory)")
+    conv.add_argument("dst", help="where to write (a save directory; for dcp the DCP directory)")
+    conv.add_argument("--to", required=True, choices=("zero-offload", "deepspeed-universal", "dcp"))
+    conv.add_argument("--tag", default=None, help="which checkpoint of src (default: the latest)")
+    conv.add_argument("--config", default=None, help="the training config (JSON/hjson; needed for a DCP source, "
+                                                     "which carries none)")
+    conv.add_argument("--swap-dir", default=None, help="swap master weights and moments to NVMe files here")
     ns = parser.parse_args(argv)
     from zero_offload.checkpoint import CheckpointError
     from zero_offload.checkpoint.lock import LockedError
@@ -153,6 +165,10 @@ def main(argv: list[str] | None = None) -> int:
             from zero_offload.checkpoint.consolidate import export_safetensors
             path = export_safetensors(ns.dir, ns.out, ns.tag, ns.dtype)
             print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB)")
+            return 0
+        if ns.command == "convert":
+            from zero_offload.checkpoint.convert import convert, describe
+            print(describe(convert(ns.src, ns.dst, ns.to, ns.tag, ns.config, ns.swap_dir)))
             return 0
         parser.error(f"unknown command {ns.command}")
     except known as e:

@@ -112,6 +112,10 @@ class _Checkpoint:
             raise CheckpointError(f"checkpoint file '{first}' holds MoE expert-parallel layers, which this engine "
                                   f"does not map")
         shapes = self.model["param_shapes"]
+        if not shapes:
+            raise CheckpointError(f"checkpoint file '{first}' was written without ZeRO (stage 0: no partitions, "
+                                  f"no 'param_shapes'), which this reader does not map; resume it in DeepSpeed at "
+                                  f"ZeRO stage 1-3 and save again")
         groups = shapes if isinstance(shapes, list) else [shapes]
         self.groups = [{name: tuple(int(d) for d in shape) for name, shape in g.items()} for g in groups]
         self.shapes = {name: shape for g in self.groups for name, shape in g.items()}
@@ -192,8 +196,9 @@ class ZeroShards(_Checkpoint):
         for r in range(self.world):
             if r not in files:
                 prefix = "bf16_" if files[min(files)].name.startswith("bf16_") else ""
-                raise CheckpointError(f"checkpoint file '{directory / f'{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt'}' "
-                                      f"is missing: the checkpoint was written by {self.world} ranks")
+                missing = directory / f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt"
+                raise CheckpointError(f"checkpoint file '{missing}' is missing: the checkpoint was written by "
+                                      f"{self.world} ranks")
         self.pieces = self._pieces_stage3() if self.stage == 3 else self._pieces_stage12()
 
     def _rank(self, r: int) -> dict:
@@ -248,10 +253,9 @@ class ZeroShards(_Checkpoint):
             offset = 0
             for i, (name, shape) in enumerate(shapes.items()):
                 n = _numel(shape)
-                pieces[name] = [(r, g, max(offset, r * size) - r * size,
-                                 min(offset + n, (r + 1) * size) - max(offset, r * size), max(offset, r * size) - offset)
+                pieces[name] = [(r, g, lo - r * size, hi - lo, lo - offset)
                                 for r in range(offset // size if size else 0, self.world)
-                                if size and r * size < offset + n]
+                                for lo, hi in [(max(offset, r * size), min(offset + n, (r + 1) * size))] if lo < hi]
                 offset += n + (int(paddings[g][i]) if paddings else 0)
             if offset > size * self.world:
                 raise CheckpointError(f"checkpoint file '{self.model_file}' names {offset} elements for param group "

@@ -59,7 +59,8 @@ def save_universal(engine: CheckpointTarget, save_dir: str | os.PathLike, tag: s
     hparams = [dict(h) for h in engine.optimizer.param_groups]
     small = {"engine": engine.state_dict(), "world": engine.world_size,
              "clipping": float(engine.config.gradient_clipping or 0.0), "fp16": engine.config.fp16,
-             "batch": engine.config.batch_sizes(engine.world_size).train_batch_size, "buffers": _persistent_buffers(engine.module),
+             "batch": engine.config.batch_sizes(engine.world_size).train_batch_size,
+             "buffers": _persistent_buffers(engine.module),
              "frozen": {n: tuple(p.shape) for n, p in engine.module.named_parameters() if not p.requires_grad}}
 
     def write(directory: Path, manifest: dict) -> None:
@@ -81,10 +82,12 @@ def save_universal(engine: CheckpointTarget, save_dir: str | os.PathLike, tag: s
         save_pt(states, staging / "mp_rank_00_model_states.pt")
         save_pt({**states, "module": {k: torch.empty(0) for k in module}}, staging /
                 "zero_pp_rank_0_mp_rank_00_model_states.pt")
-        final = root / tag
-        if final.exists():
-            shutil.rmtree(final)
+        final, replaced = root / tag, root / f".replaced-universal-{tag}"
+        if final.exists():                   # moved aside first: a crash now leaves it whole, beside the new one
+            shutil.rmtree(replaced, ignore_errors=True)
+            final.rename(replaced)
         staging.rename(final)
+        shutil.rmtree(replaced, ignore_errors=True)
         for pointer in ("latest_universal", "latest"):
             (root / f".{pointer}.tmp").write_text(tag)
             os.replace(root / f".{pointer}.tmp", root / pointer)
@@ -120,7 +123,8 @@ def _model_states(module: dict, groups: list, small: dict, client_state: dict) -
     engine = small["engine"]
     return {**client_state, "module": module, "buffer_names": small["buffers"], "optimizer": None,
             "param_shapes": [{name: torch.Size(shape) for name, shape in g} for g in groups],
-            "frozen_param_shapes": {n: torch.Size(s) for n, s in small["frozen"].items()}, "shared_params": {}, "frozen_param_fragments": {},
+            "frozen_param_shapes": {n: torch.Size(s) for n, s in small["frozen"].items()}, "shared_params": {},
+            "frozen_param_fragments": {},
             "lr_scheduler": engine["lr_scheduler"], "data_sampler": None, "random_ltd": None,
             "skipped_steps": int(engine["skipped_steps"]), "global_steps": int(engine["global_step"]),
             "global_samples": int(engine["global_step"]) * int(small["batch"]), "dp_world_size": small["world"],

@@ -1,0 +1,139 @@
+"""``zero-offload convert SRC DST --to FORMAT``: a checkpoint of any kind this engine reads (its own, DeepSpeed's
+ZeRO or universal, FSDP2's DCP) rewritten as its own, DeepSpeed's universal layout or DCP, offline, on one
+process, without a GPU and without the model's code.
+
+The conversion is a load and a save through an engine built for it: a skeleton model whose parameters and buffers
+carry the checkpoint's names and shapes, trained by nothing, under the checkpoint's own config (ours keeps it in
+the manifest, DeepSpeed in ``ds_config``; a DCP checkpoint has none, so ``--config`` names one). So the readers
+and writers are the ones `engine.load_checkpoint` and `engine.save_checkpoint` use, and what they guarantee holds
+here: the load reads one parameter at a time and checks everything before it takes anything, the save is atomic.
+The engine holds the model's state once in host memory (fp32 master weights and two moments, 12 bytes per
+parameter, plus the parameters in the training dtype); with ``swap_dir`` the master weights and moments are
+swapped to NVMe files there instead (offload_optimizer.device = nvme), one sub-group at a time.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import warnings
+from pathlib import Path
+
+import torch
+
+from zero_offload.checkpoint.io import CheckpointError
+
+__all__ = ["convert", "FORMATS"]
+
+FORMATS = ("zero-offload", "deepspeed-universal", "dcp")
+
+
+def _source(src: Path, tag: str | None) -> tuple[dict, dict, dict]:
+    """({trainable name: shape}, {buffer or frozen name: tensor}, the checkpoint's config or {}) of ``src``."""
+    from zero_offload.checkpoint.dcp import is_dcp
+    from zero_offload.checkpoint.deepspeed_read import find_deepspeed, read_deepspeed
+    if is_dcp(src / tag if tag else src):
+        return _dcp_source(src / tag if tag else src)
+    deepspeed = find_deepspeed(src, tag)
+    if deepspeed is not None:
+        reader = read_deepspeed(deepspeed)
+        return dict(reader.shapes), reader.module_state(), dict(reader.model.get("ds_config") or {})
+    from zero_offload.checkpoint.load import read_manifest, resolve_tag
+    directory = resolve_tag(src, tag)
+    manifest = read_manifest(directory)
+    shapes = {p["name"]: tuple(p["shape"]) for g in manifest["groups"] for p in g["params"]}
+    extras = {}
+    from zero_offload.checkpoint.io import MODULE_STATE
+    if MODULE_STATE in manifest["files"]:
+        from safetensors.torch import load_file
+        extras = load_file(str(directory / MODULE_STATE))
+    return shapes, extras, dict(manifest.get("config") or {})
+
+
+def _dcp_source(path: Path) -> tuple[dict, dict, dict]:
+    from torch.distributed.checkpoint import FileSystemReader
+    try:
+        meta = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    except Exception as e:                       # unpickling a damaged file raises anything
+        raise CheckpointError(f"checkpoint file '{path / '.metadata'}' cannot be read as DCP metadata: {e}") from e
+    model = {k[len("model."):]: tuple(v.size) for k, v in meta.items() if k.startswith("model.") and hasattr(v, "size")}
+    trainable = {n: s for n, s in model.items() if f"optim.state.{n}.exp_avg" in meta}
+    return trainable, {n: torch.zeros(s) for n, s in model.items() if n not in trainable}, {}
+
+
+def skeleton(shapes: dict[str, tuple], extras: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """A module with a parameter of each trainable name and shape (values unset) and a buffer of each other
+    state name (buffers and frozen parameters alike), nested as the dotted names say."""
+    root = torch.nn.Module()
+
+    def owner(name: str) -> tuple[torch.nn.Module, str]:
+        *path, leaf = name.split(".")
+        module = root
+        for part in path:
+            if not hasattr(module, part):
+                module.add_module(part, torch.nn.Module())
+            module = getattr(module, part)
+        return module, leaf
+
+    for name, shape in shapes.items():
+        module, leaf = owner(name)
+        module.register_parameter(leaf, torch.nn.Parameter(torch.zeros(shape)))
+    for name, value in extras.items():
+        module, leaf = owner(name)
+        module.register_buffer(leaf, value.clone())
+    return root
+
+
+def _config(saved: dict, given: str | None, swap_dir: str | None) -> dict:
+    """The conversion engine's config: the checkpoint's (or ``given``'s) optimizer, schedule, precision and loss
+    scaling, on one process with the optimizer offloaded (to NVMe under ``swap_dir``)."""
+    if given is not None:
+        from zero_offload.config.io import read_config_file
+        saved = read_config_file(given)
+    if "optimizer" not in saved:
+        raise CheckpointError("convert: the checkpoint carries no config (a DCP checkpoint); name the training "
+                              "config with --config")
+    config = {k: copy.deepcopy(saved[k]) for k in ("optimizer", "scheduler", "fp16", "bf16", "gradient_clipping")
+              if saved.get(k) is not None}
+    if swap_dir:
+        Path(swap_dir).mkdir(parents=True, exist_ok=True)
+    offload = {"device": "nvme", "nvme_path": str(swap_dir)} if swap_dir else {"device": "cpu"}
+    config.update(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1,
+                  zero_optimization={"stage": 2, "offload_optimizer": offload})
+    return config
+
+
+def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str, tag: str | None = None,
+            config: str | None = None, swap_dir: str | None = None) -> Path:
+    """Rewrite the checkpoint at ``src`` (its ``tag``, default the latest) as ``to`` (one of `FORMATS`) at ``dst``;
+    returns what `engine.save_checkpoint` returns (the tag directory, or the DCP directory).
+
+    Raises:
+        CheckpointError: ``src`` unreadable, damaged or unmappable (named, as `engine.load_checkpoint` says), or
+            a DCP source without ``config``.
+        ValueError: an unknown ``to``.
+    """
+    if to not in FORMATS:
+        raise ValueError(f"convert: --to must be one of {', '.join(FORMATS)}, got {to!r}")
+    src = Path(src)
+    if not src.exists():
+        raise CheckpointError(f"convert: checkpoint directory '{src}' does not exist")
+    shapes, extras, saved = _source(src, tag)
+    import zero_offload
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")              # the source config's keys that do not apply here
+        engine = zero_offload.initialize(skeleton(shapes, extras), _config(saved, config, swap_dir))
+    try:
+        client_state = engine.load_checkpoint(src, tag)
+        if to == "dcp":
+            return engine.save_checkpoint(dst, format="dcp")
+        return engine.save_checkpoint(dst, client_state=client_state if client_state else None, format=to)
+    finally:
+        engine.close()
+
+
+def describe(path: Path) -> str:
+    """One line on what was written at ``path``."""
+    files = [p for p in path.rglob("*") if p.is_file()]
+    size = sum(p.stat().st_size for p in files)
+    return f"wrote {path} ({len(files)} files, {size / 2**20:.1f} MiB)"
+

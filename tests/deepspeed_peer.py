@@ -1,7 +1,8 @@
-"""DeepSpeed as a peer in tests (issue 30): the same small model, data, AdamW and warm-up schedule run under
-DeepSpeed (CPU accelerator, gloo, run inside `dist_utils.run_ranks`), under zero-offload, and under plain
-``torch.optim.AdamW`` (the reference every result is compared with). DeepSpeed is imported only inside the
-ranks, so a test module imports this one whether DeepSpeed is installed or not."""
+"""DeepSpeed as a peer in tests (issue 30): the same small GPT (GPT-2's layout at toy size: the head tied to the
+token embedding, decay and no-decay param groups), data, AdamW and warm-up schedule run under DeepSpeed (CPU
+accelerator, gloo, inside `dist_utils.run_ranks`), under zero-offload, and under plain ``torch.optim.AdamW``
+(the reference every result is compared with). DeepSpeed is imported only inside the ranks, so a test module
+imports this one whether DeepSpeed is installed or not."""
 from __future__ import annotations
 
 import importlib.util
@@ -16,36 +17,52 @@ import torch
 import zero_offload
 from zero_offload.config import WarmupLRParams
 from zero_offload.optim.lr_schedules import WarmupLR
+from zero_offload.presets import GPTConfig
+from zero_offload.train.model import GPT
 
-LR, WD, N, M, BATCH = 1e-2, 0.01, 3, 2, 4
-SCHEDULE = {"warmup_min_lr": 1e-3, "warmup_max_lr": LR, "warmup_num_steps": 10}   # mid-warm-up at N and N + M
+LR, WD, N, M, BATCH = 1e-3, 0.01, 3, 2, 4
+SCHEDULE = {"warmup_min_lr": 1e-4, "warmup_max_lr": LR, "warmup_num_steps": 10}   # mid-warm-up at N and N + M
 
 needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                                      reason="deepspeed is not installed (pip install --no-build-isolation deepspeed)")
 
 
-def make_model() -> torch.nn.Sequential:
+SHAPE = GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=2, n_embd=32)
+
+
+def make_model() -> GPT:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
+    return GPT(SHAPE)
 
 
-def batches(steps: int) -> list[torch.Tensor]:
+def groups(model: GPT, grouped: bool = True) -> list[dict]:
+    """Decay on matrices and the tied embedding, none on biases and LayerNorm weights; or (``grouped`` False) one
+    group, all decayed."""
+    return model.optimizer_groups(WD) if grouped else [{"params": list(model.parameters()), "weight_decay": WD}]
+
+
+def batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(1)
-    return [torch.randn(BATCH, 8, generator=g) for _ in range(steps)]
+    tokens = [torch.randint(0, SHAPE.vocab_size, (BATCH, SHAPE.block_size + 1), generator=g) for _ in range(steps)]
+    return [(t[:, :-1], t[:, 1:]) for t in tokens]
 
 
-def my_half(x: torch.Tensor, rank: int, world: int) -> torch.Tensor:
-    part = x.shape[0] // world
-    return x[rank * part:(rank + 1) * part]
+def my_half(batch, rank: int, world: int):
+    part = batch[0].shape[0] // world
+    return tuple(t[rank * part:(rank + 1) * part] for t in batch)
 
 
-def reference(steps: int = N + M) -> dict[str, torch.Tensor]:
-    """Plain AdamW with the same warm-up, on one process and the whole batch."""
+def loss_of(model, batch) -> torch.Tensor:
+    return model(*batch)[1]
+
+
+def reference(steps: int = N + M, grouped: bool = True) -> dict[str, torch.Tensor]:
+    """Plain AdamW with the same warm-up and groups, on one process and the whole batch."""
     model = make_model()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    opt = torch.optim.AdamW(groups(model, grouped), lr=LR, weight_decay=WD)
     schedule = WarmupLR(opt, WarmupLRParams(**SCHEDULE))
-    for x in batches(steps):
-        model(x).square().mean().backward()
+    for batch in batches(steps):
+        loss_of(model, batch).backward()
         opt.step()
         opt.zero_grad()
         schedule.step()
@@ -74,11 +91,11 @@ def our_config(stage: int, offload: bool) -> dict:
             "scheduler": {"type": "WarmupLR", "params": SCHEDULE}}
 
 
-def _deepspeed_engine(config: dict):
+def _deepspeed_engine(config: dict, grouped: bool = True):
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
     model = make_model()
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=groups(model, grouped), config=config)
     return deepspeed, engine
 
 
@@ -97,20 +114,20 @@ def ds_train_and_save(path: str, stage: int, offload: bool) -> dict[str, torch.T
     for i, x in enumerate(batches(N + M)):
         if i == N:
             engine.save_checkpoint(path, client_state={"epoch": 7})
-        engine.backward(engine(my_half(x, rank, world)).square().mean())
+        engine.backward(loss_of(engine, my_half(x, rank, world)))
         engine.step()
     return _ds_full_parameters(deepspeed, engine)
 
 
-def ds_resume(path: str, stage: int, offload: bool) -> dict[str, torch.Tensor]:
+def ds_resume(path: str, stage: int, offload: bool, grouped: bool = True) -> dict[str, torch.Tensor]:
     """On every rank: DeepSpeed resumes the universal checkpoint at ``path`` and trains M steps."""
     import torch.distributed as dist
-    deepspeed, engine = _deepspeed_engine(ds_config(stage, offload, universal=True))
+    deepspeed, engine = _deepspeed_engine(ds_config(stage, offload, universal=True), grouped)
     rank, world = dist.get_rank(), dist.get_world_size()
     engine.load_checkpoint(path)
     assert engine.global_steps == N, engine.global_steps
     for x in batches(N + M)[N:]:
-        engine.backward(engine(my_half(x, rank, world)).square().mean())
+        engine.backward(loss_of(engine, my_half(x, rank, world)))
         engine.step()
     return _ds_full_parameters(deepspeed, engine)
 
@@ -133,12 +150,12 @@ def ours_resume(path: str, stage: int, offload: bool, rank: int = 0, world: int 
             p.normal_()                         # the load must replace every value
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        engine = zero_offload.initialize(model, our_config(stage, offload))
+        engine = zero_offload.initialize(model, our_config(stage, offload), groups(model))
     try:
         client_state = engine.load_checkpoint(path, **flags)
         assert engine.global_step == N
         for x in batches(N + M)[N:]:
-            engine.backward(engine(my_half(x, rank, world)).square().mean())
+            engine.backward(loss_of(engine, my_half(x, rank, world)))
             engine.step()
         return engine.full_state_dict(), client_state
     finally:
@@ -150,16 +167,17 @@ def ours_resume_on_ranks(path: str, stage: int, offload: bool):
     return ours_resume(path, stage, offload, dist.get_rank(), dist.get_world_size())
 
 
-def ours_train_and_save(path: str, stage: int, offload: bool) -> None:
+def ours_train_and_save(path: str, stage: int, offload: bool, grouped: bool = True) -> None:
     """On every rank: zero-offload trains N steps and writes DeepSpeed's universal layout at ``path``."""
     import torch.distributed as dist
     rank, world = dist.get_rank(), dist.get_world_size()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        engine = zero_offload.initialize(make_model(), our_config(stage, offload))
+        model = make_model()
+        engine = zero_offload.initialize(model, our_config(stage, offload), groups(model, grouped))
     try:
         for x in batches(N):
-            engine.backward(engine(my_half(x, rank, world)).square().mean())
+            engine.backward(loss_of(engine, my_half(x, rank, world)))
             engine.step()
         engine.save_checkpoint(path, format="deepspeed-universal")
     finally:

@@ -17,14 +17,15 @@ def _ours_save(path: str, stage: int) -> None:
     import warnings
     import torch.distributed as dist
     import zero_offload
-    from deepspeed_peer import batches, make_model, my_half
+    from deepspeed_peer import batches, groups, loss_of, make_model, my_half
     rank, world = dist.get_rank(), dist.get_world_size()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        engine = zero_offload.initialize(make_model(), our_config(stage, True))
+        model = make_model()
+        engine = zero_offload.initialize(model, our_config(stage, True), groups(model))
     try:
         for x in batches(N):
-            engine.backward(engine(my_half(x, rank, world)).square().mean())
+            engine.backward(loss_of(engine, my_half(x, rank, world)))
             engine.step()
         engine.save_checkpoint(path, client_state={"epoch": 7})
     finally:

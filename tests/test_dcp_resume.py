@@ -219,18 +219,25 @@ def test_save_checkpoint_refuses_an_unknown_format_or_client_state_with_dcp(tmp_
 
 
 def _fsdp2_save_scheduled(path: str) -> None:
-    """FSDP2 with a warm-up LR schedule (DeepSpeed's WarmupLR over torch's AdamW) trains N steps and saves."""
+    """FSDP2 (each GPT block and the root sharded) with a warm-up LR schedule (DeepSpeed's WarmupLR over torch's
+    AdamW, decay and no-decay groups) trains the peer's GPT N steps and saves."""
+    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
-    from deepspeed_peer import BATCH, SCHEDULE, my_half
-    from deepspeed_peer import batches as peer_batches
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from deepspeed_peer import LR, SCHEDULE, batches, groups, loss_of, make_model, my_half
     from zero_offload.config import WarmupLRParams
     from zero_offload.optim.lr_schedules import WarmupLR
-    model, opt, rank, world = _fsdp2()
+    model = make_model()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for block in model.transformer.h:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(groups(model), lr=LR)
     schedule = WarmupLR(opt, WarmupLRParams(**SCHEDULE))
-    for x in peer_batches(N):
-        assert x.shape[0] == BATCH
-        model(my_half(x, rank, world)).square().mean().backward()
+    for batch in batches(N):
+        loss_of(model, my_half(batch, dist.get_rank(), dist.get_world_size())).backward()
         opt.step()
         opt.zero_grad()
         schedule.step()

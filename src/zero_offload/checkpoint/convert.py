@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import os
 import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -25,10 +26,21 @@ from zero_offload.checkpoint.io import CheckpointError
 __all__ = ["convert", "FORMATS"]
 
 FORMATS = ("zero-offload", "deepspeed-universal", "dcp")
+_HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay")
 
 
-def _source(src: Path, tag: str | None) -> tuple[dict, dict, dict]:
-    """({trainable name: shape}, {buffer or frozen name: tensor}, the checkpoint's config or {}) of ``src``."""
+@dataclass
+class _Source:
+    """What the conversion engine is built from: the param groups (hyperparameters and parameter names), every
+    trainable parameter's shape, the buffers and frozen parameters, and the checkpoint's config ({} for none)."""
+    groups: list[tuple[dict, list[str]]]
+    shapes: dict[str, tuple]
+    extras: dict[str, torch.Tensor]
+    config: dict
+    aliases: dict[str, str] = field(default_factory=dict)     # tied name -> the trainable name it shares
+
+
+def _source(src: Path, tag: str | None) -> _Source:
     from zero_offload.checkpoint.dcp import is_dcp
     from zero_offload.checkpoint.deepspeed_read import find_deepspeed, read_deepspeed
     if is_dcp(src / tag if tag else src):
@@ -36,33 +48,71 @@ def _source(src: Path, tag: str | None) -> tuple[dict, dict, dict]:
     deepspeed = find_deepspeed(src, tag)
     if deepspeed is not None:
         reader = read_deepspeed(deepspeed)
-        return dict(reader.shapes), reader.module_state(), dict(reader.model.get("ds_config") or {})
+        return _Source(reader.named_groups(), dict(reader.shapes), reader.module_state(),
+                       dict(reader.model.get("ds_config") or {}))
+    from zero_offload.checkpoint.io import MODULE_STATE
     from zero_offload.checkpoint.load import read_manifest, resolve_tag
     directory = resolve_tag(src, tag)
     manifest = read_manifest(directory)
-    shapes = {p["name"]: tuple(p["shape"]) for g in manifest["groups"] for p in g["params"]}
+    names = [[p["name"] for p in g["params"]] for g in manifest["groups"]]
+    config = dict(manifest.get("config") or {})
+    saved = manifest.get("param_groups") or [{"lr": lr, **(config.get("optimizer") or {}).get("params", {})}
+                                             for lr in manifest["engine"]["lrs"]]
     extras = {}
-    from zero_offload.checkpoint.io import MODULE_STATE
     if MODULE_STATE in manifest["files"]:
         from safetensors.torch import load_file
+        read_manifest(directory, [MODULE_STATE])
         extras = load_file(str(directory / MODULE_STATE))
-    return shapes, extras, dict(manifest.get("config") or {})
+    return _Source(list(zip(saved, names)), {p["name"]: tuple(p["shape"]) for g in manifest["groups"]
+                                              for p in g["params"]}, extras, config)
 
 
-def _dcp_source(path: Path) -> tuple[dict, dict, dict]:
+def _dcp_source(path: Path) -> _Source:
+    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
     try:
         meta = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        prefix = "optim.param_groups."
+        keys = sorted({k[len(prefix):].split(".", 1)[1] for k in meta if k.startswith(prefix)})
+        count = len({k[len(prefix):].split(".", 1)[0] for k in meta if k.startswith(prefix)})
+        template = {"optim": {"param_groups": [{k: None for k in keys} for _ in range(count)]}}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.load(template, storage_reader=FileSystemReader(str(path)), no_dist=True)
     except Exception as e:                       # unpickling a damaged file raises anything
-        raise CheckpointError(f"checkpoint file '{path / '.metadata'}' cannot be read as DCP metadata: {e}") from e
+        raise CheckpointError(f"checkpoint '{path}' cannot be read as DCP ({type(e).__name__}: {e})") from e
     model = {k[len("model."):]: tuple(v.size) for k, v in meta.items() if k.startswith("model.") and hasattr(v, "size")}
     trainable = {n: s for n, s in model.items() if f"optim.state.{n}.exp_avg" in meta}
-    return trainable, {n: torch.zeros(s) for n, s in model.items() if n not in trainable}, {}
+    groups = [({k: v for k, v in g.items() if k != "params"}, [n for n in g["params"] if n in trainable])
+              for g in template["optim"]["param_groups"]]
+    extras, aliases = {}, {}
+    for name in (n for n in model if n not in trainable):
+        value = _dcp_tensor(path, name, model[name])
+        # A tied name (GPT-2's lm_head.weight) has no optimizer state of its own: the same values as a parameter.
+        twin = next((t for t, shape in trainable.items() if shape == model[name] and
+                     torch.equal(_dcp_tensor(path, t, shape), value)), None)
+        if twin is None:
+            extras[name] = value
+        else:
+            aliases[name] = twin
+    return _Source(groups, trainable, extras, {}, aliases)
 
 
-def skeleton(shapes: dict[str, tuple], extras: dict[str, torch.Tensor]) -> torch.nn.Module:
-    """A module with a parameter of each trainable name and shape (values unset) and a buffer of each other
-    state name (buffers and frozen parameters alike), nested as the dotted names say."""
+def _dcp_tensor(path: Path, name: str, shape: tuple) -> torch.Tensor:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    template = {"model": {name: torch.empty(shape)}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(template, storage_reader=FileSystemReader(str(path)), no_dist=True)
+    return template["model"][name]
+
+
+def skeleton(shapes: dict[str, tuple], extras: dict[str, torch.Tensor],
+             aliases: dict[str, str] | None = None) -> torch.nn.Module:
+    """A module with a parameter of each trainable name and shape (values unset), each alias the same parameter
+    as its target (tied weights), and a buffer of each other state name (buffers and frozen parameters alike),
+    nested as the dotted names say."""
     root = torch.nn.Module()
 
     def owner(name: str) -> tuple[torch.nn.Module, str]:
@@ -77,6 +127,10 @@ def skeleton(shapes: dict[str, tuple], extras: dict[str, torch.Tensor]) -> torch
     for name, shape in shapes.items():
         module, leaf = owner(name)
         module.register_parameter(leaf, torch.nn.Parameter(torch.zeros(shape)))
+    for name, target in (aliases or {}).items():
+        module, leaf = owner(name)
+        target_module, target_leaf = owner(target)
+        module.register_parameter(leaf, getattr(target_module, target_leaf))
     for name, value in extras.items():
         module, leaf = owner(name)
         module.register_buffer(leaf, value.clone())
@@ -117,11 +171,15 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str, tag: str | 
     src = Path(src)
     if not src.exists():
         raise CheckpointError(f"convert: checkpoint directory '{src}' does not exist")
-    shapes, extras, saved = _source(src, tag)
+    source = _source(src, tag)
+    model = skeleton(source.shapes, source.extras, source.aliases)
+    by_name = dict(model.named_parameters())
+    groups = [{"params": [by_name[n] for n in names], **{k: h[k] for k in _HYPERPARAMETERS if k in h}}
+              for h, names in source.groups]
     import zero_offload
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")              # the source config's keys that do not apply here
-        engine = zero_offload.initialize(skeleton(shapes, extras), _config(saved, config, swap_dir))
+        engine = zero_offload.initialize(model, _config(source.config, config, swap_dir), groups)
     try:
         client_state = engine.load_checkpoint(src, tag)
         if to == "dcp":

@@ -140,6 +140,24 @@ class _Checkpoint:
         names = set(self.model.get("buffer_names") or ()) | set(self.model.get("frozen_param_shapes") or {})
         return {n: t for n, t in module.items() if n in names and torch.is_tensor(t) and t.numel() > 0}
 
+    def named_groups(self) -> list[tuple[dict, list[str]]]:
+        """(hyperparameters, parameter names) per param group. At stage 3 ``param_shapes`` lists sub-groups: they
+        map onto the param groups one to one when there are as many (DeepSpeed cuts a group into several only
+        beyond ``sub_group_size``), and all into one group when the groups' hyperparameters are the same.
+
+        Raises:
+            CheckpointError: neither holds, so which parameters each group holds is unknown.
+        """
+        hparams = self.param_groups()
+        names = [list(g) for g in self.groups]
+        if len(hparams) == len(names):
+            return list(zip(hparams, names))
+        if all(h == hparams[0] for h in hparams):
+            return [(hparams[0], [n for g in names for n in g])]
+        raise CheckpointError(f"checkpoint file '{self.model_file}' lists {len(names)} parameter sub-groups for "
+                              f"{len(hparams)} param groups with different hyperparameters: which parameters each "
+                              f"group holds is not recorded")
+
     def engine_state(self, engine: CheckpointTarget, lrs: list[float], loss_scaler: Any,
                      lr_scheduler: bool) -> dict:
         """Overrides of ``engine.state_dict()``: counters, learning rates, loss scaler, LR schedule (DeepSpeed's
@@ -308,8 +326,9 @@ class ZeroShards(_Checkpoint):
                                   f"(one expected)")
         return steps.pop()
 
-    def lrs(self) -> list[float]:
-        return [g["lr"] for g in self._rank(0)["groups"]]
+    def param_groups(self) -> list[dict]:
+        """DeepSpeed's param groups (torch's keys), without their ``params``."""
+        return [{k: v for k, v in g.items() if k != "params"} for g in self._rank(0)["groups"]]
 
     def loss_scaler(self) -> Any:
         return self._rank(0)["osd"].get("loss_scaler")
@@ -401,8 +420,9 @@ class UniversalFiles(_Checkpoint):
                                   f"{sorted(steps)} (one expected)")
         return steps.pop()
 
-    def lrs(self) -> list[float]:
-        return [g["lr"] for g in self.optim.get("param_groups", [])]
+    def param_groups(self) -> list[dict]:
+        return [{k: v for k, v in g.items() if k != "params"} for g in self.optim.get("param_groups", [])]
+
 
     def loss_scaler(self) -> Any:
         return self.optim.get("loss_scaler")
@@ -448,7 +468,8 @@ def load_deepspeed(engine: CheckpointTarget, directory: str | os.PathLike, load_
                              module=module_values(engine, reader.module_state(), f"'{reader.model_file}'"),
                              client_state=reader.client_state())
         if not load_module_only:
-            state.engine = reader.engine_state(engine, reader.lrs() if full else [], reader.loss_scaler(),
+            lrs = [g["lr"] for g in reader.param_groups()] if full else []
+            state.engine = reader.engine_state(engine, lrs, reader.loss_scaler(),
                                                load_lr_scheduler_states)
     except CheckpointError as e:
         error = e

@@ -8,13 +8,19 @@ Megatron puts in ``client_state``) load as themselves; each DeepSpeed class load
 its attributes; anything else fails, naming the file and the class. Tensors are memory-mapped (``mmap=True``)
 so that reading one parameter's slice of a rank's partition touches only those pages.
 
-`save_pt` writes the other way: a `Foreign` record pickles under its DeepSpeed name (module and class), so that
-DeepSpeed, loading the file, rebuilds its own object (``DynamicLossScaler`` with our loss scale).
+`save_pt` writes the other way: a `Foreign` record pickles as an object of its DeepSpeed class (module and class
+named, its attributes as its state), so that DeepSpeed, loading the file, rebuilds its own object
+(``DynamicLossScaler`` with our loss scale).
 """
 from __future__ import annotations
 
-import io
+import contextlib
+import copyreg
+import os
 import pickle
+import sys
+import threading
+import types
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -43,6 +49,10 @@ class Foreign:
     def __setstate__(self, state: Any) -> None:
         self.state = state if isinstance(state, dict) else {"state": state}
 
+    def __reduce_ex__(self, protocol):
+        # What pickle writes for a plain object of DeepSpeed's class: cls.__new__(cls, *args), then its attributes.
+        return copyreg.__newobj__, (type(self), *self.args), dict(self.state) or None
+
     def __getattr__(self, key: str) -> Any:
         state = self.__dict__.get("state", {})
         if key in state:
@@ -55,7 +65,7 @@ class Foreign:
 
 def foreign_class(module: str, name: str) -> type[Foreign]:
     """The `Foreign` subclass standing for DeepSpeed's ``module.name``."""
-    return type(name, (Foreign,), {"module": module, "name": name})
+    return type(name, (Foreign,), {"module": module, "name": name, "__module__": module, "__qualname__": name})
 
 
 _ALLOWED = {
@@ -110,33 +120,55 @@ def load_pt(path: str | Path) -> Any:
                               f"damaged or not a checkpoint") from e
 
 
-class _Pickler(pickle._Pickler):                 # the Python pickler: its save can be extended
-    """Pickles a `Foreign` record as its DeepSpeed class: ``cls.__new__(cls, *args)`` and its attributes (what
-    pickle writes for any plain object), with the class named, not imported."""
-
-    def save(self, obj, save_persistent_id=True):
-        if not isinstance(obj, Foreign):
-            return super().save(obj, save_persistent_id)
-        self.write(pickle.GLOBAL + f"{obj.module}\n{obj.name}\n".encode())
-        self.save(tuple(obj.args))
-        self.write(pickle.NEWOBJ)
-        self.memoize(obj)
-        if obj.state:
-            self.save(obj.state)
-            self.write(pickle.BUILD)
+def _records(obj: Any) -> list[Foreign]:
+    """The `Foreign` records inside ``obj`` (dicts, lists and tuples walked)."""
+    if isinstance(obj, Foreign):
+        return [obj]
+    if isinstance(obj, dict):
+        return [r for v in obj.values() for r in _records(v)]
+    if isinstance(obj, (list, tuple)):
+        return [r for v in obj for r in _records(v)]
+    return []
 
 
-class _SaveModule:
-    Pickler = _Pickler
-    __name__ = "zero_offload.checkpoint.foreign_pickle"
+_NAMING = threading.Lock()
 
-    @staticmethod
-    def dump(obj, f, protocol=2):
-        _Pickler(f, protocol).dump(obj)
+
+@contextlib.contextmanager
+def _named_as_deepspeed(records: list[Foreign]):
+    """Make each record's class importable under its DeepSpeed name while pickling, as pickle requires of a class
+    it names (it imports the module and checks the attribute is the class): a stand-in module where DeepSpeed is
+    not imported, the record's class set on DeepSpeed's own module where it is (and put back after)."""
+    added, replaced = [], []
+    with _NAMING:
+        try:
+            for record in records:
+                cls = type(record)
+                parts = cls.module.split(".")
+                for i in range(1, len(parts) + 1):          # the package and every parent must be importable
+                    name = ".".join(parts[:i])
+                    if name not in sys.modules:
+                        sys.modules[name] = types.ModuleType(name)
+                        added.append(name)
+                module = sys.modules[cls.module]
+                replaced.append((module, cls.name, getattr(module, cls.name, None)))
+                setattr(module, cls.name, cls)
+            yield
+        finally:
+            for module, name, old in reversed(replaced):
+                if old is None:
+                    delattr(module, name)
+                else:
+                    setattr(module, name, old)
+            for name in reversed(added):
+                sys.modules.pop(name, None)
 
 
 def save_pt(obj: Any, path: str | Path) -> None:
-    """``torch.save(obj, path)``, with every `Foreign` record pickled under its DeepSpeed class name."""
-    buffer = io.BytesIO()
-    torch.save(obj, buffer, pickle_module=_SaveModule)
-    Path(path).write_bytes(buffer.getvalue())
+    """``torch.save(obj, path)``, with every `Foreign` record pickled as an object of its DeepSpeed class (the
+    class named, its attributes its state), which DeepSpeed unpickles as its own."""
+    path = Path(path)
+    partial = path.with_name(f".{path.name}.partial")
+    with _named_as_deepspeed(_records(obj)):
+        torch.save(obj, partial)
+    os.replace(partial, path)       # a new file: tensors memory-mapped from the old one stay readable

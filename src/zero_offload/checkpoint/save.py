@@ -28,6 +28,7 @@ from zero_offload.state import STATE_KINDS, CheckpointTarget
 __all__ = ["save_checkpoint", "list_tags", "prune_checkpoints", "tied_aliases"]
 
 KINDS = STATE_KINDS
+HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay")
 
 
 def _fault_point(name: str) -> None:
@@ -234,6 +235,9 @@ def _manifest(engine: CheckpointTarget, digests: dict[str, str]) -> dict:
         "state_dict_keys": list(engine.module.state_dict(keep_vars=True)),
         "aliases": tied_aliases(engine.module),
         "engine": engine.state_dict(),
+        # Each group's hyperparameters (the model_parameters groups'), for readers without the model: `convert`.
+        "param_groups": [{k: list(v) if isinstance(v, tuple) else v for k, v in g.items() if k in HYPERPARAMETERS}
+                         for g in engine.optimizer.param_groups],
     }
 
 

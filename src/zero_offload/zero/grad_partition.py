@@ -244,11 +244,15 @@ class GradPartition:
         """Before a copy down into [offset, ...) of a lent buffer: wait until the delayed step released it, and order
         the copies down after the copy up that last read it (the training thread's only wait on the host step)."""
         reader = self.lease.wait(offset)
+        if self.lease.released:
+            # The lease ends here, so no later copy down asks it again: those go below ``offset`` (backward fills
+            # the partition from its end), into chunks released after this one, whose copies up were queued later.
+            # Order after the last of them (they land in queue order), not only after the one holding ``offset``.
+            reader = self.lease.last_reader
+            self.lease = None
         if reader is not self.lease_reader:
             self.copies.downloads_after(reader)
             self.lease_reader = reader
-        if self.lease.released:
-            self.lease = None
 
     def _free_slot(self) -> int:
         """The next staging slot in turn, once the worker has added its previous piece (backpressure: the only

@@ -142,15 +142,20 @@ def to_universal(path: str) -> None:
                    check=True, capture_output=True, env={**os.environ, "DS_ACCELERATOR": "cpu"})
 
 
+def scrambled_engine(model: torch.nn.Module, config: dict, model_parameters=None):
+    """An engine of ``model`` with every parameter overwritten at random first: a load must replace every value."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return zero_offload.initialize(model, config, model_parameters)
+
+
 def ours_resume(path: str, stage: int, offload: bool, rank: int = 0, world: int = 1, **flags):
     """zero-offload resumes ``path`` and trains M steps: (full parameters, the returned client_state)."""
     model = make_model()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_()                         # the load must replace every value
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        engine = zero_offload.initialize(model, our_config(stage, offload), groups(model))
+    engine = scrambled_engine(model, our_config(stage, offload), groups(model))
     try:
         client_state = engine.load_checkpoint(path, **flags)
         assert engine.global_step == N

@@ -25,7 +25,11 @@ optimizer partitions' chunked state.
 
 The modules: `save` (lock, temporary folder, publication, pruning), `load` (and its checks), `reshard` (saved
 layout to this engine's, streamed), `manifest`, `io` (names, checksums, write errors), `lock`, `stream` (a
-safetensors file written piece by piece) and `consolidate` (one state dict or file from the shards).
+safetensors file written piece by piece) and `consolidate` (one state dict or file from the shards). Other
+frameworks' checkpoints, both ways: `dcp` (FSDP2), `deepspeed_read` with `deepspeed_states`, `deepspeed_zero` and
+`deepspeed_universal` (DeepSpeed's ZeRO and universal checkpoints in), `deepspeed_write` (universal out),
+`foreign` (what those loads share), `foreign_pickle` (DeepSpeed's pickles without DeepSpeed) and `convert`
+(``zero-offload convert``).
 """
 from zero_offload.checkpoint.consolidate import consolidate, export_safetensors
 from zero_offload.checkpoint.io import MODULE_STATE, CheckpointError, DiskFullError

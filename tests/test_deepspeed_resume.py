@@ -285,3 +285,57 @@ def test_the_deepspeed_drop_in_takes_deepspeed_s_load_flags(saved):
         assert engine.engine.optimizer_state.group_step(0) == 0
     finally:
         engine.engine.close()
+
+
+def _ds_bf16_save(path: str, stage: int) -> None:
+    """DeepSpeed in bf16 trains N steps and saves."""
+    import torch.distributed as dist
+    from deepspeed_peer import _deepspeed_engine, batches, ds_config, loss_of, my_half
+    _, engine = _deepspeed_engine({**ds_config(stage, False), "bf16": {"enabled": True}})
+    for x in batches(N):
+        engine.backward(loss_of(engine, my_half(x, dist.get_rank(), dist.get_world_size())))
+        engine.step()
+    engine.save_checkpoint(path)
+
+
+def _ds_fp32_states(path: str) -> dict[str, dict[str, torch.Tensor]]:
+    """DeepSpeed's own reading of a checkpoint: ds_to_universal's per-parameter fp32 master and moments."""
+    import glob
+    import os
+    from deepspeed_peer import to_universal
+    to_universal(path)
+    out = {}
+    for kind in ("fp32", "exp_avg", "exp_avg_sq"):
+        for file in glob.glob(f"{path}-universal/global_step{N}/zero/*/{kind}.pt"):
+            saved = torch.load(file, weights_only=False)
+            out.setdefault(os.path.basename(os.path.dirname(file)), {})[kind] = saved["param"] if isinstance(
+                saved, dict) else saved
+    return out
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_bf16_deepspeed_checkpoint_loads_bitwise(tmp_path, stage):
+    """bf16 (DeepSpeed's bf16 files): the fp32 masters and both moments load bitwise as DeepSpeed's own converter
+    reads them, into a bf16 engine on one rank from two, and the step and counters come along."""
+    import warnings
+    import zero_offload
+    from deepspeed_peer import groups, make_model
+    from zero_offload.checkpoint.load import full_parameters, read_manifest, resolve_tag
+    run_ranks(_ds_bf16_save, 2, str(tmp_path / "ds"), stage)
+    assert list((tmp_path / "ds" / f"global_step{N}").glob("bf16_zero_pp_rank_*_optim_states.pt"))
+    theirs = run_ranks(_ds_fp32_states, 1, str(tmp_path / "ds"))[0]
+    model = make_model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine = zero_offload.initialize(model, {**our_config(2, True), "bf16": {"enabled": True}}, groups(model))
+    try:
+        engine.load_checkpoint(str(tmp_path / "ds"))
+        assert engine.global_step == N and engine.optimizer_state.group_step(0) == N
+        engine.save_checkpoint(str(tmp_path / "ours"))
+    finally:
+        engine.close()
+    directory = resolve_tag(tmp_path / "ours")
+    manifest = read_manifest(directory)
+    for ours_kind, kind in (("master", "fp32"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")):
+        for name, t in full_parameters(directory, manifest, ours_kind):
+            assert torch.equal(t.reshape(-1), theirs[name][kind].reshape(-1).float()), (name, kind)

@@ -243,13 +243,9 @@ class GradPartition:
     def _after_lease(self, offset: int) -> None:
         """Before a copy down into [offset, ...) of a lent buffer: wait until the delayed step released it, and order
         the copies down after the copy up that last read it (the training thread's only wait on the host step)."""
+        # Asked at every copy down, even once the whole buffer is released: the later copies go below ``offset``
+        # (backward fills the partition from its end), into chunks whose copies up were queued later.
         reader = self.lease.wait(offset)
-        if self.lease.released:
-            # The lease ends here, so no later copy down asks it again: those go below ``offset`` (backward fills
-            # the partition from its end), into chunks released after this one, whose copies up were queued later.
-            # Order after the last of them (they land in queue order), not only after the one holding ``offset``.
-            reader = self.lease.last_reader
-            self.lease = None
         if reader is not self.lease_reader:
             self.copies.downloads_after(reader)
             self.lease_reader = reader

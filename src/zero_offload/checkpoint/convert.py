@@ -8,8 +8,9 @@ the manifest, DeepSpeed in ``ds_config``; a DCP checkpoint has none, so ``--conf
 and writers are the ones `engine.load_checkpoint` and `engine.save_checkpoint` use, and what they guarantee holds
 here: the load reads one parameter at a time and checks everything before it takes anything, the save is atomic.
 The engine holds the model's state once in host memory (fp32 master weights and two moments, 12 bytes per
-parameter, plus the parameters in the training dtype); with ``swap_dir`` the master weights and moments are
-swapped to NVMe files there instead (offload_optimizer.device = nvme), one sub-group at a time.
+parameter, plus the parameters in the training dtype). With ``swap_dir`` it streams instead: ZeRO stage 3 with the
+parameters, master weights and moments in NVMe swap files there (offload_param and offload_optimizer on nvme), the
+skeleton built on the meta device, so the host holds a sub-group's buffers and one parameter being read.
 """
 from __future__ import annotations
 
@@ -109,10 +110,10 @@ def _dcp_tensor(path: Path, name: str, shape: tuple) -> torch.Tensor:
 
 
 def skeleton(shapes: dict[str, tuple], extras: dict[str, torch.Tensor],
-             aliases: dict[str, str] | None = None) -> torch.nn.Module:
-    """A module with a parameter of each trainable name and shape (values unset), each alias the same parameter
-    as its target (tied weights), and a buffer of each other state name (buffers and frozen parameters alike),
-    nested as the dotted names say."""
+             aliases: dict[str, str] | None = None, device: str = "cpu") -> torch.nn.Module:
+    """A module with a parameter of each trainable name and shape (values unset; on ``device``, "meta" for none
+    allocated), each alias the same parameter as its target (tied weights), and a buffer of each other state name
+    (buffers and frozen parameters alike), nested as the dotted names say."""
     root = torch.nn.Module()
 
     def owner(name: str) -> tuple[torch.nn.Module, str]:
@@ -126,7 +127,7 @@ def skeleton(shapes: dict[str, tuple], extras: dict[str, torch.Tensor],
 
     for name, shape in shapes.items():
         module, leaf = owner(name)
-        module.register_parameter(leaf, torch.nn.Parameter(torch.zeros(shape)))
+        module.register_parameter(leaf, torch.nn.Parameter(torch.zeros(shape, device=device)))
     for name, target in (aliases or {}).items():
         module, leaf = owner(name)
         target_module, target_leaf = owner(target)
@@ -148,11 +149,13 @@ def _config(saved: dict, given: str | None, swap_dir: str | None) -> dict:
                               "config with --config")
     config = {k: copy.deepcopy(saved[k]) for k in ("optimizer", "scheduler", "fp16", "bf16", "gradient_clipping")
               if saved.get(k) is not None}
-    if swap_dir:
+    zero = {"stage": 2, "offload_optimizer": {"device": "cpu"}}
+    if swap_dir:           # stage 3 with the parameters, master weights and moments in swap files
         Path(swap_dir).mkdir(parents=True, exist_ok=True)
-    offload = {"device": "nvme", "nvme_path": str(swap_dir)} if swap_dir else {"device": "cpu"}
-    config.update(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1,
-                  zero_optimization={"stage": 2, "offload_optimizer": offload})
+        nvme = {"device": "nvme", "nvme_path": str(swap_dir)}
+        # Sub-groups of 4M elements (DeepSpeed's default, 1e9, would swap a model below 1B parameters in whole).
+        zero = {"stage": 3, "offload_param": nvme, "offload_optimizer": nvme, "sub_group_size": 1 << 22}
+    config.update(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1, zero_optimization=zero)
     return config
 
 
@@ -172,7 +175,9 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str, tag: str | 
     if not src.exists():
         raise CheckpointError(f"convert: checkpoint directory '{src}' does not exist")
     source = _source(src, tag)
-    model = skeleton(source.shapes, source.extras, source.aliases)
+    # Under swap_dir stage 3 materialises the parameters sub-group by sub-group into their swap files: none is
+    # ever allocated whole.
+    model = skeleton(source.shapes, source.extras, source.aliases, "meta" if swap_dir else "cpu")
     by_name = dict(model.named_parameters())
     groups = [{"params": [by_name[n] for n in names], **{k: h[k] for k in _HYPERPARAMETERS if k in h}}
               for h, names in source.groups]

@@ -8,15 +8,17 @@ and world size with ``"checkpoint": {"load_universal": true}``:
   ``tag/zero/optimizer_state.pt``                      the param groups (lr, betas, eps, weight decay), the step,
                                                        gradient clipping and, for fp16, the loss scaler as
                                                        DeepSpeed's ``DynamicLossScaler``;
-  ``tag/mp_rank_00_model_states.pt``                   the module's fp32 state dict, ``param_shapes``, the LR
+  ``tag/mp_rank_00_model_states.pt``                   the module's buffers and frozen parameters (its
+                                                       trainable parameters empty, as stage 3 writes them: the
+                                                       universal files hold them), ``param_shapes``, the LR
                                                        schedule, the counters and the ``client_state`` keys
-                                                       (stage 1-2's name); ``tag/zero_pp_rank_0_mp_rank_00_
-                                                       model_states.pt`` the same without weights (stage 3's).
+                                                       (stage 1-2's name; ``tag/zero_pp_rank_0_mp_rank_00_
+                                                       model_states.pt``, stage 3's, the same).
 
 The engine's own sharded checkpoint is staged first (every rank writes its partition), then rank 0 writes the
 universal files one parameter at a time from it (`full_parameters`), into a temporary folder renamed to ``tag``
-when complete; the ``latest`` files are replaced last. Peak memory on rank 0 is one parameter, plus the module's
-state dict for the model states file.
+when complete; the ``latest`` files are replaced last. Peak memory on rank 0 is one parameter (plus the buffers and
+frozen parameters).
 """
 from __future__ import annotations
 
@@ -64,7 +66,6 @@ def save_universal(engine: CheckpointTarget, save_dir: str | os.PathLike, tag: s
              "frozen": {n: tuple(p.shape) for n, p in engine.module.named_parameters() if not p.requires_grad}}
 
     def write(directory: Path, manifest: dict) -> None:
-        from zero_offload.checkpoint.consolidate import consolidate
         from zero_offload.checkpoint.load import full_parameters
         root.mkdir(parents=True, exist_ok=True)
         staging = root / f".tmp-universal-{tag}-{os.getpid()}"
@@ -77,11 +78,9 @@ def save_universal(engine: CheckpointTarget, save_dir: str | os.PathLike, tag: s
         for name, _ in (p for g in groups for p in g):
             torch.save(torch.tensor(float(step)), zero / name / "step.pt")
         save_pt(_optimizer_state(hparams, step, small), zero / "optimizer_state.pt")
-        module = consolidate(directory.parent, directory.name)
-        states = _model_states(module, groups, small, client_state or {})
-        save_pt(states, staging / "mp_rank_00_model_states.pt")
-        save_pt({**states, "module": {k: torch.empty(0) for k in module}}, staging /
-                "zero_pp_rank_0_mp_rank_00_model_states.pt")
+        states = _model_states(_module(directory, manifest), groups, small, client_state or {})
+        for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"):
+            save_pt(states, staging / name)
         final, replaced = root / tag, root / f".replaced-universal-{tag}"
         if final.exists():                   # moved aside first: a crash now leaves it whole, beside the new one
             shutil.rmtree(replaced, ignore_errors=True)
@@ -136,3 +135,12 @@ def _persistent_buffers(module: torch.nn.Module) -> list[str]:
     """The buffers ``module.state_dict()`` holds (DeepSpeed's ``buffer_names``)."""
     names = set(module.state_dict())
     return [n for n, _ in module.named_buffers() if n in names]
+
+
+def _module(directory: Path, manifest: dict) -> dict[str, torch.Tensor]:
+    """The model states file's ``module``: every state_dict name, the buffers and frozen parameters with their
+    values (our checkpoint's module state file), the trainable parameters as empty tensors."""
+    from safetensors.torch import load_file
+    from zero_offload.checkpoint.io import MODULE_STATE
+    saved = load_file(str(directory / MODULE_STATE)) if MODULE_STATE in manifest["files"] else {}
+    return {name: saved.get(name, torch.empty(0)) for name in manifest["state_dict_keys"]}

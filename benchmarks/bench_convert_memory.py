@@ -5,8 +5,9 @@ on the same checkpoint, in one run (issue 30, item 3: "converts offline, streami
 DeepSpeed (CPU accelerator, one gloo rank, ZeRO stage 2, fp32, torch's AdamW) trains one step of a GPT and saves;
 each converter then runs in its own process tree, whose resident and anonymous memory (every process of the tree
 summed: the DeepSpeed converter forks workers) is sampled every 50 ms; anonymous memory leaves out the pages of
-memory-mapped checkpoint files (zero-offload reads DeepSpeed's rank files memory-mapped). Printed: the checkpoint's optimizer state, each
-converter's peak and the ratios. Needs DeepSpeed installed (`pip install --no-build-isolation deepspeed`).
+memory-mapped checkpoint files (zero-offload reads DeepSpeed's rank files memory-mapped). Printed: the checkpoint's
+optimizer state, each converter's peaks and the ratios. Needs DeepSpeed (`pip install --no-build-isolation
+deepspeed`).
 
     python benchmarks/bench_convert_memory.py [--layers 8] [--width 768] [--vocab 32768]
 """

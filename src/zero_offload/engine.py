@@ -366,7 +366,9 @@ class Engine:
         with ``checkpoint.load_universal`` (`zero_offload.checkpoint.deepspeed_write`).
 
         Raises:
-            ValueError: an unknown ``format``, or ``client_state`` with ``format="dcp"``.
+            ValueError: an unknown ``format``, ``client_state`` with ``format="dcp"``, or a ``client_state``
+                that is not a dict with ``format="deepspeed-universal"`` (DeepSpeed keeps its keys).
+            CheckpointError: writing failed (`save_checkpoint`, `save_dcp`, `save_universal` name the file).
         """
         if format not in ("zero-offload", "deepspeed-universal", "dcp"):
             raise ValueError(f"save_checkpoint: format must be 'zero-offload', 'deepspeed-universal' or 'dcp', got "

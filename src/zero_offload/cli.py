@@ -1,4 +1,4 @@
-"""`zero-offload` command line: train (the main job), estimate, calibrate, bench optimizer, consolidate.
+"""`zero-offload` command line: train (the main job), estimate, calibrate, bench optimizer, consolidate, convert.
 
 Only this module imports `train/`; the library never does.
 """

@@ -23,11 +23,11 @@ from pathlib import Path
 import torch
 
 from zero_offload.checkpoint.io import CheckpointError
+from zero_offload.checkpoint.save import HYPERPARAMETERS
 
 __all__ = ["convert", "FORMATS"]
 
 FORMATS = ("zero-offload", "deepspeed-universal", "dcp")
-_HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay")
 
 
 @dataclass
@@ -69,19 +69,16 @@ def _source(src: Path, tag: str | None) -> _Source:
 
 
 def _dcp_source(path: Path) -> _Source:
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
+    from zero_offload.checkpoint.dcp import read_dcp
     try:
         meta = FileSystemReader(str(path)).read_metadata().state_dict_metadata
-        prefix = "optim.param_groups."
-        keys = sorted({k[len(prefix):].split(".", 1)[1] for k in meta if k.startswith(prefix)})
-        count = len({k[len(prefix):].split(".", 1)[0] for k in meta if k.startswith(prefix)})
-        template = {"optim": {"param_groups": [{k: None for k in keys} for _ in range(count)]}}
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            dcp.load(template, storage_reader=FileSystemReader(str(path)), no_dist=True)
     except Exception as e:                       # unpickling a damaged file raises anything
         raise CheckpointError(f"checkpoint '{path}' cannot be read as DCP ({type(e).__name__}: {e})") from e
+    prefix = "optim.param_groups."
+    keys = sorted({k[len(prefix):].split(".", 1)[1] for k in meta if k.startswith(prefix)})
+    count = len({k[len(prefix):].split(".", 1)[0] for k in meta if k.startswith(prefix)})
+    template = read_dcp(path, {"optim": {"param_groups": [{k: None for k in keys} for _ in range(count)]}})
     model = {k[len("model."):]: tuple(v.size) for k, v in meta.items() if k.startswith("model.") and hasattr(v, "size")}
     trainable = {n: s for n, s in model.items() if f"optim.state.{n}.exp_avg" in meta}
     groups = [({k: v for k, v in g.items() if k != "params"}, [n for n in g["params"] if n in trainable])
@@ -100,13 +97,8 @@ def _dcp_source(path: Path) -> _Source:
 
 
 def _dcp_tensor(path: Path, name: str, shape: tuple) -> torch.Tensor:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
-    template = {"model": {name: torch.empty(shape)}}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        dcp.load(template, storage_reader=FileSystemReader(str(path)), no_dist=True)
-    return template["model"][name]
+    from zero_offload.checkpoint.dcp import read_dcp
+    return read_dcp(path, {"model": {name: torch.empty(shape)}})["model"][name]
 
 
 def skeleton(shapes: dict[str, tuple], extras: dict[str, torch.Tensor],
@@ -179,7 +171,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str, tag: str | 
     # ever allocated whole.
     model = skeleton(source.shapes, source.extras, source.aliases, "meta" if swap_dir else "cpu")
     by_name = dict(model.named_parameters())
-    groups = [{"params": [by_name[n] for n in names], **{k: h[k] for k in _HYPERPARAMETERS if k in h}}
+    groups = [{"params": [by_name[n] for n in names], **{k: h[k] for k in HYPERPARAMETERS if k in h}}
               for h, names in source.groups]
     import zero_offload
     with warnings.catch_warnings():

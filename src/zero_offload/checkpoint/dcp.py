@@ -24,7 +24,7 @@ from zero_offload.checkpoint.foreign import ForeignState, apply_foreign, export_
 from zero_offload.checkpoint.io import CheckpointError, agree, module_state
 from zero_offload.state import CheckpointTarget
 
-__all__ = ["is_dcp", "load_dcp", "save_dcp", "MODEL_KEY", "OPTIM_KEY"]
+__all__ = ["is_dcp", "load_dcp", "save_dcp", "read_dcp", "adamw_group", "MODEL_KEY", "OPTIM_KEY"]
 
 MODEL_KEY, OPTIM_KEY = "model", "optim"
 _METADATA = ".metadata"
@@ -75,7 +75,12 @@ def _check(engine: CheckpointTarget, meta: dict, path: Path, model_key: str, opt
                                           f"'{p.name}' (under '{optim_key}.state'): not an AdamW checkpoint")
 
 
-def _read(path: Path, template: dict) -> dict:
+def read_dcp(path: Path, template: dict) -> dict:
+    """``template`` filled from the DCP directory ``path`` (one process, resharding on read).
+
+    Raises:
+        CheckpointError: a damaged or truncated file, naming the directory.
+    """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.api import CheckpointException
@@ -92,7 +97,7 @@ def _read(path: Path, template: dict) -> dict:
 def _step(engine: CheckpointTarget, path: Path, optim_key: str) -> int:
     names = [p.name for g in engine.optimizer_state.layout() for p in g.params]
     template = {optim_key: {"state": {n: {"step": torch.zeros(())} for n in names}}}
-    steps = {int(v["step"].item()) for v in _read(path, template)[optim_key]["state"].values()}
+    steps = {int(v["step"].item()) for v in read_dcp(path, template)[optim_key]["state"].values()}
     if len(steps) != 1:
         raise CheckpointError(f"checkpoint '{path}' holds different step counts {sorted(steps)} for its parameters")
     return steps.pop()
@@ -102,7 +107,7 @@ def _reader(path: Path, model_key: str, optim_key: str):
     """`ParamReader` of the DCP directory: one parameter's weights and moments per call."""
     def read(name: str, shape: tuple) -> dict:
         state = {"exp_avg": torch.empty(shape), "exp_avg_sq": torch.empty(shape)}
-        got = _read(path, {model_key: {name: torch.empty(shape)}, optim_key: {"state": {name: state}}})
+        got = read_dcp(path, {model_key: {name: torch.empty(shape)}, optim_key: {"state": {name: state}}})
         return {"master": got[model_key][name].reshape(-1),
                 **{k: v.reshape(-1) for k, v in got[optim_key]["state"][name].items()}}
     return read
@@ -128,7 +133,7 @@ def load_dcp(engine: CheckpointTarget, path: str | os.PathLike, model_key: str =
         step = _step(engine, path, optim_key)
         live = module_state(engine.module)
         wanted = {n: torch.empty_like(t, device="cpu") for n, t in live.items() if f"{model_key}.{n}" in meta}
-        extra = _read(path, {model_key: wanted})[model_key] if wanted else {}
+        extra = read_dcp(path, {model_key: wanted})[model_key] if wanted else {}
     except CheckpointError as e:
         error = e
     agree(engine, error, "loading the DCP checkpoint")
@@ -165,7 +170,7 @@ def save_dcp(engine: CheckpointTarget, path: str | os.PathLike, model_key: str =
     opt = engine.optimizer_state
     names = [[p.name for p in g.params] for g in opt.layout()]
     steps = [opt.group_step(g) for g in range(len(names))]
-    groups = [_adamw_group(h, group) for h, group in zip(engine.optimizer.param_groups, names)]
+    groups = [adamw_group(h, group) for h, group in zip(engine.optimizer.param_groups, names)]
 
     def write(directory: Path, manifest: dict) -> None:
         moments = {kind: dict(full_parameters(directory, manifest, kind)) for kind in ("exp_avg", "exp_avg_sq")}
@@ -181,7 +186,7 @@ def save_dcp(engine: CheckpointTarget, path: str | os.PathLike, model_key: str =
     return path
 
 
-def _adamw_group(hparams: dict, names: list[str]) -> dict:
+def adamw_group(hparams: dict, names: list) -> dict:
     """One param group as ``torch.optim.AdamW`` keeps it, with this engine's hyperparameters."""
     return {"lr": float(hparams["lr"]), "betas": tuple(hparams.get("betas", (0.9, 0.999))),
             "eps": float(hparams.get("eps", 1e-8)), "weight_decay": float(hparams.get("weight_decay", 0.0)),

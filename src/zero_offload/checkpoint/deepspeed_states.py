@@ -117,19 +117,20 @@ class ModelStates:
                      lr_scheduler: bool) -> dict:
         """Overrides of ``engine.state_dict()``: counters, learning rates, loss scaler, LR schedule (DeepSpeed's
         schedules keep ``last_batch_iteration``, as ours do)."""
+        mine = engine.state_dict()
         out = {"global_step": int(self.model.get("global_steps", 0)),
                "skipped_steps": int(self.model.get("skipped_steps", 0))}
-        if len(lrs) == len(engine.state_dict()["lrs"]):
+        if len(lrs) == len(mine["lrs"]):
             out["lrs"] = [float(lr) for lr in lrs]
-        scaler = _loss_scaler(loss_scaler, engine.state_dict()["loss_scaler"])
+        scaler = _loss_scaler(loss_scaler, mine["loss_scaler"])
         if scaler is not None:
             out["loss_scaler"] = scaler
         saved = self.model.get("lr_scheduler")
-        if lr_scheduler and engine.state_dict()["lr_scheduler"] is not None and isinstance(saved, dict):
+        if lr_scheduler and mine["lr_scheduler"] is not None and isinstance(saved, dict):
             if "last_batch_iteration" not in saved:
                 raise CheckpointError(f"checkpoint file '{self.model_file}' holds an LR schedule of another kind "
                                       f"(keys {sorted(saved)}) than this engine's DeepSpeed-style schedule")
-            out["lr_scheduler"] = {**engine.state_dict()["lr_scheduler"],
+            out["lr_scheduler"] = {**mine["lr_scheduler"],
                                    "last_batch_iteration": int(saved["last_batch_iteration"])}
         return out
 

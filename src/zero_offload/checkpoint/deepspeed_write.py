@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from zero_offload.checkpoint.dcp import adamw_group
 from zero_offload.checkpoint.foreign import export_staged
 from zero_offload.checkpoint.foreign_pickle import foreign_class, save_pt
 from zero_offload.checkpoint.manifest import check_tag
@@ -96,11 +97,7 @@ def save_universal(engine: CheckpointTarget, save_dir: str | os.PathLike, tag: s
 
 
 def _optimizer_state(hparams: list[dict], step: int, small: dict) -> dict:
-    groups = [{"lr": float(h["lr"]), "betas": tuple(h.get("betas", (0.9, 0.999))), "eps": float(h.get("eps", 1e-8)),
-               "weight_decay": float(h.get("weight_decay", 0.0)), "amsgrad": False, "maximize": False,
-               "foreach": None, "capturable": False, "differentiable": False, "fused": None,
-               "decoupled_weight_decay": bool(h.get("adamw_mode", True)), "params": [g]}
-              for g, h in enumerate(hparams)]
+    groups = [adamw_group(h, [g]) for g, h in enumerate(hparams)]      # DeepSpeed's groups are torch's
     out = {"dynamic_loss_scale": False, "overflow": False, "clip_grad": small["clipping"],
            "ds_version": DEEPSPEED_VERSION, "partition_count": small["world"], "param_groups": groups,
            "optimizer_state_dict": {"state": {0: {"step": torch.tensor(float(step))}}, "param_groups": groups}}

@@ -1,6 +1,7 @@
 """Peak host memory of converting a DeepSpeed ZeRO checkpoint to DeepSpeed's universal layout: DeepSpeed's own
-``ds_to_universal.py`` against ``zero-offload convert --to deepspeed-universal``, with and without ``--swap-dir``,
-on the same checkpoint, in one run (issue 30, item 3: "converts offline, streaming").
+``ds_to_universal.py`` against ``zero-offload convert --to deepspeed-universal``, on the same checkpoint, in one run
+(issue 30, item 3: "converts offline, streaming"); beside them ``convert --to dcp`` and ``--to zero-offload`` of the
+same checkpoint, and the floor: a process that only imports zero_offload (torch and its libraries).
 
 DeepSpeed (CPU accelerator, one gloo rank, ZeRO stage 2, fp32, torch's AdamW) trains one step of a GPT and saves;
 each converter then runs in its own process tree, whose resident and anonymous memory (every process of the tree
@@ -97,21 +98,23 @@ def main() -> None:
                                              str(tmp / "uc-ds" / "global_step1"), "--inject_missing_state"],
             "zero-offload convert": [sys.executable, "-m", "zero_offload", "convert", str(tmp / "ds"),
                                      str(tmp / "uc-ours"), "--to", "deepspeed-universal"],
-            "zero-offload convert --swap-dir": [sys.executable, "-m", "zero_offload", "convert", str(tmp / "ds"),
-                                                str(tmp / "uc-swap"), "--to", "deepspeed-universal", "--swap-dir",
-                                                str(tmp / "swap")],
+            "zero-offload convert --to dcp": [sys.executable, "-m", "zero_offload", "convert", str(tmp / "ds"),
+                                              str(tmp / "dcp"), "--to", "dcp"],
+            "zero-offload convert --to zero-offload": [sys.executable, "-m", "zero_offload", "convert",
+                                                       str(tmp / "ds"), str(tmp / "zo"), "--to", "zero-offload"],
+            "floor: import zero_offload": [sys.executable, "-c", "import zero_offload, time; time.sleep(1)"],
         }
         results = {}
         for name, cmd in runs.items():
             results[name] = peak_memory(cmd, env)
-            for leftover in ("uc-ds", "uc-ours", "uc-swap", "swap"):
+            for leftover in ("uc-ds", "uc-ours", "dcp", "zo"):
                 shutil.rmtree(tmp / leftover, ignore_errors=True)
     base = results["DeepSpeed ds_to_universal.py"]
     print(f"GPT {args.layers} layers x {args.width}, vocab {args.vocab}: {params / 1e6:.1f}M parameters, "
           f"optimizer partition files {state_mib:.0f} MiB")
-    print(f"{'converter':<34} {'peak RSS MiB':>12} {'x DS':>6} {'peak anon MiB':>13} {'x DS':>6} {'seconds':>8}")
+    print(f"{'converter':<40} {'peak RSS MiB':>12} {'x DS':>6} {'peak anon MiB':>13} {'x DS':>6} {'seconds':>8}")
     for name, (rss, uss, seconds) in results.items():
-        print(f"{name:<34} {rss:>12.0f} {rss / base[0]:>6.2f} {uss:>13.0f} {uss / base[1]:>6.2f} {seconds:>8.1f}")
+        print(f"{name:<40} {rss:>12.0f} {rss / base[0]:>6.2f} {uss:>13.0f} {uss / base[1]:>6.2f} {seconds:>8.1f}")
     print(json.dumps({"params": params, "state_mib": state_mib,
                       "peak_rss_mib": {k: v[0] for k, v in results.items()},
                       "peak_anonymous_mib": {k: v[1] for k, v in results.items()}}))

@@ -54,15 +54,6 @@ def test_a_dcp_source_without_a_config_is_refused_naming_the_flag(tmp_path, caps
     assert f"'{tmp_path / 'nowhere'}' does not exist" in capsys.readouterr().err
 
 
-def test_swapping_to_nvme_converts_the_same(tmp_path):
-    run_ranks(_ours_save, 1, str(tmp_path / "ours"), 2)
-    assert main(["convert", str(tmp_path / "ours"), str(tmp_path / "uc"), "--to", "deepspeed-universal",
-                 "--swap-dir", str(tmp_path / "swap")]) == 0
-    result, client_state = ours_resume(str(tmp_path / "uc"), 3, True)
-    assert client_state == {"epoch": 7}
-    assert max_diff(result, reference()) <= 1e-5
-
-
 @needs_deepspeed
 def test_deepspeed_to_ours_and_ours_to_universal_resume_exactly(tmp_path):
     """DeepSpeed's ZeRO checkpoint converted to ours resumes here; ours converted to universal resumes in

@@ -139,7 +139,6 @@ def main(argv: list[str] | None = None) -> int:
     conv.add_argument("--tag", default=None, help="which checkpoint of src (default: the latest)")
     conv.add_argument("--config", default=None, help="the training config (JSON/hjson; needed for a DCP source, "
                                                      "which carries none)")
-    conv.add_argument("--swap-dir", default=None, help="swap master weights and moments to NVMe files here")
     ns = parser.parse_args(argv)
     from zero_offload.checkpoint import CheckpointError
     from zero_offload.checkpoint.lock import LockedError
@@ -168,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if ns.command == "convert":
             from zero_offload.checkpoint.convert import convert, describe
-            print(describe(convert(ns.src, ns.dst, ns.to, ns.tag, ns.config, ns.swap_dir)))
+            print(describe(convert(ns.src, ns.dst, ns.to, ns.tag, ns.config)))
             return 0
         parser.error(f"unknown command {ns.command}")
     except known as e:

@@ -7,21 +7,18 @@ takes the optimizer step at the gradient-accumulation boundary and is a no-op ot
 from __future__ import annotations
 
 import contextlib
-from pathlib import Path
 from typing import Any, Iterable
 
 import torch
 from torch.utils._pytree import tree_map
 
-from zero_offload.checkpoint import load_checkpoint, save_checkpoint
-from zero_offload.checkpoint.dcp import is_dcp, load_dcp, save_dcp
-from zero_offload.checkpoint.deepspeed_read import find_deepspeed, load_deepspeed
-from zero_offload.checkpoint.deepspeed_write import save_universal
+from zero_offload.checkpoint.formats import load_any, save_any
 from zero_offload.comm import DistContext, deadline
 from zero_offload.compiling import compile_module
 from zero_offload.config import AutoContext, Config, ConfigError
 from zero_offload.optim.lr_schedules import build_scheduler
 from zero_offload.precision import LossScaler, is_overflow, training_dtype
+from zero_offload.state import check_engine_state
 from zero_offload.stats import StepStats
 from zero_offload.step_timer import StepTimer
 from zero_offload.zero import ParamGroup, ZeroOptimizer
@@ -31,7 +28,6 @@ from zero_offload.zero.stage3.materialize import is_meta_model
 
 __all__ = ["Engine", "initialize"]
 
-ENGINE_STATE_KEYS = ("global_step", "skipped_steps", "micro_steps", "loss_scaler", "lr_scheduler", "lrs")
 
 
 def initialize(model: torch.nn.Module, config: "Config | dict | str",
@@ -336,12 +332,7 @@ class Engine:
         Raises:
             ValueError: a missing key or a learning rate list of another length; nothing is changed then.
         """
-        missing = [k for k in ENGINE_STATE_KEYS if k not in state]
-        if missing:
-            raise ValueError(f"engine state lacks {', '.join(missing)}")
-        if len(state["lrs"]) != len(self.optimizer.param_groups):
-            raise ValueError(f"engine state has {len(state['lrs'])} learning rates for "
-                             f"{len(self.optimizer.param_groups)} param groups")
+        check_engine_state(state, len(self.optimizer.param_groups))
         self.scaler.validate_state_dict(state["loss_scaler"])
         self.zero.zero_grad()
         self._boundary_pending = False
@@ -370,17 +361,8 @@ class Engine:
                 that is not a dict with ``format="deepspeed-universal"`` (DeepSpeed keeps its keys).
             CheckpointError: writing failed (`save_checkpoint`, `save_dcp`, `save_universal` name the file).
         """
-        if format not in ("zero-offload", "deepspeed-universal", "dcp"):
-            raise ValueError(f"save_checkpoint: format must be 'zero-offload', 'deepspeed-universal' or 'dcp', got "
-                             f"{format!r}")
         self.flush_delayed_update()
-        if format == "dcp":
-            if client_state is not None:
-                raise ValueError("save_checkpoint: format='dcp' has no place for client_state; save it yourself")
-            return save_dcp(self, Path(save_dir) / tag if tag is not None else Path(save_dir))
-        if format == "deepspeed-universal":
-            return save_universal(self, save_dir, tag, client_state)
-        return save_checkpoint(self, save_dir, tag, client_state)
+        return save_any(self, save_dir, tag, client_state, format)
 
     @deadline
     def load_checkpoint(self, load_dir, tag: str | None = None, *, load_optimizer_states: bool = True,
@@ -399,14 +381,8 @@ class Engine:
         """
         # Finish (not drop) a delayed step first: if the load then fails, the engine stays consistent.
         self.flush_delayed_update()
-        dcp_dir = Path(load_dir) / tag if tag is not None else Path(load_dir)
-        if is_dcp(dcp_dir):
-            return load_dcp(self, dcp_dir)
-        deepspeed_dir = find_deepspeed(load_dir, tag)
-        if deepspeed_dir is not None:
-            return load_deepspeed(self, deepspeed_dir, load_optimizer_states, load_lr_scheduler_states,
-                                  load_module_only)
-        return load_checkpoint(self, load_dir, tag)
+        return load_any(self, load_dir, tag, load_optimizer_states=load_optimizer_states,
+                        load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """{name: fp32 CPU tensor} of every parameter (first name of each; floating frozen ones in fp32): the

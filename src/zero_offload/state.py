@@ -12,10 +12,12 @@ from typing import Any, Iterable, Iterator, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["Stateful", "PartitionedOptimizerState", "CheckpointTarget", "STATE_KINDS", "StateChunk", "checked_chunks",
-           "fill_from_chunks", "WholeGroupState"]
+__all__ = ["Stateful", "PartitionedOptimizerState", "CheckpointTarget", "STATE_KINDS", "ENGINE_STATE_KEYS",
+           "StateChunk", "check_engine_state", "checked_chunks", "fill_from_chunks", "WholeGroupState"]
 
 STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
+# The keys of an engine's ``state_dict()`` (`CheckpointTarget`): its counters, loss scaler, LR schedule and lrs.
+ENGINE_STATE_KEYS = ("global_step", "skipped_steps", "micro_steps", "loss_scaler", "lr_scheduler", "lrs")
 StateChunk = tuple[int, dict[str, torch.Tensor]]   # (offset in the group's partition, {kind: fp32 CPU tensor})
 
 
@@ -75,6 +77,19 @@ class PartitionedOptimizerState(Protocol):
     def after_load(self) -> None:
         """Bring the 16-bit parameters every rank uses up to date after partitions were replaced (a
         collective at stage >= 1)."""
+
+
+def check_engine_state(state: dict, group_count: int) -> None:
+    """``state`` must have every key of `ENGINE_STATE_KEYS` and one learning rate per param group.
+
+    Raises:
+        ValueError: naming the missing keys, or the number of learning rates and of groups.
+    """
+    missing = [k for k in ENGINE_STATE_KEYS if k not in state]
+    if missing:
+        raise ValueError(f"engine state lacks {', '.join(missing)}")
+    if len(state["lrs"]) != group_count:
+        raise ValueError(f"engine state has {len(state['lrs'])} learning rates for {group_count} param groups")
 
 
 def checked_chunks(chunks: Iterable[StateChunk], g: int, numel: int) -> Iterator[StateChunk]:

@@ -28,8 +28,9 @@ layout to this engine's, streamed), `manifest`, `io` (names, checksums, write er
 safetensors file written piece by piece) and `consolidate` (one state dict or file from the shards). Other
 frameworks' checkpoints, both ways: `dcp` (FSDP2), `deepspeed_read` with `deepspeed_states`, `deepspeed_zero` and
 `deepspeed_universal` (DeepSpeed's ZeRO and universal checkpoints in), `deepspeed_write` (universal out),
-`foreign` (what those loads share), `foreign_pickle` (DeepSpeed's pickles without DeepSpeed) and `convert`
-(``zero-offload convert``).
+`foreign` (what those loads share), `foreign_pickle` (DeepSpeed's pickles without DeepSpeed), `dcp_stream` (DCP
+written a tensor at a time), `formats` (which reader or writer a checkpoint goes through) and `convert` with
+`convert_target` (``zero-offload convert``, streamed).
 """
 from zero_offload.checkpoint.consolidate import consolidate, export_safetensors
 from zero_offload.checkpoint.io import MODULE_STATE, CheckpointError, DiskFullError

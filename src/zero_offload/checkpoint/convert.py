@@ -2,15 +2,13 @@
 ZeRO or universal, FSDP2's DCP) rewritten as its own, DeepSpeed's universal layout or DCP, offline, on one
 process, without a GPU and without the model's code.
 
-The conversion is a load and a save through an engine built for it: a skeleton model whose parameters and buffers
-carry the checkpoint's names and shapes, trained by nothing, under the checkpoint's own config (ours keeps it in
-the manifest, DeepSpeed in ``ds_config``; a DCP checkpoint has none, so ``--config`` names one). So the readers
-and writers are the ones `engine.load_checkpoint` and `engine.save_checkpoint` use, and what they guarantee holds
-here: the load reads one parameter at a time and checks everything before it takes anything, the save is atomic.
-The engine holds the model's state once in host memory (fp32 master weights and two moments, 12 bytes per
-parameter, plus the parameters in the training dtype). With ``swap_dir`` it streams instead: ZeRO stage 3 with the
-parameters, master weights and moments in NVMe swap files there (offload_param and offload_optimizer on nvme), the
-skeleton built on the meta device, so the host holds a sub-group's buffers and one parameter being read.
+The conversion is a load and a save through `ConversionTarget`: a skeleton model whose parameters and buffers
+carry the checkpoint's names and shapes (its parameters on the meta device), under the checkpoint's own config (ours
+keeps it in the manifest, DeepSpeed in ``ds_config``; a DCP checkpoint has none, so ``--config`` names one). The
+readers and writers are the ones `engine.load_checkpoint` and `engine.save_checkpoint` use, and what they guarantee
+holds here: everything is checked before anything is taken, the save is atomic. Nothing is held whole: the target's
+partitions are the source's stream of pieces, read one parameter (or one slice) at a time as the writer asks for
+them (`convert_target.StreamedPartitions`), so peak memory is about one parameter's fp32 state.
 """
 from __future__ import annotations
 
@@ -22,12 +20,13 @@ from pathlib import Path
 
 import torch
 
+from zero_offload.checkpoint.convert_target import ConversionTarget
+from zero_offload.checkpoint.formats import SAVE_FORMATS as FORMATS
+from zero_offload.checkpoint.formats import load_any, save_any
 from zero_offload.checkpoint.io import CheckpointError
 from zero_offload.checkpoint.save import HYPERPARAMETERS
 
 __all__ = ["convert", "FORMATS"]
-
-FORMATS = ("zero-offload", "deepspeed-universal", "dcp")
 
 
 @dataclass
@@ -130,9 +129,9 @@ def skeleton(shapes: dict[str, tuple], extras: dict[str, torch.Tensor],
     return root
 
 
-def _config(saved: dict, given: str | None, swap_dir: str | None) -> dict:
-    """The conversion engine's config: the checkpoint's (or ``given``'s) optimizer, schedule, precision and loss
-    scaling, on one process with the optimizer offloaded (to NVMe under ``swap_dir``)."""
+def _config(saved: dict, given: str | None) -> dict:
+    """The conversion's config: the checkpoint's (or ``given``'s) optimizer, schedule, precision and loss scaling,
+    on one process with the optimizer offloaded."""
     if given is not None:
         from zero_offload.config.io import read_config_file
         saved = read_config_file(given)
@@ -141,24 +140,20 @@ def _config(saved: dict, given: str | None, swap_dir: str | None) -> dict:
                               "config with --config")
     config = {k: copy.deepcopy(saved[k]) for k in ("optimizer", "scheduler", "fp16", "bf16", "gradient_clipping")
               if saved.get(k) is not None}
-    zero = {"stage": 2, "offload_optimizer": {"device": "cpu"}}
-    if swap_dir:           # stage 3 with the parameters, master weights and moments in swap files
-        Path(swap_dir).mkdir(parents=True, exist_ok=True)
-        nvme = {"device": "nvme", "nvme_path": str(swap_dir)}
-        # Sub-groups of 4M elements (DeepSpeed's default, 1e9, would swap a model below 1B parameters in whole).
-        zero = {"stage": 3, "offload_param": nvme, "offload_optimizer": nvme, "sub_group_size": 1 << 22}
-    config.update(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1, zero_optimization=zero)
+    config.update(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1,
+                  zero_optimization={"stage": 2, "offload_optimizer": {"device": "cpu"}})
     return config
 
 
 def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str, tag: str | None = None,
-            config: str | None = None, swap_dir: str | None = None) -> Path:
+            config: str | None = None) -> Path:
     """Rewrite the checkpoint at ``src`` (its ``tag``, default the latest) as ``to`` (one of `FORMATS`) at ``dst``;
     returns what `engine.save_checkpoint` returns (the tag directory, or the DCP directory).
 
     Raises:
         CheckpointError: ``src`` unreadable, damaged or unmappable (named, as `engine.load_checkpoint` says), or
-            a DCP source without ``config``.
+            a DCP source without ``config``; nothing is written at ``dst`` then.
+        ConfigError: an invalid config (the checkpoint's or ``config``'s).
         ValueError: an unknown ``to``.
     """
     if to not in FORMATS:
@@ -167,23 +162,15 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str, tag: str | 
     if not src.exists():
         raise CheckpointError(f"convert: checkpoint directory '{src}' does not exist")
     source = _source(src, tag)
-    # Under swap_dir stage 3 materialises the parameters sub-group by sub-group into their swap files: none is
-    # ever allocated whole.
-    model = skeleton(source.shapes, source.extras, source.aliases, "meta" if swap_dir else "cpu")
-    by_name = dict(model.named_parameters())
-    groups = [{"params": [by_name[n] for n in names], **{k: h[k] for k in HYPERPARAMETERS if k in h}}
-              for h, names in source.groups]
-    import zero_offload
+    model = skeleton(source.shapes, source.extras, source.aliases, "meta")
+    order = {n: i for i, (n, _) in enumerate(model.named_parameters())}
+    groups = [({k: h[k] for k in HYPERPARAMETERS if k in h}, sorted(names, key=order.__getitem__))
+              for h, names in source.groups if names]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")              # the source config's keys that do not apply here
-        engine = zero_offload.initialize(model, _config(source.config, config, swap_dir), groups)
-    try:
-        client_state = engine.load_checkpoint(src, tag)
-        if to == "dcp":
-            return engine.save_checkpoint(dst, format="dcp")
-        return engine.save_checkpoint(dst, client_state=client_state if client_state else None, format=to)
-    finally:
-        engine.close()
+        target = ConversionTarget(model, _config(source.config, config), groups)
+    client_state = load_any(target, src, tag)
+    return save_any(target, dst, None, client_state if client_state and to != "dcp" else None, to)
 
 
 def describe(path: Path) -> str:

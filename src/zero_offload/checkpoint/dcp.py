@@ -153,19 +153,20 @@ def save_dcp(engine: CheckpointTarget, path: str | os.PathLike, model_key: str =
     """Write ``path`` as a DCP directory that FSDP2 resumes: ``dcp.load`` into the templates of
     ``get_state_dict(model, optimizer)``, then ``set_state_dict``. A collective: every rank calls it.
 
-    It holds ``{model_key: {name: fp32 tensor} (masters, buffers, frozen parameters), optim_key: {"state": {name:
-    {"step", "exp_avg", "exp_avg_sq"}}, "param_groups": [one per param group: AdamW's keys with this engine's
-    learning rate, betas, eps and weight decay, and the parameters' names]}}``. The engine's own sharded checkpoint
-    is written first into ``path``'s parent (`save_checkpoint`, every rank) and rank 0 assembles the DCP from it
-    and removes it; rank 0 then holds the model's fp32 state three times over (parameters and two moments).
+    It holds ``{model_key: {name: fp32 tensor} (masters, buffers, frozen parameters; a tied alias under each of its
+    names), optim_key: {"state": {name: {"step", "exp_avg", "exp_avg_sq"}}, "param_groups": [one per param group:
+    AdamW's keys with this engine's learning rate, betas, eps and weight decay, and the parameters' names]}}``. The
+    engine's own sharded checkpoint is written first into ``path``'s parent (`save_checkpoint`, every rank); rank 0
+    writes the DCP from it, one tensor per ``.distcp`` file, each read from the shards only when DCP writes it
+    (`dcp_stream.StreamingPlanner`), so rank 0 holds about one parameter; the staging checkpoint is then removed.
 
     Raises:
         CheckpointError: writing failed on some rank (named); the engine is not changed.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
-    from zero_offload.checkpoint.consolidate import consolidate
-    from zero_offload.checkpoint.load import full_parameters
+    from zero_offload.checkpoint.dcp_stream import ModuleFile, StreamingPlanner
+    from zero_offload.checkpoint.load import SavedParameters
     path = Path(path)
     opt = engine.optimizer_state
     names = [[p.name for p in g.params] for g in opt.layout()]
@@ -173,14 +174,29 @@ def save_dcp(engine: CheckpointTarget, path: str | os.PathLike, model_key: str =
     groups = [adamw_group(h, group) for h, group in zip(engine.optimizer.param_groups, names)]
 
     def write(directory: Path, manifest: dict) -> None:
-        moments = {kind: dict(full_parameters(directory, manifest, kind)) for kind in ("exp_avg", "exp_avg_sq")}
-        state = {n: {"step": torch.tensor(float(steps[g])), **{k: moments[k][n] for k in moments}}
-                 for g, group in enumerate(names) for n in group}
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            everything = {model_key: consolidate(directory.parent, directory.name),
-                          optim_key: {"state": state, "param_groups": groups}}
-            dcp.save(everything, storage_writer=FileSystemWriter(str(path)), no_dist=True)
+        with SavedParameters(directory, manifest) as saved, ModuleFile(directory, manifest) as module:
+            fetch, model = {}, {}
+            aliases = manifest.get("aliases", {})
+            for name in manifest["state_dict_keys"]:
+                first = aliases.get(name, name)
+                if first in saved.names:
+                    model[name] = torch.empty(saved.shape(first), device="meta")
+                    fetch[f"{model_key}.{name}"] = lambda n=first: saved.read(n, "master")
+                elif first in module.names:
+                    model[name] = module.meta(first)
+                    fetch[f"{model_key}.{name}"] = lambda n=first: module.read(n)
+            state = {}
+            for g, group in enumerate(names):
+                for n in group:
+                    state[n] = {"step": torch.tensor(float(steps[g]))}
+                    for kind in ("exp_avg", "exp_avg_sq"):
+                        state[n][kind] = torch.empty(saved.shape(n), device="meta")
+                        fetch[f"{optim_key}.state.{n}.{kind}"] = lambda n=n, kind=kind: saved.read(n, kind)
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp.save({model_key: model, optim_key: {"state": state, "param_groups": groups}},
+                         storage_writer=FileSystemWriter(str(path), single_file_per_rank=False),
+                         planner=StreamingPlanner(fetch), no_dist=True)
 
     export_staged(engine, path, write, "the DCP checkpoint")
     return path

@@ -22,7 +22,7 @@ from zero_offload.checkpoint.reshard import (check_rank_file, check_saved_partit
 from zero_offload.state import STATE_KINDS, CheckpointTarget
 from zero_offload.zero.layout import GroupLayout
 
-__all__ = ["load_checkpoint", "read_manifest", "resolve_tag", "full_parameters"]
+__all__ = ["load_checkpoint", "read_manifest", "resolve_tag", "full_parameters", "SavedParameters"]
 
 KINDS = STATE_KINDS
 
@@ -90,23 +90,52 @@ def read_manifest(directory: Path, verify: list[str] | None = None) -> dict:
     return manifest
 
 
+class SavedParameters:
+    """Any saved parameter's full fp32 state, one at a time: ``read(name, kind)`` assembles it from its pieces in
+    the rank files (memory-mapped: only its slices are copied). ``names`` lists the parameters in saved order.
+    Use it as a context manager (the rank files stay open until it exits).
+
+    Raises (``read``):
+        KeyError: a name the checkpoint does not hold.
+        CheckpointError: a rank file lacking the group's tensor, or holding it at another size (named).
+    """
+
+    def __init__(self, directory: Path, manifest: dict):
+        self._directory = directory
+        self._groups = manifest["groups"]
+        self._where = {p.name: (g, p) for g, group in enumerate(self._groups)
+                       for p in GroupLayout.from_json(group).params}
+        self._handles: dict[int, Any] = {}
+        self.names = list(self._where)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._where[name][1].shape)
+
+    def read(self, name: str, kind: str = "master") -> torch.Tensor:
+        """Parameter ``name``'s ``kind`` (one of `STATE_KINDS`): fp32, of its shape."""
+        g, p = self._where[name]
+        out = torch.empty(p.numel, dtype=torch.float32)
+        for c in p.pieces:
+            path = self._directory / rank_file(c.rank)
+            if c.rank not in self._handles:
+                self._handles[c.rank] = safe_open(str(path), framework="pt")
+            piece = saved_slice(self._handles[c.rank], path, g, kind, self._groups[g]["partition_numel"])
+            out[c.param_offset:c.param_offset + c.length] = piece[c.part_offset:c.part_offset + c.length]
+        return out.view(p.shape)
+
+    def __enter__(self) -> "SavedParameters":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._handles.clear()
+
+
 def full_parameters(directory: Path, manifest: dict, kind: str = "master"):
     """Yield (name, fp32 tensor) for every saved parameter, reading one parameter at a time from the shards
     (peak memory: about the largest parameter, not the model)."""
-    handles = {}
-    try:
-        for g, group in enumerate(manifest["groups"]):
-            for p in GroupLayout.from_json(group).params:
-                out = torch.empty(p.numel, dtype=torch.float32)
-                for c in p.pieces:
-                    if c.rank not in handles:
-                        handles[c.rank] = safe_open(str(directory / rank_file(c.rank)), framework="pt")
-                    piece = saved_slice(handles[c.rank], directory / rank_file(c.rank), g, kind,
-                                        group["partition_numel"])
-                    out[c.param_offset:c.param_offset + c.length] = piece[c.part_offset:c.part_offset + c.length]
-                yield p.name, out.view(p.shape)
-    finally:
-        handles.clear()
+    with SavedParameters(directory, manifest) as saved:
+        for name in saved.names:
+            yield name, saved.read(name, kind)
 
 
 def _check_same_model(engine: CheckpointTarget, manifest: dict, path: Path) -> None:

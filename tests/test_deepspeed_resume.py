@@ -287,15 +287,24 @@ def test_the_deepspeed_drop_in_takes_deepspeed_s_load_flags(saved):
         engine.engine.close()
 
 
-def _ds_bf16_save(path: str, stage: int) -> None:
-    """DeepSpeed in bf16 trains N steps and saves."""
+def _ds_16bit_save(path: str, stage: int, precision: str) -> dict:
+    """DeepSpeed in ``precision`` (bf16 or fp16, initial loss scale 2**8) trains N steps and saves; returns its
+    loss scaler's state at the save. DeepSpeed refuses fp16 on its CPU accelerator ("fp16 is not supported"); its
+    fp16 optimizer runs on the CPU all the same once the accelerator says it is supported, which is all that is
+    patched here: the files are DeepSpeed's own."""
     import torch.distributed as dist
+    from deepspeed.accelerator import get_accelerator
     from deepspeed_peer import _deepspeed_engine, batches, ds_config, loss_of, my_half
-    _, engine = _deepspeed_engine({**ds_config(stage, False), "bf16": {"enabled": True}})
+    get_accelerator().is_fp16_supported = lambda: True
+    extra = {"bf16": {"enabled": True}} if precision == "bf16" else {
+        "fp16": {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 2}}
+    _, engine = _deepspeed_engine({**ds_config(stage, False), **extra})
     for x in batches(N):
         engine.backward(loss_of(engine, my_half(x, dist.get_rank(), dist.get_world_size())))
         engine.step()
     engine.save_checkpoint(path)
+    scaler = getattr(engine.optimizer, "loss_scaler", None)
+    return {} if precision == "bf16" else {"scale": float(scaler.cur_scale), "iteration": int(scaler.cur_iter)}
 
 
 def _ds_fp32_states(path: str) -> dict[str, dict[str, torch.Tensor]]:
@@ -314,23 +323,31 @@ def _ds_fp32_states(path: str) -> dict[str, dict[str, torch.Tensor]]:
 
 
 @pytest.mark.parametrize("stage", [1, 3])
-def test_a_bf16_deepspeed_checkpoint_loads_bitwise(tmp_path, stage):
-    """bf16 (DeepSpeed's bf16 files): the fp32 masters and both moments load bitwise as DeepSpeed's own converter
-    reads them, into a bf16 engine on one rank from two, and the step and counters come along."""
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_a_16bit_deepspeed_checkpoint_loads_bitwise(tmp_path, stage, precision):
+    """bf16 and fp16 (DeepSpeed's own files): the fp32 masters and both moments load bitwise as DeepSpeed's own
+    converter reads them, into an engine of the same precision on one rank from two, and the step, the counters
+    and (fp16) the dynamic loss scale come along."""
     import warnings
     import zero_offload
     from deepspeed_peer import groups, make_model
     from zero_offload.checkpoint.load import full_parameters, read_manifest, resolve_tag
-    run_ranks(_ds_bf16_save, 2, str(tmp_path / "ds"), stage)
-    assert list((tmp_path / "ds" / f"global_step{N}").glob("bf16_zero_pp_rank_*_optim_states.pt"))
+    scaler = run_ranks(_ds_16bit_save, 2, str(tmp_path / "ds"), stage, precision)[0]
+    prefix = "bf16_" if precision == "bf16" else ""
+    assert list((tmp_path / "ds" / f"global_step{N}").glob(f"{prefix}zero_pp_rank_*_optim_states.pt"))
     theirs = run_ranks(_ds_fp32_states, 1, str(tmp_path / "ds"))[0]
     model = make_model()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        engine = zero_offload.initialize(model, {**our_config(2, True), "bf16": {"enabled": True}}, groups(model))
+        engine = zero_offload.initialize(model, {**our_config(2, True), precision: {"enabled": True}},
+                                         groups(model))
     try:
         engine.load_checkpoint(str(tmp_path / "ds"))
         assert engine.global_step == N and engine.optimizer_state.group_step(0) == N
+        if precision == "fp16":
+            assert scaler["scale"] == 2.0 ** 9             # one doubling in N = 3 clean steps, window 2
+            mine = engine.state_dict()["loss_scaler"]
+            assert (mine["scale"], mine["iteration"]) == (scaler["scale"], scaler["iteration"])
         engine.save_checkpoint(str(tmp_path / "ours"))
     finally:
         engine.close()

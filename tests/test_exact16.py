@@ -65,6 +65,9 @@ CASES += [Case(p, *shape, spec=True) for p in ("bf16", "fp16") for shape in SPEC
 RATIO_SHAPES = [(2, 1, True, False), (2, 3, False, True), (3, 3, True, False)]     # stage, gas, clip, super_offload
 CASES += [Case(p, stage, "cpu", gas, clip, ratio=0.5, spec=spec) for p in ("bf16", "fp16")
           for stage, gas, clip, spec in RATIO_SHAPES]
+# ... and with the host part's states in NVMe swap files.
+CASES += [Case(p, stage, "nvme", gas, clip, ratio=0.5) for p in ("bf16", "fp16")
+          for stage, gas, clip in ((2, 3, True), (3, 1, False))]
 # communication_data_type shows only where a sum is not rounded back to the training dtype anyway: bf16
 # reductions of fp32 training, and fp32 reductions into stage 3's fp32 accumulation.
 COMM_CASES = [Case("fp32", 2, "cpu", 1, False, comm="bf16"), Case("bf16", 3, "cpu", 3, True, comm="fp32"),

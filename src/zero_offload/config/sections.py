@@ -227,9 +227,8 @@ class ZeroConfig:
                               "device part would step on this step's gradients and the host part one step behind")
         if self.stage < 2:
             raise ConfigError(f"{key} needs '{path}.stage' 2 or 3 (got {self.stage})")
-        if self.offload_optimizer.device != "cpu":
-            raise ConfigError(f"{key} needs '{path}.offload_optimizer.device' = 'cpu' (got "
-                              f"{self.offload_optimizer.device!r})")
+        if self.offload_optimizer.device == "none":
+            raise ConfigError(f"{key} needs '{path}.offload_optimizer.device' = 'cpu' or 'nvme' (got 'none')")
         if self.offload_param.device != "none":
             raise ConfigError(f"{key} needs the parameters on the device; '{path}.offload_param.device' is "
                               f"{self.offload_param.device!r} (the device part steps device parameters)")

@@ -13,6 +13,8 @@ none / cpu                 amsgrad, Lamb (stages 0-2)  in memory    `Partitioned
                            or a torch.optim type
 nvme                       Adam, AdamW (no amsgrad)    any          `NvmeAdam` (writing the parameter swap files
                                                                     itself when the parameters are on NVMe)
+cpu / nvme, ratio < 1      Adam, AdamW (no amsgrad)    on device    `SplitAdam`: a device `PartitionedAdam` over
+                                                                    the first part, the host part as above
 none / cpu                 any of the above            NVMe         `WriteBackOptimizer` over one of the first two,
                                                                     built on fp32 masters read from the files
 =========================  ==========================  ===========  ==============================================
@@ -75,23 +77,27 @@ def build_partition_optimizer(config: Config, parts: list[torch.Tensor], hparams
                           "refuses Lamb under ZeRO too unless zero_allow_untested_optimizer, and then takes the "
                           "ratio over whole partitions); use stage 2, or Adam/AdamW at stage 3")
     fused = opt.torch_kwargs is None and not opt.params.amsgrad
-    if config.zero_optimization.offload_optimizer.device == "nvme":
-        if not fused:
-            raise ConfigError(f"config key 'zero_optimization.offload_optimizer.device' = 'nvme' streams Adam's "
-                              f"states through its buffers; optimizer.type = {opt.type!r}"
-                              f"{' with amsgrad' if opt.params.amsgrad else ''} needs device 'cpu'")
-        return build_nvme_adam(parts, hparams, copies, config, rank, param_io=param_store)
+    nvme = config.zero_optimization.offload_optimizer.device == "nvme"
+    if nvme and not fused:
+        raise ConfigError(f"config key 'zero_optimization.offload_optimizer.device' = 'nvme' streams Adam's "
+                          f"states through its buffers; optimizer.type = {opt.type!r}"
+                          f"{' with amsgrad' if opt.params.amsgrad else ''} needs device 'cpu'")
     ratio = config.zero_optimization.offload_optimizer.ratio
-    if ratio < 1.0 and offload and not host_params:
+    if ratio < 1.0 and offload and not host_params and param_store is None:
         if not fused:
             raise ConfigError(f"config key 'zero_optimization.offload_optimizer.ratio' = {ratio} needs optimizer type "
                               f"Adam/AdamW without amsgrad (got {opt.type!r}): the two parts are stepped by the "
                               "fused kernels")
-        # The device part: torch's fused AdamW where the parameters live; the host part as any offloaded step.
+        # The device part: torch's fused AdamW where the parameters live; the host part as any offloaded step
+        # (its states in host memory, or in swap files under nvme).
         cuts = [device_numel(p.numel(), ratio) for p in parts]
         on_device = PartitionedAdam([p[:c] for p, c in zip(parts, cuts)], hparams, False, copies)
-        on_host = _in_memory(config, [p[c:] for p, c in zip(parts, cuts)], hparams, True, copies, False)
+        rest = [p[c:] for p, c in zip(parts, cuts)]
+        on_host = build_nvme_adam(rest, hparams, copies, config, rank) if nvme else \
+            _in_memory(config, rest, hparams, True, copies, False)
         return SplitAdam(parts, cuts, on_device, on_host)
+    if nvme:
+        return build_nvme_adam(parts, hparams, copies, config, rank, param_io=param_store)
     if param_store is not None:
         # fp32 masters read from the files are the inner optimizer's parameters; the 16-bit ones are written
         # back to the files after each step.

@@ -1,8 +1,9 @@
 """`SplitAdam`: the partition optimizer of ``offload_optimizer.ratio`` < 1 (see `zero_offload.zero.split_partition`).
 
-Two `PartitionedAdam`s over each group's partition cut at `device_numel`: one on the device over the first part
-(torch's fused AdamW on a GPU), one on the host over the rest (the fused host kernel, with the delayed update's
-thread or super_offload's speculation when configured). At the boundary both step with the same ``grad_scale``
+Two partition optimizers over each group's partition cut at `device_numel`: a `PartitionedAdam` on the device over
+the first part (torch's fused AdamW on a GPU), and one on the host over the rest: a `PartitionedAdam` (the fused host
+kernel, with super_offload's speculation when configured) or, under ``offload_optimizer.device = nvme``, an `NvmeAdam`
+streaming its states through swap files. At the boundary both step with the same ``grad_scale``
 (1 / loss scale x the one clip coefficient): the device's kernels are queued first, so they run while the host
 steps its part. The learning rates live in the host optimizer's param groups (the LR schedule writes there) and
 are copied to the device's before each step. The state face is one flat partition per group (device elements
@@ -15,6 +16,7 @@ from typing import Iterable, Iterator, Sequence
 
 import torch
 
+from zero_offload.nvme.adam import NvmeAdam
 from zero_offload.state import StateChunk, WholeGroupState
 from zero_offload.zero.partitioned_adam import PartitionedAdam
 
@@ -44,10 +46,12 @@ class SplitAdam(WholeGroupState):
         parts: per group, the whole 1-D parameter partition (16-bit or fp32, on the device).
         cuts: per group, the elements kept on the device (`device_numel`).
         device: a `PartitionedAdam` over ``part[:cut]`` with the states on the device.
-        host: a `PartitionedAdam` over ``part[cut:]`` with the states offloaded.
+        host: a `PartitionedAdam` (states in host memory) or an `NvmeAdam` (states in swap files) over
+            ``part[cut:]``.
     """
 
-    def __init__(self, parts: list[torch.Tensor], cuts: list[int], device: PartitionedAdam, host: PartitionedAdam):
+    def __init__(self, parts: list[torch.Tensor], cuts: list[int], device: PartitionedAdam,
+                 host: "PartitionedAdam | NvmeAdam"):
         self.parts, self.cuts, self.device, self.host = parts, cuts, device, host
         self.masters = _Masters(self)
         self.on_host, self.deferred = True, False
@@ -67,11 +71,11 @@ class SplitAdam(WholeGroupState):
 
     @property
     def speculation(self):
-        return self.host.speculation
+        return getattr(self.host, "speculation", None)         # NVMe states: none
 
     @property
     def host_thread(self):
-        return self.host.host_thread
+        return getattr(self.host, "host_thread", None)
 
     def begin_speculation(self, grad_scale: float):
         return self.host.begin_speculation(grad_scale)
@@ -118,7 +122,7 @@ class SplitAdam(WholeGroupState):
                 **{f"device_{k}": v for k, v in self.device.state_tensors().items()}}
 
     def swapped_bytes(self) -> dict[str, int]:
-        return {}
+        return self.host.swapped_bytes()
 
     def staging_tensors(self) -> list[torch.Tensor]:
         return self.host.staging_tensors()

@@ -11,10 +11,11 @@ engine's own masters:
 The matrix covers stages 0-3, offload none/cpu/nvme (at stage 3 the parameters too, every unit released after
 use), the delayed parameter update, ``super_offload`` (the speculated step kept without clipping and redone under
 it: the same bound, since the masters are the plain kernel's result on the same inputs either way),
-``offload_optimizer.ratio`` 0.5 (the device part's masters within the same bound), accumulation 1 and 3, clipping
-on and off, at 1 and 2 ranks, for bf16 and fp16 (a static loss scale of 2**8), plus communication_data_type cases. AdamW's eps is 1e-4, of the order of the gradients' root
-mean square: with eps far below it Adam is invariant to the gradient's scale, and a gradient stepped 256 times
-too large (no unscale) would change nothing visible. Weight decay is 0.1 so that dropping it moves a master by
+``offload_optimizer.ratio`` 0.5 (the device part's masters within the same bound), both also with the states on
+NVMe, accumulation 1 and 3, clipping on and off, at 1 and 2 ranks, for bf16 and fp16 (a static loss scale of 2**8),
+plus communication_data_type cases. AdamW's eps is 1e-4, of the order of the gradients' root mean square: with eps
+far below it Adam is invariant to the gradient's scale, and a gradient stepped 256 times too large (no unscale)
+would change nothing visible. Weight decay is 0.1 so that dropping it moves a master by
 lr x 0.1 x |w| per step, hundreds of ulp.
 """
 from __future__ import annotations
@@ -61,6 +62,9 @@ CASES = [Case(p, *shape) for p in ("bf16", "fp16") for shape in SHAPES]
 # plain step's, since either way the masters are the plain kernel's result on the same inputs.
 SPEC_SHAPES = [(2, "cpu", 1, False), (2, "cpu", 3, True), (3, "cpu", 1, True), (3, "cpu", 3, False)]
 CASES += [Case(p, *shape, spec=True) for p in ("bf16", "fp16") for shape in SPEC_SHAPES]
+# ... and over NVMe states, sub-group by sub-group into a second bank of swap files.
+CASES += [Case(p, stage, "nvme", gas, clip, spec=True) for p in ("bf16", "fp16")
+          for stage, gas, clip in ((2, 3, True), (3, 1, False), (2, 1, False))]
 # ratio < 1: the device part's masters and moments stepped where the parameters are, under the same bound.
 RATIO_SHAPES = [(2, 1, True, False), (2, 3, False, True), (3, 3, True, False)]     # stage, gas, clip, super_offload
 CASES += [Case(p, stage, "cpu", gas, clip, ratio=0.5, spec=spec) for p in ("bf16", "fp16")
@@ -86,8 +90,9 @@ def case_config(case: Case, ws: int, nvme_path: str) -> dict:
         zero.update(stage3_param_persistence_threshold=0, stage3_max_reuse_distance=0,
                     stage3_prefetch_bucket_size=3000)
     if case.stage == 3 and case.offload != "none" and case.ratio == 1:    # ratio < 1 steps device parameters
-        zero["offload_param"] = {"device": case.offload, **({"nvme_path": nvme_path, "buffer_count": 3,
-                                                             "buffer_size": 10_000} if case.offload == "nvme" else {})}
+        params = "cpu" if case.spec else case.offload                     # super_offload: parameters in memory
+        zero["offload_param"] = {"device": params, **({"nvme_path": nvme_path, "buffer_count": 3,
+                                                       "buffer_size": 10_000} if params == "nvme" else {})}
     if case.offload == "nvme":
         zero["offload_optimizer"].update(nvme_path=nvme_path, buffer_count=3)
         zero["sub_group_size"] = 3000

@@ -18,6 +18,8 @@ from zero_offload.zero.averaging import GradAveraging
 from zero_offload.zero.stage3 import Stage3Optimizer
 from zero_offload.zero.stage3.lifecycle import UnitLifecycle
 from zero_offload.zero.partitioned_adam import PartitionedAdam
+from zero_offload.nvme.adam import NvmeAdam
+from zero_offload.nvme.speculation import SubGroupSpeculation
 from zero_offload.zero.speculation import SpeculativeStep
 
 
@@ -120,6 +122,23 @@ def correction_applied_twice(mp):
     _wrap(mp, PartitionedAdam, "_host_step", make)
 
 
+def nvme_speculation_kept_when_clipped(mp):
+    """super_offload over NVMe keeps the sub-groups speculated with clip coefficient 1 although clipping fired."""
+    _wrap(mp, SubGroupSpeculation, "settle",
+          lambda f: lambda self, grad_scale, grads, same_lrs=True: f(self, self.grad_scale, grads, same_lrs))
+
+
+def nvme_correction_applied_twice(mp):
+    """super_offload over NVMe: where clipping fired, the step with the true coefficient runs twice."""
+    def make(f):
+        def step(self, grads, grad_scale, lrs):
+            if self.speculation is not None:
+                f(self, grads, grad_scale, lrs)
+            return f(self, grads, grad_scale, lrs)
+        return step
+    _wrap(mp, NvmeAdam, "_step", make)
+
+
 def device_part_with_another_coefficient(mp):
     """offload_optimizer.ratio: the device part is stepped with the coefficient of an unclipped step."""
     from zero_offload.zero.split_adam import SplitAdam
@@ -151,6 +170,9 @@ FAULTS = [
     (speculation_kept_when_clipped, Case("fp16", 3, "cpu", 1, True, spec=True), 2),
     (correction_applied_twice, Case("bf16", 3, "cpu", 1, True, spec=True), 1),
     (correction_applied_twice, Case("fp16", 2, "cpu", 3, True, spec=True), 2),
+    (nvme_speculation_kept_when_clipped, Case("bf16", 2, "nvme", 3, True, spec=True), 1),
+    (nvme_speculation_kept_when_clipped, Case("fp16", 3, "nvme", 1, True, spec=True), 2),
+    (nvme_correction_applied_twice, Case("bf16", 2, "nvme", 1, True, spec=True), 1),
     (device_part_with_another_coefficient, Case("bf16", 2, "cpu", 1, True, ratio=0.5), 1),
     (device_part_with_another_coefficient, Case("fp16", 3, "cpu", 3, True, ratio=0.5), 2),
 ]
@@ -190,10 +212,24 @@ def overflow_not_undone(mp):
     mp.setattr(SpeculativeStep, "discard", discard)
 
 
+def nvme_overflow_not_undone(mp):
+    """super_offload over NVMe: on fp16 overflow the sub-groups speculated so far are kept instead of dropped."""
+    def discard_speculation(self):
+        spec = self.speculation
+        if spec is not None and spec.active:
+            spec.join()
+            spec.active = False
+            self._drain()
+            for k in spec.stepped:
+                self.bank[k] = 1 - self.bank[k]
+    mp.setattr(NvmeAdam, "discard_speculation", discard_speculation)
+
+
+@pytest.mark.parametrize("offload", ("cpu", "nvme"))
 @pytest.mark.parametrize("stage", (2, 3))
-def test_overflow_not_undone_is_caught(monkeypatch, stage):
+def test_overflow_not_undone_is_caught(monkeypatch, tmp_path, stage, offload):
     from test_super_offload import test_fp16_overflow_is_undone
     with monkeypatch.context() as mp:
-        overflow_not_undone(mp)
+        (overflow_not_undone if offload == "cpu" else nvme_overflow_not_undone)(mp)
         with pytest.raises(AssertionError):
-            test_fp16_overflow_is_undone(stage)
+            test_fp16_overflow_is_undone(stage, offload, tmp_path)

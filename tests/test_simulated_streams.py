@@ -41,7 +41,9 @@ RUNS = [("zero2-offload", Case("bf16", 2, "cpu", 2, True), 1),
         ("zero3-offload-params-super-2ranks", Case("bf16", 3, "cpu", 2, False, spec=True), 2),
         ("zero2-offload-ratio-super", Case("bf16", 2, "cpu", 1, False, spec=True, ratio=0.5), 1),
         ("zero3-offload-ratio-2ranks", Case("bf16", 3, "cpu", 2, True, ratio=0.5), 2),
-        ("zero2-nvme-ratio", Case("bf16", 2, "nvme", 2, True, ratio=0.5), 1)]
+        ("zero2-nvme-ratio", Case("bf16", 2, "nvme", 2, True, ratio=0.5), 1),
+        ("zero2-nvme-super", Case("bf16", 2, "nvme", 1, False, spec=True), 1),
+        ("zero3-nvme-super-gas2", Case("bf16", 3, "nvme", 2, False, spec=True), 1)]
 
 
 def in_mode(mode: str, fn, *args):

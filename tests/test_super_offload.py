@@ -1,12 +1,14 @@
 """``offload_optimizer.super_offload``: the host step speculated during backward is exact.
 
-- fp32 at stages 2 and 3 (the optimizer offloaded; at stage 3 also the parameters), 1 and 2 ranks, accumulation 1
-  and 3, clipping off, clipping that fires on some steps and not others, and heavy clipping (coefficient <= 0.01 at
-  every step): within 1e-5 of ``torch.optim.AdamW`` on one process, and bitwise the plain engine's run;
+- fp32 at stages 2 and 3 (the optimizer offloaded to host memory or NVMe; at stage 3 also the parameters), 1 and
+  2 ranks, accumulation 1 and 3, clipping off, clipping that fires on some steps and not others, and heavy clipping
+  (coefficient <= 0.01 at every step): within 1e-5 of ``torch.optim.AdamW`` on one process, and bitwise the plain
+  engine's run;
 - heavy clipping only at step 1 and at a later step (the loss scaled up 1000x there): against AdamW with
   ``clip_grad_norm_``, the speculated step kept exactly where clipping did not fire and redone where it did;
 - an fp16 overflow step in the middle leaves masters and moments as they were and the step count unchanged;
-- the second bank is counted (``speculative_state``) and the estimate predicts it;
+- the second bank is counted (``speculative_state``: host memory, or a second set of swap files) and the estimate
+  predicts it;
 - bad combinations are refused, naming the keys.
 The 16-bit lockstep matrix (`test_exact16`), the power tests (`test_power`) and the simulated streams
 (`test_simulated_streams`) cover it too.
@@ -25,6 +27,7 @@ from reference import LR, MICRO, WD, engine_config, engine_runs, reference_run
 from toy_model import batch, make_model
 from zero_offload.config import ConfigError
 from zero_offload.estimate import estimate_memory
+from zero_offload.estimate.memory import MODEL_STATE_KINDS
 from zero_offload.optim.fused_adam import native_available
 
 ATOL = 1e-5
@@ -36,13 +39,21 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
     that a piece starting elsewhere than the plain step's chunks may differ in the last bit."""
     return torch.equal(a, b) if native_available() else torch.allclose(a, b, rtol=1e-6, atol=1e-7)
 CLIPS = ("off", "some", "heavy")
-CASES = list(itertools.product((2, 3), (1, 3), CLIPS))
+OFFLOADS = ("cpu", "nvme")
+CASES = list(itertools.product((2, 3), (1, 3), CLIPS, OFFLOADS))
 
 
-def spec_config(stage: int, gas: int, clip: float, ws: int, super_offload: bool = True) -> dict:
-    cfg = engine_config(stage, "cpu", gas, clip, ws=ws)
+def spec_config(stage: int, gas: int, clip: float, ws: int, super_offload: bool = True, offload: str = "cpu",
+                nvme_path: str | None = None) -> dict:
+    """super_offload (or not) with the states in host memory, or (``nvme``) in swap files of 3000-element
+    sub-groups under ``nvme_path``."""
+    cfg = engine_config(stage, offload, gas, clip, ws=ws)
     zero = cfg["zero_optimization"]
     zero["offload_optimizer"]["super_offload"] = super_offload
+    if offload == "nvme":
+        zero["offload_optimizer"].update(nvme_path=nvme_path, buffer_count=3)
+        zero["sub_group_size"] = 3000
+        cfg["aio"] = {"block_size": 8192}
     if stage == 3:
         zero.update(offload_param={"device": "cpu"}, stage3_param_persistence_threshold=0,
                     stage3_max_reuse_distance=0)
@@ -59,13 +70,15 @@ def clip_value(kind: str, gas: int, ws: int) -> float:
 
 
 @pytest.fixture(scope="module")
-def results():
+def results(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("super-offload-nvme"))
     out = {}
     for ws in (1, 2):
         configs = []
-        for stage, gas, kind in CASES:
+        for stage, gas, kind, offload in CASES:
             clip = clip_value(kind, gas, ws)
-            configs += [spec_config(stage, gas, clip, ws), spec_config(stage, gas, clip, ws, super_offload=False)]
+            configs += [spec_config(stage, gas, clip, ws, True, offload, path),
+                        spec_config(stage, gas, clip, ws, False, offload, path)]
         runs = engine_runs(configs, with_norms=True) if ws == 1 else run_ranks(engine_runs, 2, configs, 5, True)[0]
         for i, case in enumerate(CASES):
             out[(ws, *case)] = (runs[2 * i], runs[2 * i + 1])
@@ -73,10 +86,11 @@ def results():
 
 
 @pytest.mark.parametrize("ws", (1, 2))
-@pytest.mark.parametrize("stage,gas,kind", CASES)
-def test_matches_adamw_and_the_plain_engine(results, ws, stage, gas, kind):
+@pytest.mark.parametrize("stage,gas,kind,offload", CASES)
+def test_matches_adamw_and_the_plain_engine(results, ws, stage, gas, kind, offload):
     ref_params, ref_losses = reference_run(gas=gas, clip=clip_value(kind, gas, ws), ws=ws)
-    (masters, params, losses, _), (plain_masters, plain_params, plain_losses, _) = results[(ws, stage, gas, kind)]
+    (masters, params, losses, _), (plain_masters, plain_params, plain_losses, _) = \
+        results[(ws, stage, gas, kind, offload)]
     for name, ref in ref_params.items():
         assert (masters[name] - ref).abs().max().item() <= ATOL, name
         assert (params[name] - ref).abs().max().item() <= ATOL, name
@@ -90,7 +104,7 @@ def test_matches_adamw_and_the_plain_engine(results, ws, stage, gas, kind):
 @pytest.mark.parametrize("gas", (1, 3))
 def test_clip_kinds_engage(results, ws, gas):
     """"some" clips some steps and not others; "heavy" clips every step to a coefficient <= 0.01."""
-    norms = results[(ws, 2, gas, "off")][0][3]
+    norms = results[(ws, 2, gas, "off", "cpu")][0][3]
     some, heavy = clip_value("some", gas, ws), clip_value("heavy", gas, ws)
     assert any(n > some for n in norms) and any(n <= some for n in norms), (norms, some)
     assert all(heavy / n <= 0.01 for n in norms), (norms, heavy)
@@ -127,14 +141,15 @@ def _spike_run(config: dict):
     return state, kept, norms
 
 
+@pytest.mark.parametrize("offload", OFFLOADS)
 @pytest.mark.parametrize("stage", (2, 3))
-def test_heavy_clipping_at_the_first_and_a_later_step(stage):
-    plain_norms = _spike_run(spec_config(stage, 1, 0.0, 1, super_offload=False))[2]
+def test_heavy_clipping_at_the_first_and_a_later_step(stage, offload, tmp_path):
+    plain_norms = _spike_run(spec_config(stage, 1, 0.0, 1, False, offload, str(tmp_path)))[2]
     clip = 2 * max(n for i, n in enumerate(plain_norms) if i not in SPIKES)   # fires at the spikes only
-    state, kept, norms = _spike_run(spec_config(stage, 1, clip, 1))
+    state, kept, norms = _spike_run(spec_config(stage, 1, clip, 1, True, offload, str(tmp_path)))
     assert all(clip / norms[i] <= 0.01 for i in SPIKES), norms
     assert kept == [0.0 if i in SPIKES else 1.0 for i in range(STEPS)]     # redone where clipping fired
-    plain = _spike_run(spec_config(stage, 1, clip, 1, super_offload=False))[0]
+    plain = _spike_run(spec_config(stage, 1, clip, 1, False, offload, str(tmp_path)))[0]
     ref = _spike_reference(clip)
     for name, value in ref.items():
         assert (state[name] - value).abs().max().item() <= ATOL, name
@@ -158,9 +173,10 @@ def _overflow_run(config: dict):
     return states, engine.skipped_steps
 
 
+@pytest.mark.parametrize("offload", OFFLOADS)
 @pytest.mark.parametrize("stage", (2, 3))
-def test_fp16_overflow_is_undone(stage):
-    cfg = spec_config(stage, 1, 1.0, 1)
+def test_fp16_overflow_is_undone(stage, offload, tmp_path):
+    cfg = spec_config(stage, 1, 1.0, 1, True, offload, str(tmp_path))
     cfg["fp16"] = {"enabled": True, "initial_scale_power": 8, "hysteresis": 1}
     states, skipped = _overflow_run(cfg)
     plain_cfg = copy.deepcopy(cfg)
@@ -188,6 +204,29 @@ def test_second_bank_is_counted_and_estimated(precision, moment_bytes):
     assert held["speculative_state"] == {"bytes": part * (4 + 2 * moment_bytes), "numel": 3 * part, "side": "host"}
     est = estimate_memory(make_model(), cfg, 1, accelerator=False)
     assert est.host["speculative_state"] == held["speculative_state"]["bytes"]
+
+
+@pytest.mark.parametrize("stage", (2, 3))
+def test_the_second_bank_of_swap_files_is_counted_and_estimated(stage, tmp_path):
+    """On NVMe the second bank is a second set of state files (``speculative_state`` on the nvme side) and the
+    updated parameters wait in a landing buffer (``param_incoming`` at stage 2, ``param_staging`` beside stage 3's
+    host shards); the estimate predicts every kind the engine holds."""
+    cfg = spec_config(stage, 1, 0.0, 1, True, "nvme", str(tmp_path))
+    engine = zero_offload.initialize(make_model(), cfg)
+    x, y = batch(0, MICRO)
+    engine.backward(engine(x, y))
+    engine.step()
+    held = engine.memory_breakdown()
+    engine.close()
+    files = sum(held[k]["bytes"] for k in ("master", "exp_avg", "exp_avg_sq"))
+    assert held["speculative_state"]["side"] == "nvme" and held["speculative_state"]["bytes"] == files
+    landing = held["param_incoming" if stage == 2 else "param_staging"]["bytes"]
+    assert landing >= 4 * held["master"]["numel"] - 4 * 3000 * 2     # the partition again (fp32), padding aside
+    est = estimate_memory(make_model(), cfg, 1, accelerator=False)
+    for side, predicted in (("device", est.device), ("host", est.host), ("nvme", est.nvme)):
+        mine = {k: v["bytes"] for k, v in held.items() if v["side"] == side and v["bytes"]}
+        assert {k: v for k, v in predicted.items() if v and k in MODEL_STATE_KINDS} == \
+            {k: v for k, v in mine.items() if k in MODEL_STATE_KINDS}, side
 
 
 @pytest.mark.parametrize("change,named", [
@@ -236,8 +275,9 @@ def test_the_recorded_step_starts_the_host_step_before_backward_ends():
     assert "host step thread" in spec_step.bars
 
 
-def test_timings_report_the_hidden_share():
-    engine = zero_offload.initialize(make_model(), spec_config(2, 1, 0.0, 1))
+@pytest.mark.parametrize("offload", OFFLOADS)
+def test_timings_report_the_hidden_share(offload, tmp_path):
+    engine = zero_offload.initialize(make_model(), spec_config(2, 1, 0.0, 1, True, offload, str(tmp_path)))
     for step in range(3):
         x, y = batch(step, MICRO)
         engine.backward(engine(x, y))

@@ -234,7 +234,7 @@ class ZeroConfig:
                               f"{self.offload_param.device!r} (the device part steps device parameters)")
 
     def _check_super_offload(self, path: str) -> None:
-        """``offload_optimizer.super_offload`` needs the host step of stages 2/3 in host memory, synchronous."""
+        """``offload_optimizer.super_offload`` needs the host step of stages 2/3 (states in host memory or NVMe)."""
         key = f"config key '{path}.offload_optimizer.super_offload' = true"
         if self.offload_optimizer.delayed_param_update:
             raise ConfigError(f"{key} and '{path}.offload_optimizer.delayed_param_update' = true do not combine: "
@@ -242,10 +242,9 @@ class ZeroConfig:
         if self.stage < 2:
             raise ConfigError(f"{key} needs '{path}.stage' 2 or 3 (got {self.stage}): the pieces are stepped as "
                               "stage 2/3 reduce them during backward")
-        if self.offload_optimizer.device != "cpu":
-            raise ConfigError(f"{key} needs '{path}.offload_optimizer.device' = 'cpu' (got "
-                              f"{self.offload_optimizer.device!r}): it hides the host step of states in host "
-                              "memory")
+        if self.offload_optimizer.device == "none":
+            raise ConfigError(f"{key} needs '{path}.offload_optimizer.device' = 'cpu' or 'nvme' (got 'none'): it "
+                              "hides the host step")
         if self.offload_param.device == "nvme":
             raise ConfigError(f"{key} needs the parameters in memory; '{path}.offload_param.device' is 'nvme'")
 

@@ -146,6 +146,8 @@ def choose_batch(shape: ModelShape, raw: dict, gpus: int, seq: int | None, knobs
     micros = list(MICRO_BATCHES) if knobs.micro_batch is None else [knobs.micro_batch]
     zc = base.zero_optimization
     dpu_possible = (zc.offload_optimizer.device == "cpu" and not (zc.stage == 3 and zc.offload_param.device != "none"))
+    # Chosen for states in host memory only: the step model has no NVMe I/O term, so under nvme the config's
+    # super_offload and ratio are kept as given (both run there).
     spec_possible = zc.offload_optimizer.device == "cpu" and zc.stage >= 2 and zc.offload_param.device != "nvme"
     ratio_possible = spec_possible and zc.offload_param.device == "none"
     policies = _policies(knobs, dpu_possible, spec_possible, ratio_possible)

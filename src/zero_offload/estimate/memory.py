@@ -289,7 +289,16 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
                 moments(p, on_host=False)
     grads_on_host = offload_opt or offload_param
     parts = [p - device_numel(p, ratio) for p in parts]       # the host parts (all of each, at ratio 1)
-    if speculative:
+    if speculative and state_nvme:
+        # super_offload over swap files steps each sub-group into a second bank of files (`zero_offload.nvme.
+        # speculation`, counted in `_nvme_files`); the parameters wait in a landing buffer like the parameters.
+        if offload_param:
+            for p in parts:
+                host("param_staging", p, dtype)
+        else:
+            est.add("device", "param_incoming", sum(parts) * d)
+        est.formulas["param_incoming"] = "super_offload: the partition again where the parameters are (P x d)"
+    elif speculative:
         # super_offload steps into a second bank of masters and moments (`zero_offload.zero.speculation`); with
         # device parameters each piece's 16-bit parameters go through a pinned buffer into device landing buffers.
         for p in parts:
@@ -359,6 +368,8 @@ def _nvme_files(est: MemoryEstimate, cfg: Config, shape: ModelShape, parts: list
         for kind in ("master", "exp_avg", "exp_avg_sq"):
             est.add("nvme", kind, sum(-(-n // sub) * sub * 4 for n in parts))
         oo = zc.offload_optimizer
+        if oo.super_offload:       # the second bank of state files the speculated sub-groups are written to
+            est.add("nvme", "speculative_state", 3 * sum(-(-n // sub) * sub * 4 for n in parts))
         est.add("host", "nvme_buffers", NvmeAdam.pool_bytes(parts, zc.sub_group_size, oo.buffer_count,
                                                             oo.pipeline_read, oo.pipeline_write))
         if d < 4 and (accelerator or param_nvme):    # 16-bit outputs leave through one staging slot per buffer
@@ -371,7 +382,8 @@ def _nvme_files(est: MemoryEstimate, cfg: Config, shape: ModelShape, parts: list
         est.add("host", "param_pool", NvmeParamStore.pool_bytes(largest, dtype, zc.offload_param.buffer_count))
         est.add("host", "param_write_ring", NvmeParamStore.write_ring_bytes())
     est.formulas["nvme"] = ("states: 3 files of whole sub-groups (sub_group_size, aligned to 4 KiB) x 4 B; pool: "
-                            "min(buffer_count, 1 + pipeline_read + pipeline_write) x 12 B x sub-group; params: one file per group, d B per element, read "
+                            "min(buffer_count, 1 + pipeline_read + pipeline_write) x 12 B x sub-group (super_offload: "
+                            "the state files twice); params: one file per group, d B per element, read "
                             "through buffer_count buffers of the largest shard, written behind the step through a "
                             f"ring of {NvmeParamStore.write_ring_bytes() >> 20} MiB")
 

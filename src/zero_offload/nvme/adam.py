@@ -7,7 +7,9 @@ kernel, write i-1 behind (``pipeline_write``) -- so host memory for optimizer st
 model. Same role as `PartitionedAdam`: `zero_offload.zero.optimizer_role.PartitionOptimizer`.
 
 Files: ``{nvme_path}/zero_offload/rank{r}/group{g}.{master,exp_avg,exp_avg_sq}.swp``, each sub-group at
-byte offset ``i x sub x 4`` (``sub`` rounded up to 1024 elements for O_DIRECT alignment). The moments start
+byte offset ``i x sub x 4`` (``sub`` rounded up to 1024 elements for O_DIRECT alignment). With super_offload a
+second bank, ``group{g}.spec.{kind}.swp``, and a bit per sub-group saying which bank holds its live state
+(`zero_offload.nvme.speculation`). The moments start
 as sparse files (zeros, no disk written) and are written by the first step. Files left by a killed run are
 reclaimed at the next start; the files are removed by `close`, when the optimizer is collected, or at exit.
 """
@@ -21,8 +23,10 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
+from zero_offload.host_thread import HostThread
 from zero_offload.nvme.fail_stop import FailStop
 from zero_offload.nvme.buffers import ALIGNMENT, BufferPool, align_up
+from zero_offload.nvme.speculation import SubGroupSpeculation
 from zero_offload.nvme.swapper import Pending, Swapper
 from zero_offload.offload.copies import CopyEngine
 from zero_offload.optim.cpu_adam import CPUAdam
@@ -80,6 +84,11 @@ class NvmeAdam(FailStop, WholeGroupState):
             ``param_io.read_range(g, lo, hi)`` and each sub-group's updated parameters are written with
             ``param_io.write_behind(g, lo, values)`` (a `zero_offload.nvme.param_store.NvmeParamStore`): the
             writes overlap the rest of the step and are still in flight when it returns.
+        speculative: ``offload_optimizer.super_offload``: the boundary's sub-groups are stepped during backward on
+            `host_thread` (pinned to ``host_cpus``) into the second bank, and `step` keeps or redoes them exactly
+            (`SubGroupSpeculation`); the updated parameters wait in ``landing`` (like ``parts``) until kept.
+        host_params: the parts are host memory themselves (stage 3 ``offload_param.device = cpu``): the landing
+            buffers are host memory too (counted as ``param_staging``; else as ``param_incoming``).
 
     Raises:
         NvmeIOError: a failed read or write (naming the file). After one, every later `step` and state read
@@ -94,7 +103,8 @@ class NvmeAdam(FailStop, WholeGroupState):
     def __init__(self, parts: list[torch.Tensor], hparams: list[dict], copies: CopyEngine, directory: Path,
                  sub_group_size: int, buffer_count: int, pipeline_read: bool = False, pipeline_write: bool = False,
                  block_size: int = 1 << 20, thread_count: int = 1, param_io=None,
-                 queue_depth: int = 1, host_threads: int | None = None):
+                 queue_depth: int = 1, host_threads: int | None = None, speculative: bool = False,
+                 host_cpus: tuple[int, ...] | None = None, host_params: bool = False):
         self.parts, self.copies, self.param_io = parts, copies, param_io
         self.pipeline_read, self.pipeline_write = pipeline_read, pipeline_write
         self.sub = self.sub_group_numel([p.numel() for p in parts], sub_group_size)
@@ -107,9 +117,13 @@ class NvmeAdam(FailStop, WholeGroupState):
         self.swapper = Swapper(directory, block_size=block_size, thread_count=thread_count,
                                queue_depth=queue_depth)
         self._finalizer = weakref.finalize(self, self.swapper.close)
+        self.banks = 2 if speculative else 1
+        self.bank = [0] * len(self.units)            # per sub-group: the bank holding its live state
+        self.unit_index = {(g, i): k for k, (g, i, _, _) in enumerate(self.units)}
         for g, p in enumerate(parts):
             for kind in KINDS:
-                self.swapper.open(self._name(g, kind), self.file_bytes(p.numel()))
+                for bank in range(self.banks):
+                    self.swapper.open(self._name(g, kind, bank), self.file_bytes(p.numel()))
         slots = self.pool_slots(buffer_count, pipeline_read, pipeline_write)
         self.pool = BufferPool(slots, 3 * self.sub * _FP32, pin=copies.pin)   # DeepSpeed pins them too
         self.staging = [None] * slots
@@ -122,6 +136,14 @@ class NvmeAdam(FailStop, WholeGroupState):
         self.timings = {"read_wait_s": 0.0, "adam_s": 0.0, "write_wait_s": 0.0}
         self.host_threads = host_threads or torch.get_num_threads()
         self.host_step_s = 0.0                    # the last step's own duration (reads and writes included)
+        self.host_params = host_params
+        self.host_thread = HostThread("host-step", copies.device, host_cpus) if speculative else None
+        self.speculation = (SubGroupSpeculation([(g, lo, hi) for g, _, lo, hi in self.units], len(parts),
+                                                self._speculate_unit, self.host_thread) if speculative else None)
+        self.landing = [torch.empty_like(p) for p in parts] if speculative else []
+        self.landing_free = None                  # where the compute stream last read the landing buffers
+        self._spec_slot = 0
+        self._spec_lrs: list[float] = []
         self._guard(self._write_initial_masters)
 
     @staticmethod
@@ -158,23 +180,26 @@ class NvmeAdam(FailStop, WholeGroupState):
         return -(-numel // self.sub) * self.sub * _FP32
 
     @staticmethod
-    def _name(g: int, kind: str) -> str:
-        return f"group{g}.{kind}.swp"
+    def _name(g: int, kind: str, bank: int = 0) -> str:
+        return f"group{g}.{kind}.swp" if bank == 0 else f"group{g}.spec.{kind}.swp"
 
     def _views(self, slot: int, n: int) -> list[torch.Tensor]:
         buf = self.pool.buffers[slot]
         return [buf.view(torch.float32, n, k * self.sub * _FP32) for k in range(3)]
 
-    def _io(self, slot: int, g: int, i: int, n: int, write: bool, kinds=KINDS) -> list[Pending]:
-        """Start reads or writes of sub-group i's ``kinds`` (aligned lengths: the padding goes along)."""
-        nbytes = align_up(n * _FP32, ALIGNMENT)
+    def _io(self, slot: int, u: int, write: bool, kinds=KINDS, bank: int | None = None) -> list[Pending]:
+        """Start reads or writes of sub-group ``u``'s ``kinds`` (aligned lengths: the padding goes along) in
+        ``bank`` (default: the one holding its live state)."""
+        g, i, lo, hi = self.units[u]
+        bank = self.bank[u] if bank is None else bank
+        nbytes = align_up((hi - lo) * _FP32, ALIGNMENT)
         buf = self.pool.buffers[slot]
         out = []
         for k, kind in enumerate(KINDS):
             if kind in kinds:
                 view = buf.raw[k * self.sub * _FP32:k * self.sub * _FP32 + nbytes]
                 op = self.swapper.write if write else self.swapper.read
-                out.append(op(self._name(g, kind), view, i * self.sub * _FP32))
+                out.append(op(self._name(g, kind, bank), view, i * self.sub * _FP32))
         return out
 
     def _wait(self, pendings) -> None:
@@ -202,7 +227,16 @@ class NvmeAdam(FailStop, WholeGroupState):
             NvmeIOError: a read or write failed.
         """
         start = time.perf_counter()
-        self._guard(self._step, [g.ready() for g in grads], grad_scale, lrs)
+        ready = [g.ready() for g in grads]
+        spec = self.speculation
+        if spec is not None and spec.active:
+            same_lrs = lrs is None or [float(lr) for lr in lrs] == self._spec_lrs
+            if spec.settle(grad_scale, ready, same_lrs):      # the speculated step stands: flip and publish it
+                self._guard(self._accept)
+                self.host_step_s = spec.total_s + time.perf_counter() - start
+                return
+            self._guard(self._drain)
+        self._guard(self._step, ready, grad_scale, lrs)
         self.host_step_s = time.perf_counter() - start
 
     def publish(self) -> None:
@@ -222,41 +256,22 @@ class NvmeAdam(FailStop, WholeGroupState):
         reads: dict[int, list[Pending]] = {}
 
         def issue_read(k: int) -> None:
-            g, i, lo, hi = self.units[k]
             self._free_slot(k % nslots)
-            reads[k] = self._io(k % nslots, g, i, hi - lo, write=False)
+            reads[k] = self._io(k % nslots, k, write=False)
 
         issue_read(0)
-        for k, (g, i, lo, hi) in enumerate(self.units):
+        for k, (g, _, lo, hi) in enumerate(self.units):
             slot = k % nslots
             if self.pipeline_read and k + 1 < len(self.units):
                 issue_read(k + 1)                      # read-ahead overlaps this sub-group's step
             t0 = time.perf_counter()
             self._wait(reads.pop(k))
             t1 = time.perf_counter()
-            master, exp_avg, exp_avg_sq = self._views(slot, hi - lo)
             h = self.optimizer.param_groups[g]
-            part = self.parts[g][lo:hi]
-            sixteen_bit = part.dtype != torch.float32
-            out = None
-            if self.param_io is not None:
-                out = self._staging(slot, part.dtype)[:hi - lo] if sixteen_bit else None
-            elif sixteen_bit:
-                out = part if part.device.type == "cpu" else self._staging(slot, part.dtype)[:hi - lo]
-            lr = h["lr"] if lrs is None else lrs[g]
-            fused_adam_step(master, grads[g][lo:hi], exp_avg, exp_avg_sq, step=self.steps[g], lr=lr,
-                            beta1=h["betas"][0], beta2=h["betas"][1], eps=h["eps"],
-                            weight_decay=h["weight_decay"], adamw_mode=h["adamw_mode"],
-                            bias_correction=h["bias_correction"], grad_scale=grad_scale, out=out,
-                            num_threads=self.host_threads)
-            if self.param_io is not None:       # the updated parameters go to their swap file, behind
-                self.param_io.write_behind(g, lo, out if sixteen_bit else master)
-            elif part.device.type != "cpu":
-                self.copies.to_device(part, out if sixteen_bit else master)   # up while the next one steps
-            elif not sixteen_bit:
-                part.copy_(master)
+            self._kernel(k, slot, lo, grads[g][lo:hi], grad_scale, h["lr"] if lrs is None else lrs[g],
+                         self.steps[g], land=False)
             t2 = time.perf_counter()
-            self._writes[slot] = self._io(slot, g, i, hi - lo, write=True)
+            self._writes[slot] = self._io(slot, k, write=True)
             if not self.pipeline_write:
                 self._wait(self._writes[slot])
                 self._writes[slot] = None
@@ -271,6 +286,85 @@ class NvmeAdam(FailStop, WholeGroupState):
         self._writes = [None] * nslots
         self.copies.wait_for_copies()
         self.timings["write_wait_s"] += time.perf_counter() - t0
+
+    def _kernel(self, k: int, slot: int, a: int, grad: torch.Tensor, grad_scale: float, lr: float, step: int,
+                land: bool) -> None:
+        """Step elements [a, a + len(grad)) of group g's partition (inside sub-group ``k``, whose state is in
+        buffer ``slot``) and send the updated parameters on: to the parameters, to their swap file, or (``land``)
+        to the landing buffer."""
+        g, _, lo, hi = self.units[k]
+        b = a + grad.numel()
+        master, exp_avg, exp_avg_sq = (v[a - lo:b - lo] for v in self._views(slot, hi - lo))
+        h = self.optimizer.param_groups[g]
+        part = self.parts[g][a:b]
+        target = self.landing[g][a:b] if land else part
+        sixteen_bit = part.dtype != torch.float32
+        out = None
+        if self.param_io is not None:
+            out = self._staging(slot, part.dtype)[a - lo:b - lo] if sixteen_bit else None
+        elif sixteen_bit:
+            out = target if target.device.type == "cpu" else self._staging(slot, part.dtype)[a - lo:b - lo]
+        fused_adam_step(master, grad, exp_avg, exp_avg_sq, step=step, lr=lr,
+                        beta1=h["betas"][0], beta2=h["betas"][1], eps=h["eps"],
+                        weight_decay=h["weight_decay"], adamw_mode=h["adamw_mode"],
+                        bias_correction=h["bias_correction"], grad_scale=grad_scale, out=out,
+                        num_threads=self.host_threads)
+        if self.param_io is not None:       # the updated parameters go to their swap file, behind
+            self.param_io.write_behind(g, a, out if sixteen_bit else master)
+        elif target.device.type != "cpu":   # up while the next one steps (a landing buffer: once publish read it)
+            self.copies.to_device(target, out if sixteen_bit else master, after=self.landing_free if land else None)
+        elif not sixteen_bit:
+            target.copy_(master)
+
+    # -- super_offload: the speculative step (zero_offload.nvme.speculation) ------------------------------------
+    def begin_speculation(self, grad_scale: float) -> list:
+        """The boundary micro-step starts (``super_offload``): its sub-groups are stepped with ``grad_scale`` as
+        their gradients become final. Returns one `FinalRanges` per group, for its gradient partition."""
+        self.speculation.begin(grad_scale)
+        self._spec_lrs = [float(h["lr"]) for h in self.optimizer.param_groups]
+        return self.speculation.sinks()
+
+    def discard_speculation(self) -> None:
+        """The boundary takes no step (fp16 overflow, or a checkpoint load): drop what was speculated."""
+        if self.speculation is not None:
+            self.speculation.discard()
+            self._guard(self._drain)
+
+    def _speculate_unit(self, k: int, pieces: list, grad_scale: float) -> None:
+        """Sub-group ``k`` from its live bank, stepped with the gradient ``pieces`` [(offset, values)] that cover
+        it, into the other bank; its parameters land in ``landing``."""
+        self._guard(self._speculate, k, pieces, grad_scale)
+
+    def _speculate(self, k: int, pieces: list, grad_scale: float) -> None:
+        g = self.units[k][0]
+        self._spec_slot = slot = (self._spec_slot + 1) % len(self.pool)
+        self._free_slot(slot)
+        self._wait(self._io(slot, k, write=False))
+        for a, values in sorted(pieces, key=lambda piece: piece[0]):
+            # each body from a 16-element boundary: the kernel's streaming stores are aligned only
+            cut = min(a + values.numel(), -(-a // 16) * 16)
+            for x, y in ((a, cut), (cut, a + values.numel())):
+                if x < y:
+                    self._kernel(k, slot, x, values[x - a:y - a], grad_scale, self._spec_lrs[g], self.steps[g] + 1,
+                                 land=True)
+        self._writes[slot] = self._io(slot, k, write=True, bank=1 - self.bank[k])
+
+    def _drain(self) -> None:
+        """Every write and copy up still in flight done (a speculation's too)."""
+        self.swapper.flush()
+        self._writes = [None] * len(self.pool)
+        self.copies.wait_for_copies()
+
+    def _accept(self) -> None:
+        """The speculated step stands: every sub-group's live state is now the other bank, each group has taken
+        a step, and the landing buffers are copied over the parameters (on the compute stream)."""
+        self._drain()
+        self.bank = [1 - b for b in self.bank]
+        for g in range(len(self.parts)):
+            self.steps[g] += 1
+        for part, landed in zip(self.parts, self.landing):
+            part.copy_(landed)
+        self.landing_free = self.copies.compute_point()
 
     def _staging(self, slot: int, dtype: torch.dtype) -> torch.Tensor:
         if self.staging[slot] is None:
@@ -287,7 +381,7 @@ class NvmeAdam(FailStop, WholeGroupState):
             self._free_slot(slot)
             src = self.parts[g][lo:hi] if self.param_io is None else self.param_io.read_range(g, lo, hi)
             self._views(slot, hi - lo)[0].copy_(src)
-            self._writes[slot] = self._io(slot, g, i, hi - lo, write=True, kinds=("master",))
+            self._writes[slot] = self._io(slot, k, write=True, kinds=("master",))
         self.swapper.flush()
         self._writes = [None] * nslots
 
@@ -299,9 +393,11 @@ class NvmeAdam(FailStop, WholeGroupState):
     def _read_state(self, g: int, kind: str) -> torch.Tensor:
         out = torch.empty(self.parts[g].numel(), dtype=torch.float32)
         k = KINDS.index(kind)
-        for _g, i, lo, hi in (u for u in self.units if u[0] == g):
+        for u, (_g, _i, lo, hi) in enumerate(self.units):
+            if _g != g:
+                continue
             self._free_slot(0)
-            self._wait(self._io(0, g, i, hi - lo, write=False, kinds=(kind,)))
+            self._wait(self._io(0, u, write=False, kinds=(kind,)))
             out[lo:hi].copy_(self._views(0, hi - lo)[k])
         return out
 
@@ -311,8 +407,12 @@ class NvmeAdam(FailStop, WholeGroupState):
         return {"master": [], "exp_avg": [], "exp_avg_sq": [], "nvme_buffers": [b.raw for b in self.pool.buffers]}
 
     def swapped_bytes(self) -> dict[str, int]:
-        """Bytes of swap files by state kind (whole sub-groups; the moments' files fill on the first step)."""
-        return {kind: sum(self.file_bytes(p.numel()) for p in self.parts) for kind in KINDS}
+        """Bytes of swap files by state kind (whole sub-groups; the moments' files fill on the first step), and
+        with super_offload the second bank's as ``speculative_state``."""
+        out = {kind: sum(self.file_bytes(p.numel()) for p in self.parts) for kind in KINDS}
+        if self.banks == 2:
+            out["speculative_state"] = sum(out.values())
+        return out
 
     @torch.no_grad()
     def write_master(self, g: int, offset: int, values: torch.Tensor) -> None:
@@ -322,20 +422,24 @@ class NvmeAdam(FailStop, WholeGroupState):
 
     def _write_master(self, g: int, offset: int, values: torch.Tensor) -> None:
         end = offset + values.numel()
-        for _g, i, lo, hi in (u for u in self.units if u[0] == g and u[2] < end and u[3] > offset):
+        for u, (_g, _i, lo, hi) in enumerate(self.units):
+            if _g != g or lo >= end or hi <= offset:
+                continue
             self._free_slot(0)
-            self._wait(self._io(0, g, i, hi - lo, write=False, kinds=("master",)))
+            self._wait(self._io(0, u, write=False, kinds=("master",)))
             a, b = max(lo, offset), min(hi, end)
             self._views(0, hi - lo)[0][a - lo:b - lo].copy_(values[a - offset:b - offset])
-            self._wait(self._io(0, g, i, hi - lo, write=True, kinds=("master",)))
+            self._wait(self._io(0, u, write=True, kinds=("master",)))
 
     def staging_tensors(self) -> list[torch.Tensor]:
-        """Host buffers the 16-bit outputs of a sub-group pass through (to the device or a parameter file)."""
-        return [t for t in self.staging if t is not None]
+        """Host buffers the 16-bit outputs of a sub-group pass through (to the device or a parameter file), and
+        super_offload's landing buffers where the parameters are host memory."""
+        return [t for t in self.staging if t is not None] + (self.landing if self.host_params else [])
 
     def incoming_tensors(self) -> list[torch.Tensor]:
-        """None: NVMe states step synchronously (no delayed update)."""
-        return []
+        """super_offload's landing buffers where the parameters are on the device (the partition again); else
+        none."""
+        return [] if self.host_params else list(self.landing)
 
     # -- the chunked state API of zero_offload.state.PartitionedOptimizerState --------------------------------
     def group_step(self, g: int) -> int:
@@ -346,14 +450,15 @@ class NvmeAdam(FailStop, WholeGroupState):
         at a time (at most ``sub_group_size`` elements; ``chunk_numel`` is not used), in increasing offset.
         Each piece is a view of a pool buffer, valid until the next piece is asked for: host memory stays the
         pool (copy a piece to keep it)."""
-        for _g, i, lo, hi in (u for u in self.units if u[0] == g):
-            pieces = self._guard(self._read_sub_group, g, i, hi - lo)
-            yield lo, pieces
+        for u, (_g, _i, lo, hi) in enumerate(self.units):
+            if _g == g:
+                yield lo, self._guard(self._read_sub_group, u)
 
-    def _read_sub_group(self, g: int, i: int, n: int) -> dict[str, torch.Tensor]:
+    def _read_sub_group(self, u: int) -> dict[str, torch.Tensor]:
+        _, _, lo, hi = self.units[u]
         self._free_slot(0)
-        self._wait(self._io(0, g, i, n, write=False))
-        return dict(zip(KINDS, self._views(0, n)))
+        self._wait(self._io(0, u, write=False))
+        return dict(zip(KINDS, self._views(0, hi - lo)))
 
     @torch.no_grad()
     def load_state_chunks(self, g: int, step: int, chunks) -> None:
@@ -368,19 +473,19 @@ class NvmeAdam(FailStop, WholeGroupState):
 
     def _load_chunks(self, g: int, step: int, chunks) -> None:
         n = self.parts[g].numel()
-        subs = [u for u in self.units if u[0] == g]
+        subs = [u for u, unit in enumerate(self.units) if unit[0] == g]
         covered, k = 0, 0
         self._free_slot(0)
         for lo, piece in checked_chunks(chunks, g, n):
             length = piece["master"].numel()
             while covered < lo + length:
-                _g, i, s_lo, s_hi = subs[k]
+                _g, _i, s_lo, s_hi = self.units[subs[k]]
                 take = min(s_hi, lo + length) - covered
                 for view, kind in zip(self._views(0, s_hi - s_lo), KINDS):
                     view[covered - s_lo:covered - s_lo + take].copy_(piece[kind][covered - lo:covered - lo + take])
                 covered += take
                 if covered == s_hi:            # a whole sub-group assembled: to its files and parameters
-                    self._wait(self._io(0, g, i, s_hi - s_lo, write=True))
+                    self._wait(self._io(0, subs[k], write=True))
                     self._write_params(g, s_lo, self._views(0, s_hi - s_lo)[0])
                     k += 1
         self.steps[g] = step
@@ -392,7 +497,11 @@ class NvmeAdam(FailStop, WholeGroupState):
             self.parts[g][lo:lo + master.numel()].copy_(master)
 
     def close(self) -> None:
-        """Wait for outstanding I/O and delete the swap files (also done when collected and at exit)."""
+        """End the host-step thread (super_offload), wait for outstanding I/O and delete the swap files (also done
+        when collected and at exit)."""
+        if self.speculation is not None:
+            self.speculation.close()
+            self.host_thread.close()
         self._finalizer()
 
     @property

@@ -15,6 +15,7 @@ from zero_offload.config import Config, ConfigError
 from zero_offload.nvme.adam import KINDS, NvmeAdam, swap_directory
 from zero_offload.nvme.param_store import PARAM_SUFFIX, NvmeParamStore
 from zero_offload.offload.copies import CopyEngine
+from zero_offload.offload.host_cores import host_step_cores
 
 __all__ = ["check_swap_directory", "build_nvme_adam", "build_param_store"]
 
@@ -55,7 +56,7 @@ def check_swap_directory(nvme_path: str, rank: int, need_bytes: int, key: str = 
 
 
 def build_nvme_adam(parts: list[torch.Tensor], hparams: list[dict], copies: CopyEngine, config: Config,
-                    rank: int, param_io=None) -> NvmeAdam:
+                    rank: int, param_io=None, host_params: bool = False) -> NvmeAdam:
     """The NVMe optimizer for this rank's ``parts`` as ``config`` (offload_optimizer, aio, sub_group_size)
     asks (``param_io``: see `NvmeAdam`), in a checked swap directory. Chosen by
     `zero_offload.zero.builder.build_partition_optimizer`, which refuses optimizers other than Adam/AdamW.
@@ -65,11 +66,14 @@ def build_nvme_adam(parts: list[torch.Tensor], hparams: list[dict], copies: Copy
     """
     zc = config.zero_optimization
     oo = zc.offload_optimizer
-    need = NvmeAdam.bytes_needed([p.numel() for p in parts], zc.sub_group_size)
+    banks = 2 if oo.super_offload else 1          # super_offload: a second bank of state files
+    need = banks * NvmeAdam.bytes_needed([p.numel() for p in parts], zc.sub_group_size)
     directory = check_swap_directory(oo.nvme_path, rank, need, reclaimable=tuple(f".{k}.swp" for k in KINDS))
+    cores = host_step_cores(oo.cpuadam_cores_perc) if oo.super_offload else None
     return NvmeAdam(parts, hparams, copies, directory, zc.sub_group_size, oo.buffer_count, oo.pipeline_read,
                     oo.pipeline_write, block_size=config.aio.block_size, thread_count=config.aio.threads,
-                    queue_depth=config.aio.queue_depth, param_io=param_io)
+                    queue_depth=config.aio.queue_depth, param_io=param_io, speculative=oo.super_offload,
+                    host_threads=len(cores) if cores else None, host_cpus=cores, host_params=host_params)
 
 
 def build_param_store(units: list, numels: list[int], dtype: torch.dtype, config: Config, rank: int) -> NvmeParamStore:

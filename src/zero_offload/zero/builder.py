@@ -97,7 +97,7 @@ def build_partition_optimizer(config: Config, parts: list[torch.Tensor], hparams
             _in_memory(config, rest, hparams, True, copies, False)
         return SplitAdam(parts, cuts, on_device, on_host)
     if nvme:
-        return build_nvme_adam(parts, hparams, copies, config, rank, param_io=param_store)
+        return build_nvme_adam(parts, hparams, copies, config, rank, param_io=param_store, host_params=host_params)
     if param_store is not None:
         # fp32 masters read from the files are the inner optimizer's parameters; the 16-bit ones are written
         # back to the files after each step.

@@ -37,8 +37,9 @@ def config(case: dict, nvme_dir: str) -> dict:
     if case["stage"] == 3:
         zero.update(stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=3000)
         if offload != "none" and policy != "ratio":
-            zero["offload_param"] = {"device": offload, **({"nvme_path": nvme_dir, "buffer_count": 3,
-                                                            "buffer_size": 10_000} if offload == "nvme" else {})}
+            params = "cpu" if policy == "super" else offload        # super_offload: parameters in memory
+            zero["offload_param"] = {"device": params, **({"nvme_path": nvme_dir, "buffer_count": 3,
+                                                           "buffer_size": 10_000} if params == "nvme" else {})}
     if policy is True:
         zero["offload_optimizer"].update(delayed_param_update=True, dpu_warmup_steps=1)
     elif policy in ("super", "ratio"):

@@ -98,3 +98,27 @@ def assert_norms_match(norms: list[float], ref_norms: list[float], rel: float = 
     other groupings, within ``rel`` relative (measured <= 2e-6 on this model)."""
     for step, (a, b) in enumerate(zip(norms, ref_norms, strict=True)):
         assert abs(a - b) <= rel * b, f"step {step}: global norm {a} against clip_grad_norm_'s {b}"
+
+
+def one_step_breakdown(config: dict) -> dict:
+    """``memory_breakdown()`` of an engine of the toy model under ``config`` after one step."""
+    engine = zero_offload.initialize(make_model(), config)
+    x, y = batch(0, MICRO)
+    engine.backward(engine(x, y))
+    engine.step()
+    held = engine.memory_breakdown()
+    engine.close()
+    return held
+
+
+def assert_estimated(held: dict, config: dict) -> None:
+    """The estimate of ``config`` predicts, side by side, every model-state kind ``held`` (a breakdown) holds, to the
+    byte (the estimate's working-memory kinds, such as stage 3's gathered parameters, are not held between
+    steps)."""
+    from zero_offload.estimate import estimate_memory
+    from zero_offload.estimate.memory import MODEL_STATE_KINDS
+    est = estimate_memory(make_model(), config, 1, accelerator=False)
+    for side, predicted in (("device", est.device), ("host", est.host), ("nvme", est.nvme)):
+        mine = {k: v["bytes"] for k, v in held.items() if v["side"] == side and v["bytes"]}
+        assert {k: v for k, v in predicted.items() if v and k in MODEL_STATE_KINDS} == \
+            {k: v for k, v in mine.items() if k in MODEL_STATE_KINDS}, side

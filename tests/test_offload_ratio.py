@@ -17,7 +17,8 @@ import torch
 
 import zero_offload
 from dist_utils import run_ranks
-from reference import MICRO, engine_config, engine_runs, reference_run, train_step
+from reference import (MICRO, assert_estimated, engine_config, engine_runs, one_step_breakdown, reference_run,
+                       train_step)
 from toy_model import batch, make_model
 from zero_offload.config import ConfigError
 from zero_offload.estimate import estimate_memory
@@ -98,19 +99,10 @@ def test_the_host_part_on_nvme_matches_adamw(nvme_results, ws, stage, gas, clip)
 @pytest.mark.parametrize("stage", (2, 3))
 def test_the_host_part_on_nvme_is_in_swap_files_as_the_estimate_says(tmp_path, stage):
     cfg = nvme_ratio_config(tmp_path, stage, 1, 0.0)
-    engine = zero_offload.initialize(make_model(), cfg)
-    x, y = batch(0, MICRO)
-    engine.backward(engine(x, y))
-    engine.step()
-    held = engine.memory_breakdown()
-    engine.close()
+    held = one_step_breakdown(cfg)
     assert held["device_exp_avg"]["numel"] > 0 and held["nvme_buffers"]["bytes"] > 0
     assert {held[k]["side"] for k in ("master", "exp_avg", "exp_avg_sq")} == {"nvme"}
-    est = estimate_memory(make_model(), cfg, 1, accelerator=False)
-    for side, predicted in (("device", est.device), ("host", est.host), ("nvme", est.nvme)):
-        # (the estimate's working-memory kinds, stage 3's gathered parameters, are not held between steps)
-        assert {k: v for k, v in predicted.items() if v and k in held} == \
-            {k: v["bytes"] for k, v in held.items() if v["side"] == side and v["bytes"]}, side
+    assert_estimated(held, cfg)
 
 
 def test_the_split_is_real():

@@ -23,11 +23,11 @@ import torch
 
 import zero_offload
 from dist_utils import run_ranks
-from reference import LR, MICRO, WD, engine_config, engine_runs, reference_run
+from reference import (LR, MICRO, WD, assert_estimated, engine_config, engine_runs, one_step_breakdown,
+                       reference_run)
 from toy_model import batch, make_model
 from zero_offload.config import ConfigError
 from zero_offload.estimate import estimate_memory
-from zero_offload.estimate.memory import MODEL_STATE_KINDS
 from zero_offload.optim.fused_adam import native_available
 
 ATOL = 1e-5
@@ -194,12 +194,7 @@ def test_second_bank_is_counted_and_estimated(precision, moment_bytes):
     cfg = spec_config(2, 1, 0.0, 1)
     if precision == "bf16":
         cfg["bf16"] = {"enabled": True, "bf16_optimizer_states": True}
-    engine = zero_offload.initialize(make_model(), cfg)
-    x, y = batch(0, MICRO)
-    engine.backward(engine(x, y))
-    engine.step()
-    held = engine.memory_breakdown()
-    engine.close()
+    held = one_step_breakdown(cfg)
     part = held["master"]["numel"]
     assert held["speculative_state"] == {"bytes": part * (4 + 2 * moment_bytes), "numel": 3 * part, "side": "host"}
     est = estimate_memory(make_model(), cfg, 1, accelerator=False)
@@ -212,21 +207,12 @@ def test_the_second_bank_of_swap_files_is_counted_and_estimated(stage, tmp_path)
     updated parameters wait in a landing buffer (``param_incoming`` at stage 2, ``param_staging`` beside stage 3's
     host shards); the estimate predicts every kind the engine holds."""
     cfg = spec_config(stage, 1, 0.0, 1, True, "nvme", str(tmp_path))
-    engine = zero_offload.initialize(make_model(), cfg)
-    x, y = batch(0, MICRO)
-    engine.backward(engine(x, y))
-    engine.step()
-    held = engine.memory_breakdown()
-    engine.close()
+    held = one_step_breakdown(cfg)
     files = sum(held[k]["bytes"] for k in ("master", "exp_avg", "exp_avg_sq"))
     assert held["speculative_state"]["side"] == "nvme" and held["speculative_state"]["bytes"] == files
     landing = held["param_incoming" if stage == 2 else "param_staging"]["bytes"]
     assert landing >= 4 * held["master"]["numel"] - 4 * 3000 * 2     # the partition again (fp32), padding aside
-    est = estimate_memory(make_model(), cfg, 1, accelerator=False)
-    for side, predicted in (("device", est.device), ("host", est.host), ("nvme", est.nvme)):
-        mine = {k: v["bytes"] for k, v in held.items() if v["side"] == side and v["bytes"]}
-        assert {k: v for k, v in predicted.items() if v and k in MODEL_STATE_KINDS} == \
-            {k: v for k, v in mine.items() if k in MODEL_STATE_KINDS}, side
+    assert_estimated(held, cfg)
 
 
 @pytest.mark.parametrize("change,named", [

@@ -20,7 +20,6 @@ parameter of NVMe, ``speculative_state``) and the landing buffer (the partition 
 """
 from __future__ import annotations
 
-import threading
 import time
 from typing import Callable, Sequence
 
@@ -28,6 +27,7 @@ import torch
 
 from zero_offload.host_thread import HostThread
 from zero_offload.offload import timeline
+from zero_offload.offload.speculation_base import Speculation
 
 __all__ = ["SubGroupSpeculation"]
 
@@ -36,20 +36,7 @@ StepUnit = Callable[[int, list, float], None]
 ``pieces`` [(offset in the partition, gradient values)] that cover it."""
 
 
-class _GroupRanges:
-    """`zero_offload.zero.speculation.FinalRanges` of one param group: forwards to the `SubGroupSpeculation`."""
-
-    def __init__(self, owner: "SubGroupSpeculation", group: int):
-        self.owner, self.group = owner, group
-
-    def landed(self, offset: int, values: torch.Tensor, copy) -> None:
-        self.owner.submit(self.group, offset, values, copy)
-
-    def invalidate(self) -> None:
-        self.owner.invalidate()
-
-
-class SubGroupSpeculation:
+class SubGroupSpeculation(Speculation):
     """The speculative half of a host step over sub-groups stepped whole (see the module docstring).
 
     Args:
@@ -59,29 +46,16 @@ class SubGroupSpeculation:
             the caller's thread at `settle`.
         thread: the host-step thread (its owner's; not closed here).
 
-    Attributes:
-        hidden_s: seconds of speculative step time that ran before the boundary step began (during backward).
-        total_s: seconds of step time of the last boundary's speculated step (the sub-groups stepped at `settle`
-            included).
-        last: "accepted", "redone" (clipping fired or the gradient changed) or "discarded" (overflow).
+    The timings (``hidden_s``, ``total_s``) and ``last`` are `Speculation`'s.
     """
 
     def __init__(self, units: list[tuple[int, int, int]], groups: int, step_unit: StepUnit, thread: HostThread):
-        self.units, self.groups, self.step_unit, self.thread = units, groups, step_unit, thread
+        super().__init__(thread, groups)
+        self.units, self.step_unit = units, step_unit
         self.by_group = [[k for k, u in enumerate(units) if u[0] == g] for g in range(groups)]
-        self.lock = threading.Lock()
-        self.active = self.valid = self.cancelled = False
-        self.grad_scale = 1.0
-        self.ranges: list[list[tuple[int, int]]] = [[] for _ in range(groups)]
         self.pieces: list[list] = [[] for _ in units]
         self.covered = [0] * len(units)
         self.stepped: set[int] = set()
-        self.busy_s = self.hidden_s = self.total_s = 0.0
-        self.last = ""
-
-    def sinks(self) -> list[_GroupRanges]:
-        """One `FinalRanges` per param group, for its gradient partition."""
-        return [_GroupRanges(self, g) for g in range(self.groups)]
 
     def begin(self, grad_scale: float) -> None:
         """The boundary micro-step starts: its sub-groups are stepped with ``grad_scale`` as they become final."""
@@ -100,12 +74,8 @@ class SubGroupSpeculation:
         hi = lo + values.numel()
         complete = []
         with self.lock:
-            if not self.active or not self.valid:
+            if not self.claim(g, lo, hi):
                 return
-            if any(a < hi and lo < b for a, b in self.ranges[g]):
-                self.valid = False
-                return
-            self.ranges[g].append((lo, hi))
             for k in self.by_group[g]:
                 _, u_lo, u_hi = self.units[k]
                 a, b = max(lo, u_lo), min(hi, u_hi)
@@ -132,11 +102,6 @@ class SubGroupSpeculation:
             _, lo, hi = self.units[k]
             tl.host_work("host_step", hi - lo)
 
-    def invalidate(self) -> None:
-        """The gradients changed after sub-groups were stepped: the boundary redoes the step."""
-        with self.lock:
-            self.valid = False
-
     def settle(self, grad_scale: float, grads: Sequence[torch.Tensor], same_lrs: bool = True) -> bool:
         """At the boundary, once the global norm is known: True when the speculated step stands (``grad_scale`` is
         the one speculated with, the learning rates are the same and no gradient changed after its sub-group was
@@ -146,39 +111,12 @@ class SubGroupSpeculation:
         Raises:
             HostThreadError: a speculated sub-group failed (chained to its exception).
         """
-        hidden = self.busy_s
-        keep = self.active and self.valid and same_lrs and grad_scale == self.grad_scale
-        if not keep:
-            self.cancelled = True
-        self.join()
-        self.active = False
-        if not keep:
-            self.hidden_s = self.total_s = 0.0
-            self.last = "redone"
+        if not self.stands(grad_scale, same_lrs):
             return False
         for k, (g, lo, hi) in enumerate(self.units):
             if k not in self.stepped:
                 began = time.perf_counter()
                 self.step_unit(k, [(lo, grads[g][lo:hi])], grad_scale)
                 self.busy_s += time.perf_counter() - began
-        self.hidden_s, self.total_s = hidden, self.busy_s
-        self.last = "accepted"
+        self.accepted()
         return True
-
-    def discard(self) -> None:
-        """fp16 overflow: the speculated sub-groups are dropped (nothing live was written)."""
-        if self.active:
-            self.cancelled = True
-            self.join()
-            self.active = False
-            self.last = "discarded"
-
-    def join(self) -> None:
-        self.thread.join()
-        tl = timeline.current()
-        if tl is not None:
-            tl.joined(self.thread.name)
-
-    def close(self) -> None:
-        """Stop the sub-groups still queued (before the owner closes the thread)."""
-        self.cancelled = True

@@ -29,49 +29,23 @@ final). DeepSpeed's SuperOffload asserts CUDA and stage 3; this runs wherever th
 """
 from __future__ import annotations
 
-import threading
 import time
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from zero_offload.host_thread import HostThread
 from zero_offload.offload import timeline
 from zero_offload.offload.copies import CopyHandle, Copies
+from zero_offload.offload.speculation_base import FinalRanges, Speculation
 from zero_offload.optim.cpu_adam import CPUAdam
 
-__all__ = ["SpeculativeStep", "FinalRanges"]
+__all__ = ["SpeculativeStep", "FinalRanges"]   # FinalRanges: `zero_offload.offload.speculation_base`
 
 ALIGN = 16    # elements: 64 bytes of fp32 master, 32 of bf16 moments (the kernel's streaming stores need both)
 
 
-class FinalRanges(Protocol):
-    """Where a gradient partition reports the ranges of its boundary micro-step that are final (`GradPartition`)."""
-
-    def landed(self, offset: int, values: torch.Tensor, copy: CopyHandle | None) -> None:
-        """Elements [offset, offset + len(values)) of the partition are final once ``copy`` (None: already) has
-        landed; ``values`` is the partition's view of them."""
-        ...
-
-    def invalidate(self) -> None:
-        """The partition changed after it reported ranges (another backward before the step)."""
-        ...
-
-
-class _GroupRanges:
-    """`FinalRanges` of one param group: forwards to the `SpeculativeStep`."""
-
-    def __init__(self, owner: "SpeculativeStep", group: int):
-        self.owner, self.group = owner, group
-
-    def landed(self, offset: int, values: torch.Tensor, copy: CopyHandle | None) -> None:
-        self.owner.submit(self.group, offset, values, copy)
-
-    def invalidate(self) -> None:
-        self.owner.invalidate()
-
-
-class SpeculativeStep:
+class SpeculativeStep(Speculation):
     """The speculative half of a host step over the partitions of a `CPUAdam` (see the module docstring).
 
     Args:
@@ -86,35 +60,19 @@ class SpeculativeStep:
             the new master), or None; set by the owner.
         on_piece: called as ``on_piece(group, lo, hi)`` after each piece, on the thread that stepped it (the owner
             starts the piece's copy up into a landing buffer); None: nothing.
-        hidden_s: seconds of speculative kernel time that ran before the boundary step began (during backward).
-        total_s: seconds of kernel time of the last boundary's speculated step (the pieces, and any range no piece
-            covered, stepped at `settle`).
-        last: "accepted", "redone" (clipping fired or the gradient changed) or "discarded" (overflow).
+        (and `Speculation`'s: ``hidden_s``, ``total_s``, ``last``).
     """
 
     def __init__(self, optimizer: CPUAdam, copies: Copies, threads: int, thread: HostThread, chunk: int):
+        super().__init__(thread, len(optimizer.param_groups))
         self.optimizer, self.copies, self.threads, self.chunk = optimizer, copies, threads, chunk
-        self.thread = thread
         self.banks: list[dict[str, torch.Tensor]] = []       # per group: master, exp_avg, exp_avg_sq
-        self.lock = threading.Lock()
-        self.active = False
-        self.valid = True
-        self.cancelled = False
-        self.grad_scale = 1.0
-        self.ranges: list[list[tuple[int, int]]] = []     # per group: [lo, hi) submitted this boundary
-        self.busy_s = 0.0
-        self.hidden_s = self.total_s = 0.0
-        self.last = ""
         self.outs: list[torch.Tensor | None] = [None] * len(optimizer.param_groups)
         self.on_piece: Callable[[int, int, int], None] | None = None
 
     @property
     def masters(self) -> list[torch.Tensor]:
         return [g["params"][0] for g in self.optimizer.param_groups]
-
-    def sinks(self) -> list[FinalRanges]:
-        """One `FinalRanges` per param group, for its gradient partition."""
-        return [_GroupRanges(self, g) for g in range(len(self.optimizer.param_groups))]
 
     def begin(self, grad_scale: float) -> None:
         """The boundary micro-step starts: its pieces are stepped with ``grad_scale`` (1 / loss scale, clip
@@ -133,12 +91,8 @@ class SpeculativeStep:
         thread). A range submitted twice (the gradient changed after its step) invalidates the speculation."""
         hi = lo + values.numel()
         with self.lock:
-            if not self.active or not self.valid:
+            if not self.claim(g, lo, hi):
                 return
-            if any(a < hi and lo < b for a, b in self.ranges[g]):
-                self.valid = False
-                return
-            self.ranges[g].append((lo, hi))
         tl = timeline.current()
 
         def run() -> None:
@@ -153,10 +107,6 @@ class SpeculativeStep:
                     tl.host_work("host_step", end - start)
         self.thread.submit(run)
 
-    def invalidate(self) -> None:
-        """The gradients changed after pieces were stepped: the boundary redoes the step (`settle` is False)."""
-        with self.lock:
-            self.valid = False
 
     def settle(self, grad_scale: float, grads: Sequence[torch.Tensor]) -> bool:
         """At the boundary, once the global norm is known: True when the speculated step stands (``grad_scale`` is
@@ -167,43 +117,17 @@ class SpeculativeStep:
         Raises:
             HostThreadError: a speculative piece failed (chained to its exception).
         """
-        hidden = self.busy_s
-        keep = self.active and self.valid and grad_scale == self.grad_scale
-        if not keep:
-            self.cancelled = True
-        self.join()
-        self.active = False
-        if not keep:
-            self.hidden_s = self.total_s = 0.0
-            self.last = "redone"
+        if not self.stands(grad_scale):
             return False
         for g, grad in enumerate(grads):
             for lo, hi in _gaps(self.ranges[g], grad.numel()):
                 self._step_piece(g, lo, hi, grad[lo:hi], grad_scale)
-        self.hidden_s, self.total_s = hidden, self.busy_s
         self._swap_banks()
         for master in self.masters:
             self.optimizer.count_step(master)
-        self.last = "accepted"
+        self.accepted()
         return True
 
-    def discard(self) -> None:
-        """fp16 overflow: the speculated pieces are dropped (no step is counted)."""
-        if self.active:
-            self.cancelled = True
-            self.join()
-            self.active = False
-            self.last = "discarded"
-
-    def join(self) -> None:
-        self.thread.join()
-        tl = timeline.current()
-        if tl is not None:
-            tl.joined(self.thread.name)
-
-    def close(self) -> None:
-        """Stop the pieces still queued (before the owner closes the thread)."""
-        self.cancelled = True
 
     def bank_tensors(self) -> list[torch.Tensor]:
         """The second bank: one more master and both moments per group (memory accounting)."""

@@ -75,13 +75,13 @@ def test_the_first_module_waits_for_its_own_chunks_only(slow_copies):
     assert engine.zero.copy_in is not None
     train(engine, 1)
     adam = engine.zero.adam
-    assert adam.pending_copies_up() and len(adam.pending_up) > 4
+    assert adam.pending_copies_up() and len(adam.up.pending) > 4
     seen = []
     original = adam.wait_copies_up
 
     def spy(needs=None):
         original(needs)
-        seen.append((needs, len(adam.pending_up)))
+        seen.append((needs, len(adam.up.pending)))
     adam.wait_copies_up = spy
     x, y = batch(1, 4)
     engine(x, y)

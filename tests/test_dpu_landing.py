@@ -77,7 +77,7 @@ def test_no_copy_up_at_the_boundary_none_from_the_kernels_thread_and_the_run_sta
     monkeypatch.setattr(simulated.SimulatedCopies, "to_device", spy)
     losses, params = run()
     assert len(queued_by) > 8 and not any(inside for _, inside in queued_by)
-    # the synchronous warm-up step's copies too: the driver may hold whoever queues them (`PartitionedAdam.issuer`)
+    # the synchronous warm-up step's copies too: the driver may hold whoever queues them (`CopiesUp.issuer`)
     assert {name for name, _ in queued_by} == {"zero_offload-copy-up-issuer_0"}
     assert losses == slow_copies[0]
     for name, value in slow_copies[1].items():
@@ -128,6 +128,14 @@ def test_the_next_backward_waits_for_what_the_delayed_step_has_not_released(slow
 
 def test_power_a_copy_down_into_an_unreleased_part_is_caught(slow_step, monkeypatch):
     monkeypatch.setattr(buffer_lease.BufferLease, "wait", lambda self, lo: self.last_reader)
+    # The delayed step slowed further (35 ms a chunk in all): the next backward overtakes it even on a loaded host,
+    # where a 5 ms step was seen to finish first and hide the fault (CI, with other tests running beside it).
+    copy_incoming = partitioned_adam.PartitionedAdam._copy_incoming
+
+    def slower(self, g, lo, hi):
+        time.sleep(0.03)
+        copy_incoming(self, g, lo, hi)
+    monkeypatch.setattr(partitioned_adam.PartitionedAdam, "_copy_incoming", slower)
     losses, params = run()
     assert losses != slow_step[0] or any(not torch.equal(params[n], v) for n, v in slow_step[1].items())
 

@@ -18,7 +18,7 @@ import torch
 
 import zero_offload
 from zero_offload.offload import simulated, timeline
-from zero_offload.zero import copy_in, partitioned_adam, reducer
+from zero_offload.zero import copies_up, copy_in, partitioned_adam, reducer
 
 CHUNK = 1 << 12
 
@@ -62,7 +62,7 @@ def recorded(model: torch.nn.Module, bucket: int, steps: int = 1, dpu: bool = Fa
 
 
 def main_host_waits(tl: timeline.Timeline) -> int:
-    """Host waits of the training thread and of the thread queueing the copies up (`PartitionedAdam.issuer`)."""
+    """Host waits of the training thread and of the thread queueing the copies up (`CopiesUp.issuer`)."""
     return sum(len(tl.of("host_wait", lane)) for lane in ("host:MainThread", "host:zero_offload-copy-up-issuer_0"))
 
 
@@ -80,7 +80,7 @@ def test_host_waits_per_step_are_few_and_flat_in_model_size(simulated_streams, m
     monkeypatch.setattr(partitioned_adam, "COPY_CHUNK", 1 << 16)
     assert waits(1000) > waits(100) + 10
     # ... and the same on the kernel's own thread, as the review found it (the copies queued there)
-    monkeypatch.setattr(partitioned_adam.PartitionedAdam, "_issue", lambda self, copy, g, lo, hi: copy(g, lo, hi))
+    monkeypatch.setattr(copies_up.CopiesUp, "issue", lambda self, copy, g, lo, hi: copy(g, lo, hi))
     on_the_kernels_thread = recorded(mlp(1000, layers=100), bucket=2_000_000).of("host_wait", "host:MainThread")
     assert len(on_the_kernels_thread) > 10
 
@@ -124,14 +124,15 @@ def test_a_chunks_copy_up_starts_before_the_next_chunk_is_stepped(simulated_stre
     # power: every copy up queued only after the whole host step (the delayed update's publish before issue 27)
     adam = partitioned_adam.PartitionedAdam
     held, copy_up = [], (adam._copy_incoming if dpu else adam._copy_up)
-    monkeypatch.setattr(adam, "_copy_incoming" if dpu else "_copy_up", lambda self, *chunk: held.append(chunk))
-    release = adam._release_copies_up
+    monkeypatch.setattr(adam, "_copy_incoming" if dpu else "_copy_up", lambda self, *chunk: held.append((self, chunk)))
+    release = copies_up.CopiesUp.release
 
     def late(self):
         while held:
-            copy_up(self, *held.pop(0))
+            owner, chunk = held.pop(0)
+            copy_up(owner, *chunk)
         release(self)
-    monkeypatch.setattr(adam, "_release_copies_up", late)
+    monkeypatch.setattr(copies_up.CopiesUp, "release", late)
     checks = _copy_starts_before_next_chunk_ends(recorded(mlp(256), bucket=50_000, steps=2, dpu=dpu))
     assert checks and not all(checks)
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections import deque
 from typing import Iterable, Iterator, Sequence
 
 import torch
@@ -22,6 +21,7 @@ from zero_offload.offload.staging_ring import StagingRing
 from zero_offload.optim.cpu_adam import CPUAdam
 from zero_offload.state import WholeGroupState, fill_from_chunks
 from zero_offload.zero.copy_in import forward_order
+from zero_offload.zero.copies_up import CopiesUp
 from zero_offload.zero.grad_partition import GradSource
 from zero_offload.zero.speculation import FinalRanges, SpeculativeStep
 
@@ -135,19 +135,13 @@ class PartitionedAdam(WholeGroupState):
         self.on_host = offload or parts[0].device.type == "cpu"
         self.masters: list[torch.Tensor] = []
         self.outs: list[torch.Tensor | None] = []
-        # Copies up that may still read a host buffer, in queue order: (handle, storage address of what they read;
-        # 0 for the ring, whose slots wait for their own copies).
-        self.in_flight: deque[tuple[CopyHandle, int]] = deque()
+        self.up = CopiesUp(copies)                # the copies up: issued, tracked and waited for
         self.ring: StagingRing | None = None      # made on first use (`_ring`): fp32 gradients, 16-bit parts
         # 16-bit device parts: where the host step wrote each group's parameters (over the gradient, or a pinned
         # buffer: `_out_over_grad`, `_deferred_out`), and the last copy up queued from there.
         self.published_from: list[torch.Tensor | None] = [None] * len(parts)
         self.publish_copies: list[CopyHandle | None] = [None] * len(parts)
-        # Copies up the compute stream has not waited for, in queue order: (group, end of the elements, handle).
-        # With `defer_copy_up_waits` they stay pending until `wait_copies_up` (`zero_offload.zero.copy_in`).
-        self.pending_up: list[tuple[int, int, CopyHandle]] = []
         self.sources: list[GradSource] = []      # the gradient sources of the step in progress (or the last)
-        self.lazy_waits = False
         # The chunks (group, lo, hi) in the order the copies up are queued (`order_copies_up`); None: group by group.
         self.copy_order: list[tuple[int, int, int]] | None = None
         for part in parts:
@@ -174,9 +168,6 @@ class PartitionedAdam(WholeGroupState):
                          for p in parts]
         self.incoming_free: CopyHandle | None = None   # where the compute stream last read them (`publish`)
         self.params_free: CopyHandle | None = None     # the compute that read the parts, at a synchronous step
-        # The thread that queues the chunks' copies up, so that the kernel's thread never waits in the driver: it
-        # holds whoever queues a copy while its copy queue is full (0.34 s per step at 10B on an H200).
-        self.issuer: HostThread | None = None
         groups = [{"params": [m], **h} for m, h in zip(self.masters, hparams)]
         if self.on_host:
             self.optimizer = CPUAdam(groups, state_dtype=state_dtype, num_threads=host_threads,
@@ -222,13 +213,13 @@ class PartitionedAdam(WholeGroupState):
                 start = time.perf_counter()
                 self.published_from = [None] * len(self.parts)
                 if self.incoming[0] is not None:
-                    self._join_issuer()      # every piece's copy up is queued
+                    self.up.join()      # every piece's copy up is queued
                     self._publish_incoming()
                 else:
                     self.write_parts()
                 self.host_step_s = self.speculation.total_s + time.perf_counter() - start
                 return
-            self._join_issuer()     # the dropped pieces' copies up are queued before the step's own
+            self.up.join()     # the dropped pieces' copies up are queued before the step's own
         if self.on_host:
             self._host_step(ready, grad_scale, lrs)
             if self.deferred and publish:
@@ -262,7 +253,7 @@ class PartitionedAdam(WholeGroupState):
         # The second bank was the live state a step ago, and the pinned outputs were read: copies up may still
         # read them.
         reads = [*self.speculation.bank_tensors(), *(o for o in self.speculation.outs if o is not None)]
-        self._wait_copies_up({_storage(t) for t in reads})
+        self.up.wait_reads({_storage(t) for t in reads})
         self.publish_copies = [None] * len(self.parts)
         return self.speculation.sinks()
 
@@ -270,11 +261,7 @@ class PartitionedAdam(WholeGroupState):
         """The boundary takes no step (fp16 overflow, or a checkpoint load): drop what was speculated."""
         if self.speculation is not None:
             self.speculation.discard()
-            self._join_issuer()
-
-    def _join_issuer(self) -> None:
-        if self.issuer is not None:
-            self.issuer.join()
+            self.up.join()
 
     def _land_speculated(self, g: int, lo: int, hi: int) -> None:
         """A speculated piece [lo, hi) of group ``g`` goes up into its landing buffer (`incoming`), from the pinned
@@ -287,8 +274,8 @@ class PartitionedAdam(WholeGroupState):
         def copy(g: int, lo: int, hi: int) -> None:
             handle = self.copies.to_device(self.incoming[g][lo:hi], source, after=self.incoming_free)
             self.publish_copies[g] = handle
-            self._track(handle, _storage(source))
-        self._issue(copy, g, lo, hi)
+            self.up.track(handle, _storage(source))
+        self.up.issue(copy, g, lo, hi)
 
     def _copy_up(self, g: int, lo: int, hi: int) -> None:
         """Queue the copy up of group ``g``'s updated elements [lo, hi): from where the kernel wrote them in 16
@@ -303,8 +290,8 @@ class PartitionedAdam(WholeGroupState):
         else:
             handle = self.copies.to_device(part[lo:hi], self.masters[g][lo:hi], after)
             reads = _storage(self.masters[g])
-        self._track(handle, reads)
-        self.pending_up.append((g, hi, handle))
+        self.up.track(handle, reads)
+        self.up.add_pending(g, hi, handle)
 
     def _copy_incoming(self, g: int, lo: int, hi: int) -> None:
         """The delayed step's chunk [lo, hi) of group ``g`` goes up into its landing buffer (`incoming`), from
@@ -313,37 +300,13 @@ class PartitionedAdam(WholeGroupState):
         source = self.published_from[g] if self.published_from[g] is not None else self.masters[g]
         handle = self.copies.to_device(self.incoming[g][lo:hi], source[lo:hi], after=self.incoming_free)
         self.publish_copies[g] = handle
-        self._track(handle, _storage(source))
+        self.up.track(handle, _storage(source))
         self.sources[g].released(lo, hi, handle)
-
-    def _issue(self, copy, g: int, lo: int, hi: int) -> None:
-        """Hand chunk [lo, hi) of group ``g`` to the issuing thread, which runs ``copy(g, lo, hi)`` (`issuer`); where
-        the device is the host a copy is a plain memcpy that nothing overlaps: run here (a second thread only
-        competed for the cores, 5-10 % of a step on 2 cores)."""
-        if self.copies.synchronous:
-            copy(g, lo, hi)
-            return
-        if self.issuer is None:
-            self.issuer = HostThread("copy-up-issuer", self.copies.device)
-        tl = timeline.current()
-        chunk = tl.last_host_op() if tl is not None else None
-
-        def run() -> None:
-            if tl is not None:
-                tl.host_work("copy_issue", 0, after=[chunk])     # the copy follows its chunk, not the next one
-            copy(g, lo, hi)
-        self.issuer.submit(run)
-
-    def _track(self, handle: CopyHandle, reads: int) -> None:
-        """Remember a copy up that reads host storage ``reads`` until it lands (`_wait_copies_up`)."""
-        while self.in_flight and self.in_flight[0][0].query():     # landed: forget them (never blocks)
-            self.in_flight.popleft()
-        self.in_flight.append((handle, reads))
 
     def defer_copy_up_waits(self) -> None:
         """A step leaves its copies up pending: the owner makes the compute stream wait for them, module by
         module (`zero_offload.zero.copy_in.CopyInWaits`), instead of the step waiting for all of them."""
-        self.lazy_waits = True
+        self.up.defer_waits()
 
     def order_copies_up(self, spans) -> None:
         """Step and publish the chunks in the order the next forward reads them (`zero_offload.zero.copy_in.
@@ -352,50 +315,18 @@ class PartitionedAdam(WholeGroupState):
 
     def pending_copies_up(self) -> bool:
         """Whether a copy up is queued that the compute stream has not waited for."""
-        return bool(self.pending_up)
+        return bool(self.up.pending)
 
     def wait_copies_up(self, needs: dict[int, int] | None = None) -> None:
         """The compute stream waits for the pending copies up of group g's elements [0, needs[g]), or all of them
         (``needs=None``). The copies share one stream and land in queue order: one wait, on the last one needed.
         """
-        if not self.pending_up:
-            return
-        last = len(self.pending_up) - 1
-        if needs is not None:
-            last = -1
-            for g, need in needs.items():
-                mine = [i for i, (group, _, _) in enumerate(self.pending_up) if group == g]
-                covering = [i for i in mine if self.pending_up[i][1] >= need]
-                last = max(last, covering[0] if covering else (mine[-1] if mine else -1))
-        if last >= 0:
-            self.pending_up[last][2].wait_stream()
-            del self.pending_up[:last + 1]
-
-    def _release_copies_up(self) -> None:
-        """After a step queued its copies up: the compute stream waits for all of them now, unless the owner
-        waits per module (`defer_copy_up_waits`)."""
-        if not self.lazy_waits:
-            self.wait_copies_up()
+        self.up.wait(needs)
 
     def _ring(self) -> StagingRing:
         if self.ring is None:
             self.ring = StagingRing(self.copies, self.parts[0].dtype, max(p.numel() for p in self.parts))
         return self.ring
-
-    def _wait_copies_up(self, writes: set[int] | None = None) -> None:
-        """Before the host rewrites buffers a copy up of an earlier step may still read: block until the last
-        such copy has finished (they share one stream and land in order: one host wait). ``writes``: storage
-        addresses about to be written (None: every buffer). The delayed update's step writes over the gradient
-        buffer it reads, which the copies publishing the step before do not read: it starts without waiting
-        for them (0.37 s per step at 10B parameters, the second GPU run's finding). The compute stream's waits
-        are not touched here (this may run on that thread): the owner waits for pending copies up before it
-        queues new ones (`zero_offload.zero.copy_in`)."""
-        last = max((i for i, (_, reads) in enumerate(self.in_flight) if writes is None or reads in writes),
-                   default=-1)
-        if last >= 0:
-            self.in_flight[last][0].synchronize()
-            for _ in range(last + 1):
-                self.in_flight.popleft()
 
     def _out_over_grad(self, g: int, grad: torch.Tensor) -> torch.Tensor | None:
         """Where the host step writes group ``g``'s 16-bit parameters headed for the device: over the gradient it
@@ -415,21 +346,20 @@ class PartitionedAdam(WholeGroupState):
         on_chunk, outs = None, self.outs
         self.publish_copies = [None] * len(self.parts)
         if self.offload and not self.host_params and self.deferred:
-            on_chunk = lambda g, _param, lo, hi: self._issue(self._copy_incoming, g, lo, hi)  # noqa: E731
+            on_chunk = lambda g, _param, lo, hi: self.up.issue(self._copy_incoming, g, lo, hi)  # noqa: E731
             outs = [self._deferred_out(g, grad) for g, grad in enumerate(grads)]
         elif self.offload and not self.host_params:
             self.params_free = self.copies.compute_point()    # on the thread that ran the compute
-            on_chunk = lambda g, _param, lo, hi: self._issue(self._copy_up, g, lo, hi)  # noqa: E731
+            on_chunk = lambda g, _param, lo, hi: self.up.issue(self._copy_up, g, lo, hi)  # noqa: E731
             outs = [self._out_over_grad(g, grad) for g, grad in enumerate(grads)]
-        self._wait_copies_up({_storage(t) for t in (*self.masters, *outs) if t is not None})
+        self.up.wait_reads({_storage(t) for t in (*self.masters, *outs) if t is not None})
         on_chunk = _recorded(on_chunk)
         with record_function("zero_offload.optimizer.host_step"):
             order = None if on_chunk is None else [(g, 0, lo, hi) for g, lo, hi in self._chunk_order()]
             self.optimizer.step(grads=[[g] for g in grads], grad_scale=grad_scale,
                                 outputs=[[o] for o in outs], on_chunk=on_chunk, lrs=lrs, order=order)
-        if self.issuer is not None:
-            self.issuer.join()           # every chunk's copy is queued (and its handle known) before the step ends
-        self._release_copies_up()
+        self.up.join()                   # every chunk's copy is queued (and its handle known) before the step ends
+        self.up.release()
         self.host_step_s = time.perf_counter() - start
 
     def _chunk_order(self) -> list[tuple[int, int, int]]:
@@ -491,9 +421,7 @@ class PartitionedAdam(WholeGroupState):
             self.speculation.close()
         if self.host_thread is not None:
             self.host_thread.close()
-        if self.issuer is not None:
-            self.issuer.close()
-        self._wait_copies_up()
+        self.up.close()
 
     @torch.no_grad()
     def write_master(self, g: int, offset: int, values: torch.Tensor) -> None:

@@ -1,0 +1,119 @@
+"""`CopiesUp`: the copies up a host step queues, chunk by chunk, from host buffers to the device.
+
+Three things about them are tracked, each for its own reader:
+
+- who queues them: a copy is handed to one issuing thread (`issue`), so that the kernel's thread never waits in
+  the driver, which holds whoever queues a copy while its copy queue is full (0.34 s per step at 10B on an H200);
+  where the device is the host a copy is a plain memcpy and runs on the caller's thread;
+- which host buffers they still read (`track`, `wait_reads`): before a host step rewrites a buffer (the masters,
+  a 16-bit output) it waits for the last copy reading it, and only that one;
+- which of them the compute stream has not waited for (`add_pending`, `wait`): the owner makes the compute stream
+  wait for all of them after the step, or (`defer_waits`) module by module as the next forward reaches them
+  (`zero_offload.zero.copy_in`).
+
+The copies share one stream and land in queue order, so one wait on the last copy needed covers the ones before.
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import Callable
+
+from zero_offload.host_thread import HostThread
+from zero_offload.offload import timeline
+from zero_offload.offload.copies import CopyHandle, Copies
+
+__all__ = ["CopiesUp"]
+
+
+class CopiesUp:
+    """The copies up of one partition optimizer (see the module docstring).
+
+    Attributes:
+        pending: (group, end of the elements, handle) of the copies up the compute stream has not waited for,
+            in queue order.
+        issuer: the issuing thread, made on first use (None before, and where the device is the host).
+    """
+
+    def __init__(self, copies: Copies):
+        self.copies = copies
+        # Copies up that may still read a host buffer, in queue order: (handle, storage address of what they read;
+        # 0 for a staging ring, whose slots wait for their own copies).
+        self.in_flight: deque[tuple[CopyHandle, int]] = deque()
+        self.pending: list[tuple[int, int, CopyHandle]] = []
+        self.lazy_waits = False
+        self.issuer: HostThread | None = None
+
+    def issue(self, copy: Callable[[int, int, int], None], g: int, lo: int, hi: int) -> None:
+        """Run ``copy(g, lo, hi)`` (which queues chunk [lo, hi) of group ``g``) on the issuing thread, after the
+        chunk it follows in a recorded timeline; on the caller's thread where copies are synchronous (a second
+        thread only competed for the cores, 5-10 % of a step on 2 cores)."""
+        if self.copies.synchronous:
+            copy(g, lo, hi)
+            return
+        if self.issuer is None:
+            self.issuer = HostThread("copy-up-issuer", self.copies.device)
+        tl = timeline.current()
+        chunk = tl.last_host_op() if tl is not None else None
+
+        def run() -> None:
+            if tl is not None:
+                tl.host_work("copy_issue", 0, after=[chunk])     # the copy follows its chunk, not the next one
+            copy(g, lo, hi)
+        self.issuer.submit(run)
+
+    def join(self) -> None:
+        """Wait until every copy handed to `issue` is queued (its handle known)."""
+        if self.issuer is not None:
+            self.issuer.join()
+
+    def track(self, handle: CopyHandle, reads: int) -> None:
+        """Remember a copy up that reads host storage ``reads`` until it lands (`wait_reads`)."""
+        while self.in_flight and self.in_flight[0][0].query():     # landed: forget them (never blocks)
+            self.in_flight.popleft()
+        self.in_flight.append((handle, reads))
+
+    def wait_reads(self, writes: set[int] | None = None) -> None:
+        """Block until the last queued copy up reading any of ``writes`` (storage addresses about to be written;
+        None: every buffer) has landed. The compute stream's waits are not touched here (this may run on that
+        thread)."""
+        last = max((i for i, (_, reads) in enumerate(self.in_flight) if writes is None or reads in writes),
+                   default=-1)
+        if last >= 0:
+            self.in_flight[last][0].synchronize()
+            for _ in range(last + 1):
+                self.in_flight.popleft()
+
+    def add_pending(self, g: int, end: int, handle: CopyHandle) -> None:
+        """A copy up of group ``g``'s elements up to ``end`` that the compute stream must wait for."""
+        self.pending.append((g, end, handle))
+
+    def defer_waits(self) -> None:
+        """The owner makes the compute stream wait module by module (`wait` with ``needs``), not all at once."""
+        self.lazy_waits = True
+
+    def wait(self, needs: dict[int, int] | None = None) -> None:
+        """The compute stream waits for the pending copies up of group g's elements [0, needs[g]), or all of them
+        (``needs=None``): one wait, on the last one needed."""
+        if not self.pending:
+            return
+        last = len(self.pending) - 1
+        if needs is not None:
+            last = -1
+            for g, need in needs.items():
+                mine = [i for i, (group, _, _) in enumerate(self.pending) if group == g]
+                covering = [i for i in mine if self.pending[i][1] >= need]
+                last = max(last, covering[0] if covering else (mine[-1] if mine else -1))
+        if last >= 0:
+            self.pending[last][2].wait_stream()
+            del self.pending[:last + 1]
+
+    def release(self) -> None:
+        """After a step queued its copies up: the compute stream waits for all of them now, unless `defer_waits`."""
+        if not self.lazy_waits:
+            self.wait()
+
+    def close(self) -> None:
+        """End the issuing thread and let the copies in flight land."""
+        if self.issuer is not None:
+            self.issuer.close()
+        self.wait_reads()

@@ -1,9 +1,9 @@
 """CUDA-only checks (skipped without a GPU; run by benchmarks/gpu_validate.py section (a)).
 
 Exactness against plain AdamW at stages 0-3 with and without offload, accumulation 1 and 3, and with the
-delayed parameter update, with super_offload and with ratio 0.5; host bytes of pinned partitions against the arithmetic; export peak memory
-(torch.cuda.max_memory_allocated) within 2x the largest parameter; copies overlapping compute; stage-3 gather memory
-reused in stream order while the host runs ahead."""
+delayed parameter update, with super_offload and with ratio 0.5 (both also over NVMe states); host bytes of pinned
+partitions against the arithmetic; export peak memory (torch.cuda.max_memory_allocated) within 2x the largest
+parameter; copies overlapping compute; stage-3 gather memory reused in stream order while the host runs ahead."""
 import itertools
 
 import pytest
@@ -70,6 +70,26 @@ def test_cuda_ratio_matches_adamw(stage, gas, spec):
     for name, value in ref.items():
         assert (masters[name] - value).abs().max().item() <= ATOL, name
     assert losses == pytest.approx(ref_losses, abs=1e-3)
+
+
+@pytest.mark.parametrize("stage,gas,kind", [(2, 1, "off"), (2, 3, "some"), (3, 1, "some"), (3, 3, "off")])
+def test_cuda_nvme_super_offload_and_ratio_match_adamw(stage, gas, kind, tmp_path):
+    """Over NVMe states on CUDA: super_offload (whole sub-groups speculated during backward, their parameters copied
+    up into a device landing buffer, copied over the parameters when the step stands) and ratio 0.5 (the host half
+    streamed through swap files while the device half steps)."""
+    from reference import engine_run, reference_run
+    from test_offload_ratio import nvme_ratio_config
+    from test_super_offload import clip_value, spec_config
+    torch.backends.cuda.matmul.allow_tf32 = False
+    clip = clip_value(kind, gas, 1)
+    ref, ref_losses = reference_run(gas=gas, clip=clip)
+    (tmp_path / "ratio").mkdir()
+    for cfg in (spec_config(stage, gas, clip, 1, True, "nvme", str(tmp_path)),
+                nvme_ratio_config(tmp_path / "ratio", stage, gas, clip)):
+        masters, _, losses = engine_run(cfg)
+        for name, value in ref.items():
+            assert (masters[name] - value).abs().max().item() <= ATOL, name
+        assert losses == pytest.approx(ref_losses, abs=1e-3)
 
 
 def test_pinned_partition_bytes_match_the_arithmetic():

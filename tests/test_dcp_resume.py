@@ -198,6 +198,38 @@ def test_the_fsdp2_check_sees_moments_that_were_not_written(tmp_path, monkeypatc
     assert max_diff(run_ranks(_fsdp2_resume, 1, str(tmp_path / "dcp"))[0], reference()) > 1e-4
 
 
+@pytest.mark.parametrize("fmt", ["dcp", "deepspeed-universal"])
+def test_a_failed_foreign_save_leaves_the_checkpoint_there_as_it_was(tmp_path, monkeypatch, fmt):
+    """A write that fails midway (here: reading the fifth parameter) raises naming the checkpoint, leaves the one
+    already at the path byte for byte, and no temporary directory behind."""
+    from zero_offload.checkpoint.load import SavedParameters
+    engine = zero_offload.initialize(make_model(), config(2, True))
+    try:
+        for x in batches(N):
+            engine.backward(engine(x).square().mean())
+            engine.step()
+        written = engine.save_checkpoint(str(tmp_path / "out"), format=fmt)
+        before = {p.relative_to(tmp_path): p.read_bytes() for p in written.rglob("*") if p.is_file()}
+        read, calls = SavedParameters.read, []
+
+        def failing(self, name, kind="master"):
+            calls.append(name)
+            if len(calls) == 5:
+                raise OSError("disk gone")
+            return read(self, name, kind)
+        monkeypatch.setattr(SavedParameters, "read", failing)
+        engine.backward(engine(batches(N + 1)[-1]).square().mean())   # another state: a write in place would show
+        engine.step()
+        with pytest.raises(CheckpointError, match="disk gone"):
+            engine.save_checkpoint(str(tmp_path / "out"), format=fmt)
+    finally:
+        engine.close()
+    after = {p.relative_to(tmp_path): p.read_bytes() for p in written.rglob("*") if p.is_file()}
+    assert after == before
+    assert not [p for p in tmp_path.rglob(".*") if "tmp" in p.name or "zero-offload" in p.name], \
+        list(tmp_path.rglob(".*"))
+
+
 def test_save_checkpoint_refuses_an_unknown_format_or_client_state_with_dcp(tmp_path):
     engine = zero_offload.initialize(make_model(), config(2, False))
     try:

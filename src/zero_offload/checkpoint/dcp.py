@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from zero_offload.checkpoint.foreign import ForeignState, apply_foreign, export_staged
-from zero_offload.checkpoint.io import CheckpointError, agree, module_state
+from zero_offload.checkpoint.io import CheckpointError, agree, module_state, staged_directory
 from zero_offload.state import CheckpointTarget
 
 __all__ = ["is_dcp", "load_dcp", "save_dcp", "read_dcp", "adamw_group", "MODEL_KEY", "OPTIM_KEY"]
@@ -159,12 +159,15 @@ def save_dcp(engine: CheckpointTarget, path: str | os.PathLike, model_key: str =
     engine's own sharded checkpoint is written first into ``path``'s parent (`save_checkpoint`, every rank); rank 0
     writes the DCP from it, one tensor per ``.distcp`` file, each read from the shards only when DCP writes it
     (`dcp_stream.StreamingPlanner`), so rank 0 holds about one parameter; the staging checkpoint is then removed.
+    The DCP is written into a directory beside ``path`` and renamed to it when complete: a failed write leaves an
+    existing ``path`` as it was.
 
     Raises:
         CheckpointError: writing failed on some rank (named); the engine is not changed.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.api import CheckpointException
     from zero_offload.checkpoint.dcp_stream import ModuleFile, StreamingPlanner
     from zero_offload.checkpoint.load import SavedParameters
     path = Path(path)
@@ -192,11 +195,15 @@ def save_dcp(engine: CheckpointTarget, path: str | os.PathLike, model_key: str =
                     for kind in ("exp_avg", "exp_avg_sq"):
                         state[n][kind] = torch.empty(saved.shape(n), device="meta")
                         fetch[f"{optim_key}.state.{n}.{kind}"] = lambda n=n, kind=kind: saved.read(n, kind)
-            with warnings.catch_warnings():
+            with warnings.catch_warnings(), staged_directory(path, "dcp") as staging:
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                dcp.save({model_key: model, optim_key: {"state": state, "param_groups": groups}},
-                         storage_writer=FileSystemWriter(str(path), single_file_per_rank=False),
-                         planner=StreamingPlanner(fetch), no_dist=True)
+                try:
+                    dcp.save({model_key: model, optim_key: {"state": state, "param_groups": groups}},
+                             storage_writer=FileSystemWriter(str(staging), single_file_per_rank=False),
+                             planner=StreamingPlanner(fetch), no_dist=True)
+                except CheckpointException as e:        # DCP's (a BaseException): the first failure, as ours
+                    cause = next(iter(e.failures.values()))[0]
+                    raise CheckpointError(f"{type(cause).__name__}: {cause}") from cause
 
     export_staged(engine, path, write, "the DCP checkpoint")
     return path

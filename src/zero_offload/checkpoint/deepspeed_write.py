@@ -23,7 +23,6 @@ frozen parameters).
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +31,7 @@ import torch
 from zero_offload.checkpoint.dcp import adamw_group
 from zero_offload.checkpoint.foreign import export_staged
 from zero_offload.checkpoint.foreign_pickle import foreign_class, save_pt
+from zero_offload.checkpoint.io import staged_directory
 from zero_offload.checkpoint.manifest import check_tag
 from zero_offload.state import CheckpointTarget
 
@@ -68,26 +68,18 @@ def save_universal(engine: CheckpointTarget, save_dir: str | os.PathLike, tag: s
 
     def write(directory: Path, manifest: dict) -> None:
         from zero_offload.checkpoint.load import full_parameters
-        root.mkdir(parents=True, exist_ok=True)
-        staging = root / f".tmp-universal-{tag}-{os.getpid()}"
-        shutil.rmtree(staging, ignore_errors=True)
-        zero = staging / "zero"
-        for kind, file in _KINDS.items():
-            for name, t in full_parameters(directory, manifest, kind):
-                (zero / name).mkdir(parents=True, exist_ok=True)
-                torch.save({"param": t.clone(), "cat_dim": 0}, zero / name / f"{file}.pt")
-        for name, _ in (p for g in groups for p in g):
-            torch.save(torch.tensor(float(step)), zero / name / "step.pt")
-        save_pt(_optimizer_state(hparams, step, small), zero / "optimizer_state.pt")
-        states = _model_states(_module(directory, manifest), groups, small, client_state or {})
-        for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"):
-            save_pt(states, staging / name)
-        final, replaced = root / tag, root / f".replaced-universal-{tag}"
-        if final.exists():                   # moved aside first: a crash now leaves it whole, beside the new one
-            shutil.rmtree(replaced, ignore_errors=True)
-            final.rename(replaced)
-        staging.rename(final)
-        shutil.rmtree(replaced, ignore_errors=True)
+        with staged_directory(root / tag, "universal") as staging:
+            zero = staging / "zero"
+            for kind, file in _KINDS.items():
+                for name, t in full_parameters(directory, manifest, kind):
+                    (zero / name).mkdir(parents=True, exist_ok=True)
+                    torch.save({"param": t.clone(), "cat_dim": 0}, zero / name / f"{file}.pt")
+            for name, _ in (p for g in groups for p in g):
+                torch.save(torch.tensor(float(step)), zero / name / "step.pt")
+            save_pt(_optimizer_state(hparams, step, small), zero / "optimizer_state.pt")
+            states = _model_states(_module(directory, manifest), groups, small, client_state or {})
+            for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"):
+                save_pt(states, staging / name)
         for pointer in ("latest_universal", "latest"):
             (root / f".{pointer}.tmp").write_text(tag)
             os.replace(root / f".{pointer}.tmp", root / pointer)

@@ -98,6 +98,28 @@ def module_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+@contextmanager
+def staged_directory(final: Path, what: str) -> Iterator[Path]:
+    """A fresh temporary directory beside ``final`` to write into (``what`` names the writer in its name); when the
+    block ends without an error it replaces ``final`` (an old ``final`` is moved aside first and removed last, so a
+    crash leaves it whole), and on an error it is removed and ``final`` is untouched."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    staging = final.parent / f".tmp-{what}-{final.name}-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    try:
+        yield staging
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    replaced = final.parent / f".replaced-{what}-{final.name}"
+    if final.exists():
+        shutil.rmtree(replaced, ignore_errors=True)
+        final.rename(replaced)
+    staging.rename(final)
+    shutil.rmtree(replaced, ignore_errors=True)
+
+
 def rank_file(rank: int) -> str:
     return f"rank{rank:05d}.safetensors"
 

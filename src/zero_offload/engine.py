@@ -453,7 +453,6 @@ class Engine:
             if raw and not isinstance(raw[0], dict):
                 raw = [{"params": raw}]
         opt = self.config.optimizer
-        adamw = opt.type == "AdamW" or opt.params.adam_w_mode
         groups = []
         for gi, g in enumerate(raw):
             params = [p for p in g["params"] if p.requires_grad]
@@ -464,11 +463,8 @@ class Engine:
             if not params:
                 continue
             params.sort(key=lambda p: where[id(p)][0])
-            hp = dict(lr=g.get("lr", opt.params.lr), betas=tuple(g.get("betas", opt.params.betas)),
-                      eps=g.get("eps", opt.params.eps), weight_decay=g.get("weight_decay", opt.params.weight_decay),
-                      adamw_mode=adamw, bias_correction=opt.params.bias_correction)
             groups.append(ParamGroup(params, [where[id(p)][1] for p in params], [where[id(p)][0] for p in params],
-                                     hp))
+                                     opt.group_hyperparameters(g)))
         if not groups:
             raise ValueError(f"{type(self.module).__name__} has no trainable parameters (none with "
                              f"requires_grad=True): there is nothing to optimize")

@@ -126,13 +126,8 @@ class ConversionTarget:
     def __init__(self, module: torch.nn.Module, config: dict, groups: list[tuple[dict, list[str]]]):
         self.module = module
         self.config = Config.load(config, auto=AutoContext(1, None, self.device))
-        opt = self.config.optimizer
         shapes = {n: tuple(p.shape) for n, p in module.named_parameters()}
-        adamw = opt.type == "AdamW" or opt.params.adam_w_mode
-        self.optimizer = _Hyperparameters([
-            dict(lr=h.get("lr", opt.params.lr), betas=tuple(h.get("betas", opt.params.betas)),
-                 eps=h.get("eps", opt.params.eps), weight_decay=h.get("weight_decay", opt.params.weight_decay),
-                 adamw_mode=adamw, bias_correction=opt.params.bias_correction) for h, _ in groups])
+        self.optimizer = _Hyperparameters([self.config.optimizer.group_hyperparameters(h) for h, _ in groups])
         self.optimizer_state = StreamedPartitions([single_rank_layout(names, shapes) for _, names in groups])
         self._scaler = LossScaler(self.config)
         schedule = build_scheduler(self.config.scheduler, self.optimizer)

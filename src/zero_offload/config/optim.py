@@ -98,6 +98,15 @@ class OptimizerConfig:
     def __post_init__(self):
         self._resolve("optimizer")
 
+    def group_hyperparameters(self, group: dict) -> dict:
+        """One param group's hyperparameters as the partition optimizers take them: ``lr``, ``betas``, ``eps`` and
+        ``weight_decay`` from ``group`` where it sets them (a ``model_parameters`` group, as torch's), else from
+        these params; ``adamw_mode`` (type AdamW, or ``adam_w_mode``) and ``bias_correction`` from these params."""
+        p = self.params
+        return dict(lr=group.get("lr", p.lr), betas=tuple(group.get("betas", p.betas)), eps=group.get("eps", p.eps),
+                    weight_decay=group.get("weight_decay", p.weight_decay),
+                    adamw_mode=self.type == "AdamW" or p.adam_w_mode, bias_correction=p.bias_correction)
+
     def _resolve(self, path):
         if isinstance(self.params, AdamParams):
             return                        # already resolved (a copy of a resolved config)

@@ -29,6 +29,7 @@ from zero_offload.nvme.buffers import ALIGNMENT, BufferPool, align_up
 from zero_offload.nvme.speculation import SubGroupSpeculation
 from zero_offload.nvme.swapper import Pending, Swapper
 from zero_offload.offload.copies import CopyEngine
+from zero_offload.offload.speculation_base import aligned_pieces
 from zero_offload.optim.cpu_adam import CPUAdam
 from zero_offload.optim.fused_adam import fused_adam_step
 from zero_offload.state import WholeGroupState, checked_chunks
@@ -119,7 +120,6 @@ class NvmeAdam(FailStop, WholeGroupState):
         self._finalizer = weakref.finalize(self, self.swapper.close)
         self.banks = 2 if speculative else 1
         self.bank = [0] * len(self.units)            # per sub-group: the bank holding its live state
-        self.unit_index = {(g, i): k for k, (g, i, _, _) in enumerate(self.units)}
         for g, p in enumerate(parts):
             for kind in KINDS:
                 for bank in range(self.banks):
@@ -282,9 +282,7 @@ class NvmeAdam(FailStop, WholeGroupState):
             self.timings["adam_s"] += t2 - t1
             self.timings["write_wait_s"] += t3 - t2
         t0 = time.perf_counter()
-        self.swapper.flush()
-        self._writes = [None] * nslots
-        self.copies.wait_for_copies()
+        self._drain()
         self.timings["write_wait_s"] += time.perf_counter() - t0
 
     def _kernel(self, k: int, slot: int, a: int, grad: torch.Tensor, grad_scale: float, lr: float, step: int,
@@ -341,12 +339,9 @@ class NvmeAdam(FailStop, WholeGroupState):
         self._free_slot(slot)
         self._wait(self._io(slot, k, write=False))
         for a, values in sorted(pieces, key=lambda piece: piece[0]):
-            # each body from a 16-element boundary: the kernel's streaming stores are aligned only
-            cut = min(a + values.numel(), -(-a // 16) * 16)
-            for x, y in ((a, cut), (cut, a + values.numel())):
-                if x < y:
-                    self._kernel(k, slot, x, values[x - a:y - a], grad_scale, self._spec_lrs[g], self.steps[g] + 1,
-                                 land=True)
+            for x, y in aligned_pieces(a, a + values.numel()):
+                self._kernel(k, slot, x, values[x - a:y - a], grad_scale, self._spec_lrs[g], self.steps[g] + 1,
+                             land=True)
         self._writes[slot] = self._io(slot, k, write=True, bank=1 - self.bank[k])
 
     def _drain(self) -> None:

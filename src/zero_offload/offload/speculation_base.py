@@ -12,7 +12,16 @@ from zero_offload.host_thread import HostThread
 from zero_offload.offload import timeline
 from zero_offload.offload.copies import CopyHandle
 
-__all__ = ["FinalRanges", "GroupRanges", "Speculation"]
+__all__ = ["FinalRanges", "GroupRanges", "Speculation", "ALIGN", "aligned_pieces"]
+
+ALIGN = 16    # elements: 64 bytes of fp32 master, 32 of bf16 moments (the kernel's streaming stores need both)
+
+
+def aligned_pieces(lo: int, hi: int) -> list[tuple[int, int]]:
+    """[lo, hi) as a head up to the next multiple of `ALIGN` and a body from there (empty ones left out): the fused
+    kernel's streaming stores are aligned only, so a speculated range is stepped as these two calls."""
+    cut = min(hi, -(-lo // ALIGN) * ALIGN)
+    return [(a, b) for a, b in ((lo, cut), (cut, hi)) if a < b]
 
 
 class FinalRanges(Protocol):

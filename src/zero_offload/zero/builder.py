@@ -83,7 +83,7 @@ def build_partition_optimizer(config: Config, parts: list[torch.Tensor], hparams
                           f"states through its buffers; optimizer.type = {opt.type!r}"
                           f"{' with amsgrad' if opt.params.amsgrad else ''} needs device 'cpu'")
     ratio = config.zero_optimization.offload_optimizer.ratio
-    if ratio < 1.0 and offload and not host_params and param_store is None:
+    if ratio < 1.0 and offload and not host_params:
         if not fused:
             raise ConfigError(f"config key 'zero_optimization.offload_optimizer.ratio' = {ratio} needs optimizer type "
                               f"Adam/AdamW without amsgrad (got {opt.type!r}): the two parts are stepped by the "

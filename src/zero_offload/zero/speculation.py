@@ -37,12 +37,11 @@ import torch
 from zero_offload.host_thread import HostThread
 from zero_offload.offload import timeline
 from zero_offload.offload.copies import CopyHandle, Copies
-from zero_offload.offload.speculation_base import FinalRanges, Speculation
+from zero_offload.offload.speculation_base import FinalRanges, Speculation, aligned_pieces
 from zero_offload.optim.cpu_adam import CPUAdam
 
 __all__ = ["SpeculativeStep", "FinalRanges"]   # FinalRanges: `zero_offload.offload.speculation_base`
 
-ALIGN = 16    # elements: 64 bytes of fp32 master, 32 of bf16 moments (the kernel's streaming stores need both)
 
 
 class SpeculativeStep(Speculation):
@@ -150,11 +149,9 @@ class SpeculativeStep(Speculation):
         (aligned only) cover all of it. Its kernel time counts in ``busy_s``."""
         began = time.perf_counter()
         out = self.outs[g]
-        cut = min(hi, -(-lo // ALIGN) * ALIGN)
-        for a, b in ((lo, cut), (cut, hi)):
-            if a < b:
-                self.optimizer.step_into(g, a, b, grad[a - lo:b - lo], grad_scale, self.banks[g], self.threads,
-                                         out=None if out is None else out[a:b])
+        for a, b in aligned_pieces(lo, hi):
+            self.optimizer.step_into(g, a, b, grad[a - lo:b - lo], grad_scale, self.banks[g], self.threads,
+                                     out=None if out is None else out[a:b])
         self.busy_s += time.perf_counter() - began
         if self.on_piece is not None:
             self.on_piece(g, lo, hi)

@@ -71,11 +71,11 @@ class SplitAdam(WholeGroupState):
 
     @property
     def speculation(self):
-        return getattr(self.host, "speculation", None)         # NVMe states: none
+        return self.host.speculation
 
     @property
     def host_thread(self):
-        return getattr(self.host, "host_thread", None)
+        return self.host.host_thread
 
     def begin_speculation(self, grad_scale: float):
         return self.host.begin_speculation(grad_scale)

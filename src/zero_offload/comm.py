@@ -143,6 +143,16 @@ def broadcast(tensor: torch.Tensor, src: int, group=None) -> None:
     tensor.copy_(staged)
 
 
+def device_free_bytes(device: torch.device) -> int:
+    """Bytes free for new tensors on ``device``: ``torch.cuda.mem_get_info`` plus what the caching allocator holds
+    unused on CUDA; the host's available memory (``psutil``) on the CPU."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    import psutil
+    return psutil.virtual_memory().available
+
+
 def choose_device(backend: str | None, cuda: bool, environ=None) -> torch.device:
     """This rank's compute device.
 

@@ -8,6 +8,10 @@ it, and every mismatch is reported at once, as transformers does. The hidden-siz
 (``reduce_bucket_size``, ``stage3_prefetch_bucket_size``, ``stage3_param_persistence_threshold``) are left to
 the engine, which resolves them from ``model.config.hidden_size`` with transformers' formulas.
 
+Then what accelerate adds under transformers (`fill_as_accelerate`, accelerate 1.x's ``DeepSpeedPlugin``): its
+``"auto"`` keys from its ``ACCELERATE_DEEPSPEED_*`` environment, and the Trainer's mixed precision as a
+``bf16``/``fp16`` section where the config has none (``DeepSpeedPlugin.set_mixed_precision``).
+
 This module needs no transformers: it reads only the ``TrainingArguments`` attributes named below.
 """
 from __future__ import annotations
@@ -19,7 +23,7 @@ from typing import Any
 from zero_offload.config import ConfigError
 from zero_offload.config.io import read_config_file
 
-__all__ = ["load_ds_config", "fill_from_training_args"]
+__all__ = ["load_ds_config", "fill_from_training_args", "fill_as_accelerate"]
 
 
 def load_ds_config(ds_config: "dict | str | os.PathLike") -> dict:
@@ -116,4 +120,70 @@ def fill_from_training_args(config: dict, args, num_training_steps: int, world_s
         lines = "\n".join(f.mismatches)
         raise ConfigError("Please correct the following DeepSpeed config values that mismatch TrainingArguments "
                           f"values:\n{lines}\nThe easiest method is to set these DeepSpeed config values to 'auto'.")
+    return config
+
+
+# accelerate's DeepSpeedPlugin: config key -> (its environment variable, its default), filled where "auto".
+_ACCELERATE_ENV = {
+    "zero_optimization.stage": ("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2"),
+    "zero_optimization.offload_optimizer.device": ("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "none"),
+    "zero_optimization.offload_param.device": ("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", "none"),
+    "zero_optimization.offload_optimizer.nvme_path": ("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_NVME_PATH", "none"),
+    "zero_optimization.offload_param.nvme_path": ("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_NVME_PATH", "none"),
+    "zero_optimization.stage3_gather_16bit_weights_on_model_save": ("ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL",
+                                                                    "false"),
+}
+
+
+def _env_value(dotted: str, raw: str):
+    if dotted.endswith(".stage"):
+        return int(raw)
+    if dotted.endswith("on_model_save"):
+        return raw.strip().lower() == "true"
+    return raw
+
+
+def mixed_precision_of(args) -> str:
+    """The Trainer's mixed precision as accelerate names it: ``"fp16"``, ``"bf16"`` or ``"no"`` (transformers'
+    ``Trainer.create_accelerator_and_postprocess`` passes ``fp16``/``bf16`` of the arguments)."""
+    if getattr(args, "fp16", False):
+        return "fp16"
+    return "bf16" if getattr(args, "bf16", False) else "no"
+
+
+def fill_as_accelerate(config: dict, args) -> dict:
+    """``config`` (changed in place and returned) as accelerate hands it to DeepSpeed under the Trainer.
+
+    Mirrors accelerate 1.x's ``DeepSpeedPlugin.__post_init__`` (each ``"auto"`` among the keys of
+    ``_ACCELERATE_ENV`` from its environment variable, e.g. ``stage3_gather_16bit_weights_on_model_save`` from
+    ``ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL``, default false) and ``set_mixed_precision``: with the
+    Trainer's ``bf16`` (``fp16``) and no ``bf16`` (``fp16``) section, the section ``{"enabled": true}``
+    (``{"enabled": true, "auto_cast": true}``) is added, so the model trains in the precision its arguments ask
+    for; a missing section of the other type is added disabled.
+
+    Raises:
+        ConfigError: the Trainer asks for one 16-bit type and the config enables the other (accelerate's
+            ValueError), naming both.
+    """
+    f = _Filler(config)
+    for dotted, (env, default) in _ACCELERATE_ENV.items():
+        node, key = f.node(dotted)
+        if node is not None and node.get(key) == "auto":
+            node[key] = _env_value(dotted, os.environ.get(env, default))
+    mixed = mixed_precision_of(args)
+    if mixed == "fp16" and "fp16" not in config:
+        config["fp16"] = {"enabled": True, "auto_cast": True}
+    elif mixed == "bf16" and "bf16" not in config:
+        config["bf16"] = {"enabled": True}
+    if mixed != "no":
+        other = "bf16" if mixed == "fp16" else "fp16"
+        section = config.get(other)
+        if isinstance(section, dict) and str(section.get("enabled", "False")).lower() == "true":
+            raise ConfigError(f"TrainingArguments.{mixed}=True but the DeepSpeed config sets {other}.enabled = true: "
+                              f"enable one 16-bit type (accelerate refuses this pair too)")
+    for dtype in ("fp16", "bf16"):
+        config.setdefault(dtype, {"enabled": False})
+    for dtype in ("fp16", "bf16"):
+        if isinstance(config[dtype], dict) and config[dtype].get("enabled") == "auto":
+            config[dtype]["enabled"] = mixed == dtype
     return config

@@ -18,17 +18,47 @@ class EngineModule(torch.nn.Module):
     """``trainer.model_wrapped``: an ``nn.Module`` whose only child is the model (``.module``), whose forward is
     the engine's (`Engine.forward`: at stage 3 the first micro-step records the gather order).
 
+    It stands for the model, as DeepSpeed's engine does under accelerate: an attribute the facade does not have
+    is the model's (``config``, ``generation_config``, ``is_gradient_checkpointing``, ``warnings_issued``,
+    ``peft_config``, ``get_input_embeddings()``...), and setting an attribute the model has sets the model's.
+    ``generate`` runs the model's with the parameters gathered once for the whole generation at stage 3
+    (`Engine.gathered_for_generation`).
+
     ``zero_grad()`` is a no-op: the engine clears its gradients at each step, and at stages 0/1 a parameter's
     ``.grad`` is a view into the engine's flat gradient buffer, which ``module.zero_grad()`` would drop.
     """
 
     def __init__(self, engine: Engine):
         super().__init__()
-        self.engine = engine            # a plain attribute: Engine is not an nn.Module
+        object.__setattr__(self, "engine", engine)      # a plain attribute: Engine is not an nn.Module
         self.module = engine.module
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)            # parameters, buffers and the child, as nn.Module
+        except AttributeError:
+            pass
+        module = self.__dict__["_modules"].get("module")
+        if module is None:
+            raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+        return getattr(module, name)
+
+    def __setattr__(self, name: str, value) -> None:
+        module = self.__dict__.get("_modules", {}).get("module")
+        if module is not None and name not in self.__dict__ and name != "module" and hasattr(module, name) \
+                and not hasattr(type(self), name):
+            setattr(module, name, value)
+        else:
+            super().__setattr__(name, value)
 
     def forward(self, *args, **kwargs):
         return self.engine(*args, **kwargs)
+
+    def generate(self, *args, **kwargs):
+        """The model's ``generate``; at stage 3 with every unit gathered once for it where they fit
+        (`Engine.gathered_for_generation`), not module by module at each token."""
+        with self.engine.gathered_for_generation():
+            return self.module.generate(*args, **kwargs)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         return None

@@ -7,7 +7,8 @@ rotation); the engine takes the parts DeepSpeed takes under transformers 5.x (``
 accelerate's ``DeepSpeedEngineWrapper``):
 
 - at ``train()`` the config's ``"auto"`` values are filled from the ``TrainingArguments``
-  (`config_fill.fill_from_training_args`, transformers' ``HfTrainerDeepSpeedConfig``) and the engine is built;
+  (`config_fill.fill_from_training_args`, transformers' ``HfTrainerDeepSpeedConfig``), then as accelerate
+  fills them, the Trainer's precision included (`config_fill.fill_as_accelerate`), and the engine is built;
 - with no ``optimizer`` section the Trainer's own optimizer (``create_optimizer``: AdamW with no weight decay on
   biases and norm weights) becomes the section and param groups, stepped on the partitions; with no
   ``scheduler`` section the Trainer's ``lr_scheduler_type`` schedule (``create_scheduler``) drives the
@@ -30,7 +31,7 @@ from zero_offload.compat.export import gathered_state_dict
 from zero_offload.compat.optimizer import client_optimizer_config
 from zero_offload.config import ConfigError
 from zero_offload.engine import Engine
-from zero_offload.hf.config_fill import fill_from_training_args, load_ds_config
+from zero_offload.hf.config_fill import fill_as_accelerate, fill_from_training_args, load_ds_config
 from zero_offload.hf.facades import EngineModule, EngineOptimizer, EngineSchedule
 
 __all__ = ["ZeroOffloadTrainerMixin", "Trainer"]
@@ -83,6 +84,7 @@ class ZeroOffloadTrainerMixin:
         if self.engine is not None:
             return self.engine
         config = fill_from_training_args(load_ds_config(self.ds_config), self.args, num_training_steps)
+        fill_as_accelerate(config, self.args)
         groups = None
         if "optimizer" not in config:
             self.optimizer = None

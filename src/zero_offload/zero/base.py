@@ -16,6 +16,7 @@ defines ``layout()``, ``partitions_count``, ``after_load()``, ``publish()``, ``m
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Iterable, Iterator, Union
 
 import torch
@@ -115,6 +116,13 @@ class ZeroOptimizerBase:
             p.close()
         self.adam.close()
         self.copies.close()
+
+    def release_gathered(self) -> None:
+        """Free every gathered copy of the parameters (stage 3; below it there is none)."""
+
+    def gathered_for_generation(self, free_bytes: int | None = None):
+        """A context for a generation; below stage 3 every parameter is whole already (yields True)."""
+        return contextlib.nullcontext(True)
 
     # -- the speculative step (offload_optimizer.super_offload; zero_offload.zero.speculation) ---------------
     def begin_speculation(self, grad_scale: float) -> None:

@@ -17,6 +17,8 @@ of a model:
   every unit before it has gone, so a module whose output reaches the loss on some ranks only cannot make
   the ranks' collectives disagree. At most two are in flight; each one finished is added into the rank's
   `GradPartition`.
+- **stray reads.** A parameter read in forward outside its module's forward is found while an order is recorded
+  and gathered from then on with the root module (`stray_reads`).
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from zero_offload.comm import DistContext
+from zero_offload.compiling import is_compiled_module
 from zero_offload.offload.copies import Copies
 from zero_offload.zero.averaging import GradAveraging
 from zero_offload.zero.collectives import MAX_IN_FLIGHT, InFlight, completed, finish, reduce_scatter_grad
@@ -35,6 +38,7 @@ from zero_offload.zero.stage3.gather_check import GatherCheck
 from zero_offload.zero.stage3.partition_store import PartitionStore
 from zero_offload.zero.stage3.saved_params import SavedParameterGuard
 from zero_offload.zero.stage3.schedule import RECORDING, FetchSchedule
+from zero_offload.zero.stage3.stray_reads import StrayReads
 from zero_offload.zero.stage3.units import ShardedUnit
 
 __all__ = ["UnitLifecycle"]
@@ -93,6 +97,10 @@ class UnitLifecycle:
         self.frozen_release = FrozenRelease(self.release, module_units)
         # Every parameter -> its unit (trainable and frozen), by identity: a tensor's == is elementwise.
         self.unit_of = WeakIdKeyDictionary({p: u for u in units for p in u.params})
+        self.root: torch.nn.Module | None = None
+        self.busy = 0                      # > 0 while a hook of this life cycle runs (its reads are its own)
+        self.held = False                  # every unit gathered and kept: the module hooks stand aside
+        self.stray_reads = StrayReads(self.unit_of, self._on_stray, lambda: self.busy > 0)
         self.hooks = []
         for module in module_units:
             self._hook_module(module)
@@ -178,14 +186,75 @@ class UnitLifecycle:
         """The shards were written (or are about to be) on the compute stream: the next gather orders after it."""
         self.shards_written = None
 
+    def hold_all(self) -> list[ShardedUnit]:
+        """Gather every unit not gathered and keep them all until `let_go`; the module hooks do nothing
+        meanwhile (a generation: DeepSpeed's ``GatheredParameters`` over the model with its hooks removed, as TRL
+        does). Returns the units gathered here."""
+        opened = [u for u in self.units if not u.gathered]
+        for u in self.units:
+            if u in opened:
+                self.gather(u)
+            else:
+                u.wait()
+        self.held = True
+        return opened
+
+    def let_go(self, opened: list[ShardedUnit]) -> None:
+        """End `hold_all`: release the units it gathered."""
+        self.held = False
+        for u in opened:
+            if u.gathered:
+                self.release(u)
+
     # -- module hooks ------------------------------------------------------------------------------------
+    def attach_root(self, model: torch.nn.Module) -> None:
+        """Hook the root module: its forward restarts the evaluation trace, and is watched for stray reads
+        while an order is recorded."""
+        self.root = model
+        # Never traced by torch.compile: dynamo breaks the graph here and runs the hooks eagerly (`compiling`).
+        self.hooks.append(model.register_forward_pre_hook(torch.compiler.disable(self.root_pre_forward)))
+        self.hooks.append(model.register_forward_hook(torch.compiler.disable(self.root_post_forward),
+                                                      always_call=True))
+
     def root_pre_forward(self, module, args) -> None:
-        """A forward without autograd starts at the root module: the evaluation trace restarts."""
+        """A forward without autograd starts at the root module: the evaluation trace restarts. While the
+        forward's trace records, stray reads are watched (not under torch.compile, which would trace the mode)."""
+        if self.held:
+            return
+        training = torch.is_grad_enabled() and not _in_backward()
         if not torch.is_grad_enabled():
             self.schedule.begin_eval_forward()
+        if self.schedule.recording(training) and not any(is_compiled_module(m) for m in module.modules()):
+            self.stray_reads.enter()
+
+    def root_post_forward(self, module, args, output) -> None:
+        self.stray_reads.leave()
+
+    def _on_stray(self, u: ShardedUnit) -> None:
+        """``u``'s parameter is read in the root's forward outside its module's: gather it now, and from the next
+        forward on with the root module, whose order is recorded again."""
+        self.busy += 1
+        try:
+            self.gather_check.before_forward([u], recording=True)
+            if torch.is_grad_enabled() and not _in_backward():
+                self.last_forward_use[u] = self.forward_fetches
+                self.forward_fetches += 1
+            self.fetch([u])
+            self.add_external(self.root, u)
+            self.schedule.record_again()
+        finally:
+            self.busy -= 1
 
     def _pre_forward(self, module, args):
-        units = self.module_units[module]
+        if self.held:
+            return
+        self.busy += 1
+        try:
+            self._fetch_for_forward(self.module_units[module])
+        finally:
+            self.busy -= 1
+
+    def _fetch_for_forward(self, units: list[ShardedUnit]) -> None:
         if not _in_backward():
             self.gather_check.before_forward(units, recording=self.schedule.mode == RECORDING)
         if torch.is_grad_enabled() and not _in_backward():
@@ -195,7 +264,15 @@ class UnitLifecycle:
         self.fetch(units)
 
     def _post_forward(self, module, args, output):
-        units = self.module_units[module]
+        if self.held:
+            return output
+        self.busy += 1
+        try:
+            return self._after_forward(self.module_units[module], output)
+        finally:
+            self.busy -= 1
+
+    def _after_forward(self, units: list[ShardedUnit], output):
         if _in_backward():
             return output           # a recomputed forward: its backward follows at once, keep the units
         if torch.is_grad_enabled():

@@ -11,7 +11,7 @@ import contextlib
 
 import torch
 
-from zero_offload.comm import DistContext
+from zero_offload.comm import DistContext, device_free_bytes
 from zero_offload.config import Config
 from zero_offload.nvme.setup import build_param_store
 from zero_offload.offload.copies import CopyEngine
@@ -103,9 +103,7 @@ class Stage3Optimizer(ZeroOptimizerBase):
         self.lifecycle = UnitLifecycle(self.ctx, self.copies, self.units, module_units, schedule, self.store,
                                        self.partitions, GradAveraging.from_config(config, self.ctx.world_size),
                                        communication_dtype(config), self.reduce_ctx)
-        # Never traced by torch.compile: dynamo breaks the graph here and runs the hook eagerly (`zero_offload.
-        # compiling`), as at every module hook of the life cycle.
-        model.register_forward_pre_hook(torch.compiler.disable(self.lifecycle.root_pre_forward))
+        self.lifecycle.attach_root(model)
         registry.manage(self.lifecycle.unit_of.keys(), self)   # for `gathered_parameters` and external parameters
 
     def _build_step(self, config: Config, groups, dtype, gradient_accumulation: int) -> None:
@@ -215,6 +213,28 @@ class Stage3Optimizer(ZeroOptimizerBase):
                     if u not in opened:      # a unit that stays gathered: drop the writes made to it
                         life.release(u)
                         life.gather(u)
+
+    def release_gathered(self) -> None:
+        """Free every gathered unit, persistent ones too (gathered again at their next use)."""
+        self.lifecycle.invalidate()
+
+    @contextlib.contextmanager
+    def gathered_for_generation(self, free_bytes: int | None = None):
+        """Every unit gathered once for the body and kept, where the units not yet gathered fit in
+        ``free_bytes`` (default: the device's free memory, or the host's available memory on a CPU device);
+        else the body runs with units gathered module by module, as in any forward. TRL's
+        ``ds3_gather_for_generation`` (``GatheredParameters`` over the model, hooks removed) under DeepSpeed.
+        Yields True when everything was gathered."""
+        life = self.lifecycle
+        need = sum(u.nbytes for u in self.units if not u.gathered)
+        if life.held or need > (device_free_bytes(self.ctx.device) if free_bytes is None else free_bytes):
+            yield life.held
+            return
+        opened = life.hold_all()
+        try:
+            yield True
+        finally:
+            life.let_go(opened)
 
     def add_external(self, module: torch.nn.Module, p: torch.nn.Parameter) -> None:
         """Gather ``p``'s unit before ``module``'s forward too (``register_external_parameter``)."""

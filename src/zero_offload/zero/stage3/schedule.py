@@ -25,9 +25,12 @@ class Trace:
         self.mode = RECORDING
         self.order: list[int] = []
         self.position = 0
+        self.stale = False          # the next pass records anew (the order changed on purpose)
 
     def restart(self) -> bool:
         """A new pass starts; True when it is the first replay (recording just ended)."""
+        if self.stale:
+            self.mode, self.order, self.stale = RECORDING, [], False
         first = self.mode == RECORDING and bool(self.order)
         if first:
             self.mode = REPLAYING
@@ -73,6 +76,15 @@ class FetchSchedule:
     def mode(self) -> str:
         """The training trace's mode: ``recording``, ``replaying`` or ``on-demand``."""
         return self.train.mode
+
+    def recording(self, training: bool) -> bool:
+        """Whether the training (or evaluation) pass now running records its order."""
+        return (self.train if training else self.eval).mode == RECORDING
+
+    def record_again(self) -> None:
+        """The fetch order changed on purpose (a unit now fetched with the root module): both traces record anew
+        from their next pass."""
+        self.train.stale = self.eval.stale = True
 
     def begin_micro_step(self) -> None:
         if self.train.restart():

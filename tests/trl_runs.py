@@ -122,6 +122,38 @@ def _config(name: str, out_dir, overrides: dict):
     return cls(**kw)
 
 
+# variant -> (trainer, run keywords): what item 1 of the TRL issue names, each with TRL's defaults otherwise.
+VARIANTS = {
+    "sft": ("sft", {}),
+    "sft-packing": ("sft", {"packing": True, "max_length": 16}),
+    "sft-padding-free": ("sft", {"padding_free": True, "max_length": None}),
+    "sft-completion-only": ("sft", {"data": "prompt_completion"}),
+    "sft-lora": ("sft", {"lora": True}),
+    "dpo": ("dpo", {}),
+    "dpo-ref-model": ("dpo", {"ref_model": True}),
+    "grpo": ("grpo", {}),
+    "rloo": ("rloo", {}),
+    "reward": ("reward", {}),
+}
+
+
+def run_variant(variant: str, model_dirs: dict, out_dir, ds_config: dict | None = None, **overrides):
+    """`run` of one of `VARIANTS`; ``model_dirs``: {'causal': path, 'reward': path}."""
+    name, kw = VARIANTS[variant]
+    kw = dict(kw, **overrides)
+    if kw.pop("lora", False):
+        from peft import LoraConfig
+        kw["peft_config"] = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    return run(name, model_dirs["reward" if name == "reward" else "causal"], out_dir, ds_config, **kw)
+
+
+def initial_weights(model_dir: str, kind: str = "causal") -> dict:
+    """{name: fp32 tensor} of the saved model, before training."""
+    import transformers as tf
+    cls = tf.AutoModelForCausalLM if kind == "causal" else tf.AutoModelForSequenceClassification
+    return {n: p.detach().float().clone() for n, p in cls.from_pretrained(model_dir).named_parameters()}
+
+
 def run(name: str, model_dir: str, out_dir, ds_config: dict | None = None, data: str | None = None,
         peft_config=None, ref_model: bool = False, **overrides):
     """Train TRL's ``name`` trainer ('sft', 'dpo', 'grpo', 'rloo', 'reward') on the model at ``model_dir``, plain
@@ -154,7 +186,15 @@ def weights_of(trainer) -> dict:
     return {n: p.detach().float().cpu().clone() for n, p in trainer.model.named_parameters()}
 
 
+def _base_name(name: str) -> str:
+    """A PEFT model's name for a base weight, as the plain model names it."""
+    return name.replace("base_model.model.", "").replace(".base_layer", "")
+
+
 def max_weight_diff(a: dict, b: dict) -> float:
+    """The largest difference over the names both hold (PEFT names compared with the plain model's)."""
+    a = {_base_name(k): v for k, v in a.items()}
+    b = {_base_name(k): v for k, v in b.items()}
     common = set(a) & set(b)
     assert common, (sorted(a), sorted(b))
     return max((a[k] - b[k]).abs().max().item() for k in common)

@@ -37,6 +37,27 @@ from zero_offload.hf.facades import EngineModule, EngineOptimizer, EngineSchedul
 __all__ = ["ZeroOffloadTrainerMixin", "Trainer"]
 
 
+# The Trainer methods the mixin takes over while the engine trains (transformers' own DeepSpeed path uses the same
+# points); a subclass's override of one of them would never run, so it is refused at construction.
+ENGINE_HOOKS = ("_prepare_for_training", "_wrap_model", "_move_model_to_device", "_clip_grad_norm",
+                "_get_grad_norm", "save_model", "_save_optimizer_and_scheduler", "_load_from_checkpoint",
+                "_load_best_model")
+
+
+def check_overrides(cls: type) -> None:
+    """Raises TypeError naming the first `ENGINE_HOOKS` method a class in ``cls``'s MRO (other than the mixin and
+    ``transformers.Trainer``) defines: the engine serves that step, and the override would be skipped."""
+    for klass in cls.__mro__:
+        if klass in (ZeroOffloadTrainerMixin, transformers.Trainer, object) or \
+                klass.__module__ == __name__:
+            continue
+        for name in ENGINE_HOOKS:
+            if name in klass.__dict__:
+                raise TypeError(f"{klass.__qualname__}.{name} overrides a Trainer method that zero-offload's "
+                                f"engine takes over with ds_config= (as transformers' DeepSpeed path does): it "
+                                f"would never run. Remove it, or train without ds_config")
+
+
 class ZeroOffloadTrainerMixin:
     """Adds ``ds_config`` (a dict or a path to a DeepSpeed JSON) to a ``transformers.Trainer`` subclass; with it
     the model trains on zero-offload's engine at the config's stage and offload. Without it the class is the
@@ -51,9 +72,12 @@ class ZeroOffloadTrainerMixin:
         ConfigError: ``ds_config`` is not a dict or a readable config file.
         ValueError: ``TrainingArguments.deepspeed`` is set too, or ``optimizers=`` was passed (as transformers
             refuses it under DeepSpeed: override ``create_optimizer`` or give the config an optimizer section).
+        TypeError: the subclass overrides a method the engine takes over (`ENGINE_HOOKS`), named.
     """
 
     def __init__(self, *args, ds_config=None, **kwargs):
+        if ds_config is not None:
+            check_overrides(type(self))
         self.ds_config = load_ds_config(ds_config) if ds_config is not None else None
         self.engine: Engine | None = None
         super().__init__(*args, **kwargs)

@@ -30,12 +30,13 @@ def tokenizer():
     return fast
 
 
-def save_model_dir(path, kind: str = "causal", seed: int = 0) -> str:
+def save_model_dir(path, kind: str = "causal", seed: int = 0, hidden: int = 32, layers: int = 2) -> str:
     """Write a tiny Llama (``kind``: 'causal' or 'reward', a one-label sequence classifier) and the tokenizer
     to ``path``; returns it. TRL trainers given the path load both from there, as from the Hub."""
     import transformers as tf
     tok = tokenizer()
-    cfg = tf.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    cfg = tf.LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=layers,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                          pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
                          bos_token_id=tok.bos_token_id, num_labels=1)

@@ -26,8 +26,8 @@ def one(stage: int, model_dir: str, out: str, steps: int) -> float:
     """Seconds per optimizer step of GRPO (its generation included), after one warm-up step."""
     kw = dict(max_steps=steps + 1, max_completion_length=16, num_generations=4, generation_batch_size=8,
               per_device_train_batch_size=4, gradient_checkpointing=True)
-    trainer = runs._trainer_class("grpo", True)(
-        model=model_dir, args=runs._config("grpo", out, kw), train_dataset=runs.dataset("prompt", n=64),
+    trainer = runs.trainer_class("grpo", True)(
+        model=model_dir, args=runs.trl_config("grpo", out, kw), train_dataset=runs.dataset("prompt", n=64),
         reward_funcs=runs.reward_even_words, ds_config=runs.zero_config(stage),
         processing_class=runs.tokenizer())
     times = []

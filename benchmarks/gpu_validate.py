@@ -17,7 +17,7 @@ subprocess with its own time limit (`LIMITS`), so a crash or an out-of-memory in
 (0) ``calibrate``: `zero_offload.calibrate.measure` (bf16 matmul, pinned copies each way, host Adam at the delayed
     step's thread count and at every core), written to ``DIR/calibration.json`` for ``zero-offload estimate
     --calibration``.
-(a) ``cuda_tests``: ``pytest tests/test_cuda.py`` (the CUDA-only tests).
+(a) ``cuda_tests``: ``pytest tests/test_cuda.py`` (the CUDA-only tests, offload_states included).
 (b) ``sanitizer``: ``TORCH_CUDA_SANITIZER=1`` over stage 2 + offload (pinned and pageable, accumulation 2, DPU,
     super_offload, ratio 0.5 with super_offload) and stage 3 + both offloads (plain, super_offload); counts reported
     data races.

@@ -52,6 +52,25 @@ def run_ranks(fn, world_size: int, *args) -> list:
     return [res["ok"] for res in results]
 
 
+def run_torchrun(script: str, out_path, timeout: int = 600) -> dict:
+    """Run ``tests/<script> <out_path>`` under ``torchrun --nproc_per_node 2`` with the repository's ``src`` and
+    ``tests`` importable; asserts it exited 0 (its stderr's end in the message) and returns the JSON its rank 0
+    wrote to ``out_path`` (`finish_torchrun`)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    tests = Path(__file__).resolve().parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests.parent / "src"), str(tests),
+                                                         os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                           "--master_port", str(_free_port()), str(tests / script), str(out_path)],
+                          capture_output=True, text=True, timeout=timeout, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    with open(out_path) as f:
+        return json.load(f)
+
+
 def finish_torchrun(result: dict, out_path: str) -> None:
     """End a script run under ``torchrun``: rank 0 writes ``result`` as JSON to ``out_path``, then an orderly exit
     (every rank at a barrier, the group destroyed, so gloo's threads stop before the interpreter ends)."""

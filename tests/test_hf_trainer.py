@@ -9,10 +9,6 @@ ends on the uninterrupted run's weights, ``save_model`` loads strictly with ``fr
 kept), evaluation, a shorter last accumulation, a DeepSpeed schedule section against the Trainer's linear one,
 the mixin over a Trainer subclass, the "auto" filling and its errors, and 2 ranks under torchrun.
 """
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -201,15 +197,8 @@ def test_bad_inputs_name_what_is_wrong(tmp_path):
 # -- 2 ranks -----------------------------------------------------------------------------------------------
 
 def test_two_ranks_under_torchrun_match_the_trainers_ddp(tmp_path):
-    from dist_utils import _free_port
-    out = tmp_path / "result.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests"),
-                                                         os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                           "--master_port", str(_free_port()), str(ROOT / "tests" / "hf_trainer_dist.py"), str(out)],
-                          capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads(out.read_text())
+    from dist_utils import run_torchrun
+    result = run_torchrun("hf_trainer_dist.py", tmp_path / "result.json", timeout=600)
     for name, r in result["runs"].items():
         assert r["world_size"] == 2, name
         assert max(abs(a - b) for a, b in zip(r["losses"], r["reference"])) <= TOL, (name, r)

@@ -5,10 +5,7 @@ accumulation, gradient_clip_val 1.0. Per-step losses and final weights agree wit
 with the optimizer offloaded and stage 3 with optimizer and parameters offloaded; a config optimizer section;
 ModelCheckpoint directories and fit(ckpt_path=...) resuming onto the uninterrupted weights; validation; errors.
 """
-import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -131,15 +128,8 @@ def test_bad_inputs_name_what_is_wrong():
 
 
 def test_two_ranks_under_torchrun_match_lightnings_ddp(tmp_path):
-    from dist_utils import _free_port
-    out = tmp_path / "result.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests"),
-                                                         os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                           "--master_port", str(_free_port()), str(ROOT / "tests" / "lightning_dist.py"), str(out)],
-                          capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads(out.read_text())
+    from dist_utils import run_torchrun
+    result = run_torchrun("lightning_dist.py", tmp_path / "result.json", timeout=600)
     for name, r in result["runs"].items():
         assert r["world_size"] == 2 and r["steps"] == result["reference_steps"], (name, r)
         assert max(abs(a - b) for a, b in zip(r["losses"], result["reference"])) <= TOL, (name, r)

@@ -11,11 +11,7 @@ test: the Trainer's precision dropped, accelerate's ``"auto"`` refused, stage-3 
 module (TRL's fused LM head), attributes hidden by the facade (walked from the libraries' sources). And
 generation under stage 3: the same tokens with every unit gathered once as module by module.
 """
-import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -70,15 +66,8 @@ def test_trainer_matches_trl_without_the_mixin(variant, stage, model_dirs, tmp_p
 
 
 def test_two_ranks_under_torchrun_match_trl_without_the_mixin(tmp_path):
-    from dist_utils import _free_port
-    out = tmp_path / "result.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests"),
-                                                         os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                           "--master_port", str(_free_port()), str(ROOT / "tests" / "trl_dist.py"), str(out)],
-                          capture_output=True, text=True, timeout=900, env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads(out.read_text())
+    from dist_utils import run_torchrun
+    result = run_torchrun("trl_dist.py", tmp_path / "result.json", timeout=900)
     assert len(result["runs"]) >= 8
     for name, r in result["runs"].items():
         assert r["world_size"] == 2, name
@@ -225,5 +214,32 @@ def test_a_subclass_overriding_a_step_the_engine_serves_fails_at_construction(mo
             return 0.0
 
     with pytest.raises(TypeError, match=r"ClipsItself._clip_grad_norm overrides a Trainer method"):
-        ClipsItself(model=model_dirs["causal"], args=runs._config("sft", tmp_path, {}),
+        ClipsItself(model=model_dirs["causal"], args=runs.trl_config("sft", tmp_path, {}),
                     train_dataset=runs.dataset("text"), ds_config=runs.zero_config(2))
+
+
+@pytest.mark.parametrize("variant", ["dpo", "grpo"])
+def test_the_reference_model_is_partitioned_with_no_optimizer_memory(variant, model_dirs, tmp_path, monkeypatch):
+    """At stage 3 the reference model is sharded like the policy (``offload_param``: shards on the host), has no
+    gradients and no optimizer state, and holds what `estimate_memory` gives a frozen model, to the byte."""
+    import transformers as tf
+
+    import zero_offload
+    trainer = runs.run_variant(variant, model_dirs, tmp_path, runs.zero_config(3))[0]
+    (engine,) = trainer.frozen_engines
+    assert trainer.ref_model is engine.module
+    assert all(p.data.numel() == 0 and p.grad is None and not p.requires_grad for p in trainer.ref_model.parameters())
+    held = engine.memory_breakdown()
+    assert set(held) <= {"frozen_params", "gathered", "peak_gathered"}      # no gradients, masters or moments
+    with torch.device("meta"):
+        skeleton = tf.AutoModelForCausalLM.from_config(tf.AutoConfig.from_pretrained(model_dirs["causal"]))
+    skeleton.requires_grad_(False)
+    estimate = zero_offload.estimate_memory(skeleton, _engine_config())
+    assert held["frozen_params"]["side"] == "host"
+    assert held["frozen_params"]["bytes"] == estimate.host["frozen_params"] > 0
+    assert "reduce_buffers" not in estimate.device
+    # power: prepared as accelerate prepares it, the reference model is whole on every rank
+    import zero_offload.hf.trainer as hf_trainer
+    monkeypatch.setattr(hf_trainer.ZeroOffloadTrainerMixin, "frozen_engine", lambda self, model: None)
+    trainer = runs.run_variant(variant, model_dirs, tmp_path / "power", runs.zero_config(3))[0]
+    assert sum(p.data.numel() for p in trainer.ref_model.parameters()) > 0

@@ -7,6 +7,8 @@ import os
 
 import torch
 
+from hf_trainer_runs import weights_of
+
 VOCAB_WORDS = 200          # plus the special tokens: a vocabulary of a few hundred
 SPECIAL = ["<pad>", "<eos>", "<bos>"]
 LR = 1e-3
@@ -100,7 +102,7 @@ def zero_config(stage: int, offload: bool = True) -> dict:
             "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "zero_optimization": zc}
 
 
-def _trainer_class(name: str, zero: bool):
+def trainer_class(name: str, zero: bool):
     import trl
 
     from zero_offload.hf import ZeroOffloadTrainerMixin
@@ -111,7 +113,7 @@ def _trainer_class(name: str, zero: bool):
     return type(f"ZeroOffload{base.__name__}", (ZeroOffloadTrainerMixin, base), {})
 
 
-def _config(name: str, out_dir, overrides: dict):
+def trl_config(name: str, out_dir, overrides: dict):
     import trl
     cls = {"sft": trl.SFTConfig, "dpo": trl.DPOConfig, "grpo": trl.GRPOConfig, "rloo": trl.RLOOConfig,
            "reward": trl.RewardConfig}[name]
@@ -160,7 +162,7 @@ def run(name: str, model_dir: str, out_dir, ds_config: dict | None = None, data:
     """Train TRL's ``name`` trainer ('sft', 'dpo', 'grpo', 'rloo', 'reward') on the model at ``model_dir``, plain
     (``ds_config`` None) or on zero-offload; returns (trainer, per-step losses, {name: fp32 CPU weight})."""
     import transformers as tf
-    args = _config(name, out_dir, overrides)
+    args = trl_config(name, out_dir, overrides)
     default_data = {"sft": "text", "dpo": "preference", "grpo": "prompt", "rloo": "prompt", "reward": "reward"}
     kw: dict = dict(args=args, train_dataset=dataset(data or default_data[name]),
                     processing_class=tf.AutoTokenizer.from_pretrained(model_dir))
@@ -173,18 +175,10 @@ def run(name: str, model_dir: str, out_dir, ds_config: dict | None = None, data:
     if ds_config is not None:
         kw["ds_config"] = ds_config
     torch.manual_seed(0)
-    trainer = _trainer_class(name, ds_config is not None)(model=model_dir, **kw)
+    trainer = trainer_class(name, ds_config is not None)(model=model_dir, **kw)
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     return trainer, losses, weights_of(trainer)
-
-
-def weights_of(trainer) -> dict:
-    """{name: fp32 CPU tensor} of the trained parameters (the engine's fp32 masters when it has one)."""
-    engine = getattr(trainer, "engine", None)
-    if engine is not None:
-        return {k: v.float() for k, v in engine.full_state_dict().items()}
-    return {n: p.detach().float().cpu().clone() for n, p in trainer.model.named_parameters()}
 
 
 def _base_name(name: str) -> str:

@@ -16,7 +16,7 @@ from zero_offload.checkpoint.formats import load_any, save_any
 from zero_offload.comm import DistContext, deadline
 from zero_offload.compiling import compile_module
 from zero_offload.config import AutoContext, Config, ConfigError
-from zero_offload.offload.state_offload import StateOffload, parse_include
+from zero_offload.offload.state_offload import StateOffload
 from zero_offload.optim.lr_schedules import build_scheduler
 from zero_offload.precision import LossScaler, is_overflow, training_dtype
 from zero_offload.state import check_engine_state
@@ -144,11 +144,9 @@ class Engine:
             return self.module(*args, **kwargs)
 
     def gathered_for_generation(self, free_bytes: int | None = None):
-        """A context for ``model.generate`` (many forwards without autograd): at stage 3 every parameter is
-        gathered once for the whole body where the ones not gathered fit in ``free_bytes`` (default: the
-        device's free memory), else they are gathered module by module as in any forward; the same tokens either
-        way. TRL's ``ds3_gather_for_generation`` under DeepSpeed. A collective at stage 3. Yields True when the
-        whole model is gathered (always below stage 3)."""
+        """A context for ``model.generate``: at stage 3 every unit gathered once where the ones not gathered fit
+        in ``free_bytes`` (default: the device's free memory), else module by module (TRL's
+        ``ds3_gather_for_generation``); a collective. Yields True when the whole model is gathered."""
         return self.zero.gathered_for_generation(free_bytes)
 
     @deadline
@@ -411,33 +409,20 @@ class Engine:
         return out
 
     def offload_states(self, include=None, device="cpu", pin_memory: bool = True, non_blocking: bool = False) -> None:
-        """Move the engine's device memory to the host between steps (DeepSpeed 0.16+'s API, for RL loops that
-        lend the GPU to a generation engine): the ``include``d state types (DeepSpeed's ``OffloadStateTypeEnum``
-        or its values: ``optim_states``, ``hp_params``, ``lp_params``, ``lp_grads``, ``contiguous_grad_buffer``;
-        all when None) that live on the device. At stage 3 gathered parameters are released first. Afterwards the
-        engine holds no device memory of those types; forward, backward and step raise until `reload_states`.
-        Allowed mid-accumulation. ``pin_memory``: page-locked host copies, kept for the next call (DeepSpeed's).
+        """DeepSpeed's ``offload_states``: the ``include``d state types (``OffloadStateTypeEnum`` or its values;
+        all when None) that live on the device move to host memory, bitwise, until `reload_states`; forward,
+        backward and step raise meanwhile. See `zero_offload.offload.state_offload` and docs/library.md.
 
         Raises:
-            ValueError: ``device`` is not ``"cpu"`` (``"nvme"`` is refused, as by DeepSpeed; ``"none"`` warns and
-                does nothing), or ``include`` names an unknown type.
+            ValueError: ``device`` other than ``"cpu"`` (``"none"`` warns and does nothing), or an unknown type.
         """
-        target = str(getattr(device, "value", device))
-        if target == "none":
-            return self._states.warn_none()
-        if target != "cpu":
-            raise ValueError(f"offload_states(device={target!r}): states can be offloaded to 'cpu' only "
-                             f"(NVMe is refused, as by DeepSpeed)")
-        parse_include(include)
-        self.flush_delayed_update()
-        if self.ctx.device.type == "cuda":
-            torch.cuda.synchronize(self.ctx.device)
-        self.zero.release_gathered()
-        self._states.offload_kinds(self.zero.memory_kinds(), include, pin_memory, non_blocking)
+        if self._states.accepts(device, include):
+            self.flush_delayed_update()
+            self.zero.release_gathered()
+            self._states.offload_kinds(self.zero.memory_kinds(), include, pin_memory, non_blocking)
 
     def reload_states(self, non_blocking: bool = False) -> None:
-        """Bring back what `offload_states` moved, bitwise: training continues as if nothing had moved
-        (DeepSpeed's ``reload_states``). A no-op when nothing is offloaded."""
+        """DeepSpeed's ``reload_states``: what `offload_states` moved comes back; a no-op when nothing did."""
         self._states.reload(non_blocking)
 
     def flush_delayed_update(self) -> None:

@@ -266,7 +266,8 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
         est.add("device", "live_params", persistent + min(sum(unit_bytes), unit_bytes[0] + budget))
         est.formulas["live_params"] = ("persistent units + largest unit + min(stage3_max_live_parameters, "
                                        "stage3_prefetch_bucket_size) x d, at most the whole model")
-        est.add("device", "reduce_buffers", sum(unit_bytes[:MAX_IN_FLIGHT + 1]))
+        reduced = sorted((padded_numel(sum(n), world_size) * d for _, _, n in shape.units), reverse=True)
+        est.add("device", "reduce_buffers", sum(reduced[:MAX_IN_FLIGHT + 1]))   # frozen units reduce nothing
         for p, shard in zip(parts, shards):
             if offload_param:
                 host("params", p, dtype)

@@ -67,8 +67,8 @@ def model_shape(model) -> ModelShape:
             raise ValueError(f"a model needs at least 1 parameter, got {model}")
         return ModelShape((("model", 0, (model,)),), None, f"{model / 1e9:.3g}B params")
     units, frozen = _module_units(model, trainable=True), _module_units(model, trainable=False)
-    if not units:
-        raise ValueError(f"{type(model).__name__} has no trainable parameters")
+    if not units and not frozen:
+        raise ValueError(f"{type(model).__name__} has no parameters")
     gpt = getattr(model, "config", None)
     return ModelShape(units, gpt if isinstance(gpt, GPTConfig) else None, type(model).__name__, frozen)
 

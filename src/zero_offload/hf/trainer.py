@@ -33,6 +33,7 @@ from zero_offload.config import ConfigError
 from zero_offload.engine import Engine
 from zero_offload.hf.config_fill import fill_as_accelerate, fill_from_training_args, load_ds_config
 from zero_offload.hf.facades import EngineModule, EngineOptimizer, EngineSchedule
+from zero_offload.inference import InferenceEngine
 
 __all__ = ["ZeroOffloadTrainerMixin", "Trainer"]
 
@@ -67,6 +68,8 @@ class ZeroOffloadTrainerMixin:
         ds_config: the config as given (a dict), before ``"auto"`` values are filled; None without one.
         engine: the `zero_offload.Engine` once ``train()`` built it (kept for later ``train``, ``evaluate``
             and ``save_model`` calls), else None.
+        frozen_engines: the `InferenceEngine` of each frozen model prepared for evaluation (a reference or reward
+            model) at stage 3.
 
     Raises (at construction):
         ConfigError: ``ds_config`` is not a dict or a readable config file.
@@ -80,6 +83,7 @@ class ZeroOffloadTrainerMixin:
             check_overrides(type(self))
         self.ds_config = load_ds_config(ds_config) if ds_config is not None else None
         self.engine: Engine | None = None
+        self.frozen_engines: list[InferenceEngine] = []
         super().__init__(*args, **kwargs)
         if self.ds_config is None:
             return
@@ -89,6 +93,37 @@ class ZeroOffloadTrainerMixin:
         if self.optimizer is not None or self.lr_scheduler is not None:
             raise ValueError("Trainer(optimizers=...) cannot be used with ds_config= (transformers refuses it under "
                              "DeepSpeed too): give the config an 'optimizer' section, or override create_optimizer")
+
+    # -- frozen models (reference and reward models) ---------------------------------------------------------
+    def create_accelerator_and_postprocess(self):
+        """The Trainer's accelerator; with ``ds_config`` its ``prepare_model(model, evaluation_mode=True)`` (how
+        TRL and the Trainer prepare a reference or reward model without DeepSpeed) builds an `InferenceEngine`
+        at stage 3, as TRL's ``prepare_deepspeed`` builds a DeepSpeed engine without optimizer there."""
+        out = super().create_accelerator_and_postprocess()
+        if self.ds_config is not None:
+            prepare = self.accelerator.prepare_model
+
+            def prepare_model(model, device_placement=None, evaluation_mode=False):
+                if evaluation_mode and model is not getattr(self, "model", None):
+                    engine = self.frozen_engine(model)
+                    if engine is not None:
+                        return engine.module
+                return prepare(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+            self.accelerator.prepare_model = prepare_model
+        return out
+
+    def frozen_engine(self, model) -> InferenceEngine | None:
+        """An `InferenceEngine` over ``model`` (frozen: a reference or reward model) with this config's stage,
+        ``offload_param`` and precision, kept in ``frozen_engines``; None below stage 3, where the model stays
+        whole on the device as accelerate places it (DeepSpeed's stage 0 under ``prepare_deepspeed``)."""
+        config = load_ds_config(self.ds_config)
+        config.pop("optimizer", None), config.pop("scheduler", None)
+        fill_as_accelerate(fill_from_training_args(config, self.args, 1), self.args)
+        if config.get("zero_optimization", {}).get("stage") != 3:
+            return None
+        engine = InferenceEngine(model, config)
+        self.frozen_engines.append(engine)
+        return engine
 
     # -- building the engine --------------------------------------------------------------------------------
     def _move_model_to_device(self, model, device):

@@ -73,10 +73,31 @@ class StateOffload:
     def offloaded(self) -> bool:
         return bool(self.moved)
 
+    def accepts(self, device, include) -> bool:
+        """Whether an ``offload_states(include, device)`` call moves anything: False (with DeepSpeed's warning)
+        for ``device="none"``.
+
+        Raises:
+            ValueError: another device than ``"cpu"`` (``"nvme"`` is refused, as by DeepSpeed), or an unknown
+                type in ``include`` (`parse_include`).
+        """
+        target = str(getattr(device, "value", device))
+        if target == "none":
+            warnings.warn("offload_states(device='none'): no device given, nothing offloaded (as DeepSpeed)",
+                          stacklevel=3)
+            return False
+        if target != "cpu":
+            raise ValueError(f"offload_states(device={target!r}): states can be offloaded to 'cpu' only "
+                             f"(NVMe is refused, as by DeepSpeed)")
+        parse_include(include)
+        return True
+
     def offload_kinds(self, kinds: dict, include, pin_memory: bool, non_blocking: bool) -> int:
         """Move the device-side tensors of ``kinds`` (`memory_breakdown`'s ``{kind: (side, tensors)}``) whose
         state type ``include`` names (`parse_include`); returns the device bytes freed."""
         types = parse_include(include)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)      # nothing queued still reads or writes what moves
         by_type: dict[str, list[torch.Tensor]] = {}
         for kind, entry in kinds.items():
             if isinstance(entry, tuple) and entry[0] == "device" and state_type(kind) in types:
@@ -133,7 +154,3 @@ class StateOffload:
         if self.moved:
             raise RuntimeError(f"engine.{what}() while the engine's states are offloaded "
                                f"({', '.join(sorted(self.types))}): call engine.reload_states() first")
-
-    def warn_none(self) -> None:
-        warnings.warn("offload_states(device='none'): no device given, nothing offloaded (as DeepSpeed)",
-                      stacklevel=3)

@@ -17,6 +17,7 @@ from zero_offload.nvme.setup import build_param_store
 from zero_offload.offload.copies import CopyEngine
 from zero_offload.zero.base import MemoryKind, ZeroOptimizerBase
 from zero_offload.zero.builder import build_partition_optimizer
+from zero_offload.zero.no_step import NoStep
 from zero_offload.zero.grad_partition import GradPartition
 from zero_offload.zero.split_partition import split_partition
 from zero_offload.zero.collectives import scattered_dtype
@@ -38,7 +39,8 @@ class Stage3Optimizer(ZeroOptimizerBase):
     """ZeRO stage 3 over the given param groups, optionally with parameters and/or optimizer on the host.
 
     Args:
-        groups: `ParamGroup`s of trainable parameters (on the CPU or meta device, in the training dtype).
+        groups: `ParamGroup`s of trainable parameters (on the CPU or meta device, in the training dtype); none
+            for a frozen model run forward only (`zero_offload.inference.InferenceEngine`).
             The model's frozen parameters (``requires_grad=False``) are sharded too, in frozen units
             (`zero_offload.zero.stage3.frozen`): gathered for forward and backward, never optimized.
         param_init_fn: for a model built under `init_sharded`: called as ``param_init_fn(module)`` to
@@ -108,6 +110,9 @@ class Stage3Optimizer(ZeroOptimizerBase):
 
     def _build_step(self, config: Config, groups, dtype, gradient_accumulation: int) -> None:
         """Gradient partitions and the partition optimizer."""
+        if not groups:           # a frozen model (forward only): shards, no gradients, no optimizer state
+            self.partitions, self.adam = [], NoStep()
+            return
         # The step runs where the states are; with parameters on the host it runs there too.
         host_step = self.offload or self.offload_param
         # Pieces arrive as reduce-scattered unit shards.
@@ -352,7 +357,7 @@ class Stage3Optimizer(ZeroOptimizerBase):
         else:
             params = {"params": (param_side, list(self.parts))}
         kinds = self.partition_kinds()
-        side, masters = kinds["master"]
+        side, masters = kinds.get("master", ("host", []))
         aliased = {p.data_ptr() for p in self.parts}
         kinds["master"] = (side, [m for m in masters if m.data_ptr() not in aliased])
         return {**params,

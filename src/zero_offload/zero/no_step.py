@@ -1,0 +1,36 @@
+"""`NoStep`: the partition optimizer of a model with nothing to train (a frozen reference model at stage 3).
+
+A null object in the `PartitionOptimizer` role: it holds no masters and no optimizer state, so the memory
+accounting and `close` of the ZeRO optimizer that holds it work unchanged. Stepping it is a programming error.
+"""
+from __future__ import annotations
+
+import torch
+
+__all__ = ["NoStep"]
+
+
+class NoStep:
+    """No parameter groups: nothing is stepped, nothing is held."""
+
+    masters: list[torch.Tensor] = []
+    optimizer = None
+    on_host = False
+
+    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        return {}
+
+    def staging_tensors(self) -> list[torch.Tensor]:
+        return []
+
+    def incoming_tensors(self) -> list[torch.Tensor]:
+        return []
+
+    def swapped_bytes(self) -> dict[str, int]:
+        return {}
+
+    def close(self) -> None:
+        return None
+
+    def step(self, *args, **kwargs) -> None:
+        raise RuntimeError("a model with no trainable parameters has no optimizer step")

@@ -1,5 +1,6 @@
 """Run under ``torchrun --nproc_per_node 2``: TRL's trainers without the mixin (their own DDP, gloo on CPU) against
-the same trainers on zero-offload at stage 2 + optimizer offload and stage 3 + optimizer and parameter offload.
+the same trainers on zero-offload at stage 0, stage 2 + optimizer offload and stage 3 + optimizer and parameter
+offload, every variant of `trl_runs.VARIANTS`.
 Rank 0 writes {losses, weight differences} as JSON to argv[1]."""
 import os
 import sys
@@ -15,8 +16,8 @@ from dist_utils import finish_torchrun  # noqa: E402
 
 torch.set_num_threads(1)        # the two ranks share two cores
 warnings.filterwarnings("ignore")
-VARIANTS = ("sft", "dpo", "grpo", "rloo", "reward")
-STAGES = {"stage2-offload": runs.zero_config(2), "stage3-offload-all": runs.zero_config(3)}
+STAGES = {"stage0": runs.zero_config(0), "stage2-offload": runs.zero_config(2),
+          "stage3-offload-all": runs.zero_config(3)}
 
 
 def main(out_path: str) -> None:
@@ -30,7 +31,7 @@ def main(out_path: str) -> None:
             runs.save_model_dir(dirs["causal"])
             runs.save_model_dir(dirs["reward"], "reward")
         dist.barrier()
-        for variant in VARIANTS:
+        for variant in runs.VARIANTS:
             _, ref_losses, ref_w = runs.run_variant(variant, dirs, os.path.join(d, f"ref-{variant}"))
             for stage, cfg in STAGES.items():
                 trainer, losses, w = runs.run_variant(variant, dirs, os.path.join(d, f"{variant}-{stage}"), cfg)

@@ -126,8 +126,8 @@ def _stage2_bucket_bytes(group_numels: list[list[int]], world_size: int, bucket_
 
 def estimate_memory(model, config: "Config | dict | str | None" = None, world_size: int = 1, *,
                     micro_batch: int | None = None, seq_len: int | None = None,
-                    activation_checkpointing: bool | None = None, accelerator: bool | None = None
-                    ) -> MemoryEstimate:
+                    activation_checkpointing: bool | None = None, accelerator: bool | None = None,
+                    generation: bool = False) -> MemoryEstimate:
     """Bytes one rank of ``world_size`` holds to train ``model`` under ``config``, by kind and side.
 
     Args:
@@ -140,6 +140,9 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
         activation_checkpointing: override the model's own setting for the activation figure.
         accelerator: whether the compute device is an accelerator (default: ``torch.cuda.is_available()``).
             Pinned host buffers round up to a power of two only then.
+        generation: the run calls ``generate`` inside training (TRL's GRPO, RLOO): at stage 3 every unit is
+            gathered at once for it (`Engine.gathered_for_generation`); ``generation_params`` is what that takes
+            beyond ``live_params``, counted as if held beside everything else (an upper bound).
 
     Kinds: ``params`` (16-bit flat buffers, or this rank's stage-3 shards), ``grads`` (full gradients,
     stages 0/1), ``buckets`` (stage-2 bucket buffers), ``grad_partition``, ``grad_staging`` (the pinned pool
@@ -149,7 +152,8 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
     step lands updated parameters in), ``frozen_params`` (parameters with
     ``requires_grad=False``: whole below stage 3, this rank's shards at stage 3), ``live_params`` (stage 3: gathered
     units, persistent ones and the prefetch / live-parameter budget), ``reduce_buffers`` (stage 3: unit
-    gradients being reduce-scattered), ``pinned_rounding``, ``activations``.
+    gradients being reduce-scattered), ``generation_params`` (with ``generation``), ``pinned_rounding``,
+    ``activations``.
 
     Raises:
         ConfigError: an invalid config (the message names the key).
@@ -266,6 +270,8 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
         est.add("device", "live_params", persistent + min(sum(unit_bytes), unit_bytes[0] + budget))
         est.formulas["live_params"] = ("persistent units + largest unit + min(stage3_max_live_parameters, "
                                        "stage3_prefetch_bucket_size) x d, at most the whole model")
+        if generation:
+            est.add("device", "generation_params", max(0, sum(unit_bytes) - est.device["live_params"]))
         reduced = sorted((padded_numel(sum(n), world_size) * d for _, _, n in shape.units), reverse=True)
         est.add("device", "reduce_buffers", sum(reduced[:MAX_IN_FLIGHT + 1]))   # frozen units reduce nothing
         for p, shard in zip(parts, shards):

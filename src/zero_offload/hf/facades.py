@@ -60,6 +60,13 @@ class EngineModule(torch.nn.Module):
         with self.engine.gathered_for_generation():
             return self.module.generate(*args, **kwargs)
 
+    def offload_states(self, *args, **kwargs) -> None:
+        """The engine's (`Engine.offload_states`), as ``model_wrapped`` is DeepSpeed's engine under accelerate."""
+        self.engine.offload_states(*args, **kwargs)
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        self.engine.reload_states(non_blocking)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         return None
 

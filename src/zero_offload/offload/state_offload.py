@@ -71,7 +71,7 @@ class StateOffload:
 
     @property
     def offloaded(self) -> bool:
-        return bool(self.moved)
+        return bool(self.types)
 
     def accepts(self, device, include) -> bool:
         """Whether an ``offload_states(include, device)`` call moves anything: False (with DeepSpeed's warning)
@@ -98,6 +98,7 @@ class StateOffload:
         types = parse_include(include)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)      # nothing queued still reads or writes what moves
+        self.types |= types        # offloaded from now on, even where none of them lives on the device
         by_type: dict[str, list[torch.Tensor]] = {}
         for kind, entry in kinds.items():
             if isinstance(entry, tuple) and entry[0] == "device" and state_type(kind) in types:
@@ -151,6 +152,6 @@ class StateOffload:
 
     def check(self, what: str) -> None:
         """Raises RuntimeError naming ``what`` while states are offloaded."""
-        if self.moved:
+        if self.types:
             raise RuntimeError(f"engine.{what}() while the engine's states are offloaded "
                                f"({', '.join(sorted(self.types))}): call engine.reload_states() first")

@@ -100,7 +100,8 @@ class UnitLifecycle:
         self.root: torch.nn.Module | None = None
         self.busy = 0                      # > 0 while a hook of this life cycle runs (its reads are its own)
         self.held = False                  # every unit gathered and kept: the module hooks stand aside
-        self.stray_reads = StrayReads(self.unit_of, self._on_stray, lambda: self.busy > 0)
+        self.forward_fetched: set[ShardedUnit] = set()      # fetched by a module of the watched forward
+        self.stray_reads = StrayReads(self.unit_of, self.forward_fetched, self._on_stray, lambda: self.busy > 0)
         self.hooks = []
         for module in module_units:
             self._hook_module(module)
@@ -231,7 +232,7 @@ class UnitLifecycle:
         self.stray_reads.leave()
 
     def _on_stray(self, u: ShardedUnit) -> None:
-        """``u``'s parameter is read in the root's forward outside its module's: gather it now, and from the next
+        """``u``'s parameter is read in the root's forward outside its module's: fetch it now, and from the next
         forward on with the root module, whose order is recorded again."""
         self.busy += 1
         try:
@@ -240,6 +241,7 @@ class UnitLifecycle:
                 self.last_forward_use[u] = self.forward_fetches
                 self.forward_fetches += 1
             self.fetch([u])
+            self.forward_fetched.add(u)
             self.add_external(self.root, u)
             self.schedule.record_again()
         finally:
@@ -255,6 +257,8 @@ class UnitLifecycle:
             self.busy -= 1
 
     def _fetch_for_forward(self, units: list[ShardedUnit]) -> None:
+        if self.stray_reads.active:
+            self.forward_fetched.update(units)
         if not _in_backward():
             self.gather_check.before_forward(units, recording=self.schedule.mode == RECORDING)
         if torch.is_grad_enabled() and not _in_backward():

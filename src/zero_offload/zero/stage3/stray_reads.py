@@ -8,12 +8,15 @@ TRL gathers its head itself under DeepSpeed, ``maybe_gather_lm_head_ctx``).
 
 Here, while a fetch order is being recorded (the first training forward, the first forward without autograd,
 and the forward after a stray read was found) a `TorchFunctionMode` watches every torch function of the root
-module's forward. A released parameter of this engine among its arguments is gathered before the function runs
-and registered as an external parameter of the root module, so every later forward gathers it at its start and
-keeps it until its end (and backward fetches it with the root's units); the recorded order is redone from the next
-forward. Replayed forwards run without the mode: it costs nothing once the order is known. A compiled model
-runs without it (a mode is traced by dynamo): there, register such parameters with
-``zero_offload.register_external_parameter``.
+module's forward. A parameter of this engine among its arguments whose unit no module of this forward has
+fetched is a stray read, whether the unit happens to be gathered now (a persistent unit, still gathered from
+an earlier forward) or not: it is fetched before the function runs and registered as an external parameter
+of the root module, so every later forward gathers it at its start and keeps it until its end (and backward
+fetches it with the root's units); the recorded order is redone from the next forward. Any torch function
+counts, attribute reads such as ``weight.device`` too: a custom autograd function records its inputs' shapes
+before its ``forward`` runs, so the read that precedes it must already gather. Replayed forwards run without the
+mode: it costs nothing once the order is known. A compiled model runs without it (a mode is traced by
+dynamo): there, register such parameters with ``zero_offload.register_external_parameter``.
 """
 from __future__ import annotations
 
@@ -31,14 +34,15 @@ class StrayReads(TorchFunctionMode):
 
     Args:
         unit_of: parameter -> its unit, for this engine's parameters.
-        on_stray: called with the unit of a released parameter that a torch function is about to read; it
-            gathers the unit and registers it with the root module.
+        fetched: the units a module of the running forward has fetched (or the root holds).
+        on_stray: called with the unit of a parameter that a torch function is about to read outside those;
+            it fetches the unit and registers it with the root module.
         busy: True while the unit life cycle's own hooks run (their reads are the gathers themselves).
     """
 
-    def __init__(self, unit_of, on_stray: Callable, busy: Callable[[], bool]):
+    def __init__(self, unit_of, fetched: set, on_stray: Callable, busy: Callable[[], bool]):
         super().__init__()
-        self.unit_of, self.on_stray, self.busy = unit_of, on_stray, busy
+        self.unit_of, self.fetched, self.on_stray, self.busy = unit_of, fetched, on_stray, busy
         self.found = 0          # stray reads found (running count)
         self.active = False
 
@@ -48,14 +52,15 @@ class StrayReads(TorchFunctionMode):
             for t in tree_flatten((args, kwargs))[0]:
                 if isinstance(t, torch.nn.Parameter):
                     u = self.unit_of.get(t)
-                    if u is not None and not u.gathered:
+                    if u is not None and u not in self.fetched:
                         self.found += 1
                         self.on_stray(u)
         return func(*args, **kwargs)
 
     def enter(self) -> None:
-        """Push the mode (the root module's forward starts)."""
+        """Push the mode (the root module's forward starts); no unit is fetched by this forward yet."""
         if not self.active:
+            self.fetched.clear()
             self.__enter__()
             self.active = True
 

@@ -262,3 +262,31 @@ def test_the_reference_model_is_partitioned_with_no_optimizer_memory(variant, mo
     monkeypatch.setattr(hf_trainer.ZeroOffloadTrainerMixin, "frozen_engine", lambda self, model: None)
     trainer = runs.run_variant(variant, model_dirs, tmp_path / "power", runs.zero_config(3))[0]
     assert sum(p.data.numel() for p in trainer.ref_model.parameters()) > 0
+
+
+def _generate_on_two_ranks(model_dir: str, roomy_rank: int):
+    import torch.distributed as dist
+    import transformers as tf
+
+    import zero_offload
+    config = _engine_config()
+    engine = zero_offload.initialize(tf.AutoModelForCausalLM.from_pretrained(model_dir).eval(), config)
+    room = (1 << 40) if dist.get_rank() == roomy_rank else 0       # one rank has no room for the whole model
+    with torch.no_grad(), engine.gathered_for_generation(free_bytes=room) as whole:
+        tokens = engine.module.generate(torch.tensor([[5, 9, 14, 3]]), max_new_tokens=5, do_sample=False,
+                                        pad_token_id=0)
+    engine.close()
+    return whole, tokens.tolist()
+
+
+def test_generation_gathers_the_same_way_on_every_rank(model_dirs):
+    """Where one rank has no room for the whole model, every rank gathers module by module (their all-gathers
+    must match), and the tokens are the plain model's."""
+    import transformers as tf
+
+    from dist_utils import run_ranks
+    plain = tf.AutoModelForCausalLM.from_pretrained(model_dirs["causal"]).eval()
+    expected = plain.generate(torch.tensor([[5, 9, 14, 3]]), max_new_tokens=5, do_sample=False, pad_token_id=0)
+    results = run_ranks(_generate_on_two_ranks, 2, model_dirs["causal"], 0)
+    assert [whole for whole, _ in results] == [False, False]
+    assert all(tokens == expected.tolist() for _, tokens in results)

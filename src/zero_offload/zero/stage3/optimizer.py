@@ -11,7 +11,7 @@ import contextlib
 
 import torch
 
-from zero_offload.comm import DistContext, device_free_bytes
+from zero_offload.comm import DistContext, device_free_bytes, gather_objects
 from zero_offload.config import Config
 from zero_offload.nvme.setup import build_param_store
 from zero_offload.offload.copies import CopyEngine
@@ -227,12 +227,14 @@ class Stage3Optimizer(ZeroOptimizerBase):
     def gathered_for_generation(self, free_bytes: int | None = None):
         """Every unit gathered once for the body and kept, where the units not yet gathered fit in
         ``free_bytes`` (default: the device's free memory, or the host's available memory on a CPU device);
-        else the body runs with units gathered module by module, as in any forward. TRL's
-        ``ds3_gather_for_generation`` (``GatheredParameters`` over the model, hooks removed) under DeepSpeed.
+        else (on any rank) the body runs with units gathered module by module, as in any forward; a collective.
+        TRL's ``ds3_gather_for_generation`` (``GatheredParameters`` over the model, hooks removed) under DeepSpeed.
         Yields True when everything was gathered."""
         life = self.lifecycle
         need = sum(u.nbytes for u in self.units if not u.gathered)
-        if life.held or need > (device_free_bytes(self.ctx.device) if free_bytes is None else free_bytes):
+        fits = need <= (device_free_bytes(self.ctx.device) if free_bytes is None else free_bytes)
+        # Every rank gathers the same way, or their all-gathers would not match: whole only where all fit.
+        if life.held or not all(gather_objects(fits, self.ctx.group)):
             yield life.held
             return
         opened = life.hold_all()

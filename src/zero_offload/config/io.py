@@ -6,7 +6,7 @@ as base64-encoded hjson. Here the same inputs load, and every failure names the 
 one, the key: a duplicate key, a NaN or Infinity value (DeepSpeed's pydantic models refuse them), a file
 that is binary or not UTF-8.
 
-hjson is imported only to read text that is not strict JSON (issue 20: a GPU machine with no network has
+hjson is imported only to read text that is not strict JSON (a GPU machine with no network has
 torch but often no hjson): a dict or a strict-JSON file never needs it, and without it an hjson-only file
 fails with a ConfigError that names the file and ``pip install hjson``.
 """

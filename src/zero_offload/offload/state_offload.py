@@ -69,10 +69,6 @@ class StateOffload:
         self.pinned: dict[int, torch.Tensor] = {}   # pinned host buffers kept for the next offload (DeepSpeed's)
         self.pending: list[torch.Tensor] = []   # host copies an asynchronous reload still reads
 
-    @property
-    def offloaded(self) -> bool:
-        return bool(self.types)
-
     def accepts(self, device, include) -> bool:
         """Whether an ``offload_states(include, device)`` call moves anything: False (with DeepSpeed's warning)
         for ``device="none"``.

@@ -151,10 +151,10 @@ def fused_adam_step(
         _warn_fallback()
         # torch's ops need fp32 scratch as large as what they are given (the gradient cast and scaled, bf16
         # moments in fp32, the denominator): pieces of at most DEFAULT_CHUNK elements through a few buffers made
-        # once per call, so the extra memory is at most 4 chunks, never a multiple of the partition (issue 20:
-        # ~200 GB at 10B parameters). Bitwise the result of one call over the whole partition: the ops are
-        # elementwise, and pieces start at multiples of 2**21 elements, so torch's fused kernel (which splits
-        # its work in whole vectors) keeps its scalar tail where it was.
+        # once per call, so the extra memory is at most 4 chunks, never a multiple of the partition (scratch for
+        # a whole partition would be hundreds of GB at 10B parameters). Bitwise the result of one call over the
+        # whole partition: the ops are elementwise, and pieces start at multiples of 2**21 elements, so torch's
+        # fused kernel (which splits its work in whole vectors) keeps its scalar tail where it was.
         piece = min(chunk, DEFAULT_CHUNK)
         scratch = _Scratch(piece)
         for start in range(0, n, chunk):

@@ -1,5 +1,6 @@
 """The host side of gradient accumulation: one staged micro-step piece added into the fp32 gradient partition, and
-the sum of squares of the result, in one pass over memory on a fixed number of threads (issue 27, item 4).
+the sum of squares of the result, in one pass over memory on a fixed number of threads (it runs beside training,
+bound by memory bandwidth).
 
 ZeRO-Offload accumulates a step's micro-batch gradients in the fp32 partition in host memory (DeepSpeed's stage 1/2
 with ``cpu_offload`` adds each reduced piece into its fp32 CPU buffer). The native kernel (``zo_accumulate`` in

@@ -133,7 +133,8 @@ def fused_adam_step(
     _check("exp_avg", exp_avg, _STATE_CODES, n)
     _check("exp_avg_sq", exp_avg_sq, _STATE_CODES, n)
     if exp_avg_sq.dtype != exp_avg.dtype:
-        raise ValueError(f"fused_adam_step: exp_avg_sq must have exp_avg's dtype {exp_avg.dtype}, got {exp_avg_sq.dtype}")
+        raise ValueError(f"fused_adam_step: exp_avg_sq must have exp_avg's dtype {exp_avg.dtype}, "
+                         f"got {exp_avg_sq.dtype}")
     if out is not None:
         _check("out", out, {torch.bfloat16: 1, torch.float16: 2}, n)
     if int(step) < 1:

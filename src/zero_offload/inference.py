@@ -9,6 +9,8 @@ no gradient partitions, no master weights and no optimizer state, and its `memor
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch.utils._pytree import tree_map
 
@@ -53,7 +55,6 @@ class InferenceEngine:
 
     def gathered_for_generation(self, free_bytes: int | None = None):
         """As `Engine.gathered_for_generation`: every unit gathered once where they fit."""
-        import contextlib
         return self.zero.gathered_for_generation(free_bytes) if self.zero is not None else contextlib.nullcontext(True)
 
     def memory_breakdown(self) -> dict[str, dict]:

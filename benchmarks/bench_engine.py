@@ -147,7 +147,7 @@ def install_probes(engine_name: str) -> Probe:
         for a in ("finalize_backward", "grad_sq_norm", "step", "end_micro_step", "begin_micro_step"):
             if hasattr(Z.ZeroOptimizer, a):
                 probe.wrap(Z.ZeroOptimizer, a, f"s2.ZeroOptimizer.{a}")
-        from zero_offload.zero import partitioned_adam as PA
+        from zero_offload.hoststep import adam as PA
         probe.wrap(PA.PartitionedAdam, "step", "PartitionedAdam.step")
     elif engine_name == "fsdp2":
         from torch.distributed.fsdp._fully_shard import _fsdp_param_group as G

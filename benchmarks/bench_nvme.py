@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from zero_offload.nvme import AlignedBuffer, Swapper
-from zero_offload.nvme.adam import NvmeAdam
+from zero_offload.hoststep.nvme_adam import NvmeAdam
 from zero_offload.zero.grad_partition import ReadyGrad
 from zero_offload.offload.copies import CopyEngine
 from zero_offload.optim.fused_adam import fused_adam_step

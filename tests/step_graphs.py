@@ -32,8 +32,8 @@ FIXTURE = Path(__file__).parent / "data" / "step_graphs.json"
 WIDTH, LAYERS, CHUNK = 64, 3, 1 << 10
 
 
-def config(policy: str, swap_dir: str) -> dict:
-    offload = dict(POLICIES[policy])
+def config(policy: str, swap_dir: str, chunk: int = CHUNK) -> dict:
+    offload = dict(POLICIES[policy], copy_chunk=chunk)
     if offload["device"] == "nvme":
         offload.update(nvme_path=swap_dir, buffer_count=4)
     return {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True},
@@ -43,14 +43,14 @@ def config(policy: str, swap_dir: str) -> dict:
                                   "offload_optimizer": offload}}
 
 
-def record_policy(policy: str, swap_dir: str) -> list[dict]:
-    """The ops of one recorded step of ``policy`` (`Timeline.to_list`). Call under simulated streams with a fixed
-    ``random_delay`` and a host-step chunk of `CHUNK` elements."""
+def record_policy(policy: str, swap_dir: str, chunk: int = CHUNK) -> list[dict]:
+    """The ops of one recorded step of ``policy`` (`Timeline.to_list`), its host step in chunks of ``chunk``
+    elements. Call under simulated streams with a fixed ``random_delay``."""
     import zero_offload
     from zero_offload.offload import timeline
     torch.manual_seed(0)
     model = torch.nn.Sequential(*(torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)))
-    cfg = config(policy, swap_dir)
+    cfg = config(policy, swap_dir, chunk)
     engine = zero_offload.initialize(model, cfg)
     gas = cfg["gradient_accumulation_steps"]
     g = torch.Generator().manual_seed(0)
@@ -98,20 +98,13 @@ def canonical(ops: list[dict]) -> dict:
     return {"lanes": lanes, "edges": sorted(list(e) for e in edges)}
 
 
-def chunked(elements: int = CHUNK):
-    """A context in which partition optimizers step and copy up in chunks of ``elements``."""
-    from zero_offload.zero import partitioned_adam
-    return partitioned_adam.copy_chunk(elements)
-
-
 def record_all(swap_dir: str) -> dict:
     """Every policy's canonical graph (sets the simulated streams up itself; for the fixture)."""
     import os
     from zero_offload.offload import simulated
     os.environ[simulated.ENV] = "1"
     simulated.random_delay = lambda: 0.002
-    with chunked():
-        return {p: canonical(record_policy(p, swap_dir)) for p in POLICIES}
+    return {p: canonical(record_policy(p, swap_dir)) for p in POLICIES}
 
 
 if __name__ == "__main__":

@@ -136,7 +136,7 @@ def test_dpu_background_failure_is_raised_in_the_training_thread():
 
     def broken(*args, **kwargs):
         raise OSError("disk on fire")
-    engine.zero.detached_step = broken
+    engine.host_step.delayed._detached_step = broken
     _train(engine, 1)
     with pytest.raises(RuntimeError, match="background thread") as info:
         engine.full_state_dict()

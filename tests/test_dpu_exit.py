@@ -23,12 +23,12 @@ import gc, json, os, sys, tempfile, threading, warnings
 warnings.simplefilter("ignore")
 import torch
 import zero_offload
-from zero_offload.zero.zero_optimizer import ZeroOptimizer
+from zero_offload.hoststep.delayed import DelayedParamUpdate
 sys.path.insert(0, sys.argv[-1])
 from memory_probe import OneVector
 runs, n = int(sys.argv[1]), 1 << 20
 torch.optim.AdamW([torch.zeros(1, requires_grad=True)])   # imports torch._dynamo once, before forking
-real_step = ZeroOptimizer.detached_step
+real_step = DelayedParamUpdate._detached_step
 launched = [0]
 
 def held_step(self, *args, **kwargs):
@@ -55,7 +55,7 @@ for i in range(runs):
     pid = os.fork()
     if pid == 0:                      # the child: runs, then leaves through the interpreter's normal exit
         os.dup2(err.fileno(), 2)
-        ZeroOptimizer.detached_step = held_step
+        DelayedParamUpdate._detached_step = held_step
         torch.manual_seed(i)
         engine = zero_offload.initialize(OneVector(n), cfg)
         x = torch.randn(16)

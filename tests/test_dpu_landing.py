@@ -22,10 +22,10 @@ import pytest
 import torch
 
 import zero_offload
-from test_copy_in import final, train
-from toy_model import make_model
-from zero_offload.offload import simulated
-from zero_offload.zero import buffer_lease, partitioned_adam
+from toy_model import batch, make_model
+from zero_offload.hoststep import adam as partitioned_adam
+from zero_offload.hoststep import delayed as delayed_update
+from zero_offload.offload import buffer_lease, simulated
 
 STEPS = 4
 
@@ -35,7 +35,25 @@ def config() -> dict:
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
             "zero_optimization": {"stage": 2, "reduce_bucket_size": 4096,
                                   "offload_optimizer": {"device": "cpu", "delayed_param_update": True,
-                                                        "dpu_warmup_steps": 1}}}
+                                                        "dpu_warmup_steps": 1, "copy_chunk": 512}}}
+
+
+def train(engine, steps: int) -> list[float]:
+    losses = []
+    for step in range(steps):
+        x, y = batch(step, 4)
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def final(engine, model) -> dict:
+    engine.flush_delayed_update()
+    out = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    engine.close()
+    return out
 
 
 def run() -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -46,7 +64,6 @@ def run() -> tuple[list[float], dict[str, torch.Tensor]]:
 
 @pytest.fixture
 def slow_copies(monkeypatch):
-    monkeypatch.setattr(partitioned_adam, "COPY_CHUNK", 512)
     reference = run()                       # synchronous copies: what the simulated run must equal
     monkeypatch.setenv(simulated.ENV, "1")
     monkeypatch.delenv(simulated.SKIP_WAITS_ENV, raising=False)
@@ -146,8 +163,6 @@ def _slow_copies_up(monkeypatch):
     down land at once, so a copy down that is not ordered after the copy up reading its part of the lent buffer
     overwrites that part before it is read."""
     import itertools
-    from zero_offload.zero import delayed_update
-    monkeypatch.setattr(partitioned_adam, "COPY_CHUNK", 512)
     monkeypatch.delenv(simulated.ENV, raising=False)
     reference = run()
     monkeypatch.setenv(simulated.ENV, "1")

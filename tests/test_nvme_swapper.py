@@ -153,10 +153,10 @@ def test_pool_round_robin_and_bounds():
 
 
 def test_both_partition_optimizers_fill_the_role(tmp_path):
-    from zero_offload.nvme.adam import NvmeAdam
+    from zero_offload.hoststep.nvme_adam import NvmeAdam
     from zero_offload.offload.copies import CopyEngine
-    from zero_offload.zero.optimizer_role import PartitionOptimizer
-    from zero_offload.zero.partitioned_adam import PartitionedAdam
+    from zero_offload.hoststep.role import PartitionOptimizer
+    from zero_offload.hoststep.adam import PartitionedAdam
     hp = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "adamw_mode": True,
           "bias_correction": True}
     copies = CopyEngine(torch.device("cpu"))

@@ -12,15 +12,15 @@ import pytest
 
 from test_exact16 import LOSS_SCALE, Case, check, run_cases
 from zero_offload.engine import Engine
-from zero_offload.zero.delayed_update import DelayedParamUpdate
+from zero_offload.hoststep.delayed import DelayedParamUpdate
 from zero_offload.zero import ZeroOptimizer
 from zero_offload.zero.averaging import GradAveraging
 from zero_offload.zero.stage3 import Stage3Optimizer
 from zero_offload.zero.stage3.lifecycle import UnitLifecycle
-from zero_offload.zero.partitioned_adam import PartitionedAdam
-from zero_offload.nvme.adam import NvmeAdam
-from zero_offload.nvme.speculation import SubGroupSpeculation
-from zero_offload.zero.speculation import SpeculativeStep
+from zero_offload.hoststep.adam import PartitionedAdam
+from zero_offload.hoststep.nvme_adam import NvmeAdam
+from zero_offload.hoststep.speculation import SubGroupSpeculation
+from zero_offload.hoststep.speculation import PieceSpeculation
 
 
 def _wrap(monkeypatch, owner, name: str, make):
@@ -107,7 +107,7 @@ def delayed_update_one_step_late(mp):
 
 def speculation_kept_when_clipped(mp):
     """super_offload keeps the step speculated with clip coefficient 1 although clipping fired."""
-    _wrap(mp, SpeculativeStep, "settle",
+    _wrap(mp, PieceSpeculation, "settle",
           lambda f: lambda self, grad_scale, grads: f(self, self.grad_scale, grads))
 
 
@@ -141,7 +141,7 @@ def nvme_correction_applied_twice(mp):
 
 def device_part_with_another_coefficient(mp):
     """offload_optimizer.ratio: the device part is stepped with the coefficient of an unclipped step."""
-    from zero_offload.zero.split_adam import SplitAdam
+    from zero_offload.hoststep.split import SplitAdam
 
     def step(self, grads, grad_scale, lrs=None, publish=True):
         self.device.step([g.device for g in grads], grad_scale * 2.0, lrs)
@@ -209,7 +209,7 @@ def overflow_not_undone(mp):
             self._swap_banks()
             for master in self.masters:
                 self.optimizer.count_step(master)
-    mp.setattr(SpeculativeStep, "discard", discard)
+    mp.setattr(PieceSpeculation, "discard", discard)
 
 
 def nvme_overflow_not_undone(mp):

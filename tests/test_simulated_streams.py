@@ -209,9 +209,9 @@ def collective_not_waited(mp):
 
 def speculation_before_its_copy(mp):
     """super_offload steps a gradient piece without waiting for its copy down."""
-    from zero_offload.zero.speculation import SpeculativeStep
-    submit = SpeculativeStep.submit
-    mp.setattr(SpeculativeStep, "submit", lambda self, g, lo, values, copy: submit(self, g, lo, values, None))
+    from zero_offload.hoststep.speculation import PieceSpeculation
+    submit = PieceSpeculation.submit
+    mp.setattr(PieceSpeculation, "submit", lambda self, g, lo, values, copy: submit(self, g, lo, values, None))
 
 
 def nvme_request_not_waited(mp):

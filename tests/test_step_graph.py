@@ -9,7 +9,7 @@ import zero_offload
 from zero_offload.cli import main
 from zero_offload.estimate import step_graph
 from zero_offload.estimate.step_graph import Phases, Structure, predict_step
-from zero_offload.zero import buffer_lease
+from zero_offload.offload import buffer_lease
 
 PLAIN = Structure(stage=2, offload_param=False, delayed=False, accumulates=False, fp32=False)
 DELAYED = Structure(stage=2, offload_param=False, delayed=True, accumulates=False, fp32=False)
@@ -104,10 +104,10 @@ def test_no_host_work_no_graph():
 
 @pytest.mark.parametrize("bad", [0, -3])
 def test_copy_chunk_refuses_a_bad_size(bad):
-    from zero_offload.zero import partitioned_adam
-    with pytest.raises(ValueError, match="copy_chunk: elements must be >= 1"):
-        with partitioned_adam.copy_chunk(bad):
-            pass
+    cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW"},
+           "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "copy_chunk": bad}}}
+    with pytest.raises(zero_offload.ConfigError, match="offload_optimizer.copy_chunk"):
+        zero_offload.Config.load(cfg)
 
 
 def test_forced_simulation_is_not_nested():

@@ -25,8 +25,7 @@ def simulated_streams(monkeypatch):
 
 @pytest.mark.parametrize("policy", list(step_graphs.POLICIES))
 def test_each_policy_records_the_step_graph_it_had_before_the_move(policy, simulated_streams, tmp_path):
-    with step_graphs.chunked():
-        graph = step_graphs.canonical(step_graphs.record_policy(policy, str(tmp_path)))
+    graph = step_graphs.canonical(step_graphs.record_policy(policy, str(tmp_path)))
     expected = EXPECTED[policy]
     assert sorted(graph["lanes"]) == sorted(expected["lanes"])
     for lane, ops in expected["lanes"].items():
@@ -37,6 +36,5 @@ def test_each_policy_records_the_step_graph_it_had_before_the_move(policy, simul
 @pytest.mark.parametrize("policy", ["delayed-cpu", "super_offload-cpu", "plain-cpu"])
 def test_the_comparison_sees_another_chunking(policy, simulated_streams, tmp_path):
     """Power: the host step walked in chunks twice as long (half the copies up, each after two chunks' work)."""
-    with step_graphs.chunked(2 * step_graphs.CHUNK):
-        graph = step_graphs.canonical(step_graphs.record_policy(policy, str(tmp_path)))
+    graph = step_graphs.canonical(step_graphs.record_policy(policy, str(tmp_path), 2 * step_graphs.CHUNK))
     assert graph != EXPECTED[policy]

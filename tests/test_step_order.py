@@ -15,7 +15,7 @@ import torch
 
 from zero_offload.optim import CPUAdam
 from zero_offload.offload.handles import DONE
-from zero_offload.zero.buffer_lease import BufferLease
+from zero_offload.offload.buffer_lease import BufferLease
 
 
 def _stepped(order=None, on_chunk=None) -> list[torch.Tensor]:

@@ -1,4 +1,4 @@
-"""Measured hardware constants for the step model: ``zero-offload calibrate --out FILE`` (issue 27, item 6).
+"""Measured hardware constants for the step model: ``zero-offload calibrate --out FILE``.
 
 The planner's step model (`zero_offload.estimate.throughput`) needs four rates. Built in, they are assumptions
 (docs/estimate.md); this module measures them on the machine at hand and writes them as JSON:

@@ -355,7 +355,7 @@ class DistContext:
         rank of the default group makes), for stage 3's reduce-scatters, so that their order is checked against
         each other only and never against the all-gathers. A unit whose gradients reach the loss on some ranks
         only is reduced there during backward and elsewhere at its end; on one group that reordered the two
-        kinds of collective differently on each rank (issue 26). One rank: this context itself.
+        kinds of collective differently on each rank, and the ranks hung. One rank: this context itself.
         `close` destroys the group."""
         if not self.distributed:
             return self

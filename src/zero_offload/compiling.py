@@ -1,4 +1,4 @@
-"""``torch.compile`` under the engine (issue 29): `compile_module`, which `Engine.compile` runs (DeepSpeed 0.19.8's
+"""``torch.compile`` under the engine: `compile_module`, which `Engine.compile` runs (DeepSpeed 0.19.8's
 ``DeepSpeedEngine.compile``, same keywords), and `compile_counts`, the documented way to see graphs, graph breaks and
 recompiles (docs/library.md, "torch.compile").
 

@@ -6,24 +6,25 @@ takes the optimizer step at the gradient-accumulation boundary and is a no-op ot
 """
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Iterable
+from typing import Iterable
 
 import torch
 from torch.utils._pytree import tree_map
 
-from zero_offload.checkpoint.formats import load_any, save_any
 from zero_offload.comm import DistContext, deadline
 from zero_offload.compiling import compile_module
 from zero_offload.config import AutoContext, Config, ConfigError
+from zero_offload.engine_state import EngineState
 from zero_offload.offload.state_offload import StateOffload
 from zero_offload.optim.lr_schedules import build_scheduler
 from zero_offload.precision import LossScaler, is_overflow, training_dtype
-from zero_offload.state import check_engine_state
 from zero_offload.stats import StepStats
 from zero_offload.step_timer import StepTimer
-from zero_offload.zero import ParamGroup, ZeroOptimizer
-from zero_offload.zero.delayed_update import DelayedParamUpdate
+from zero_offload.hoststep.builder import build_partition_optimizer
+from zero_offload.hoststep.pipeline import HostStepPipeline
+from zero_offload.hoststep.policy import StepPolicy
+from zero_offload.param_groups import param_groups
+from zero_offload.zero import ZeroOptimizer
 from zero_offload.zero.stage3 import Stage3Optimizer
 from zero_offload.zero.stage3.materialize import is_meta_model
 
@@ -48,7 +49,7 @@ def initialize(model: torch.nn.Module, config: "Config | dict | str",
     return Engine(model, config, model_parameters, param_init_fn)
 
 
-class Engine:
+class Engine(EngineState):
     """A model under ZeRO stage 0-3, optionally with the optimizer (and at stage 3 the parameters)
     offloaded to the host.
 
@@ -100,18 +101,15 @@ class Engine:
         self.device = self.ctx.device
         groups = self._param_groups(model_parameters)
         gas = self.batch.gradient_accumulation_steps
-        self.zero = (Stage3Optimizer(self.ctx, self.config, self.module, groups, gas, self.dtype, param_init_fn)
-                     if stage3 else ZeroOptimizer(self.ctx, self.config, groups, gas, module=self.module))
+        self.zero = (Stage3Optimizer(self.ctx, self.config, self.module, groups, gas, self.dtype, param_init_fn,
+                                     build_step=build_partition_optimizer)
+                     if stage3 else ZeroOptimizer(self.ctx, self.config, groups, gas, build_partition_optimizer))
         # Buffers and frozen parameters start from rank 0's values too (trainable ones were broadcast above).
         # (Stage 3 shards frozen parameters too, from rank 0's values.)
         self.ctx.broadcast_from_first([*self.module.buffers(),
                                        *(p.data for p in self.module.parameters()
                                          if not p.requires_grad and not self.zero.manages(p))])
         self.optimizer = self.zero.optimizer
-        offload_opt = self.config.zero_optimization.offload_optimizer
-        self._dpu = (DelayedParamUpdate(self.zero, offload_opt.dpu_warmup_steps)
-                     if offload_opt.delayed_param_update else None)
-        self._speculative = offload_opt.super_offload     # the host step starts during the boundary backward
         self.scaler = LossScaler(self.config)
         self.lr_scheduler = build_scheduler(self.config.scheduler, self.optimizer)
         self.global_step = 0
@@ -120,8 +118,11 @@ class Engine:
         self._boundary_pending = False
         self.last_grad_norm: float | None = None
         self._timer = StepTimer(self.device)
-        self._host_step = offload_opt.device in ("cpu", "nvme") or self.device.type == "cpu" or (
+        offload_opt = self.config.zero_optimization.offload_optimizer
+        on_host = offload_opt.device in ("cpu", "nvme") or self.device.type == "cpu" or (
             stage3 and self.config.zero_optimization.offload_param.device != "none")
+        self.host_step = HostStepPipeline(self.zero, StepPolicy.from_config(self.config), on_host,
+                                          self._timer.host_wait, offload_opt.dpu_warmup_steps)
         self.stats = StepStats()
         self._counters = self.zero.counters()
         self._closed = False
@@ -182,8 +183,8 @@ class Engine:
         scaled = loss.float() / gas if gas > 1 else loss.float()
         if self.scaler.enabled:
             scaled = scaled * self.scaler.scale
-        if boundary and not extra and self._speculative:
-            self.zero.begin_speculation(1.0 / self.scaler.scale)   # clip coefficient 1; the step keeps or redoes it
+        if boundary and not extra:
+            self.host_step.begin_boundary(1.0 / self.scaler.scale)   # clip coefficient 1 until the norm is known
         self.zero.begin_micro_step(boundary, first_micro_step=not extra and self.micro_steps % gas == 0)
         scaled.backward(retain_graph=retain_graph)
         self.zero.end_micro_step()
@@ -235,13 +236,11 @@ class Engine:
     @property
     def timings(self) -> dict[str, float]:
         """See the class docstring (a new dict at each read)."""
-        return {**self._timer.result(), **self.zero.host_step_timings()}
+        return {**self._timer.result(), **self.host_step.timings()}
 
     def _step(self) -> None:
         self._boundary_pending = False
-        if self._dpu is not None:
-            with self._timer.host_wait():
-                self._dpu.flush()   # the delayed step of the previous boundary: its parameters go up now
+        self.host_step.flush(timed=True)   # a step still in flight (the delayed update's): its parameters go up
         self.zero.finalize_backward()   # gradients ready once; the norm and the step read them without waiting
         loss_scale = self.scaler.scale
         norm = self.zero.grad_sq_norm().sqrt() / loss_scale
@@ -251,16 +250,12 @@ class Engine:
             and is_overflow(norm)
         if overflow:
             self.skipped_steps += 1
-            self.zero.discard_speculation()
+            self.host_step.discard()
         else:
             clip = self.config.gradient_clipping
             # torch.nn.utils.clip_grad_norm_'s coefficient, folded into the one scale the kernel applies.
             coef = min(1.0, clip / (float(norm) + 1e-6)) if clip > 0 else 1.0
-            if self._dpu is not None and self._dpu.engaged(self.global_step):
-                self._dpu.launch(grad_scale=coef / loss_scale)   # runs while the next forward/backward do
-            else:
-                with self._timer.host_wait() if self._host_step else contextlib.nullcontext():
-                    self.zero.step(grad_scale=coef / loss_scale)
+            self.host_step.step(coef / loss_scale, self.global_step)
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
         self.scaler.update(overflow)
@@ -325,89 +320,6 @@ class Engine:
         """This rank's optimizer partitions (`zero_offload.state.PartitionedOptimizerState`)."""
         return self.zero
 
-    def state_dict(self) -> dict:
-        """The engine's own state, JSON-serialisable: ``global_step``, ``skipped_steps``, ``micro_steps``,
-        ``loss_scaler`` and ``lr_scheduler`` (their ``state_dict()``; None without a schedule) and ``lrs``
-        (one learning rate per param group). Optimizer partitions are in `optimizer_state`."""
-        return {"global_step": self.global_step, "skipped_steps": self.skipped_steps,
-                "micro_steps": self.micro_steps, "loss_scaler": self.scaler.state_dict(),
-                "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler else None,
-                "lrs": self.get_lr()}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Restore `state_dict`'s output, as of a step boundary: gradients accumulated so far are dropped and
-        micro-steps are counted in this run's accumulation (it may differ from the saved one).
-
-        Raises:
-            ValueError: a missing key or a learning rate list of another length; nothing is changed then.
-        """
-        check_engine_state(state, len(self.optimizer.param_groups))
-        self.scaler.validate_state_dict(state["loss_scaler"])
-        self.zero.zero_grad()
-        self._boundary_pending = False
-        self.global_step, self.skipped_steps = int(state["global_step"]), int(state["skipped_steps"])
-        self.micro_steps = self.global_step * self.gradient_accumulation_steps
-        self.scaler.load_state_dict(state["loss_scaler"])
-        for group, lr in zip(self.optimizer.param_groups, state["lrs"]):
-            group["lr"] = float(lr)
-        if self.lr_scheduler is not None and state["lr_scheduler"] is not None:
-            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
-
-    @deadline
-    def save_checkpoint(self, save_dir, tag: str | None = None, client_state: Any = None,
-                        format: str = "zero-offload"):
-        """Save the full training state, sharded by rank and written atomically (see `checkpoint`).
-
-        A collective: every rank calls it. ``tag`` defaults to ``global_step{N}``; ``save_dir/latest`` is
-        updated last. Returns the checkpoint's directory. ``format="dcp"`` writes ``save_dir`` (or
-        ``save_dir/tag``) as a ``torch.distributed.checkpoint`` directory that FSDP2 resumes
-        (`zero_offload.checkpoint.dcp.save_dcp`; no ``client_state``); ``format="deepspeed-universal"`` writes
-        DeepSpeed's universal layout under ``save_dir/tag``, which DeepSpeed resumes at any stage and world size
-        with ``checkpoint.load_universal`` (`zero_offload.checkpoint.deepspeed_write`).
-
-        Raises:
-            ValueError: an unknown ``format``, ``client_state`` with ``format="dcp"``, or a ``client_state``
-                that is not a dict with ``format="deepspeed-universal"`` (DeepSpeed keeps its keys).
-            CheckpointError: writing failed (`save_checkpoint`, `save_dcp`, `save_universal` name the file).
-        """
-        self.flush_delayed_update()
-        return save_any(self, save_dir, tag, client_state, format)
-
-    @deadline
-    def load_checkpoint(self, load_dir, tag: str | None = None, *, load_optimizer_states: bool = True,
-                        load_lr_scheduler_states: bool = True, load_module_only: bool = False) -> Any:
-        """Restore a checkpoint (default: the ``latest`` one), resharding from any world size or stage,
-        and return the ``client_state`` it was saved with. Two foreign kinds load too, into any stage and world
-        size: a ``torch.distributed.checkpoint`` directory that FSDP2 wrote (``load_dir``, or ``load_dir/tag``,
-        holding ``.metadata``: its parameters, AdamW moments and step; returns None), and a DeepSpeed checkpoint,
-        ZeRO stage 1-3 or universal (`zero_offload.checkpoint.deepspeed_read`: masters, moments, step, loss
-        scale, LR schedule; returns the user's ``client_state`` keys). The keyword flags are DeepSpeed's and apply
-        to DeepSpeed checkpoints.
-
-        Raises:
-            CheckpointError: a missing or corrupted file, an unknown tag, another model's checkpoint, or a
-                foreign one that cannot be mapped; the engine is left as it was.
-        """
-        # Finish (not drop) a delayed step first: if the load then fails, the engine stays consistent.
-        self.flush_delayed_update()
-        return load_any(self, load_dir, tag, load_optimizer_states=load_optimizer_states,
-                        load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """{name: fp32 CPU tensor} of every parameter (first name of each; floating frozen ones in fp32): the
-        trainable ones from the fp32 master weights of all ranks, the frozen ones from their values (gathered
-        at stage 3). A collective: every rank must call it. Under the delayed parameter update these are the
-        masters after the last step, which the model runs on only from the step after next."""
-        if self._dpu is not None:
-            self._dpu.wait()
-        out = self.zero.full_master_state(self.module)
-        sharded = self.zero.frozen_state(every_rank=True)
-        for name, p in self.module.named_parameters():
-            if not p.requires_grad:
-                t = sharded[name] if name in sharded else p.detach().cpu()
-                out[name] = t.to(torch.float32 if t.is_floating_point() else t.dtype, copy=True)
-        return out
-
     def offload_states(self, include=None, device="cpu", pin_memory: bool = True, non_blocking: bool = False) -> None:
         """DeepSpeed's ``offload_states``: the ``include``d state types (``OffloadStateTypeEnum`` or its values;
         all when None) that live on the device move to host memory, bitwise, until `reload_states`; forward,
@@ -429,8 +341,7 @@ class Engine:
         """Delayed parameter update: finish the host step in flight and copy its parameters up now, so the
         model runs on the latest parameters (done by `save_checkpoint`, so that a resumed run continues
         exactly as the saving one does). A no-op without ``delayed_param_update``."""
-        if self._dpu is not None:
-            self._dpu.flush()
+        self.host_step.flush()
 
     def close(self) -> None:
         """End the run: finish the delayed step in flight and copy its parameters up, let every copy, staged
@@ -447,8 +358,7 @@ class Engine:
             return
         self._closed = True
         try:
-            if self._dpu is not None:
-                self._dpu.close()
+            self.host_step.close()
         finally:
             try:
                 self.zero.close()
@@ -470,29 +380,5 @@ class Engine:
         return x.to(self.device, non_blocking=True) if isinstance(x, torch.Tensor) and x.device != self.device \
             else x
 
-    def _param_groups(self, model_parameters) -> list[ParamGroup]:
-        named = list(self.module.named_parameters())
-        where = {id(p): (i, n) for i, (n, p) in enumerate(named)}
-        if model_parameters is None:
-            raw = [{"params": [p for _, p in named]}]
-        else:
-            raw = list(model_parameters)
-            if raw and not isinstance(raw[0], dict):
-                raw = [{"params": raw}]
-        opt = self.config.optimizer
-        groups = []
-        for gi, g in enumerate(raw):
-            params = [p for p in g["params"] if p.requires_grad]
-            for p in params:
-                if id(p) not in where:
-                    raise ValueError(f"model_parameters group {gi} holds a parameter of shape {tuple(p.shape)} "
-                                     f"that is not in the model")
-            if not params:
-                continue
-            params.sort(key=lambda p: where[id(p)][0])
-            groups.append(ParamGroup(params, [where[id(p)][1] for p in params], [where[id(p)][0] for p in params],
-                                     opt.group_hyperparameters(g)))
-        if not groups:
-            raise ValueError(f"{type(self.module).__name__} has no trainable parameters (none with "
-                             f"requires_grad=True): there is nothing to optimize")
-        return groups
+    def _param_groups(self, model_parameters) -> list:
+        return param_groups(self.module, model_parameters, self.config.optimizer)

@@ -10,7 +10,7 @@ the ending rules this needs:
   runs, the standard library's exit hook for executors lets each worker run what is queued and end;
   the interpreter then finalizes with no thread of ours inside torch. A daemon thread inside torch's C++ at
   that point is made to exit by a forced unwind through C++ frames, which aborts the process with
-  "terminate called without an active exception" (issue 26: 1 to 4 runs in 14 under simulated streams);
+  "terminate called without an active exception";
 - the worker is made once, on the first submit, and kept: no thread (and no OpenMP team) is created per step;
 - `close` (called by the owner, from `Engine.close`) runs what is queued and joins the worker. An owner that is
   garbage-collected without `close` lets the worker end on its own after its queue (the executor's weak

@@ -1,5 +1,5 @@
-"""Resume from a checkpoint that PyTorch FSDP2 (or torchtitan) wrote with ``torch.distributed.checkpoint`` (issue 30,
-item 2), and write one that FSDP2 resumes (`save_dcp`, item 3): a DCP directory (``.metadata`` beside ``*.distcp``
+"""Resume from a checkpoint that PyTorch FSDP2 (or torchtitan) wrote with ``torch.distributed.checkpoint``,
+and write one that FSDP2 resumes (`save_dcp`): a DCP directory (``.metadata`` beside ``*.distcp``
 files) of ``{"model": model state dict, "optim": optimizer state dict}``, as
 ``torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer)`` returns them (fully qualified parameter
 names; AdamW's ``exp_avg``, ``exp_avg_sq`` and ``step`` per parameter) and ``dcp.save`` writes.

@@ -1,4 +1,4 @@
-"""Resume from a DeepSpeed checkpoint (issue 30, item 1): a ZeRO checkpoint as DeepSpeed 0.19 writes it at stage
+"""Resume from a DeepSpeed checkpoint : a ZeRO checkpoint as DeepSpeed 0.19 writes it at stage
 1, 2 or 3, or a universal checkpoint (``ds_to_universal.py``'s output), into any ZeRO stage and world size here.
 
 A ZeRO checkpoint (``save_dir/tag/``):

@@ -1,4 +1,4 @@
-"""Write DeepSpeed's universal checkpoint layout (issue 30, item 3), which DeepSpeed 0.19 resumes at any ZeRO stage
+"""Write DeepSpeed's universal checkpoint layout, which DeepSpeed 0.19 resumes at any ZeRO stage
 and world size with ``"checkpoint": {"load_universal": true}``:
 
   ``save_dir/latest_universal``, ``save_dir/latest``   the tag;

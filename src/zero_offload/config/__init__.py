@@ -9,7 +9,7 @@
 - `io`: reading a config file as DeepSpeed does;
 - `keys`: those tables as docs/configs.md lists them.
 """
-from zero_offload.config.compat import AutoContext
+from zero_offload.config.auto import AutoContext
 from zero_offload.config.optim import (SCHEDULER_PARAMS, AdamParams, LRRangeTestParams, OneCycleParams,
                                        OptimizerConfig, SchedulerConfig, WarmupCosineLRParams, WarmupDecayLRParams,
                                        WarmupLRParams)

@@ -11,8 +11,9 @@ import warnings
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
+from zero_offload.config.auto import AutoContext, resolve_auto
 from zero_offload.config.compat import (IGNORED_OFFLOAD, IGNORED_OFFLOAD_OPTIMIZER, IGNORED_OFFLOAD_PARAM,
-                                       IGNORED_TOP_LEVEL, IGNORED_ZERO, AutoContext, normalize, resolve_auto)
+                                       IGNORED_TOP_LEVEL, IGNORED_ZERO, normalize)
 from zero_offload.config.io import check_finite, decode_config_string, read_config_file
 from zero_offload.config.optim import (SCHEDULER_PARAMS, AdamParams, LRRangeTestParams, OneCycleParams,
                                        OptimizerConfig, SchedulerConfig, WarmupCosineLRParams,
@@ -105,6 +106,10 @@ class OffloadOptimizerConfig(OffloadConfig):
                                "moments and gradient on the device and is stepped there at the boundary, while the "
                                "host steps its part; one global norm and clip coefficient for both.",
                           min=0.0, max=1.0)
+    copy_chunk: int = option(1 << 24, "Not a DeepSpeed key: elements per chunk of the host step and per copy up of "
+                                      "the updated parameters it starts (16M: 32 MB in 16 bits). Each finished "
+                                      "chunk's copy starts at once, overlapping the rest of the step; smaller chunks "
+                                      "start it sooner, larger ones queue fewer copies and events.", min=1)
 
 
 @dataclass
@@ -293,7 +298,7 @@ class Config:
         """Build a Config from a dict, a path to a JSON/hjson file (read as DeepSpeed reads it), a base64-encoded
         config string (DeepSpeed accepts one), or return a Config as is.
 
-        ``auto`` tells how to resolve Hugging Face ``"auto"`` values (see `config_compat.resolve_auto`);
+        ``auto`` tells how to resolve Hugging Face ``"auto"`` values (see `zero_offload.config.auto.resolve_auto`);
         without it an ``"auto"`` that needs the model or the device is an error naming the key.
 
         Raises:

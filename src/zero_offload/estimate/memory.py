@@ -306,7 +306,7 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
             est.add("device", "param_incoming", sum(parts) * d)
         est.formulas["param_incoming"] = "super_offload: the partition again where the parameters are (P x d)"
     elif speculative:
-        # super_offload steps into a second bank of masters and moments (`zero_offload.zero.speculation`); with
+        # super_offload steps into a second bank of masters and moments (`zero_offload.hoststep.speculation`); with
         # device parameters each piece's 16-bit parameters go through a pinned buffer into device landing buffers.
         for p in parts:
             host("speculative_state", p * (4 + 2 * moment_bytes), torch.uint8)
@@ -365,23 +365,23 @@ def _nvme_files(est: MemoryEstimate, cfg: Config, shape: ModelShape, parts: list
     """The NVMe side of a rank (`zero_offload.nvme`): optimizer-state files in whole sub-groups and their host
     pool (``nvme_buffers``) and 16-bit staging; parameter files, their read pool (``param_pool``) and the ring
     their writes behind the step go out from (``param_write_ring``)."""
-    from zero_offload.nvme.adam import NvmeAdam              # imported here: the NVMe layer is optional
+    from zero_offload.nvme import state_files                 # imported here: the NVMe layer is optional
     from zero_offload.nvme.param_store import NvmeParamStore
     zc = cfg.zero_optimization
     d = torch.empty((), dtype=dtype).element_size()
     param_nvme = zc.stage == 3 and zc.offload_param.device == "nvme"
     if zc.offload_optimizer.device == "nvme":
-        sub = NvmeAdam.sub_group_numel(parts, zc.sub_group_size)
+        sub = state_files.sub_group_numel(parts, zc.sub_group_size)
         for kind in ("master", "exp_avg", "exp_avg_sq"):
             est.add("nvme", kind, sum(-(-n // sub) * sub * 4 for n in parts))
         oo = zc.offload_optimizer
         if oo.super_offload:       # the second bank of state files the speculated sub-groups are written to
             est.add("nvme", "speculative_state", 3 * sum(-(-n // sub) * sub * 4 for n in parts))
-        est.add("host", "nvme_buffers", NvmeAdam.pool_bytes(parts, zc.sub_group_size, oo.buffer_count,
-                                                            oo.pipeline_read, oo.pipeline_write))
+        est.add("host", "nvme_buffers", state_files.pool_bytes(parts, zc.sub_group_size, oo.buffer_count,
+                                                               oo.pipeline_read, oo.pipeline_write))
         if d < 4 and (accelerator or param_nvme):    # 16-bit outputs leave through one staging slot per buffer
             sub_groups = sum(-(-n // sub) for n in parts)
-            slots = NvmeAdam.pool_slots(oo.buffer_count, oo.pipeline_read, oo.pipeline_write)
+            slots = state_files.pool_slots(oo.buffer_count, oo.pipeline_read, oo.pipeline_write)
             est.add("host", "param_staging", min(slots, sub_groups) * sub * d)
     if param_nvme:
         est.add("nvme", "params", NvmeParamStore.bytes_needed(parts, dtype))

@@ -32,7 +32,7 @@ def parse_bytes(value, what: str = "memory size", bare_unit: int = 1) -> int:
 
     A string with no unit (``"80"``) is that many ``bare_unit`` bytes: 1 by default (this function's
     behaviour for the Python API), ``10**9`` on the command line (`zero_offload.estimate.table`), where
-    ``--gpu-mem 80`` means 80 GB and never 80 bytes (issue 20). An int or float is always bytes.
+    ``--gpu-mem 80`` means 80 GB and never 80 bytes. An int or float is always bytes.
 
     Raises:
         ValueError: a negative or unparsable size (the message names ``what`` and the value).
@@ -76,8 +76,8 @@ THROUGHPUT_TOLERANCE = 0.03
 
 def _fastest(fitting: list[Candidate], searched: dict[str, BatchChoice]) -> Candidate | None:
     """The plan's row: by predicted tokens/s among the rows that fit (`THROUGHPUT_TOLERANCE`), not by the order of
-    preference alone (issue 27: at 150 GiB of host the order chose fp32 moments without the delayed update, 45 %
-    slower than bf16 moments with it). Without a predicted step (no accelerator): the first that fits."""
+    preference alone (the order alone can prefer fp32 moments where bf16 moments with another policy run much
+    faster). Without a predicted step (no accelerator): the first that fits."""
     timed = [c for c in fitting if c.name in searched and searched[c.name].timing is not None]
     if not timed:
         return fitting[0] if fitting else None

@@ -1,5 +1,5 @@
 """The step model's timeline: the engine's own step, recorded on a small proxy and replayed with a plan's
-durations (issue 27, item 5).
+durations.
 
 The closed-form pieces of `zero_offload.estimate.throughput` say how long each kind of work takes for a plan:
 the device's forward and backward of a micro-step, the gradient copies down and the parameter copies up, the
@@ -139,7 +139,9 @@ def _lane_label(lane: str) -> str:
 def _config(s: Structure, layer: int) -> dict:
     zero = {"stage": s.stage, "reduce_bucket_size": layer, "overlap_comm": True,
             "offload_optimizer": {"device": "cpu", "delayed_param_update": s.delayed, "dpu_warmup_steps": 1,
-                                  "super_offload": s.speculative}}
+                                  "super_offload": s.speculative,
+                                  # as many chunks per layer as a large model's step has
+                                  "copy_chunk": -(-layer // CHUNKS_PER_LAYER)}}
     if s.offload_param:
         zero["offload_param"] = {"device": "cpu"}
     if s.stage == 3:
@@ -163,14 +165,13 @@ def _record_here(s: Structure) -> dict:
 
 def _record_proxy(s: Structure) -> dict:
     import zero_offload
-    from zero_offload.zero import partitioned_adam
     layer = PROXY_WIDTH * PROXY_WIDTH + PROXY_WIDTH
     gen = torch.Generator().manual_seed(0)
     model = torch.nn.Sequential(*(torch.nn.Linear(PROXY_WIDTH, PROXY_WIDTH) for _ in range(PROXY_LAYERS)))
     sizes = {str(i): layer for i in range(PROXY_LAYERS)}
     dtype = torch.float32 if s.fp32 else torch.bfloat16
     marks: list[list[int]] = []
-    with simulated.forced(), partitioned_adam.copy_chunk(-(-layer // CHUNKS_PER_LAYER)):
+    with simulated.forced():
         engine = zero_offload.initialize(model, _config(s, layer))
         try:
             def step(tl: Timeline | None, k: int) -> None:

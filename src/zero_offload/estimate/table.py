@@ -152,7 +152,7 @@ def parse_count(value: str) -> int:
 def parse_size_flag(value: str, flag: str) -> int:
     """Bytes from a size flag of `zero-offload estimate` (``--gpu-mem``, ``--host-mem``, ``--nvme``): ``80GB``
     (10^9), ``24GiB`` (2^30), ``512MiB``, or a bare number read as GB (``--gpu-mem 80`` is 80 GB: nobody
-    means 80 bytes; issue 20, section 5).
+    means 80 bytes).
 
     Raises:
         ValueError: a negative or unparsable size (the message names ``flag`` and the value).

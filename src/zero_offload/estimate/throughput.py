@@ -77,9 +77,9 @@ class Assumptions:
                 raise ValueError(f"{name} must be a number > 0, got {value!r}")
 
 
-# A training step's sustained FLOP/s as a share of the square bf16 matmul's (the step model's ``gpu_flops``):
-# 0.78 measured on an H200 (10B GPT-2, micro-batch 16 x 1024, activation checkpointing: 8 x N x tokens FLOPs in
-# 2.20 s of forward and backward against a matmul peak of 784 TFLOP/s; BENCHMARKS.md, issue 27).
+# A training step's sustained FLOP/s as a share of the square bf16 matmul's (the step model's ``gpu_flops``): the
+# share a checkpointed GPT-2 forward and backward reach (8 x N x tokens FLOPs over their device time against the
+# calibrated matmul peak; the measurement is in BENCHMARKS.md, "the seed's 10B GPT-2").
 TRAINING_SHARE_OF_MATMUL = 0.78
 
 
@@ -124,9 +124,9 @@ def host_add_seconds(params: int, piece_bytes: int, host_adam: float) -> float:
     return params * (piece_bytes + 8) / (host_adam * 28)
 
 
-# Stage 3's gather and release of one unit, in forward or in backward: 0.22 ms, measured on an H200 host (GPT-2
-# 124M, 123 units: stage 3 + offload's forward and backward took 0.097 s per micro-step of device time against stage
-# 2 + offload's 0.042 s; BENCHMARKS.md, issue 27). Counted on top of the compute, as measured there.
+# Stage 3's gather and release of one unit, in forward or in backward, in seconds: the difference between stage 3 +
+# offload's and stage 2 + offload's device time per micro-step over GPT-2 124M's 123 units (BENCHMARKS.md, "GPT-2
+# 124M"). Counted on top of the compute, as measured there.
 STAGE3_UNIT_SECONDS = 2.2e-4
 
 

@@ -12,14 +12,17 @@ from pathlib import Path
 import torch
 
 from zero_offload.config import Config, ConfigError
-from zero_offload.nvme.adam import KINDS, NvmeAdam, swap_directory
 from zero_offload.nvme.param_store import PARAM_SUFFIX, NvmeParamStore
-from zero_offload.offload.copies import CopyEngine
-from zero_offload.offload.host_cores import host_step_cores
+from zero_offload.nvme.state_files import STATE_FILES, bytes_needed
 
-__all__ = ["check_swap_directory", "build_nvme_adam", "build_param_store"]
+__all__ = ["check_swap_directory", "swap_directory", "build_param_store"]
 
 KEY = "zero_optimization.offload_optimizer.nvme_path"
+
+
+def swap_directory(nvme_path: "str | Path", rank: int) -> Path:
+    """Where rank ``rank`` keeps its swap files under ``nvme_path``."""
+    return Path(nvme_path) / "zero_offload" / f"rank{rank}"
 
 
 def check_swap_directory(nvme_path: str, rank: int, need_bytes: int, key: str = KEY, what: str = "",
@@ -55,27 +58,6 @@ def check_swap_directory(nvme_path: str, rank: int, need_bytes: int, key: str = 
     return directory
 
 
-def build_nvme_adam(parts: list[torch.Tensor], hparams: list[dict], copies: CopyEngine, config: Config,
-                    rank: int, param_io=None, host_params: bool = False) -> NvmeAdam:
-    """The NVMe optimizer for this rank's ``parts`` as ``config`` (offload_optimizer, aio, sub_group_size)
-    asks (``param_io``: see `NvmeAdam`), in a checked swap directory. Chosen by
-    `zero_offload.zero.builder.build_partition_optimizer`, which refuses optimizers other than Adam/AdamW.
-
-    Raises:
-        ConfigError: as `check_swap_directory`.
-    """
-    zc = config.zero_optimization
-    oo = zc.offload_optimizer
-    banks = 2 if oo.super_offload else 1          # super_offload: a second bank of state files
-    need = banks * NvmeAdam.bytes_needed([p.numel() for p in parts], zc.sub_group_size)
-    directory = check_swap_directory(oo.nvme_path, rank, need, reclaimable=tuple(f".{k}.swp" for k in KINDS))
-    cores = host_step_cores(oo.cpuadam_cores_perc) if oo.super_offload else None
-    return NvmeAdam(parts, hparams, copies, directory, zc.sub_group_size, oo.buffer_count, oo.pipeline_read,
-                    oo.pipeline_write, block_size=config.aio.block_size, thread_count=config.aio.threads,
-                    queue_depth=config.aio.queue_depth, param_io=param_io, speculative=oo.super_offload,
-                    host_threads=len(cores) if cores else None, host_cpus=cores, host_params=host_params)
-
-
 def build_param_store(units: list, numels: list[int], dtype: torch.dtype, config: Config, rank: int) -> NvmeParamStore:
     """The stage-3 parameter store for ``offload_param.device = nvme``. The free-space check counts the
     parameter files and, when ``offload_optimizer`` swaps to the same ``nvme_path``, its state files too.
@@ -90,10 +72,10 @@ def build_param_store(units: list, numels: list[int], dtype: torch.dtype, config
     need, what = param_bytes, f"its 16-bit parameters ({param_bytes:,} bytes)"
     reclaimable: tuple[str, ...] = (PARAM_SUFFIX,)
     if oo.device == "nvme" and Path(oo.nvme_path).resolve() == Path(op.nvme_path).resolve():
-        state_bytes = NvmeAdam.bytes_needed(numels, zc.sub_group_size)
+        state_bytes = bytes_needed(numels, zc.sub_group_size)
         need += state_bytes
         what += f" and optimizer states ({state_bytes:,} bytes)"
-        reclaimable += tuple(f".{k}.swp" for k in KINDS)
+        reclaimable += STATE_FILES
     directory = check_swap_directory(op.nvme_path, rank, need, "zero_optimization.offload_param.nvme_path", what,
                                      reclaimable)
     try:

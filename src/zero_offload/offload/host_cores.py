@@ -1,7 +1,7 @@
 """Which host cores the host optimizer step runs on: ``offload_optimizer.cpuadam_cores_perc`` (DeepSpeed 0.19.8's
 key, default 0.8) of the cores this process may use go to the host step, the rest to the training thread that
-feeds the device (issue 27: the kernel took every core beside the training thread, the staging thread and the
-delayed update's thread, and they competed).
+feeds the device (a kernel on every core beside the training thread, the staging thread and the delayed
+update's thread would compete with them).
 
 The split is made once, at ``initialize``, for a host step that runs beside the training thread (the delayed
 update): its kernel runs with that many OpenMP threads on every step, and its persistent host-step thread is

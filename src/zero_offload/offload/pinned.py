@@ -1,14 +1,14 @@
 """Page-locked host memory at its exact size, released without touching the device from a finalizer.
 
 ``torch.empty(pin_memory=True)`` goes through torch's caching host allocator, which rounds every request up
-to the next power of two (40 GiB of fp32 masters at 10B parameters become 64 GiB). `host_empty` instead
+to the next power of two (40 GiB of fp32 masters become 64 GiB). `host_empty` instead
 allocates a plain host tensor of exactly the bytes asked for and page-locks it in place with
 ``cudaHostRegister``. Copies from and to registered memory run asynchronously, as from the caching allocator's.
 Without CUDA (or with ``pin=False``) it is a plain host tensor.
 
 Release. An asynchronous copy may still read a block when its last tensor is garbage-collected, so the block
 must outlive that copy; and a garbage-collector finalizer runs at any allocation of any thread, where a device
-synchronisation stalls whatever the program was doing (issue 20: "nothing syncs the device from a finalizer").
+synchronisation stalls whatever the program was doing: nothing syncs the device from a finalizer.
 So the finalizer of a block only moves it, memory and registration intact, to a list of freed blocks: no
 CUDA call at all. The freed blocks are unregistered and dropped at one of two well-defined points, never inside
 a finalizer, with one ``torch.cuda.synchronize`` for all of them (every copy queued before is then done):

@@ -1,5 +1,5 @@
 """Simulated streams: asynchronous copies and collectives that really finish later, so stream ordering is
-checked on a machine with no accelerator (issue 20, section 2).
+checked on a machine with no accelerator.
 
 On the CPU every copy and every collective of one rank is synchronous (`HostCopies`, `comm.DoneWork`), so a
 read that forgot to wait for its copy's event still sees the right bytes, and a test on the CPU cannot tell.

@@ -1,4 +1,4 @@
-"""A step's timeline, recorded on the CPU and replayed with hardware rates (issue 27, item 5).
+"""A step's timeline, recorded on the CPU and replayed with hardware rates.
 
 Under ``ZERO_OFFLOAD_SIMULATE_STREAMS=1`` every asynchronous copy and collective is queued on a simulated
 stream and every wait on it is real (`zero_offload.offload.simulated`). Inside ``with record(model) as tl:``

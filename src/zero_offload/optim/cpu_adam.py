@@ -155,7 +155,7 @@ class CPUAdam(torch.optim.Optimizer):
         """The next step (not counted: `count_step`) of elements [lo, hi) of group ``gi``'s only parameter, read
         from its live master and moments (`ensure_state` made them) and written to ``into``'s ``master``,
         ``exp_avg`` and ``exp_avg_sq`` (1-D like the parameter, moments in ``state_dtype``) at [lo, hi); the live
-        state is left as it was (`zero_offload.zero.speculation`). ``grad``: hi - lo elements, any dtype the
+        state is left as it was (`zero_offload.hoststep.speculation`). ``grad``: hi - lo elements, any dtype the
         kernel reads; ``out``: an optional 16-bit tensor of hi - lo elements that receives the new parameters."""
         group = self.param_groups[gi]
         p = group["params"][0]

@@ -114,7 +114,7 @@ def fused_adam_step(
         num_threads: threads to use (default ``torch.get_num_threads()``).
         sources: (master, exp_avg, exp_avg_sq) to read the step's inputs from, each like its counterpart, which
             then only receive the result: the sources are left as they were (a speculative step keeps what a
-            step with another gradient scale needs: `zero_offload.zero.speculation`). Bitwise the in-place
+            step with another gradient scale needs: `zero_offload.hoststep.speculation`). Bitwise the in-place
             result. Default: read in place.
 
     Memory traffic per parameter: 2 (16-bit grad) + 3 x 8 (master, exp_avg, exp_avg_sq read and
@@ -153,7 +153,7 @@ def fused_adam_step(
         # torch's ops need fp32 scratch as large as what they are given (the gradient cast and scaled, bf16
         # moments in fp32, the denominator): pieces of at most DEFAULT_CHUNK elements through a few buffers made
         # once per call, so the extra memory is at most 4 chunks, never a multiple of the partition (scratch for
-        # a whole partition would be hundreds of GB at 10B parameters). Bitwise the result of one call over the
+        # a whole partition would be 16 bytes per parameter). Bitwise the result of one call over the
         # whole partition: the ops are elementwise, and pieces start at multiples of 2**21 elements, so torch's
         # fused kernel (which splits its work in whole vectors) keeps its scalar tail where it was.
         piece = min(chunk, DEFAULT_CHUNK)

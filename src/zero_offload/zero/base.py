@@ -5,7 +5,8 @@ with one partition optimizer (``adam``, the `PartitionOptimizer` role built by `
 Around that pair the two classes do the same things, which live here once:
 
 - the boundary: `finalize_backward` makes the gradients ready, then `grad_sq_norm` and the step read them;
-- the delayed parameter update's hand-over (`take_grads`, `detached_step`; `zero_offload.zero.delayed_update`);
+- what the host-step pipeline drives (`zero_offload.hoststep.pipeline`): the final ranges reported to a
+  speculation, the gradients handed over to a delayed step, and who still reads a gradient buffer;
 - the state face checkpoints use (`zero_offload.state.PartitionedOptimizerState`);
 - the memory accounting (`memory_breakdown`), the export of the fp32 masters (`full_master_state`) and the
   running counters behind ``engine.stats`` (`counters`).
@@ -17,20 +18,23 @@ defines ``layout()``, ``partitions_count``, ``after_load()``, ``publish()``, ``m
 from __future__ import annotations
 
 import contextlib
-from typing import Iterable, Iterator, Union
+from typing import Callable, Iterable, Iterator, Union
 
 import torch
 from torch.profiler import record_function
 
 from zero_offload.comm import DistContext
-from zero_offload.host_thread import HostThread
 from zero_offload.offload.copies import Copies
 from zero_offload.state import StateChunk
 from zero_offload.zero.gather import gather_masters, global_grad_sq_norm
 from zero_offload.zero.grad_partition import GradPartition, ReadyGrad
-from zero_offload.zero.optimizer_role import PartitionOptimizer
+from zero_offload.hoststep.role import PartitionOptimizer
 
-__all__ = ["ZeroOptimizerBase", "MemoryKind", "tally"]
+__all__ = ["ZeroOptimizerBase", "MemoryKind", "BuildStep", "tally"]
+
+# Builds a rank's partition optimizer: `zero_offload.hoststep.builder.build_partition_optimizer`'s signature. The
+# engine hands it to the ZeRO optimizers, so that zero/ imports none of the host-step policies.
+BuildStep = Callable[..., PartitionOptimizer]
 
 # A kind of memory: (side, tensors) to be measured, or an entry measured elsewhere (swap files, gathered buffers).
 MemoryKind = Union[tuple[str, list[torch.Tensor]], dict]
@@ -124,47 +128,17 @@ class ZeroOptimizerBase:
         """A context for a generation; below stage 3 every parameter is whole already (yields True)."""
         return contextlib.nullcontext(True)
 
-    # -- the speculative step (offload_optimizer.super_offload; zero_offload.zero.speculation) ---------------
-    def begin_speculation(self, grad_scale: float) -> None:
-        """The next backward is the boundary: its gradient pieces are stepped with ``grad_scale`` (1 / loss
-        scale) as they land on the host; `step` keeps that step or redoes it, exactly."""
-        for partition, sink in zip(self.partitions, self.adam.begin_speculation(grad_scale)):
+    # -- what the host-step pipeline drives (zero_offload.hoststep.pipeline) ------------------------------
+    def report_final_ranges(self, sinks: list) -> None:
+        """The next backward is the boundary (``super_offload``): each gradient partition reports the ranges it
+        makes final to its sink (one per group, from the partition optimizer's ``begin_speculation``)."""
+        for partition, sink in zip(self.partitions, sinks):
             partition.report_final_ranges(sink)
 
-    def discard_speculation(self) -> None:
-        """The boundary takes no step (fp16 overflow): what was speculated is dropped."""
-        discard = getattr(self.adam, "discard_speculation", None)
-        if discard is not None:
-            discard()
-
-    # -- the delayed parameter update (zero_offload.zero.delayed_update) ---------------------------------
     def take_grads(self) -> list[ReadyGrad]:
-        """This step's gradient partitions, handed over whole; the next backward fills other buffers."""
+        """This step's gradient partitions, handed over whole; the next backward fills other buffers (or waits
+        for what the step has not released of a lent one)."""
         return [p.take() for p in self.partitions]
-
-    def host_step_thread(self) -> HostThread:
-        """The partition optimizer's host-step thread, which runs the delayed update's step (`DeferrableOptimizer`).
-
-        Raises:
-            RuntimeError: the partition optimizer runs no step beside training (no delayed update configured).
-        """
-        thread = getattr(self.adam, "host_thread", None)
-        if thread is None:
-            raise RuntimeError("the partition optimizer has no host-step thread: the delayed update needs the fused "
-                               "host kernel with offload_optimizer.delayed_param_update")
-        return thread
-
-    def host_step_timings(self) -> dict[str, float]:
-        """``host_step_s`` (the last host step's own duration, seconds) and ``host_step_threads`` (the kernel's
-        thread count) where the step runs on the host; empty otherwise (`Engine.timings`)."""
-        if not self.adam.on_host:
-            return {}
-        out = {"host_step_s": self.adam.host_step_s, "host_step_threads": float(self.adam.host_threads)}
-        speculation = getattr(self.adam, "speculation", None)
-        if speculation is not None:      # super_offload: how much of the host step ran during backward, and whether
-            out["host_step_hidden_s"] = speculation.hidden_s                       # the speculated step stood
-            out["host_step_kept"] = float(speculation.last == "accepted")
-        return out
 
     def publish_readers(self) -> None:
         """After the partition optimizer published: tell each gradient partition which copy up still reads one
@@ -173,15 +147,6 @@ class ZeroOptimizerBase:
             reader = self.adam.publish_reader(g)
             if reader is not None:
                 partition.read_by(*reader)
-
-    def detached_step(self, grads: list[ReadyGrad], grad_scale: float, lrs: list[float]) -> None:
-        """The host step on handed-over gradients, touching nothing the model reads (any thread): masters,
-        moments and staging outputs change; the parameters only at `publish`."""
-        try:
-            self.adam.step(grads, grad_scale, lrs, publish=False)
-        finally:
-            for g in grads:     # lent gradient buffers are free once the step is over, also when it failed
-                g.finish()
 
     # -- state (zero_offload.state.PartitionedOptimizerState) ---------------------------------------------
     def group_step(self, g: int) -> int:

@@ -117,8 +117,8 @@ class InFlight(Generic[T]):
     """Reductions launched but not yet finished, oldest first, at most ``limit`` of them: pushing one more
     finishes the oldest (``on_finish``), which bounds the memory of buckets or gradients in flight. Oldest
     reductions already complete (``is_done``; at one rank every one is) are finished at once, so their copy down
-    starts as soon as they are reduced rather than ``limit`` buckets later (issue 27: at one rank the last two
-    buckets went down only after backward)."""
+    starts as soon as they are reduced rather than ``limit`` buckets later (else, at one rank, the last two
+    buckets would go down only after backward)."""
 
     def __init__(self, limit: int, on_finish: Callable[[T], None], is_done: Callable[[T], bool] | None = None):
         self.limit, self.on_finish, self.is_done = limit, on_finish, is_done

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from typing import Callable, Protocol
+from typing import Callable
 
 import torch
 from torch.profiler import record_function
@@ -16,38 +16,17 @@ from zero_offload.offload.copies import DONE, CopyHandle, Copies
 from zero_offload.offload.host_cores import available_cores
 from zero_offload.optim.host_add import STAGED_ADD_THREADS, accumulate
 from zero_offload.zero.buckets import GradBucket, largest_bucket
-from zero_offload.zero.buffer_lease import BufferLease
+from zero_offload.offload.buffer_lease import BufferLease
 
-__all__ = ["GradPartition", "GradSource", "ReadyGrad"]
+__all__ = ["GradPartition", "ReadyGrad"]
 
 NORM_CHUNK = 1 << 20
 
 
-class GradSource(Protocol):
-    """A gradient partition a partition optimizer reads in its step (`GradPartition`, or `ReadyGrad`).
-
-    Its owner makes it ready once per boundary (the ZeRO optimizer's ``finalize_backward``, which the engine
-    calls before the norm); reading it does not wait.
-    """
-
-    def ready(self) -> torch.Tensor:
-        """The finished gradient partition, 1-D (training dtype, or fp32 under gradient accumulation).
-
-        Raises:
-            RuntimeError: copies into it are still in flight (read before ``finalize_backward``).
-        """
-        ...
-
-    def released(self, lo: int, hi: int, reader: CopyHandle) -> None:
-        """The step is done with elements [lo, hi) once ``reader``'s copy up has read them (chunks in descending
-        order; see `zero_offload.zero.buffer_lease`)."""
-        ...
-
-
 class ReadyGrad:
     """A gradient buffer handed over whole (the delayed parameter update's previous step), or any tensor
-    already in place: ready as it is (the `GradSource` role). With a ``lease`` the buffer is shared with the next
-    backward, which waits for what the step has not released yet."""
+    already in place: ready as it is (the `zero_offload.hoststep.role.GradSource` role). With a ``lease`` the
+    buffer is shared with the next backward, which waits for what the step has not released yet."""
 
     def __init__(self, buffer: torch.Tensor, lease: BufferLease | None = None):
         self.buffer, self.lease = buffer, lease
@@ -167,7 +146,7 @@ class GradPartition:
 
     def report_final_ranges(self, sink) -> None:
         """The next micro-step is the boundary (``super_offload``): each range it writes is reported to ``sink``
-        (a `zero_offload.zero.speculation.FinalRanges`) once final -- at its copy down, or after its staged add. A
+        (a `zero_offload.hoststep.speculation.FinalRanges`) once final -- at its copy down, or after its staged add. A
         later micro-step before the step (another backward) invalidates what was reported."""
         self.final_sink, self.final_micro_step = sink, self.micro_step + 1
 
@@ -311,7 +290,7 @@ class GradPartition:
         self.worker.close()
 
     def ready(self) -> torch.Tensor:
-        """The finished partition (the `GradSource` role), without waiting.
+        """The finished partition (the `zero_offload.hoststep.role.GradSource` role), without waiting.
 
         Raises:
             RuntimeError: copies into it are still in flight: `finalize` has not run since they were issued.
@@ -325,7 +304,7 @@ class GradPartition:
     def take(self) -> ReadyGrad:
         """Hand the finished partition over whole (the delayed parameter update: the host step reads this step's
         gradients while the next backward runs). Where the copies down fill the buffer straight, it is lent
-        (`zero_offload.zero.buffer_lease`): the next backward writes each part once the step released it. Else
+        (`zero_offload.offload.buffer_lease`): the next backward writes each part once the step released it. Else
         (fp32 accumulation through the staging worker) the next backward fills a second buffer.
         The buffer handed out at the previous call is reused, so the caller must be done with it (a copy up
         still reading it was named by `read_by`).
@@ -352,7 +331,8 @@ class GradPartition:
         return ReadyGrad(done)
 
     def released(self, lo: int, hi: int, reader: CopyHandle) -> None:
-        """A synchronous step read the partition in place: nothing is lent (the `GradSource` role)."""
+        """A synchronous step read the partition in place: nothing is lent (the
+        `zero_offload.hoststep.role.GradSource` role)."""
 
     def read_by(self, handle: CopyHandle, tensor: torch.Tensor) -> None:
         """A copy up reads ``tensor``, one of this partition's buffers (the delayed update publishes the

@@ -16,6 +16,8 @@ class NoStep:
     masters: list[torch.Tensor] = []
     optimizer = None
     on_host = False
+    host_thread = None
+    speculation = None
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         return {}
@@ -30,6 +32,9 @@ class NoStep:
         return {}
 
     def close(self) -> None:
+        return None
+
+    def discard_speculation(self) -> None:
         return None
 
     def step(self, *args, **kwargs) -> None:

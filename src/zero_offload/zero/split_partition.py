@@ -7,7 +7,7 @@ its first `device_numel` elements -- the start of the flat buffer, the first lay
 gradients backward produces last -- stay on the device; the rest, whose gradients come down first, is offloaded.
 
 `SplitGradPartition` is the gradient side (the `GradPartition` face over a device and a host `GradPartition`);
-`zero_offload.zero.split_adam.SplitAdam` the optimizer side. Checkpoints see one flat partition per group, so a
+`zero_offload.hoststep.split.SplitAdam` the optimizer side. Checkpoints see one flat partition per group, so a
 checkpoint of any ratio loads into any other ratio, stage and world size.
 """
 from __future__ import annotations

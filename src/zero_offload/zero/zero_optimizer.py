@@ -15,10 +15,7 @@ from zero_offload.comm import DistContext
 from zero_offload.config import Config
 from zero_offload.flat import FlatParams
 from zero_offload.offload.copies import CopyEngine
-from zero_offload.zero.base import MemoryKind, ZeroOptimizerBase
-from zero_offload.zero.builder import build_partition_optimizer
-from zero_offload.zero import copy_in
-from zero_offload.zero.copy_in import CopyInWaits, CopyUpQueue, compiled
+from zero_offload.zero.base import BuildStep, MemoryKind, ZeroOptimizerBase
 from zero_offload.zero.grad_partition import GradPartition
 from zero_offload.zero.split_partition import split_for_flat
 from zero_offload.zero.layout import GroupLayout, contiguous_layout
@@ -56,16 +53,15 @@ class ZeroOptimizer(ZeroOptimizerBase):
     """ZeRO stage 0, 1 or 2 over the given param groups, with the optimizer on the device or the host.
 
     Args:
-        module: the model, given when the next forward may wait for each module's own updated parameters only
-            (`zero_offload.zero.copy_in`, opt-in with ``ZERO_OFFLOAD_PER_MODULE_WAITS=1``: one rank, optimizer
-            offloaded, not compiled); None: every step waits for its whole copy up.
+        build_step: builds the partition optimizer over this rank's partitions
+            (`zero_offload.hoststep.builder.build_partition_optimizer`).
 
     Raises:
         ValueError: a param group without parameters.
     """
 
     def __init__(self, ctx: DistContext, config: Config, groups: list[ParamGroup], gradient_accumulation: int,
-                 module: torch.nn.Module | None = None):
+                 build_step: BuildStep):
         zc = config.zero_optimization
         self.ctx, self.stage = ctx, zc.stage
         self.offload = zc.offload_optimizer.device in ("cpu", "nvme")
@@ -88,35 +84,14 @@ class ZeroOptimizer(ZeroOptimizerBase):
                                        comm_dtype=communication_dtype(config))
         parts = [f.buffer[p.lo:p.hi] for f, p in zip(self.flats, self.partitions)]
         segments = [param_segments(f, p.lo, p.hi) for f, p in zip(self.flats, self.partitions)]
-        self.adam = build_partition_optimizer(config, parts, [g.hparams for g in groups], self.copies, ctx.rank,
-                                              offload=self.offload, segments=segments,
-                                              all_reduce=self._sum_over_ranks if self.stage >= 1 else None)
+        self.adam = build_step(config, parts, [g.hparams for g in groups], self.copies, ctx.rank,
+                               offload=self.offload, segments=segments,
+                               all_reduce=self._sum_over_ranks if self.stage >= 1 else None,
+                               cuts=[p.cut for p in self.partitions] if ratio < 1.0 else None)
         self.gathers = 0                   # all-gathers of updated partitions issued (running count)
         self.trainable_ids = {id(p) for f in self.flats for p in f.params}   # the model holds them all alive
         self._reduced = False              # stages 0/1: the full gradient was reduced since the last step
         self._set_aside: list[torch.Tensor] | None = None
-        self.copy_in = self._copy_in(module)
-
-    def _copy_in(self, module: torch.nn.Module | None) -> CopyInWaits | None:
-        """The copies up queued in the order the forward reads the parameters (`copy_in.forward_order`), and
-        per-module waits for them where nothing else waits for them all: one rank (or stage 0, where no
-        all-gather follows the step), the optimizer offloaded to memory, a model that is not compiled."""
-        if module is None or not self.offload or not isinstance(self.adam, CopyUpQueue):
-            return None
-        position = {id(p): i for i, p in enumerate(module.parameters())}     # module order: the forward's, roughly
-        where, spans = {}, []
-        for g, (f, part) in enumerate(zip(self.flats, self.partitions)):
-            for p, slot in zip(f.params, f.slots):
-                if slot.offset < part.hi and slot.end > part.lo:
-                    lo, hi = max(slot.offset, part.lo) - part.lo, min(slot.end, part.hi) - part.lo
-                    where[id(p)] = (slot.name, g, hi)
-                    spans.append((position.get(id(p), len(position)), g, lo, hi))
-        self.adam.order_copies_up(spans)
-        if not copy_in.enabled() or (self.stage >= 1 and self.ctx.distributed) or compiled(module):
-            return None
-        waits = CopyInWaits(self.adam, where)
-        waits.attach(module)
-        return waits
 
     def _sum_over_ranks(self, t: torch.Tensor) -> None:
         """Sum a small tensor over the data-parallel ranks in place (Lamb's per-parameter norms), through the
@@ -145,7 +120,6 @@ class ZeroOptimizer(ZeroOptimizerBase):
             self._set_aside = [p.buffer.clone() for p in self.partitions]
             for g in self.flat_grads:
                 g.zero_()
-        self._waits_before_step()      # backward reads parameters the forward may not have waited for
         reduce = boundary or self.stage == 2
         if reduce:
             for p in self.partitions:
@@ -165,36 +139,9 @@ class ZeroOptimizer(ZeroOptimizerBase):
     def step(self, grad_scale: float) -> None:
         """Update this rank's partitions with gradients x ``grad_scale`` (after `finalize_backward`), then
         all-gather (stage >= 1)."""
-        self._waits_before_step()
         self.adam.step(self.partitions, grad_scale)
         self.publish_readers()
         self._all_gather()
-        self._waits_after_step()
-
-    def _waits_before_step(self) -> None:
-        if self.copy_in is not None:
-            self.copy_in.wait_all()
-
-    def _waits_after_step(self) -> None:
-        if self.copy_in is not None:
-            self.copy_in.after_step()
-
-    def load_state_chunks(self, g: int, step: int, chunks) -> None:
-        """See `ZeroOptimizerBase.load_state_chunks`; copies up still queued would land over the loaded parameters:
-        they are waited for first."""
-        self._waits_before_step()
-        super().load_state_chunks(g, step, chunks)
-
-    def load_state_dict(self, state: dict) -> None:
-        """See `ZeroOptimizerBase.load_state_dict` (pending copies up waited for first, as in `load_state_chunks`)."""
-        self._waits_before_step()
-        super().load_state_dict(state)
-
-    def close(self) -> None:
-        """See `ZeroOptimizerBase.close`; the per-module waits' hooks and guard go first."""
-        if self.copy_in is not None:
-            self.copy_in.close()
-        super().close()
 
     def gather_count(self) -> int:
         """All-gathers of updated partitions issued so far (one per group and step, stages 1-2)."""
@@ -212,14 +159,12 @@ class ZeroOptimizer(ZeroOptimizerBase):
                 for f in self.flats:
                     self.ctx.all_gather_partitions(f.buffer, f.partition_numel, self.allgather_bucket_numel)
 
-    # -- the delayed parameter update (see zero_offload.zero.delayed_update) --------------------------------
+    # -- the delayed parameter update (see zero_offload.hoststep.delayed) --------------------------------
     def publish(self) -> None:
         """Copy the parameters of the last detached step up and all-gather them."""
-        self._waits_before_step()
         self.adam.publish()
         self.publish_readers()
         self._all_gather()
-        self._waits_after_step()
 
     def zero_grad(self) -> None:
         """Clear accumulated gradients after a step (stage 2 partitions are overwritten, not cleared)."""
@@ -246,7 +191,6 @@ class ZeroOptimizer(ZeroOptimizerBase):
 
     def after_load(self) -> None:
         """Bring every rank's full 16-bit parameters up to date after partitions were replaced."""
-        self._waits_before_step()
         if self.stage >= 1:
             for f in self.flats:
                 self.ctx.all_gather_partitions(f.buffer, f.partition_numel, self.allgather_bucket_numel)

@@ -1,5 +1,5 @@
 """`GatherCheck`: every rank runs the same stage-3 module at each module forward, or all of them stop with an error
-that names the modules and ranks (issue 26).
+that names the modules and ranks, instead of a hang.
 
 Stage 3 needs every rank to run the same modules in the same order in forward: each gather is a collective, and
 ranks that gather different units send buffers of other sizes (gloo aborts the process on the mismatch; NCCL

@@ -112,7 +112,7 @@ class UnitLifecycle:
     def _hook_module(self, module: torch.nn.Module) -> None:
         # torch.compile never traces them (a gather swaps the parameters' storage: AOTAutograd refuses a set_ on a
         # graph input): dynamo breaks the graph at each and runs it eagerly, so a compiled model, whole or per
-        # block, sees its parameters gathered, and the same parameter objects every step (issue 29).
+        # block, sees its parameters gathered, and the same parameter objects every step.
         self.hooks.append(module.register_forward_pre_hook(torch.compiler.disable(self._pre_forward)))
         self.hooks.append(module.register_forward_hook(torch.compiler.disable(self._post_forward)))
 

@@ -15,8 +15,7 @@ from zero_offload.comm import DistContext, device_free_bytes, gather_objects
 from zero_offload.config import Config
 from zero_offload.nvme.setup import build_param_store
 from zero_offload.offload.copies import CopyEngine
-from zero_offload.zero.base import MemoryKind, ZeroOptimizerBase
-from zero_offload.zero.builder import build_partition_optimizer
+from zero_offload.zero.base import BuildStep, MemoryKind, ZeroOptimizerBase
 from zero_offload.zero.no_step import NoStep
 from zero_offload.zero.grad_partition import GradPartition
 from zero_offload.zero.split_partition import split_partition
@@ -45,12 +44,17 @@ class Stage3Optimizer(ZeroOptimizerBase):
             (`zero_offload.zero.stage3.frozen`): gathered for forward and backward, never optimized.
         param_init_fn: for a model built under `init_sharded`: called as ``param_init_fn(module)`` to
             initialise each module's materialised parameters (default: ``module.reset_parameters()``).
+        build_step: builds the partition optimizer (`zero_offload.hoststep.builder.build_partition_optimizer`);
+            None only without trainable groups.
+
+    Raises:
+        ValueError: trainable groups without ``build_step``.
     """
 
     stage = 3
 
     def __init__(self, ctx: DistContext, config: Config, model: torch.nn.Module, groups, gradient_accumulation: int,
-                 dtype: torch.dtype, param_init_fn=None):
+                 dtype: torch.dtype, param_init_fn=None, build_step: BuildStep | None = None):
         zc = config.zero_optimization
         self.ctx = ctx
         self.reduce_ctx = ctx.for_reductions()      # reduce-scatters on a group of their own (a collective call)
@@ -67,7 +71,7 @@ class Stage3Optimizer(ZeroOptimizerBase):
         module_units = units_by_module(model, self.units)
         self.peak_materialize_bytes = materialize(model, self.units, module_units, self._bind, ctx.device, dtype,
                                                   param_init_fn)
-        self._build_step(config, groups, dtype, gradient_accumulation)
+        self._build_step(config, groups, dtype, gradient_accumulation, build_step)
         self._attach(model, module_units, config)
 
     def _build_all_units(self, model, groups, dtype, threshold: int) -> None:
@@ -108,8 +112,12 @@ class Stage3Optimizer(ZeroOptimizerBase):
         self.lifecycle.attach_root(model)
         registry.manage(self.lifecycle.unit_of.keys(), self)   # for `gathered_parameters` and external parameters
 
-    def _build_step(self, config: Config, groups, dtype, gradient_accumulation: int) -> None:
+    def _build_step(self, config: Config, groups, dtype, gradient_accumulation: int,
+                    build_step: BuildStep | None) -> None:
         """Gradient partitions and the partition optimizer."""
+        if groups and build_step is None:
+            raise ValueError("Stage3Optimizer: trainable param groups need build_step (the partition optimizer's "
+                             "builder, zero_offload.hoststep.builder.build_partition_optimizer)")
         if not groups:           # a frozen model (forward only): shards, no gradients, no optimizer state
             self.partitions, self.adam = [], NoStep()
             return
@@ -125,9 +133,10 @@ class Stage3Optimizer(ZeroOptimizerBase):
                                          self.copies, piece_numel=max((u.shard_numel for u in units), default=0),
                                          piece_dtype=piece_dtype)
                            for p, units in zip(self.parts, self.group_units)]
-        self.adam = build_partition_optimizer(config, self.parts, [g.hparams for g in groups], self.copies,
-                                              self.ctx.rank, offload=host_step, host_params=self.offload_param,
-                                              param_store=self.store if self.param_nvme else None)
+        self.adam = build_step(config, self.parts, [g.hparams for g in groups], self.copies,
+                               self.ctx.rank, offload=host_step, host_params=self.offload_param,
+                               param_store=self.store if self.param_nvme else None,
+                               cuts=[p.cut for p in self.partitions] if ratio < 1.0 else None)
 
     def _build_units(self, model, g: int, group, dtype, threshold: int) -> list[ShardedUnit]:
         """One unit per module that owns (first holds) some of the group's parameters, in module order."""
@@ -271,7 +280,7 @@ class Stage3Optimizer(ZeroOptimizerBase):
         self.adam.step(self.partitions, grad_scale)
         self.publish_readers()
 
-    # -- the delayed parameter update (see zero_offload.zero.delayed_update) --------------------------------
+    # -- the delayed parameter update (see zero_offload.hoststep.delayed) --------------------------------
     def publish(self) -> None:
         """Write the parameters of the last detached step into the shards; the next forward gathers them."""
         self.lifecycle.invalidate()

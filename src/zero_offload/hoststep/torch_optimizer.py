@@ -15,8 +15,8 @@ import torch
 
 from zero_offload.optim.lamb import Lamb
 from zero_offload.state import fill_from_chunks
-from zero_offload.zero.grad_partition import GradSource
-from zero_offload.zero.partitioned_adam import PartitionedAdam
+from zero_offload.hoststep.role import GradSource
+from zero_offload.hoststep.adam import PartitionedAdam
 
 __all__ = ["PartitionedTorchOptimizer"]
 

@@ -1,11 +1,15 @@
 """`PartitionOptimizer`: the role a rank's partition optimizer plays for the ZeRO optimizers and checkpoints.
 
-Filled by `zero_offload.zero.partitioned_adam.PartitionedAdam` (states in device or host memory, the fused
-host kernel or torch's fused device AdamW), its subclass `zero_offload.zero.partitioned_torch
-.PartitionedTorchOptimizer` (any torch optimizer on the partitions), `zero_offload.nvme.adam.NvmeAdam` (states
+Filled by `zero_offload.hoststep.adam.PartitionedAdam` (states in device or host memory, the fused
+host kernel or torch's fused device AdamW), its subclass `zero_offload.hoststep.torch_optimizer
+.PartitionedTorchOptimizer` (any torch optimizer on the partitions), `zero_offload.hoststep.nvme_adam.NvmeAdam` (states
 in NVMe swap files, streamed through a buffer pool) and `zero_offload.nvme.param_writeback.WriteBackOptimizer`
-(one of the first two over parameters kept in swap files). `zero_offload.zero.builder.build_partition_optimizer`
-chooses among them. Every member below is used by `ZeroOptimizerBase`, the ZeRO optimizers or the checkpoints.
+(one of the first two over parameters kept in swap files). `zero_offload.hoststep.builder.build_partition_optimizer`
+chooses among them. Every member below is used by `ZeroOptimizerBase`, the ZeRO optimizers, the checkpoints or the
+host-step pipeline (`zero_offload.hoststep.pipeline`), and nothing else is: callers never probe for a member.
+
+`GradSource` is the other side of the step: what a partition optimizer reads, filled by the gradient partitions of
+`zero_offload.zero.grad_partition`.
 """
 from __future__ import annotations
 
@@ -13,10 +17,33 @@ from typing import Iterable, Iterator, Protocol, Sequence, runtime_checkable
 
 import torch
 
+from zero_offload.host_thread import HostThread
+from zero_offload.hoststep.speculation import FinalRanges, Speculation
+from zero_offload.offload.handles import CopyHandle
 from zero_offload.state import StateChunk
-from zero_offload.zero.grad_partition import GradSource
 
-__all__ = ["PartitionOptimizer"]
+__all__ = ["PartitionOptimizer", "GradSource"]
+
+
+class GradSource(Protocol):
+    """A gradient partition a partition optimizer reads in its step (`GradPartition`, or `ReadyGrad`).
+
+    Its owner makes it ready once per boundary (the ZeRO optimizer's ``finalize_backward``, which the engine
+    calls before the norm); reading it does not wait.
+    """
+
+    def ready(self) -> torch.Tensor:
+        """The finished gradient partition, 1-D (training dtype, or fp32 under gradient accumulation).
+
+        Raises:
+            RuntimeError: copies into it are still in flight (read before ``finalize_backward``).
+        """
+        ...
+
+    def released(self, lo: int, hi: int, reader: CopyHandle) -> None:
+        """The step is done with elements [lo, hi) once ``reader``'s copy up has read them (chunks in descending
+        order; see `zero_offload.offload.buffer_lease`)."""
+        ...
 
 
 @runtime_checkable
@@ -29,18 +56,20 @@ class PartitionOptimizer(Protocol):
         masters: per group, the fp32 master partition, shape (partition numel,); may be read lazily (NVMe:
             each item is read from the swap file into a new tensor).
         on_host: whether the step runs on the host.
-        deferred: the delayed parameter update: `step` with ``publish=False`` leaves the parameters as they
-            are, and `publish` writes them later. Only `PartitionedAdam` (the fused host kernel) is ever deferred.
         host_step_s: on the host, the last step's own duration in seconds, on the thread that ran it.
         host_threads: on the host, the kernel's thread count.
+        host_thread: the one thread a host step beside training runs on (the delayed update's step, the speculated
+            pieces), or None where every step runs on the caller's thread.
+        speculation: ``super_offload``'s speculative step (its timings and verdict), or None.
     """
 
     optimizer: torch.optim.Optimizer
     masters: Sequence[torch.Tensor]
     on_host: bool
-    deferred: bool
     host_step_s: float
     host_threads: int
+    host_thread: HostThread | None
+    speculation: Speculation | None
 
     def step(self, grads: Sequence[GradSource], grad_scale: float, lrs: Sequence[float] | None = None,
              publish: bool = True) -> None:
@@ -60,6 +89,14 @@ class PartitionOptimizer(Protocol):
     def publish_reader(self, g: int) -> "tuple[object, torch.Tensor] | None":
         """The copy up (a `CopyHandle`) that the last publish queued from one of group ``g``'s gradient buffers,
         and that buffer; None when publish read no gradient buffer (every optimizer that is never deferred)."""
+
+    def begin_speculation(self, grad_scale: float) -> list[FinalRanges]:
+        """``super_offload``: the boundary micro-step starts; its gradient pieces are stepped with ``grad_scale`` as
+        they land. Returns one `FinalRanges` per group, for its gradient partition to report them to."""
+
+    def discard_speculation(self) -> None:
+        """The boundary takes no step (fp16 overflow, a checkpoint load): drop what was speculated (a no-op
+        without ``super_offload``)."""
 
     def close(self) -> None:
         """Finish the I/O and copies in flight and end what the optimizer started (NVMe: its I/O threads and

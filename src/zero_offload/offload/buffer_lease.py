@@ -1,4 +1,4 @@
-"""A gradient buffer lent to the delayed update's host step while the next backward copies into it (issue 27).
+"""A gradient buffer lent to the delayed update's host step while the next backward copies into it.
 
 With one gradient buffer per partition instead of two, the delayed update's host step (step t, in its thread) and
 the next backward (step t+1, copying its reduced buckets down) share the buffer. The step walks the partition from

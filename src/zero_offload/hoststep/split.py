@@ -16,9 +16,9 @@ from typing import Iterable, Iterator, Sequence
 
 import torch
 
-from zero_offload.nvme.adam import NvmeAdam
+from zero_offload.hoststep.nvme_adam import NvmeAdam
 from zero_offload.state import StateChunk, WholeGroupState
-from zero_offload.zero.partitioned_adam import PartitionedAdam
+from zero_offload.hoststep.adam import PartitionedAdam
 
 __all__ = ["SplitAdam"]
 
@@ -54,7 +54,7 @@ class SplitAdam(WholeGroupState):
                  host: "PartitionedAdam | NvmeAdam"):
         self.parts, self.cuts, self.device, self.host = parts, cuts, device, host
         self.masters = _Masters(self)
-        self.on_host, self.deferred = True, False
+        self.on_host = True
 
     # -- the host optimizer's face ----------------------------------------------------------------------------
     @property

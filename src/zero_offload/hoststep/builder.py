@@ -1,7 +1,7 @@
 """`build_partition_optimizer`: the one place that chooses a rank's partition optimizer from the config.
 
 Both ZeRO optimizers call it: `ZeroOptimizer` with its slices of the flat buffers, `Stage3Optimizer` with the
-concatenated unit shards. What it builds (every one fills `zero_offload.zero.optimizer_role.PartitionOptimizer`):
+concatenated unit shards. What it builds (every one fills `zero_offload.hoststep.role.PartitionOptimizer`):
 
 =========================  ==========================  ===========  ==============================================
 offload_optimizer.device   optimizer                   parameters   partition optimizer
@@ -29,16 +29,18 @@ from __future__ import annotations
 import torch
 
 from zero_offload.config import Config, ConfigError
+from zero_offload.hoststep.adam import PartitionedAdam, host_state_dtype
+from zero_offload.hoststep.nvme_adam import NvmeAdam
+from zero_offload.hoststep.policy import StepPolicy
+from zero_offload.hoststep.role import PartitionOptimizer
+from zero_offload.hoststep.split import SplitAdam
+from zero_offload.hoststep.torch_optimizer import PartitionedTorchOptimizer
 from zero_offload.nvme.param_store import NvmeParamStore
 from zero_offload.nvme.param_writeback import WriteBackOptimizer
-from zero_offload.nvme.setup import build_nvme_adam
-from zero_offload.offload.copies import Copies
+from zero_offload.nvme.setup import check_swap_directory
+from zero_offload.nvme.state_files import STATE_FILES, bytes_needed
+from zero_offload.offload.copies import CopyEngine, Copies
 from zero_offload.offload.host_cores import host_step_cores
-from zero_offload.zero.optimizer_role import PartitionOptimizer
-from zero_offload.zero.partitioned_adam import PartitionedAdam, host_state_dtype
-from zero_offload.zero.partitioned_torch import PartitionedTorchOptimizer
-from zero_offload.zero.split_adam import SplitAdam
-from zero_offload.zero.split_partition import device_numel
 
 __all__ = ["build_partition_optimizer"]
 
@@ -46,7 +48,7 @@ __all__ = ["build_partition_optimizer"]
 def build_partition_optimizer(config: Config, parts: list[torch.Tensor], hparams: list[dict], copies: Copies,
                               rank: int, *, offload: bool, host_params: bool = False,
                               param_store: NvmeParamStore | None = None, segments: list | None = None,
-                              all_reduce=None) -> PartitionOptimizer:
+                              all_reduce=None, cuts: list[int] | None = None) -> PartitionOptimizer:
     """The partition optimizer ``config`` asks for, over this rank's ``parts``.
 
     Args:
@@ -62,6 +64,8 @@ def build_partition_optimizer(config: Config, parts: list[torch.Tensor], hparams
         segments, all_reduce: where each parameter's pieces sit in ``parts`` and how to sum per-parameter
             norms over the ranks, for ``Lamb``'s per-tensor trust ratio (`PartitionedTorchOptimizer`);
             stages 0-2 give them.
+        cuts: ``offload_optimizer.ratio`` < 1: per group, the elements at the start of the part that stay on the
+            device (the gradient partition's cut, `zero_offload.zero.split_partition.device_numel`); else None.
 
     Raises:
         ConfigError: ``offload_optimizer.delayed_param_update`` or ``offload_optimizer.device = nvme`` with an
@@ -82,22 +86,21 @@ def build_partition_optimizer(config: Config, parts: list[torch.Tensor], hparams
         raise ConfigError(f"config key 'zero_optimization.offload_optimizer.device' = 'nvme' streams Adam's "
                           f"states through its buffers; optimizer.type = {opt.type!r}"
                           f"{' with amsgrad' if opt.params.amsgrad else ''} needs device 'cpu'")
-    ratio = config.zero_optimization.offload_optimizer.ratio
-    if ratio < 1.0 and offload and not host_params:
+    if cuts is not None and offload and not host_params:
         if not fused:
-            raise ConfigError(f"config key 'zero_optimization.offload_optimizer.ratio' = {ratio} needs optimizer type "
-                              f"Adam/AdamW without amsgrad (got {opt.type!r}): the two parts are stepped by the "
-                              "fused kernels")
+            raise ConfigError(f"config key 'zero_optimization.offload_optimizer.ratio' = "
+                              f"{config.zero_optimization.offload_optimizer.ratio} needs optimizer type Adam/AdamW "
+                              f"without amsgrad (got {opt.type!r}): the two parts are stepped by the fused kernels")
         # The device part: torch's fused AdamW where the parameters live; the host part as any offloaded step
         # (its states in host memory, or in swap files under nvme).
-        cuts = [device_numel(p.numel(), ratio) for p in parts]
-        on_device = PartitionedAdam([p[:c] for p, c in zip(parts, cuts)], hparams, False, copies)
+        chunk = config.zero_optimization.offload_optimizer.copy_chunk
+        on_device = PartitionedAdam([p[:c] for p, c in zip(parts, cuts)], hparams, False, copies, chunk=chunk)
         rest = [p[c:] for p, c in zip(parts, cuts)]
-        on_host = build_nvme_adam(rest, hparams, copies, config, rank) if nvme else \
+        on_host = _nvme(rest, hparams, copies, config, rank) if nvme else \
             _in_memory(config, rest, hparams, True, copies, False)
         return SplitAdam(parts, cuts, on_device, on_host)
     if nvme:
-        return build_nvme_adam(parts, hparams, copies, config, rank, param_io=param_store, host_params=host_params)
+        return _nvme(parts, hparams, copies, config, rank, param_io=param_store, host_params=host_params)
     if param_store is not None:
         # fp32 masters read from the files are the inner optimizer's parameters; the 16-bit ones are written
         # back to the files after each step.
@@ -111,16 +114,14 @@ def _in_memory(config: Config, parts: list[torch.Tensor], hparams: list[dict], o
     """States in device or host memory: the fused kernel for Adam/AdamW, a torch optimizer otherwise."""
     opt = config.optimizer
     offload_opt = config.zero_optimization.offload_optimizer
-    deferred, speculative = offload_opt.delayed_param_update, offload_opt.super_offload
+    policy = StepPolicy.from_config(config)
     if opt.torch_kwargs is None and not opt.params.amsgrad:
-        # A step beside the training thread (the delayed update, the speculative step) gets its share of the
-        # cores; a synchronous one every core, the training thread waiting for it.
-        cores = host_step_cores(offload_opt.cpuadam_cores_perc)
-        return PartitionedAdam(parts, hparams, offload, copies, host_params=host_params, deferred=deferred,
-                               state_dtype=host_state_dtype(config),
-                               host_threads=len(cores) if deferred or speculative else None,
-                               speculative=speculative, host_cpus=cores if deferred or speculative else None)
-    for key, on in (("delayed_param_update", deferred), ("super_offload", speculative)):
+        # A step beside the training thread gets its share of the cores; a synchronous one every core.
+        cores = host_step_cores(offload_opt.cpuadam_cores_perc) if policy.beside_training else None
+        return PartitionedAdam(parts, hparams, offload, copies, host_params=host_params, policy=policy,
+                               state_dtype=host_state_dtype(config), host_cpus=cores, chunk=offload_opt.copy_chunk)
+    for key, on in (("delayed_param_update", policy is StepPolicy.DELAYED),
+                    ("super_offload", policy is StepPolicy.SPECULATIVE)):
         if on:
             raise ConfigError(f"config key 'zero_optimization.offload_optimizer.{key}' = true needs optimizer "
                               f"type Adam/AdamW without amsgrad (got {opt.type!r}): only the fused host kernel's "
@@ -128,3 +129,23 @@ def _in_memory(config: Config, parts: list[torch.Tensor], hparams: list[dict], o
     return PartitionedTorchOptimizer(parts, hparams, offload, copies, host_params=host_params,
                                      type_name=opt.type, torch_kwargs=opt.torch_kwargs, segments=segments,
                                      all_reduce=all_reduce)
+
+
+def _nvme(parts: list[torch.Tensor], hparams: list[dict], copies: CopyEngine, config: Config,
+         rank: int, param_io=None, host_params: bool = False) -> NvmeAdam:
+    """The NVMe optimizer for this rank's ``parts`` as ``config`` (offload_optimizer, aio, sub_group_size)
+    asks (``param_io``: see `NvmeAdam`), in a checked swap directory.
+
+    Raises:
+        ConfigError: as `check_swap_directory`.
+    """
+    zc = config.zero_optimization
+    oo = zc.offload_optimizer
+    banks = 2 if oo.super_offload else 1          # super_offload: a second bank of state files
+    need = banks * bytes_needed([p.numel() for p in parts], zc.sub_group_size)
+    directory = check_swap_directory(oo.nvme_path, rank, need, reclaimable=STATE_FILES)
+    cores = host_step_cores(oo.cpuadam_cores_perc) if oo.super_offload else None
+    return NvmeAdam(parts, hparams, copies, directory, zc.sub_group_size, oo.buffer_count, oo.pipeline_read,
+                    oo.pipeline_write, block_size=config.aio.block_size, thread_count=config.aio.threads,
+                    queue_depth=config.aio.queue_depth, param_io=param_io, speculative=oo.super_offload,
+                    host_cpus=cores, host_params=host_params)

@@ -16,35 +16,31 @@ The step runs on the partition optimizer's persistent host-step thread (`Partiti
 `zero_offload.host_thread.HostThread`, which super_offload's speculative pieces use too: one thread and one owner
 for every host step beside training), started by the first delayed step and closed with the optimizer
 (`Engine.close`): no thread is created per step. A process that ends with a step in flight lets it finish at exit
-(the thread is not a daemon; a daemon thread inside torch's C++ when the interpreter finalizes aborts the process,
-"terminate called without an active exception": issues 20 and 26).
+(the thread is not a daemon: a daemon thread inside torch's C++ when the interpreter finalizes aborts the process,
+"terminate called without an active exception").
 
-DeepSpeed has no counterpart (no config key, no code path): this follows the paper. It schedules the step of
-the ZeRO optimizers (`ZeroOptimizer`, `Stage3Optimizer`), so it lives beside them in `zero/`.
+DeepSpeed has no counterpart (no config key, no code path): this follows the paper. The host-step pipeline
+(`zero_offload.hoststep.pipeline`) runs it for the ZeRO optimizers (`ZeroOptimizer`, `Stage3Optimizer`).
 """
 from __future__ import annotations
 
 from typing import Protocol
 
-import torch
-
-from zero_offload.host_thread import HostThread, HostThreadError
+from zero_offload.host_thread import HostThreadError
+from zero_offload.hoststep.role import PartitionOptimizer
 from zero_offload.offload import timeline
 
-__all__ = ["DelayedParamUpdate", "DeferrableOptimizer"]
+__all__ = ["DelayedParamUpdate", "HandsOver"]
 
 
-class DeferrableOptimizer(Protocol):
-    """What `DelayedParamUpdate` needs from a ZeRO optimizer (`ZeroOptimizer`, `Stage3Optimizer`)."""
-    optimizer: torch.optim.Optimizer
+class HandsOver(Protocol):
+    """What `DelayedParamUpdate` needs from a ZeRO optimizer (`ZeroOptimizer`, `Stage3Optimizer`): its partition
+    optimizer, the gradient partitions handed over whole, and the publication of a finished step."""
+    adam: PartitionOptimizer
 
     def take_grads(self) -> list: ...
 
-    def detached_step(self, grads: list, grad_scale: float, lrs: list[float]) -> None: ...
-
     def publish(self) -> None: ...
-
-    def host_step_thread(self) -> HostThread: ...
 
 
 class DelayedParamUpdate:
@@ -56,11 +52,17 @@ class DelayedParamUpdate:
     Args:
         zero: the ZeRO optimizer whose host step is delayed; its host-step thread runs the step.
         warmup_steps: optimizer steps (``global_step`` values below it) that run synchronously.
+
+    Raises:
+        RuntimeError: the partition optimizer runs no step beside training (no host-step thread).
     """
 
-    def __init__(self, zero: DeferrableOptimizer, warmup_steps: int):
+    def __init__(self, zero: HandsOver, warmup_steps: int):
         self.zero, self.warmup_steps = zero, warmup_steps
-        self.thread = zero.host_step_thread()
+        if zero.adam.host_thread is None:
+            raise RuntimeError("the partition optimizer has no host-step thread: the delayed update needs the fused "
+                               "host kernel with offload_optimizer.delayed_param_update")
+        self.thread = zero.adam.host_thread
         self.unpublished = False     # a finished step whose parameters the model does not run on yet
 
     def engaged(self, global_step: int) -> bool:
@@ -76,12 +78,21 @@ class DelayedParamUpdate:
         """Start this step's host step in the background on the gradients as they are now."""
         self.flush()
         grads = self.zero.take_grads()
-        lrs = [g["lr"] for g in self.zero.optimizer.param_groups]
+        lrs = [g["lr"] for g in self.zero.adam.optimizer.param_groups]
         self.unpublished = True
         tl = timeline.current()
         if tl is not None:
             tl.launched(self.thread.name)
-        self.thread.submit(lambda: self.zero.detached_step(grads, grad_scale, lrs))
+        self.thread.submit(lambda: self._detached_step(grads, grad_scale, lrs))
+
+    def _detached_step(self, grads: list, grad_scale: float, lrs: list[float]) -> None:
+        """The host step on handed-over gradients, touching nothing the model reads (on the host-step thread):
+        masters, moments and staging outputs change; the parameters only at `flush`."""
+        try:
+            self.zero.adam.step(grads, grad_scale, lrs, publish=False)
+        finally:
+            for g in grads:     # lent gradient buffers are free once the step is over, also when it failed
+                g.finish()
 
     def wait(self) -> None:
         """Join the step in flight (masters and moments are then final); parameters stay as they are.

@@ -7,9 +7,8 @@ combined 1/loss_scale x clip scale, and writes the 16-bit parameter into a host 
 """
 from __future__ import annotations
 
-import contextlib
 import time
-from typing import Iterable, Iterator, Sequence
+from typing import Iterable, Sequence
 
 import torch
 from torch.profiler import record_function
@@ -19,13 +18,13 @@ from zero_offload.offload import timeline
 from zero_offload.offload.copies import CopyHandle, Copies
 from zero_offload.offload.staging_ring import StagingRing
 from zero_offload.optim.cpu_adam import CPUAdam
-from zero_offload.state import WholeGroupState, fill_from_chunks
-from zero_offload.zero.copy_in import forward_order
-from zero_offload.zero.copies_up import CopiesUp
-from zero_offload.zero.grad_partition import GradSource
-from zero_offload.zero.speculation import FinalRanges, SpeculativeStep
+from zero_offload.hoststep.adam_state import AdamState
+from zero_offload.hoststep.copies_up import CopiesUp
+from zero_offload.hoststep.policy import StepPolicy
+from zero_offload.hoststep.role import GradSource
+from zero_offload.hoststep.speculation import FinalRanges, PieceSpeculation
 
-__all__ = ["PartitionedAdam", "host_state_dtype", "COPY_CHUNK", "copy_chunk"]
+__all__ = ["PartitionedAdam", "host_state_dtype"]
 
 
 def _recorded(on_chunk):
@@ -46,35 +45,12 @@ def _storage(t: torch.Tensor) -> int:
     """The address of ``t``'s storage: views of one buffer share it."""
     return t.untyped_storage().data_ptr()
 
-# Elements per copy up of updated parameters: 16M (32 MB in 16 bits), ~640 copies and events at 10B parameters
-# where 2M made ~4,900 (issue 27), and small enough that the first copy starts within milliseconds of the step.
-COPY_CHUNK = 1 << 24
-
-
-@contextlib.contextmanager
-def copy_chunk(elements: int):
-    """`PartitionedAdam`s made inside the block step and copy up in chunks of ``elements`` (the step model records
-    a small proxy's step with as many chunks per layer as a large model has: `zero_offload.estimate.step_graph`).
-
-    Raises:
-        ValueError: ``elements`` < 1.
-    """
-    global COPY_CHUNK
-    if elements < 1:
-        raise ValueError(f"copy_chunk: elements must be >= 1, got {elements}")
-    kept, COPY_CHUNK = COPY_CHUNK, elements
-    try:
-        yield
-    finally:
-        COPY_CHUNK = kept
-
-
 def host_state_dtype(config) -> torch.dtype:
     """The dtype of the host Adam moments: bf16 under ``bf16.bf16_optimizer_states``, else fp32."""
     return torch.bfloat16 if config.bf16.bf16_optimizer_states else torch.float32
 
 
-class PartitionedAdam(WholeGroupState):
+class PartitionedAdam(AdamState):
     """The optimizer over one partition per param group.
 
     The step runs on the host -- `CPUAdam`'s fused kernel -- whenever the states live in host memory: with
@@ -92,15 +68,15 @@ class PartitionedAdam(WholeGroupState):
         offload: keep states on the host, separate from the compute device's buffers.
         copies: the copy engine; its ``host_empty`` page-locks host buffers (``offload_optimizer.pin_memory``).
         host_params: the parts are host memory themselves (stage 3 ``offload_param``).
-        deferred: the delayed parameter update: the kernel never writes the parts; each finished chunk goes up
-            into ``incoming`` as the step runs, and `publish` copies those over the parts later (masters and
-            16-bit outputs are always separate buffers).
+        policy: when the step runs (`StepPolicy`). ``DELAYED``: the kernel never writes the parts; each finished
+            chunk goes up into ``incoming`` as the step runs, and `publish` copies those over the parts later
+            (masters and 16-bit outputs are always separate buffers). ``SPECULATIVE``: the boundary's pieces are
+            stepped while backward runs, into a second bank of state
+            (`zero_offload.hoststep.speculation.PieceSpeculation`), and `step` keeps or redoes them exactly.
         state_dtype: dtype of the host Adam moments, fp32 or bf16 (``bf16.bf16_optimizer_states``).
-        host_threads: the host kernel's thread count (`zero_offload.offload.host_cores`); None: torch's.
-        speculative: ``offload_optimizer.super_offload``: the boundary's pieces are stepped while backward runs,
-            into a second bank of state (`zero_offload.zero.speculation.SpeculativeStep`), and `step` keeps or
-            redoes them exactly.
-        host_cpus: the cores `host_thread` is pinned to (``cpuadam_cores_perc``, `zero_offload.offload.host_cores`).
+        host_cpus: for a step beside training, the cores `host_thread` is pinned to, one kernel thread each
+            (``cpuadam_cores_perc``, `zero_offload.offload.host_cores`); None: torch's thread count.
+        chunk: elements per host-step chunk and per copy up (``offload_optimizer.copy_chunk``).
 
     Attributes:
         optimizer: the inner ``torch.optim.Optimizer`` whose param groups carry the live learning rates
@@ -114,7 +90,7 @@ class PartitionedAdam(WholeGroupState):
         incoming: per group, with the delayed update and device parts, a device tensor like the part (P x d
             bytes) that the step's chunks land in until `publish`; else None.
         host_thread: with the delayed update or super_offload, the one persistent thread a host step beside
-            training runs on -- the delayed step (scheduled by `zero_offload.zero.delayed_update`) or the
+            training runs on -- the delayed step (scheduled by `zero_offload.hoststep.delayed`) or the
             speculated pieces -- pinned to ``host_cpus``; closed by `close`. None otherwise (the step runs on the
             caller's thread).
 
@@ -124,14 +100,17 @@ class PartitionedAdam(WholeGroupState):
     """
 
     def __init__(self, parts: list[torch.Tensor], hparams: list[dict], offload: bool, copies: Copies,
-                 host_params: bool = False, deferred: bool = False, state_dtype: torch.dtype = torch.float32,
-                 host_threads: int | None = None, speculative: bool = False,
-                 host_cpus: tuple[int, ...] | None = None):
+                 host_params: bool = False, policy: StepPolicy = StepPolicy.SYNCHRONOUS,
+                 state_dtype: torch.dtype = torch.float32, host_cpus: tuple[int, ...] | None = None,
+                 chunk: int = 1 << 24):
         self.parts, self.offload, self.copies = parts, offload, copies
+        host_threads = len(host_cpus) if host_cpus else None
         self.host_threads = host_threads or torch.get_num_threads()
-        self.chunk = COPY_CHUNK                   # elements per host-step chunk and copy up (`copy_chunk`)
+        self.chunk = chunk
         self.host_step_s = 0.0                    # the last host step's own duration, on the thread that ran it
-        self.host_params, self.deferred = host_params, deferred
+        self.host_params, self.policy = host_params, policy
+        deferred = self.deferred = policy is StepPolicy.DELAYED
+        speculative = policy is StepPolicy.SPECULATIVE
         self.on_host = offload or parts[0].device.type == "cpu"
         self.masters: list[torch.Tensor] = []
         self.outs: list[torch.Tensor | None] = []
@@ -142,8 +121,6 @@ class PartitionedAdam(WholeGroupState):
         self.published_from: list[torch.Tensor | None] = [None] * len(parts)
         self.publish_copies: list[CopyHandle | None] = [None] * len(parts)
         self.sources: list[GradSource] = []      # the gradient sources of the step in progress (or the last)
-        # The chunks (group, lo, hi) in the order the copies up are queued (`order_copies_up`); None: group by group.
-        self.copy_order: list[tuple[int, int, int]] | None = None
         for part in parts:
             sixteen_bit = part.dtype != torch.float32
             if offload and (deferred or speculative or not (host_params and not sixteen_bit)):
@@ -182,9 +159,9 @@ class PartitionedAdam(WholeGroupState):
             self.optimizer = (torch.optim.AdamW if adamw else torch.optim.Adam)(groups, fused=True)
         # One host-step thread for whichever policy runs the step beside training (its tasks start it).
         self.host_thread = (HostThread("host-step", copies.device, host_cpus)
-                            if (deferred or speculative) and self.on_host else None)
+                            if policy.beside_training and self.on_host else None)
         # The speculative step (super_offload): only with the fused host kernel over offloaded states.
-        self.speculation = (SpeculativeStep(self.optimizer, copies, self.host_threads, self.host_thread,
+        self.speculation = (PieceSpeculation(self.optimizer, copies, self.host_threads, self.host_thread,
                                             self.chunk) if speculative and self.on_host else None)
         if self.speculation is not None and self.incoming[0] is not None:
             # Each speculated piece's 16-bit parameters are written to a pinned buffer and go up into the landing
@@ -291,7 +268,7 @@ class PartitionedAdam(WholeGroupState):
             handle = self.copies.to_device(part[lo:hi], self.masters[g][lo:hi], after)
             reads = _storage(self.masters[g])
         self.up.track(handle, reads)
-        self.up.add_pending(g, hi, handle)
+        self.up.add_pending(handle)
 
     def _copy_incoming(self, g: int, lo: int, hi: int) -> None:
         """The delayed step's chunk [lo, hi) of group ``g`` goes up into its landing buffer (`incoming`), from
@@ -302,26 +279,6 @@ class PartitionedAdam(WholeGroupState):
         self.publish_copies[g] = handle
         self.up.track(handle, _storage(source))
         self.sources[g].released(lo, hi, handle)
-
-    def defer_copy_up_waits(self) -> None:
-        """A step leaves its copies up pending: the owner makes the compute stream wait for them, module by
-        module (`zero_offload.zero.copy_in.CopyInWaits`), instead of the step waiting for all of them."""
-        self.up.defer_waits()
-
-    def order_copies_up(self, spans) -> None:
-        """Step and publish the chunks in the order the next forward reads them (`zero_offload.zero.copy_in.
-        forward_order`), so that a module's copies land before the copies of the modules after it."""
-        self.copy_order = forward_order(spans, [p.numel() for p in self.parts], self.chunk)
-
-    def pending_copies_up(self) -> bool:
-        """Whether a copy up is queued that the compute stream has not waited for."""
-        return bool(self.up.pending)
-
-    def wait_copies_up(self, needs: dict[int, int] | None = None) -> None:
-        """The compute stream waits for the pending copies up of group g's elements [0, needs[g]), or all of them
-        (``needs=None``). The copies share one stream and land in queue order: one wait, on the last one needed.
-        """
-        self.up.wait(needs)
 
     def _ring(self) -> StagingRing:
         if self.ring is None:
@@ -363,18 +320,18 @@ class PartitionedAdam(WholeGroupState):
         self.host_step_s = time.perf_counter() - start
 
     def _chunk_order(self) -> list[tuple[int, int, int]]:
-        """The chunks ``(group, lo, hi)`` in the order the host step walks them: the next forward's
-        (`copy_order`, else group by group); the delayed update's from the end, the order the next backward
-        refills the gradient buffer it shares with the step (`zero_offload.zero.buffer_lease`)."""
-        chunks = self.copy_order or [(g, lo, min(p.numel(), lo + self.chunk))
-                                     for g, p in enumerate(self.parts) for lo in range(0, p.numel(), self.chunk)]
+        """The chunks ``(group, lo, hi)`` in the order the host step walks them: group by group; the delayed
+        update's from the end, the order the next backward refills the gradient buffer it shares with the step
+        (`zero_offload.offload.buffer_lease`)."""
+        chunks = [(g, lo, min(p.numel(), lo + self.chunk))
+                  for g, p in enumerate(self.parts) for lo in range(0, p.numel(), self.chunk)]
         return chunks[::-1] if self.deferred else chunks
 
     def _deferred_out(self, g: int, grad: torch.Tensor) -> torch.Tensor | None:
         """Where the deferred host step writes group ``g``'s 16-bit parameters: over the gradient it reads, when
         the gradient has the parameters' dtype (one micro-step per step, or stage 1). The kernel reads each
-        gradient element before it writes that element's parameter, so no separate publish buffer exists (at 10B
-        parameters a 20 GB pinned buffer less; issue 27). Under accumulation (fp32 gradient) a pinned 16-bit
+        gradient element before it writes that element's parameter, so no separate publish buffer exists (2 bytes
+        per parameter of pinned memory less). Under accumulation (fp32 gradient) a pinned 16-bit
         buffer, made on first use. fp32 parameters are published from the masters: None."""
         part = self.parts[g]
         if self._out_over_grad(g, grad) is None and part.dtype != torch.float32:
@@ -395,10 +352,10 @@ class PartitionedAdam(WholeGroupState):
         """Deferred mode: the parameters of the last (finished) step become the parts.
 
         Device parts: the step's chunks went up into the landing buffers (`incoming`) while it ran; here the
-        compute stream waits for the last of those copies and copies the buffers over the parts on the device
-        (a device-side copy: queuing the whole copy up here held the training thread as long as the copy took,
-        0.34 s per step at 10B parameters on an H200, the driver accepting only a few chunks ahead). Host shards
-        (stage 3 ``offload_param``) are rounded from the masters in place."""
+        compute stream waits for the last of those copies and copies the buffers over the parts on the device.
+        Queuing the copies up here instead would hold the training thread as long as the copies take: the driver
+        accepts only a few chunks ahead. Host shards (stage 3 ``offload_param``) are rounded from the masters in
+        place."""
         with record_function("zero_offload.optimizer.publish"):
             if self.host_params:
                 for part, master in zip(self.parts, self.masters):
@@ -423,19 +380,6 @@ class PartitionedAdam(WholeGroupState):
             self.host_thread.close()
         self.up.close()
 
-    @torch.no_grad()
-    def write_master(self, g: int, offset: int, values: torch.Tensor) -> None:
-        """Overwrite group ``g``'s fp32 master at ``offset`` with ``values`` (the `PartitionOptimizer` role)."""
-        self.masters[g][offset:offset + values.numel()].copy_(values.reshape(-1))
-
-    def swapped_bytes(self) -> dict[str, int]:
-        """Bytes of optimizer state in swap files, by kind: none, every state is in memory."""
-        return {}
-
-    def state_format(self) -> str:
-        """The checkpoint's moment slots hold Adam's ``exp_avg`` and ``exp_avg_sq``."""
-        return "adam"
-
     def staging_tensors(self) -> list[torch.Tensor]:
         """Host buffers that only carry updated parameters towards the device: the ring's slots, or with the
         delayed update the pinned 16-bit copies of the device partitions (2 bytes per element)."""
@@ -450,68 +394,3 @@ class PartitionedAdam(WholeGroupState):
         """The delayed update's device landing buffers (`incoming`: P x d bytes), empty without it."""
         return [t for t in self.incoming if t is not None]
 
-    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
-        """The tensors this optimizer holds, by kind: master, exp_avg, exp_avg_sq (one per group)."""
-        states = [self.optimizer.state.get(m, {}) for m in self.masters]
-        kinds = {"master": self.masters,
-                 "exp_avg": [s["exp_avg"] for s in states if "exp_avg" in s],
-                 "exp_avg_sq": [s["exp_avg_sq"] for s in states if "exp_avg_sq" in s]}
-        if self.speculation is not None:
-            kinds["speculative_state"] = self.speculation.bank_tensors()
-        return kinds
-
-    # -- state (the `PartitionedOptimizerState` protocol of zero_offload.state) ----------------------------
-    def group_step(self, g: int) -> int:
-        """Adam steps taken by group ``g`` (0 before the first)."""
-        step = self.optimizer.state.get(self.masters[g], {}).get("step", 0)
-        return int(step.item() if isinstance(step, torch.Tensor) else step)
-
-    def state_chunks(self, g: int, chunk_numel: int = 1 << 24) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
-        """Group ``g``'s partition state in pieces: yields (offset, {kind: fp32 CPU tensor of up to
-        ``chunk_numel`` elements}) for kinds ``master``, ``exp_avg``, ``exp_avg_sq`` (moments are zeros before
-        the first step), in increasing offset. Pieces may be views of live state: read them before the next
-        `step` or load."""
-        master = self.masters[g]
-        state = self.optimizer.state.get(master, {})
-        n = master.numel()
-        for lo in range(0, n, max(1, chunk_numel)) if n else ():
-            hi = min(n, lo + chunk_numel)
-            piece = {"master": master[lo:hi].detach()}
-            for kind, key in zip(("exp_avg", "exp_avg_sq"), self._moment_keys()):
-                t = state.get(key) if key else None
-                piece[kind] = t[lo:hi] if t is not None else torch.zeros(hi - lo)
-            yield lo, {k: v.float().cpu() for k, v in piece.items()}
-
-    def _moment_keys(self) -> tuple[str | None, str | None]:
-        """The inner optimizer's per-element state keys saved as ``exp_avg`` and ``exp_avg_sq`` (None: none)."""
-        return ("exp_avg", "exp_avg_sq")
-
-    @torch.no_grad()
-    def load_state_chunks(self, g: int, step: int,
-                          chunks: Iterable[tuple[int, dict[str, torch.Tensor]]]) -> None:
-        """Replace group ``g``'s partition state from (offset, {kind: fp32 tensor}) pieces that together cover
-        the partition (as `state_chunks` yields them), set its step count to ``step``, and write the 16-bit
-        parameters of the partition from the new master weights.
-
-        Raises:
-            ValueError: pieces that do not exactly cover the partition (nothing is changed before the
-                first piece is checked; a gap is reported after the pieces were written).
-        """
-        self.discard_speculation()
-        mine = self.masters[g]
-        n = mine.numel()
-        if step > 0:
-            like = self.optimizer.state.get(mine, {}).get("exp_avg")
-            dtype = like.dtype if like is not None else getattr(self.optimizer, "state_dtype", torch.float32)
-            state = self.optimizer.state.get(mine)
-            if not state or "exp_avg" not in state:
-                state = {"exp_avg": torch.zeros(n, dtype=dtype, device=mine.device),
-                         "exp_avg_sq": torch.zeros(n, dtype=dtype, device=mine.device)}
-            state["step"] = step if self.on_host else torch.tensor(float(step), device=mine.device)
-            self.optimizer.state[mine] = state
-        else:
-            self.optimizer.state.pop(mine, None)
-            state = {}
-        targets = {"master": mine, **{k: state[k] for k in ("exp_avg", "exp_avg_sq") if k in state}}
-        fill_from_chunks(chunks, g, targets)
-        self.write_parts([g])

@@ -3,13 +3,12 @@
 Three things about them are tracked, each for its own reader:
 
 - who queues them: a copy is handed to one issuing thread (`issue`), so that the kernel's thread never waits in
-  the driver, which holds whoever queues a copy while its copy queue is full (0.34 s per step at 10B on an H200);
-  where the device is the host a copy is a plain memcpy and runs on the caller's thread;
+  the driver, which holds whoever queues a copy while its copy queue is full; where the device is the host a copy
+  is a plain memcpy and runs on the caller's thread;
 - which host buffers they still read (`track`, `wait_reads`): before a host step rewrites a buffer (the masters,
   a 16-bit output) it waits for the last copy reading it, and only that one;
-- which of them the compute stream has not waited for (`add_pending`, `wait`): the owner makes the compute stream
-  wait for all of them after the step, or (`defer_waits`) module by module as the next forward reaches them
-  (`zero_offload.zero.copy_in`).
+- which of them the compute stream has not waited for (`add_pending`, `release`): the compute stream waits for all
+  of them once the step has queued them.
 
 The copies share one stream and land in queue order, so one wait on the last copy needed covers the ones before.
 """
@@ -29,8 +28,7 @@ class CopiesUp:
     """The copies up of one partition optimizer (see the module docstring).
 
     Attributes:
-        pending: (group, end of the elements, handle) of the copies up the compute stream has not waited for,
-            in queue order.
+        pending: handles of the copies up the compute stream has not waited for, in queue order.
         issuer: the issuing thread, made on first use (None before, and where the device is the host).
     """
 
@@ -39,8 +37,7 @@ class CopiesUp:
         # Copies up that may still read a host buffer, in queue order: (handle, storage address of what they read;
         # 0 for a staging ring, whose slots wait for their own copies).
         self.in_flight: deque[tuple[CopyHandle, int]] = deque()
-        self.pending: list[tuple[int, int, CopyHandle]] = []
-        self.lazy_waits = False
+        self.pending: list[CopyHandle] = []
         self.issuer: HostThread | None = None
 
     def issue(self, copy: Callable[[int, int, int], None], g: int, lo: int, hi: int) -> None:
@@ -83,34 +80,16 @@ class CopiesUp:
             for _ in range(last + 1):
                 self.in_flight.popleft()
 
-    def add_pending(self, g: int, end: int, handle: CopyHandle) -> None:
-        """A copy up of group ``g``'s elements up to ``end`` that the compute stream must wait for."""
-        self.pending.append((g, end, handle))
-
-    def defer_waits(self) -> None:
-        """The owner makes the compute stream wait module by module (`wait` with ``needs``), not all at once."""
-        self.lazy_waits = True
-
-    def wait(self, needs: dict[int, int] | None = None) -> None:
-        """The compute stream waits for the pending copies up of group g's elements [0, needs[g]), or all of them
-        (``needs=None``): one wait, on the last one needed."""
-        if not self.pending:
-            return
-        last = len(self.pending) - 1
-        if needs is not None:
-            last = -1
-            for g, need in needs.items():
-                mine = [i for i, (group, _, _) in enumerate(self.pending) if group == g]
-                covering = [i for i in mine if self.pending[i][1] >= need]
-                last = max(last, covering[0] if covering else (mine[-1] if mine else -1))
-        if last >= 0:
-            self.pending[last][2].wait_stream()
-            del self.pending[:last + 1]
+    def add_pending(self, handle: CopyHandle) -> None:
+        """A copy up of updated parameters that the compute stream must wait for before it reads them."""
+        self.pending.append(handle)
 
     def release(self) -> None:
-        """After a step queued its copies up: the compute stream waits for all of them now, unless `defer_waits`."""
-        if not self.lazy_waits:
-            self.wait()
+        """After a step queued its copies up: the compute stream waits for all of them, one wait on the last (the
+        copies share one stream and land in queue order)."""
+        if self.pending:
+            self.pending[-1].wait_stream()
+            self.pending.clear()
 
     def close(self) -> None:
         """End the issuing thread and let the copies in flight land."""

@@ -4,48 +4,37 @@ ZeRO-Infinity (arXiv 2104.07857, Sec. 5-6; DeepSpeed's ``PipelinedOptimizerSwapp
 into sub-groups of ``sub_group_size`` elements; the host step streams them through a pool of
 ``buffer_count`` aligned buffers -- read sub-group i+1 ahead (``pipeline_read``), step i with the fused host
 kernel, write i-1 behind (``pipeline_write``) -- so host memory for optimizer state is the pool, not the
-model. Same role as `PartitionedAdam`: `zero_offload.zero.optimizer_role.PartitionOptimizer`.
+model. Same role as `PartitionedAdam`: `zero_offload.hoststep.role.PartitionOptimizer`.
 
 Files: ``{nvme_path}/zero_offload/rank{r}/group{g}.{master,exp_avg,exp_avg_sq}.swp``, each sub-group at
 byte offset ``i x sub x 4`` (``sub`` rounded up to 1024 elements for O_DIRECT alignment). With super_offload a
 second bank, ``group{g}.spec.{kind}.swp``, and a bit per sub-group saying which bank holds its live state
-(`zero_offload.nvme.speculation`). The moments start
+(`zero_offload.hoststep.speculation.SubGroupSpeculation`). The moments start
 as sparse files (zeros, no disk written) and are written by the first step. Files left by a killed run are
 reclaimed at the next start; the files are removed by `close`, when the optimizer is collected, or at exit.
 """
 from __future__ import annotations
 
-import os
 import time
 import weakref
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import torch
 
 from zero_offload.host_thread import HostThread
 from zero_offload.nvme.fail_stop import FailStop
 from zero_offload.nvme.buffers import ALIGNMENT, BufferPool, align_up
-from zero_offload.nvme.speculation import SubGroupSpeculation
+from zero_offload.nvme import state_files
 from zero_offload.nvme.swapper import Pending, Swapper
 from zero_offload.offload.copies import CopyEngine
-from zero_offload.offload.speculation_base import aligned_pieces
 from zero_offload.optim.cpu_adam import CPUAdam
 from zero_offload.optim.fused_adam import fused_adam_step
-from zero_offload.state import WholeGroupState, checked_chunks
+from zero_offload.hoststep.role import GradSource
+from zero_offload.hoststep.speculation import SubGroupSpeculation, aligned_pieces
+from zero_offload.hoststep.nvme_state import KINDS, NvmeState
 
-if TYPE_CHECKING:      # for annotations only: nvme/ does not import zero/ at run time
-    from zero_offload.zero.grad_partition import GradSource
-
-__all__ = ["NvmeAdam", "KINDS", "swap_directory"]
-
-KINDS = ("master", "exp_avg", "exp_avg_sq")
-_FP32 = 4
-
-
-def swap_directory(nvme_path: str | os.PathLike, rank: int) -> Path:
-    """Where rank ``rank`` keeps its swap files under ``nvme_path``."""
-    return Path(nvme_path) / "zero_offload" / f"rank{rank}"
+__all__ = ["NvmeAdam"]
 
 
 class _SwappedMasters:
@@ -66,7 +55,7 @@ class _SwappedMasters:
         return (self[g] for g in range(len(self)))
 
 
-class NvmeAdam(FailStop, WholeGroupState):
+class NvmeAdam(FailStop, NvmeState):
     """Adam/AdamW over this rank's partitions with the states on NVMe, stepped on the host.
 
     Args:
@@ -99,21 +88,20 @@ class NvmeAdam(FailStop, WholeGroupState):
     fail_stop_subject = "NVMe optimizer states"
 
     on_host = True
-    deferred = False
 
     def __init__(self, parts: list[torch.Tensor], hparams: list[dict], copies: CopyEngine, directory: Path,
                  sub_group_size: int, buffer_count: int, pipeline_read: bool = False, pipeline_write: bool = False,
                  block_size: int = 1 << 20, thread_count: int = 1, param_io=None,
-                 queue_depth: int = 1, host_threads: int | None = None, speculative: bool = False,
-                 host_cpus: tuple[int, ...] | None = None, host_params: bool = False):
+                 queue_depth: int = 1, speculative: bool = False, host_cpus: tuple[int, ...] | None = None,
+                 host_params: bool = False):
         self.parts, self.copies, self.param_io = parts, copies, param_io
         self.pipeline_read, self.pipeline_write = pipeline_read, pipeline_write
-        self.sub = self.sub_group_numel([p.numel() for p in parts], sub_group_size)
+        self.sub = state_files.sub_group_numel([p.numel() for p in parts], sub_group_size)
         self.units = [(g, i, lo, min(p.numel(), lo + self.sub))
                       for g, p in enumerate(parts) for i, lo in enumerate(range(0, p.numel(), self.sub))]
         directory.mkdir(parents=True, exist_ok=True)
         for stale in directory.iterdir():                # a killed run's state files: reclaimed
-            if stale.name.endswith(tuple(f".{kind}.swp" for kind in KINDS)):
+            if stale.name.endswith(state_files.STATE_FILES):
                 stale.unlink(missing_ok=True)
         self.swapper = Swapper(directory, block_size=block_size, thread_count=thread_count,
                                queue_depth=queue_depth)
@@ -124,8 +112,8 @@ class NvmeAdam(FailStop, WholeGroupState):
             for kind in KINDS:
                 for bank in range(self.banks):
                     self.swapper.open(self._name(g, kind, bank), self.file_bytes(p.numel()))
-        slots = self.pool_slots(buffer_count, pipeline_read, pipeline_write)
-        self.pool = BufferPool(slots, 3 * self.sub * _FP32, pin=copies.pin)   # DeepSpeed pins them too
+        slots = state_files.pool_slots(buffer_count, pipeline_read, pipeline_write)
+        self.pool = BufferPool(slots, 3 * self.sub * state_files.FP32, pin=copies.pin)   # DeepSpeed pins them too
         self.staging = [None] * slots
         self._writes: list[Pending | None] = [None] * slots
         self.steps = [0] * len(parts)
@@ -134,7 +122,7 @@ class NvmeAdam(FailStop, WholeGroupState):
         self.outs = [None] * len(parts)
         self.masters = _SwappedMasters(self)
         self.timings = {"read_wait_s": 0.0, "adam_s": 0.0, "write_wait_s": 0.0}
-        self.host_threads = host_threads or torch.get_num_threads()
+        self.host_threads = len(host_cpus) if host_cpus else torch.get_num_threads()
         self.host_step_s = 0.0                    # the last step's own duration (reads and writes included)
         self.host_params = host_params
         self.host_thread = HostThread("host-step", copies.device, host_cpus) if speculative else None
@@ -146,38 +134,10 @@ class NvmeAdam(FailStop, WholeGroupState):
         self._spec_lrs: list[float] = []
         self._guard(self._write_initial_masters)
 
-    @staticmethod
-    def sub_group_numel(numels: list[int], sub_group_size: int) -> int:
-        """Elements per sub-group for partitions of ``numels``: ``sub_group_size``, at most the largest
-        partition, rounded up to 1024 (4096 bytes of fp32, the O_DIRECT alignment)."""
-        return align_up(min(sub_group_size, max(max(numels), 1)) * _FP32) // _FP32
-
-    @staticmethod
-    def pool_slots(buffer_count: int, pipeline_read: bool, pipeline_write: bool) -> int:
-        """Sub-group buffers the pool holds: those in flight at once -- the one stepped, one read ahead with
-        ``pipeline_read``, one written behind with ``pipeline_write`` -- and at most ``buffer_count``. A buffer
-        more would never overlap anything, yet the round robin would touch its pages (issue 26: 4 buffers held
-        where 1 was in use, 172 MiB at sub-groups of 5e6)."""
-        return max(1, min(buffer_count, 1 + pipeline_read + pipeline_write))
-
-    @classmethod
-    def pool_bytes(cls, numels: list[int], sub_group_size: int, buffer_count: int, pipeline_read: bool = False,
-                   pipeline_write: bool = False) -> int:
-        """Host bytes of the sub-group pool for partitions of ``numels``: `pool_slots` aligned buffers of the
-        three fp32 states of one sub-group."""
-        slots = cls.pool_slots(buffer_count, pipeline_read, pipeline_write)
-        return slots * align_up(3 * cls.sub_group_numel(numels, sub_group_size) * _FP32)
-
-    @classmethod
-    def bytes_needed(cls, numels: list[int], sub_group_size: int) -> int:
-        """Bytes of swap files for partitions of ``numels`` elements: 3 fp32 states, whole sub-groups."""
-        sub = cls.sub_group_numel(numels, sub_group_size)
-        return sum(3 * -(-n // sub) * sub * _FP32 for n in numels)
-
     # -- layout ----------------------------------------------------------------------------------------
     def file_bytes(self, numel: int) -> int:
         """Bytes of one state file of a partition of ``numel`` elements (whole sub-groups)."""
-        return -(-numel // self.sub) * self.sub * _FP32
+        return state_files.file_bytes(numel, self.sub)
 
     @staticmethod
     def _name(g: int, kind: str, bank: int = 0) -> str:
@@ -185,21 +145,21 @@ class NvmeAdam(FailStop, WholeGroupState):
 
     def _views(self, slot: int, n: int) -> list[torch.Tensor]:
         buf = self.pool.buffers[slot]
-        return [buf.view(torch.float32, n, k * self.sub * _FP32) for k in range(3)]
+        return [buf.view(torch.float32, n, k * self.sub * state_files.FP32) for k in range(3)]
 
     def _io(self, slot: int, u: int, write: bool, kinds=KINDS, bank: int | None = None) -> list[Pending]:
         """Start reads or writes of sub-group ``u``'s ``kinds`` (aligned lengths: the padding goes along) in
         ``bank`` (default: the one holding its live state)."""
         g, i, lo, hi = self.units[u]
         bank = self.bank[u] if bank is None else bank
-        nbytes = align_up((hi - lo) * _FP32, ALIGNMENT)
+        nbytes = align_up((hi - lo) * state_files.FP32, ALIGNMENT)
         buf = self.pool.buffers[slot]
         out = []
         for k, kind in enumerate(KINDS):
             if kind in kinds:
-                view = buf.raw[k * self.sub * _FP32:k * self.sub * _FP32 + nbytes]
+                view = buf.raw[k * self.sub * state_files.FP32:k * self.sub * state_files.FP32 + nbytes]
                 op = self.swapper.write if write else self.swapper.read
-                out.append(op(self._name(g, kind, bank), view, i * self.sub * _FP32))
+                out.append(op(self._name(g, kind, bank), view, i * self.sub * state_files.FP32))
         return out
 
     def _wait(self, pendings) -> None:
@@ -314,7 +274,7 @@ class NvmeAdam(FailStop, WholeGroupState):
         elif not sixteen_bit:
             target.copy_(master)
 
-    # -- super_offload: the speculative step (zero_offload.nvme.speculation) ------------------------------------
+    # -- super_offload: the speculative step (zero_offload.hoststep.speculation) ------------------------------------
     def begin_speculation(self, grad_scale: float) -> list:
         """The boundary micro-step starts (``super_offload``): its sub-groups are stepped with ``grad_scale`` as
         their gradients become final. Returns one `FinalRanges` per group, for its gradient partition."""
@@ -365,131 +325,6 @@ class NvmeAdam(FailStop, WholeGroupState):
         if self.staging[slot] is None:
             self.staging[slot] = self.copies.host_empty(self.sub, dtype)   # copied up from: pinned on CUDA
         return self.staging[slot]
-
-    # -- state, streamed -------------------------------------------------------------------------------
-    @torch.no_grad()
-    def _write_initial_masters(self) -> None:
-        """The fp32 masters from the parameters, sub-group by sub-group; the moments stay sparse zeros."""
-        nslots = len(self.pool)
-        for k, (g, i, lo, hi) in enumerate(self.units):
-            slot = k % nslots
-            self._free_slot(slot)
-            src = self.parts[g][lo:hi] if self.param_io is None else self.param_io.read_range(g, lo, hi)
-            self._views(slot, hi - lo)[0].copy_(src)
-            self._writes[slot] = self._io(slot, k, write=True, kinds=("master",))
-        self.swapper.flush()
-        self._writes = [None] * nslots
-
-    def read_state(self, g: int, kind: str) -> torch.Tensor:
-        """Group ``g``'s ``kind`` (master, exp_avg, exp_avg_sq) as a new fp32 CPU tensor of the partition's
-        length, read through the pool one sub-group at a time."""
-        return self._guard(self._read_state, g, kind)
-
-    def _read_state(self, g: int, kind: str) -> torch.Tensor:
-        out = torch.empty(self.parts[g].numel(), dtype=torch.float32)
-        k = KINDS.index(kind)
-        for u, (_g, _i, lo, hi) in enumerate(self.units):
-            if _g != g:
-                continue
-            self._free_slot(0)
-            self._wait(self._io(0, u, write=False, kinds=(kind,)))
-            out[lo:hi].copy_(self._views(0, hi - lo)[k])
-        return out
-
-    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
-        """Host memory this optimizer holds for its states: none of the states themselves (they are in files,
-        see `swapped_bytes`), and the sub-group pool as ``nvme_buffers``."""
-        return {"master": [], "exp_avg": [], "exp_avg_sq": [], "nvme_buffers": [b.raw for b in self.pool.buffers]}
-
-    def swapped_bytes(self) -> dict[str, int]:
-        """Bytes of swap files by state kind (whole sub-groups; the moments' files fill on the first step), and
-        with super_offload the second bank's as ``speculative_state``."""
-        out = {kind: sum(self.file_bytes(p.numel()) for p in self.parts) for kind in KINDS}
-        if self.banks == 2:
-            out["speculative_state"] = sum(out.values())
-        return out
-
-    @torch.no_grad()
-    def write_master(self, g: int, offset: int, values: torch.Tensor) -> None:
-        """Overwrite group ``g``'s fp32 master at element ``offset`` with ``values`` (1-D): each sub-group it
-        touches is read, patched and written back through the pool."""
-        self._guard(self._write_master, g, offset, values.detach().reshape(-1).float().cpu())
-
-    def _write_master(self, g: int, offset: int, values: torch.Tensor) -> None:
-        end = offset + values.numel()
-        for u, (_g, _i, lo, hi) in enumerate(self.units):
-            if _g != g or lo >= end or hi <= offset:
-                continue
-            self._free_slot(0)
-            self._wait(self._io(0, u, write=False, kinds=("master",)))
-            a, b = max(lo, offset), min(hi, end)
-            self._views(0, hi - lo)[0][a - lo:b - lo].copy_(values[a - offset:b - offset])
-            self._wait(self._io(0, u, write=True, kinds=("master",)))
-
-    def staging_tensors(self) -> list[torch.Tensor]:
-        """Host buffers the 16-bit outputs of a sub-group pass through (to the device or a parameter file), and
-        super_offload's landing buffers where the parameters are host memory."""
-        return [t for t in self.staging if t is not None] + (self.landing if self.host_params else [])
-
-    def incoming_tensors(self) -> list[torch.Tensor]:
-        """super_offload's landing buffers where the parameters are on the device (the partition again); else
-        none."""
-        return [] if self.host_params else list(self.landing)
-
-    # -- the chunked state API of zero_offload.state.PartitionedOptimizerState --------------------------------
-    def group_step(self, g: int) -> int:
-        return int(self.steps[g])
-
-    def state_chunks(self, g: int, chunk_numel: int = 1 << 24):
-        """Group ``g``'s state streamed from its files: yields (offset, {kind: fp32 CPU tensor}) one sub-group
-        at a time (at most ``sub_group_size`` elements; ``chunk_numel`` is not used), in increasing offset.
-        Each piece is a view of a pool buffer, valid until the next piece is asked for: host memory stays the
-        pool (copy a piece to keep it)."""
-        for u, (_g, _i, lo, hi) in enumerate(self.units):
-            if _g == g:
-                yield lo, self._guard(self._read_sub_group, u)
-
-    def _read_sub_group(self, u: int) -> dict[str, torch.Tensor]:
-        _, _, lo, hi = self.units[u]
-        self._free_slot(0)
-        self._wait(self._io(0, u, write=False))
-        return dict(zip(KINDS, self._views(0, hi - lo)))
-
-    @torch.no_grad()
-    def load_state_chunks(self, g: int, step: int, chunks) -> None:
-        """Replace group ``g``'s state from (offset, {kind: tensor}) pieces that cover the partition in order
-        (any sizes), written to the files one sub-group at a time through the pool, and the parameters of
-        each sub-group from its master weights (to the parameters, or their swap file with ``param_io``).
-
-        Raises:
-            ValueError: pieces that do not continue the partition in order or do not cover it.
-        """
-        self._guard(self._load_chunks, g, int(step), chunks)
-
-    def _load_chunks(self, g: int, step: int, chunks) -> None:
-        n = self.parts[g].numel()
-        subs = [u for u, unit in enumerate(self.units) if unit[0] == g]
-        covered, k = 0, 0
-        self._free_slot(0)
-        for lo, piece in checked_chunks(chunks, g, n):
-            length = piece["master"].numel()
-            while covered < lo + length:
-                _g, _i, s_lo, s_hi = self.units[subs[k]]
-                take = min(s_hi, lo + length) - covered
-                for view, kind in zip(self._views(0, s_hi - s_lo), KINDS):
-                    view[covered - s_lo:covered - s_lo + take].copy_(piece[kind][covered - lo:covered - lo + take])
-                covered += take
-                if covered == s_hi:            # a whole sub-group assembled: to its files and parameters
-                    self._wait(self._io(0, subs[k], write=True))
-                    self._write_params(g, s_lo, self._views(0, s_hi - s_lo)[0])
-                    k += 1
-        self.steps[g] = step
-
-    def _write_params(self, g: int, lo: int, master: torch.Tensor) -> None:
-        if self.param_io is not None:
-            self.param_io.write_behind(g, lo, master)
-        else:
-            self.parts[g][lo:lo + master.numel()].copy_(master)
 
     def close(self) -> None:
         """End the host-step thread (super_offload), wait for outstanding I/O and delete the swap files (also done

@@ -1,0 +1,99 @@
+"""`AdamState`: the state face of `zero_offload.hoststep.adam.PartitionedAdam` (checkpoints, accounting).
+
+The fp32 masters and Adam's moments of a partition in host or device memory, read and written in pieces
+(`zero_offload.state.PartitionedOptimizerState`) and counted by kind for ``memory_breakdown``. A mixin of the one
+class that holds them: it reads the owner's ``masters``, ``optimizer``, ``on_host`` and ``speculation`` and calls
+its ``write_parts`` and ``discard_speculation``.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Iterator
+
+import torch
+
+from zero_offload.state import WholeGroupState, fill_from_chunks
+
+__all__ = ["AdamState"]
+
+
+class AdamState(WholeGroupState):
+    """Checkpoint pieces and memory kinds of Adam over one partition per param group (see the module docstring)."""
+
+    @torch.no_grad()
+    def write_master(self, g: int, offset: int, values: torch.Tensor) -> None:
+        """Overwrite group ``g``'s fp32 master at ``offset`` with ``values`` (the `PartitionOptimizer` role)."""
+        self.masters[g][offset:offset + values.numel()].copy_(values.reshape(-1))
+
+    def swapped_bytes(self) -> dict[str, int]:
+        """Bytes of optimizer state in swap files, by kind: none, every state is in memory."""
+        return {}
+
+    def state_format(self) -> str:
+        """The checkpoint's moment slots hold Adam's ``exp_avg`` and ``exp_avg_sq``."""
+        return "adam"
+
+    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The tensors this optimizer holds, by kind: master, exp_avg, exp_avg_sq (one per group)."""
+        states = [self.optimizer.state.get(m, {}) for m in self.masters]
+        kinds = {"master": self.masters,
+                 "exp_avg": [s["exp_avg"] for s in states if "exp_avg" in s],
+                 "exp_avg_sq": [s["exp_avg_sq"] for s in states if "exp_avg_sq" in s]}
+        if self.speculation is not None:
+            kinds["speculative_state"] = self.speculation.bank_tensors()
+        return kinds
+
+    # -- state (the `PartitionedOptimizerState` protocol of zero_offload.state) ----------------------------
+    def group_step(self, g: int) -> int:
+        """Adam steps taken by group ``g`` (0 before the first)."""
+        step = self.optimizer.state.get(self.masters[g], {}).get("step", 0)
+        return int(step.item() if isinstance(step, torch.Tensor) else step)
+
+    def state_chunks(self, g: int, chunk_numel: int = 1 << 24) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
+        """Group ``g``'s partition state in pieces: yields (offset, {kind: fp32 CPU tensor of up to
+        ``chunk_numel`` elements}) for kinds ``master``, ``exp_avg``, ``exp_avg_sq`` (moments are zeros before
+        the first step), in increasing offset. Pieces may be views of live state: read them before the next
+        `step` or load."""
+        master = self.masters[g]
+        state = self.optimizer.state.get(master, {})
+        n = master.numel()
+        for lo in range(0, n, max(1, chunk_numel)) if n else ():
+            hi = min(n, lo + chunk_numel)
+            piece = {"master": master[lo:hi].detach()}
+            for kind, key in zip(("exp_avg", "exp_avg_sq"), self._moment_keys()):
+                t = state.get(key) if key else None
+                piece[kind] = t[lo:hi] if t is not None else torch.zeros(hi - lo)
+            yield lo, {k: v.float().cpu() for k, v in piece.items()}
+
+    def _moment_keys(self) -> tuple[str | None, str | None]:
+        """The inner optimizer's per-element state keys saved as ``exp_avg`` and ``exp_avg_sq`` (None: none)."""
+        return ("exp_avg", "exp_avg_sq")
+
+    @torch.no_grad()
+    def load_state_chunks(self, g: int, step: int,
+                          chunks: Iterable[tuple[int, dict[str, torch.Tensor]]]) -> None:
+        """Replace group ``g``'s partition state from (offset, {kind: fp32 tensor}) pieces that together cover
+        the partition (as `state_chunks` yields them), set its step count to ``step``, and write the 16-bit
+        parameters of the partition from the new master weights.
+
+        Raises:
+            ValueError: pieces that do not exactly cover the partition (nothing is changed before the
+                first piece is checked; a gap is reported after the pieces were written).
+        """
+        self.discard_speculation()
+        mine = self.masters[g]
+        n = mine.numel()
+        if step > 0:
+            like = self.optimizer.state.get(mine, {}).get("exp_avg")
+            dtype = like.dtype if like is not None else getattr(self.optimizer, "state_dtype", torch.float32)
+            state = self.optimizer.state.get(mine)
+            if not state or "exp_avg" not in state:
+                state = {"exp_avg": torch.zeros(n, dtype=dtype, device=mine.device),
+                         "exp_avg_sq": torch.zeros(n, dtype=dtype, device=mine.device)}
+            state["step"] = step if self.on_host else torch.tensor(float(step), device=mine.device)
+            self.optimizer.state[mine] = state
+        else:
+            self.optimizer.state.pop(mine, None)
+            state = {}
+        targets = {"master": mine, **{k: state[k] for k in ("exp_avg", "exp_avg_sq") if k in state}}
+        fill_from_chunks(chunks, g, targets)
+        self.write_parts([g])

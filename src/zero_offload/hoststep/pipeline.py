@@ -1,0 +1,125 @@
+"""`HostStepPipeline`: the one object the engine calls for the optimizer step, whichever policy runs it.
+
+The engine's boundary is the same under every policy (`zero_offload.hoststep.policy.StepPolicy`): it tells the
+pipeline that the boundary backward starts (`begin_boundary`), finishes what an earlier step left in flight
+(`flush`), and after the global norm either steps (`step`) or takes no step (`discard`, fp16 overflow). What each
+call does is the policy's:
+
+=============  ================================  ==================================  ==================================
+call           synchronous                       delayed (``delayed_param_update``)  speculative (``super_offload``)
+=============  ================================  ==================================  ==================================
+begin_boundary nothing                           nothing                             the partition optimizer steps each
+                                                                                     gradient piece as it lands
+flush          nothing                           the step in flight joined and its   nothing
+                                                 parameters published
+step           the ZeRO optimizer's step, the    after the warm-up, launched on the  the ZeRO optimizer's step: the
+               training thread waiting           host-step thread; the next forward  speculated step kept or redone
+                                                 runs on the parameters before it
+discard        nothing                           nothing                             what was speculated is dropped
+=============  ================================  ==================================  ==================================
+
+``offload_optimizer.ratio`` is not a policy here: it splits where the state lives (`zero_offload.hoststep.split`)
+and combines with each of them. FSDP2 decides CPU offload once in the same way, as a policy object
+(``CPUOffloadPolicy``).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, ContextManager, Protocol
+
+from zero_offload.hoststep.delayed import DelayedParamUpdate
+from zero_offload.hoststep.policy import StepPolicy
+from zero_offload.hoststep.role import PartitionOptimizer
+
+__all__ = ["HostStepPipeline", "StepOwner"]
+
+
+class StepOwner(Protocol):
+    """What the pipeline needs from a ZeRO optimizer (`ZeroOptimizer`, `Stage3Optimizer`)."""
+    adam: PartitionOptimizer
+
+    def step(self, grad_scale: float) -> None:
+        """Step the partitions with the finished gradients x ``grad_scale`` and bring the parameters up to date."""
+
+    def publish(self) -> None:
+        """The parameters of a step taken with ``publish=False`` go where the model reads them."""
+
+    def take_grads(self) -> list:
+        """The gradient partitions, handed over whole (the next backward fills or waits for them)."""
+
+    def report_final_ranges(self, sinks: list) -> None:
+        """Each gradient partition reports the boundary's final ranges to its sink."""
+
+
+class HostStepPipeline:
+    """Runs the optimizer step of ``zero`` by ``policy`` (see the module docstring).
+
+    Args:
+        zero: the ZeRO optimizer.
+        policy: when the step runs.
+        on_host: the step runs on the host (the training thread's time in it counts as host wait).
+        waiting: a context that times the training thread's wait for the host step
+            (`zero_offload.step_timer.StepTimer.host_wait`).
+        warmup_steps: ``dpu_warmup_steps``: steps taken synchronously before the delayed update starts.
+
+    Raises:
+        RuntimeError: the delayed policy over a partition optimizer without a host-step thread.
+    """
+
+    def __init__(self, zero: StepOwner, policy: StepPolicy, on_host: bool,
+                 waiting: Callable[[], ContextManager] = contextlib.nullcontext, warmup_steps: int = 0):
+        self.zero, self.policy, self.on_host, self.waiting = zero, policy, on_host, waiting
+        self.delayed = DelayedParamUpdate(zero, warmup_steps) if policy is StepPolicy.DELAYED else None
+
+    def begin_boundary(self, grad_scale: float) -> None:
+        """The next backward is the boundary's. Speculative: its gradient pieces are stepped with ``grad_scale``
+        (1 / loss scale, clip coefficient 1) as they land; `step` keeps that step or redoes it, exactly."""
+        if self.policy is StepPolicy.SPECULATIVE:
+            self.zero.report_final_ranges(self.zero.adam.begin_speculation(grad_scale))
+
+    def flush(self, timed: bool = False) -> None:
+        """Finish the step in flight and publish its parameters (delayed; else nothing is in flight). ``timed``:
+        the wait is the boundary's, timed by ``waiting``."""
+        if self.delayed is not None:
+            with self.waiting() if timed else contextlib.nullcontext():
+                self.delayed.flush()
+
+    def wait(self) -> None:
+        """Finish the step in flight without publishing it: masters and moments are final, the parameters are
+        the ones the model runs on."""
+        if self.delayed is not None:
+            self.delayed.wait()
+
+    def step(self, grad_scale: float, global_step: int) -> None:
+        """The optimizer step of step ``global_step`` with the finished gradients x ``grad_scale`` (1 / loss
+        scale x clip coefficient): launched beside training (delayed, after the warm-up), or now."""
+        if self.delayed is not None and self.delayed.engaged(global_step):
+            self.delayed.launch(grad_scale)
+            return
+        with self.waiting() if self.on_host else contextlib.nullcontext():
+            self.zero.step(grad_scale)
+
+    def discard(self) -> None:
+        """The boundary takes no step (fp16 overflow): what was speculated for it is dropped."""
+        if self.policy is StepPolicy.SPECULATIVE:
+            self.zero.adam.discard_speculation()
+
+    def close(self) -> None:
+        """Finish the step in flight and publish it (from `Engine.close`; the partition optimizer closes its
+        threads)."""
+        if self.delayed is not None:
+            self.delayed.close()
+
+    def timings(self) -> dict[str, float]:
+        """``host_step_s`` (the last host step's own duration, seconds) and ``host_step_threads`` (the kernel's
+        thread count) where the step runs on the host; under ``super_offload`` also ``host_step_hidden_s`` (how
+        much of it ran during backward) and ``host_step_kept`` (1.0 when the speculated step stood); empty where
+        the step runs on the device (`Engine.timings`)."""
+        adam = self.zero.adam
+        if not adam.on_host:
+            return {}
+        out = {"host_step_s": adam.host_step_s, "host_step_threads": float(adam.host_threads)}
+        if adam.speculation is not None:
+            out["host_step_hidden_s"] = adam.speculation.hidden_s
+            out["host_step_kept"] = float(adam.speculation.last == "accepted")
+        return out

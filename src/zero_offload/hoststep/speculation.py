@@ -1,0 +1,403 @@
+"""The speculative host step of ``offload_optimizer.super_offload``: the boundary's step runs while backward does.
+
+SuperOffload (Lian et al. 2025, arXiv 2509.21271, Sec. 4.3; DeepSpeed 0.18+'s ``offload_optimizer.super_offload``)
+starts a sub-group's CPU Adam step as soon as its gradient is on the host, before the global norm is known, and
+rolls it back with an inverse Adam step on fp16 overflow; under gradient clipping it does not speculate at all. The
+inverse is not exact: it rebuilds the old moments from the new ones and the gradient, m = (m' - (1 - b1) g) / b1,
+a relative error of about 2**-24 / c in m and 2**-24 / c**2 in v for a clip coefficient c.
+
+Here nothing is rebuilt. The speculative kernel reads the master weights and moments and writes its result into a
+second bank of the same size, so what it read stays as it was. When the boundary knows the global norm (`settle`):
+
+- no clipping fired and no overflow (the scale is the one speculated with): the banks swap, a pointer swap (or,
+  on NVMe, a bank bit per sub-group), no copy. The result is bitwise the plain step's: the same kernel on the same
+  inputs;
+- clipping fired (another scale), or a gradient changed after its piece was stepped: the second bank is dropped
+  and the caller runs the plain step on the untouched state with the true coefficient: bitwise the plain step's;
+- fp16 overflow (`Speculation.discard`): the second bank is dropped; nothing was stepped.
+
+So the error bound is 0 for every coefficient. The price is memory, not accuracy: one more copy of the master
+weights and moments, 12 bytes per parameter (8 with bf16 moments) in host memory or in a second set of swap files,
+counted by ``zero_offload.estimate.memory`` as ``speculative_state``; and under clipping the speculated work is done
+again (the plain step's time, exposed, as without speculation).
+
+Two units, one life cycle (`Speculation`): in host memory each gradient piece is stepped as it lands
+(`PieceSpeculation`); swap files are read and written a sub-group at a time, so with the states on NVMe a sub-group
+is stepped once every element of its gradient is final (`SubGroupSpeculation`). The work runs in the order the
+gradients land, on the partition optimizer's host-step thread (the delayed update's step runs there too), pinned to
+the ``cpuadam_cores_perc`` share of the cores. DeepSpeed's SuperOffload asserts CUDA and stage 3; this runs wherever
+the host step does, at stages 2 and 3.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable, Protocol, Sequence
+
+import torch
+
+from zero_offload.host_thread import HostThread
+from zero_offload.offload import timeline
+from zero_offload.offload.copies import CopyHandle, Copies
+from zero_offload.optim.cpu_adam import CPUAdam
+
+__all__ = ["FinalRanges", "Speculation", "PieceSpeculation", "SubGroupSpeculation", "ALIGN", "aligned_pieces"]
+
+ALIGN = 16    # elements: 64 bytes of fp32 master, 32 of bf16 moments (the kernel's streaming stores need both)
+
+
+def aligned_pieces(lo: int, hi: int) -> list[tuple[int, int]]:
+    """[lo, hi) as a head up to the next multiple of `ALIGN` and a body from there (empty ones left out): the fused
+    kernel's streaming stores are aligned only, so a speculated range is stepped as these two calls."""
+    cut = min(hi, -(-lo // ALIGN) * ALIGN)
+    return [(a, b) for a, b in ((lo, cut), (cut, hi)) if a < b]
+
+
+class FinalRanges(Protocol):
+    """Where a gradient partition reports the ranges of its boundary micro-step that are final (`GradPartition`)."""
+
+    def landed(self, offset: int, values: torch.Tensor, copy: CopyHandle | None) -> None:
+        """Elements [offset, offset + len(values)) of the partition are final once ``copy`` (None: already) has
+        landed; ``values`` is the partition's view of them."""
+        ...
+
+    def invalidate(self) -> None:
+        """The partition changed after it reported ranges (another backward before the step)."""
+        ...
+
+
+class GroupRanges:
+    """`FinalRanges` of one param group: forwards to its `Speculation`'s ``submit(group, offset, values, copy)``."""
+
+    def __init__(self, owner: "Speculation", group: int):
+        self.owner, self.group = owner, group
+
+    def landed(self, offset: int, values: torch.Tensor, copy: CopyHandle | None) -> None:
+        self.owner.submit(self.group, offset, values, copy)
+
+    def invalidate(self) -> None:
+        self.owner.invalidate()
+
+
+class Speculation:
+    """The life cycle both speculative steps share: ``active`` from ``begin`` to settle or `discard`, ``valid`` until
+    a gradient changes after its step (`invalidate`), ``cancelled`` to stop the work still queued on ``thread``
+    (the owner's host-step thread, closed by the owner). Subclasses define ``submit`` and ``settle``.
+
+    Attributes:
+        grad_scale: the gradient scale the boundary's pieces are stepped with (1 / loss scale, clip coefficient 1).
+        busy_s: seconds of speculated step time so far this boundary (added to by the subclass).
+        hidden_s: seconds of speculated step time that ran before the boundary step began (during backward).
+        total_s: seconds of step time of the last boundary's speculated step (what settle stepped included).
+        last: "accepted", "redone" or "discarded": what the last boundary did with the speculated step.
+    """
+
+    def __init__(self, thread: HostThread, groups: int):
+        self.thread, self.groups = thread, groups
+        self.lock = threading.Lock()
+        self.active = False
+        self.valid = True
+        self.cancelled = False
+        self.grad_scale = 1.0
+        self.ranges: list[list[tuple[int, int]]] = [[] for _ in range(groups)]   # per group: claimed [lo, hi)
+        self.busy_s = self.hidden_s = self.total_s = 0.0
+        self._hidden = 0.0
+        self.last = ""
+
+    def sinks(self) -> list[GroupRanges]:
+        """One `FinalRanges` per param group, for its gradient partition."""
+        return [GroupRanges(self, g) for g in range(self.groups)]
+
+    def submit(self, g: int, lo: int, values: torch.Tensor, copy: CopyHandle | None) -> None:
+        raise NotImplementedError
+
+    def claim(self, g: int, lo: int, hi: int) -> bool:
+        """Record group ``g``'s final range [lo, hi) for this boundary (call holding ``lock``): False when no
+        speculation is under way, or when the range was reported before (the gradient changed after its step:
+        the speculation is invalid from then on)."""
+        if not self.active or not self.valid:
+            return False
+        if any(a < hi and lo < b for a, b in self.ranges[g]):
+            self.valid = False
+            return False
+        self.ranges[g].append((lo, hi))
+        return True
+
+    def invalidate(self) -> None:
+        """The gradients changed after they were stepped: the boundary redoes the step."""
+        with self.lock:
+            self.valid = False
+
+    def stands(self, grad_scale: float, also: bool = True) -> bool:
+        """The boundary's verdict, once the global norm is known: whether the speculated step stands (``grad_scale``
+        is the one speculated with, no gradient changed after its step, and ``also``). The work still queued is
+        cancelled where it does not; either way the thread is joined and the boundary ends. Then the subclass
+        steps what no piece covered and calls `accepted`, or the caller runs the plain step.
+
+        Raises:
+            HostThreadError: a speculated piece failed (chained to its exception).
+        """
+        self._hidden = self.busy_s
+        keep = self.active and self.valid and also and grad_scale == self.grad_scale
+        if not keep:
+            self.cancelled = True
+        self.join()
+        self.active = False
+        if not keep:
+            self.hidden_s = self.total_s = 0.0
+            self.last = "redone"
+        return keep
+
+    def accepted(self) -> None:
+        """The speculated step stood: record its hidden and total time."""
+        self.hidden_s, self.total_s = self._hidden, self.busy_s
+        self.last = "accepted"
+
+    def discard(self) -> None:
+        """fp16 overflow: what was speculated is dropped (no step is counted, nothing live was written)."""
+        if self.active:
+            self.cancelled = True
+            self.join()
+            self.active = False
+            self.last = "discarded"
+
+    def join(self) -> None:
+        """Wait for the work queued on the host-step thread (re-raises its first failure)."""
+        self.thread.join()
+        tl = timeline.current()
+        if tl is not None:
+            tl.joined(self.thread.name)
+
+    def close(self) -> None:
+        """Stop the work still queued (before the owner closes the thread)."""
+        self.cancelled = True
+
+
+class PieceSpeculation(Speculation):
+    """The speculative half of a host step over the partitions of a `CPUAdam` in host memory, piece by piece.
+
+    Args:
+        optimizer: the host optimizer; one fp32 master partition per param group (its only parameter).
+        copies: page-locks the second bank where the masters are page-locked (copies up read them).
+        threads: the kernel's thread count beside training.
+        thread: the host-step thread the pieces run on (its owner's; not closed here).
+        chunk: elements per piece (a cancelled speculation stops within one piece).
+
+    Attributes:
+        outs: per group, a 16-bit host buffer each piece's updated parameters are also written to (rounded from
+            the new master), or None; set by the owner.
+        on_piece: called as ``on_piece(group, lo, hi)`` after each piece, on the thread that stepped it (the owner
+            starts the piece's copy up into a landing buffer); None: nothing.
+        (and `Speculation`'s: ``hidden_s``, ``total_s``, ``last``).
+    """
+
+    def __init__(self, optimizer: CPUAdam, copies: Copies, threads: int, thread: HostThread, chunk: int):
+        super().__init__(thread, len(optimizer.param_groups))
+        self.optimizer, self.copies, self.threads, self.chunk = optimizer, copies, threads, chunk
+        self.banks: list[dict[str, torch.Tensor]] = []       # per group: master, exp_avg, exp_avg_sq
+        self.outs: list[torch.Tensor | None] = [None] * len(optimizer.param_groups)
+        self.on_piece: Callable[[int, int, int], None] | None = None
+
+    @property
+    def masters(self) -> list[torch.Tensor]:
+        return [g["params"][0] for g in self.optimizer.param_groups]
+
+    def begin(self, grad_scale: float) -> None:
+        """The boundary micro-step starts: its pieces are stepped with ``grad_scale`` (1 / loss scale, clip
+        coefficient 1) as they land. The learning rates are the param groups' now (the schedule steps after)."""
+        self.join()
+        if not self.banks:
+            self._allocate()
+        for master in self.masters:
+            self.optimizer.ensure_state(master)
+        self.grad_scale, self.active, self.valid, self.cancelled = grad_scale, True, True, False
+        self.ranges = [[] for _ in self.masters]
+        self.busy_s = 0.0
+
+    def submit(self, g: int, lo: int, values: torch.Tensor, copy: CopyHandle | None) -> None:
+        """Step group ``g``'s elements [lo, lo + len(values)) into the second bank once ``copy`` has landed (any
+        thread). A range submitted twice (the gradient changed after its step) invalidates the speculation."""
+        hi = lo + values.numel()
+        with self.lock:
+            if not self.claim(g, lo, hi):
+                return
+        tl = timeline.current()
+
+        def run() -> None:
+            if copy is not None:
+                copy.synchronize()
+            for start in range(0, hi - lo, self.chunk):
+                if self.cancelled:
+                    return
+                end = min(hi - lo, start + self.chunk)
+                self._step_piece(g, lo + start, lo + end, values[start:end], self.grad_scale)
+                if tl is not None:
+                    tl.host_work("host_step", end - start)
+        self.thread.submit(run)
+
+
+    def settle(self, grad_scale: float, grads: Sequence[torch.Tensor]) -> bool:
+        """At the boundary, once the global norm is known: True when the speculated step stands (``grad_scale`` is
+        the one speculated with and no gradient changed after its piece was stepped); the banks are then swapped
+        and the step counted, every range no piece covered stepped first on this thread from ``grads`` (the
+        finished partitions). False: nothing changed, and the caller steps in place with ``grad_scale``.
+
+        Raises:
+            HostThreadError: a speculative piece failed (chained to its exception).
+        """
+        if not self.stands(grad_scale):
+            return False
+        for g, grad in enumerate(grads):
+            for lo, hi in _gaps(self.ranges[g], grad.numel()):
+                self._step_piece(g, lo, hi, grad[lo:hi], grad_scale)
+        self._swap_banks()
+        for master in self.masters:
+            self.optimizer.count_step(master)
+        self.accepted()
+        return True
+
+
+    def bank_tensors(self) -> list[torch.Tensor]:
+        """The second bank: one more master and both moments per group (memory accounting)."""
+        return [t for bank in self.banks for t in bank.values()]
+
+    def _allocate(self) -> None:
+        for master in self.masters:
+            state = self.optimizer.state.get(master) or {}
+            dtype = state["exp_avg"].dtype if "exp_avg" in state else self.optimizer.state_dtype
+            pinned = master.is_pinned()
+            # Touched now (zeros), not by the first speculative piece: first-touch page faults cost ~1.5 s/GB.
+            make = (lambda n, d: self.copies.host_empty(n, d).zero_()) if pinned else \
+                (lambda n, d: torch.zeros(n, dtype=d))
+            self.banks.append({"master": make(master.numel(), torch.float32),
+                               "exp_avg": make(master.numel(), dtype), "exp_avg_sq": make(master.numel(), dtype)})
+
+    def _step_piece(self, g: int, lo: int, hi: int, grad: torch.Tensor, grad_scale: float) -> None:
+        """Group ``g``'s [lo, hi): read from the live state, written into the second bank (and ``outs``), then
+        handed to ``on_piece``. The body starts on a 16-element boundary, so that the kernel's streaming stores
+        (aligned only) cover all of it. Its kernel time counts in ``busy_s``."""
+        began = time.perf_counter()
+        out = self.outs[g]
+        for a, b in aligned_pieces(lo, hi):
+            self.optimizer.step_into(g, a, b, grad[a - lo:b - lo], grad_scale, self.banks[g], self.threads,
+                                     out=None if out is None else out[a:b])
+        self.busy_s += time.perf_counter() - began
+        if self.on_piece is not None:
+            self.on_piece(g, lo, hi)
+
+    def _swap_banks(self) -> None:
+        """The second bank becomes the live state (the tensors keep their identity: the optimizer's param groups
+        and state are keyed by them); the old state becomes the next boundary's second bank."""
+        for master, bank in zip(self.masters, self.banks):
+            state = self.optimizer.state[master]
+            for live, spare in ((master, bank["master"]), (state["exp_avg"], bank["exp_avg"]),
+                                (state["exp_avg_sq"], bank["exp_avg_sq"])):
+                _swap_storage(live, spare)
+
+
+def _swap_storage(a: torch.Tensor, b: torch.Tensor) -> None:
+    """Exchange the storages of two whole, contiguous tensors of one shape and dtype, in place."""
+    sa, sb = a.untyped_storage(), b.untyped_storage()
+    with torch.no_grad():
+        a.set_(sb, 0, b.shape, b.stride())
+        b.set_(sa, 0, a.shape, a.stride())
+
+
+def _gaps(ranges: list[tuple[int, int]], n: int) -> list[tuple[int, int]]:
+    """The parts of [0, n) that no range covers."""
+    out, at = [], 0
+    for lo, hi in sorted(ranges):
+        if lo > at:
+            out.append((at, lo))
+        at = max(at, hi)
+    if at < n:
+        out.append((at, n))
+    return out
+
+
+class SubGroupSpeculation(Speculation):
+    """The speculative half of a host step over sub-groups stepped whole (see the module docstring).
+
+    Args:
+        units: per sub-group, (param group, first element, end) in its group's partition.
+        groups: the number of param groups.
+        step_unit: ``step_unit(k, pieces, grad_scale)`` steps sub-group ``k`` from its live state into the other
+            bank, from ``pieces`` [(offset in the partition, gradient values)] that cover it; runs on ``thread``
+            during backward and on the caller's thread at `settle`.
+        thread: the host-step thread (its owner's; not closed here).
+
+    The timings (``hidden_s``, ``total_s``) and ``last`` are `Speculation`'s.
+    """
+
+    def __init__(self, units: list[tuple[int, int, int]], groups: int, step_unit: Callable[[int, list, float], None],
+                 thread: HostThread):
+        super().__init__(thread, groups)
+        self.units, self.step_unit = units, step_unit
+        self.by_group = [[k for k, u in enumerate(units) if u[0] == g] for g in range(groups)]
+        self.pieces: list[list] = [[] for _ in units]
+        self.covered = [0] * len(units)
+        self.stepped: set[int] = set()
+
+    def begin(self, grad_scale: float) -> None:
+        """The boundary micro-step starts: its sub-groups are stepped with ``grad_scale`` as they become final."""
+        self.join()
+        self.grad_scale, self.active, self.valid, self.cancelled = grad_scale, True, True, False
+        self.ranges = [[] for _ in range(self.groups)]
+        self.pieces = [[] for _ in self.units]
+        self.covered = [0] * len(self.units)
+        self.stepped = set()
+        self.busy_s = 0.0
+
+    def submit(self, g: int, lo: int, values: torch.Tensor, copy) -> None:
+        """Group ``g``'s elements [lo, lo + len(values)) are final once ``copy`` (None: already) has landed (any
+        thread); each sub-group they complete is queued on the host-step thread. A range reported twice (the
+        gradient changed after its step) invalidates the speculation."""
+        hi = lo + values.numel()
+        complete = []
+        with self.lock:
+            if not self.claim(g, lo, hi):
+                return
+            for k in self.by_group[g]:
+                _, u_lo, u_hi = self.units[k]
+                a, b = max(lo, u_lo), min(hi, u_hi)
+                if a < b:
+                    self.pieces[k].append((a, values[a - lo:b - lo], copy))
+                    self.covered[k] += b - a
+                    if self.covered[k] == u_hi - u_lo:
+                        complete.append(k)
+        tl = timeline.current()
+        for k in complete:
+            self.thread.submit(lambda k=k: self._run(k, tl))
+
+    def _run(self, k: int, tl) -> None:
+        if self.cancelled:
+            return
+        for _, _, copy in self.pieces[k]:
+            if copy is not None:
+                copy.synchronize()
+        began = time.perf_counter()
+        self.step_unit(k, [(a, v) for a, v, _ in self.pieces[k]], self.grad_scale)
+        self.busy_s += time.perf_counter() - began
+        self.stepped.add(k)
+        if tl is not None:
+            _, lo, hi = self.units[k]
+            tl.host_work("host_step", hi - lo)
+
+    def settle(self, grad_scale: float, grads: Sequence[torch.Tensor], same_lrs: bool = True) -> bool:
+        """At the boundary, once the global norm is known: True when the speculated step stands (``grad_scale`` is
+        the one speculated with, the learning rates are the same and no gradient changed after its sub-group was
+        stepped); every sub-group not stepped yet is then stepped here from ``grads`` (the finished partitions),
+        and the caller flips the banks. False: nothing live changed, and the caller steps with ``grad_scale``.
+
+        Raises:
+            HostThreadError: a speculated sub-group failed (chained to its exception).
+        """
+        if not self.stands(grad_scale, same_lrs):
+            return False
+        for k, (g, lo, hi) in enumerate(self.units):
+            if k not in self.stepped:
+                began = time.perf_counter()
+                self.step_unit(k, [(lo, grads[g][lo:hi])], grad_scale)
+                self.busy_s += time.perf_counter() - began
+        self.accepted()
+        return True

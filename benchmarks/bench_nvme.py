@@ -32,7 +32,7 @@ import torch
 from zero_offload.nvme import AlignedBuffer, Swapper
 from zero_offload.hoststep.nvme_adam import NvmeAdam
 from zero_offload.zero.grad_partition import ReadyGrad
-from zero_offload.offload.copies import CopyEngine
+from zero_offload.offload.copies import make_copies
 from zero_offload.optim.fused_adam import fused_adam_step
 
 CHUNK = 64 << 20   # bytes per request: a sub-group's state of ~5M elements
@@ -146,7 +146,7 @@ def host_step(directory: Path, numel: int, sub_group: int, threads: int, block_s
     hp = {"lr": 1e-4, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "adamw_mode": True,
           "bias_correction": True}
     t0 = time.perf_counter()
-    adam = NvmeAdam([part], [hp], CopyEngine(torch.device("cpu")), directory / "adam", sub_group, 3,
+    adam = NvmeAdam([part], [hp], make_copies(torch.device("cpu")), directory / "adam", sub_group, 3,
                     pipeline_read=True, pipeline_write=True, block_size=block_size, thread_count=threads,
                     queue_depth=QUEUE_DEPTH)
     init_s = time.perf_counter() - t0

@@ -7,7 +7,10 @@ simulated streams and how the script ends (``return``: just return from main; ``
 ``del``: drop the engine, then return). Run by itself it trains on one process; with ``RANK``/``WORLD_SIZE``/
 ``MASTER_ADDR``/``MASTER_PORT`` set (as ``torchrun`` sets them) it joins a gloo group and is one rank.
 It prints one JSON line with the last loss on rank 0. With ``"sigint_after": k`` it saves a checkpoint after
-every step and sends itself SIGINT in the middle of step k (after its backward, before its optimizer step).
+every step and interrupts itself with SIGINT in the middle of step k (after its backward, before its optimizer
+step), as Ctrl-C in a terminal does: it installs Python's KeyboardInterrupt handler first, since a process started
+with SIGINT ignored (a background job of a non-interactive shell, ``nohup``) inherits SIG_IGN and Python then
+installs none -- the interrupt would go nowhere and the script would finish normally.
 """
 from __future__ import annotations
 
@@ -57,6 +60,8 @@ def main(case: dict) -> None:
     nvme_dir = case.get("nvme_dir") or tempfile.mkdtemp(prefix="zo-exit-")
     swap_dir = os.path.join(nvme_dir, f"rank{rank}")
     os.makedirs(swap_dir, exist_ok=True)
+    if "sigint_after" in case and not case.get("keep_inherited_sigint"):
+        signal.signal(signal.SIGINT, signal.default_int_handler)     # Ctrl-C's handler, whatever the parent left
     engine = zero_offload.initialize(make_model(), config(case, swap_dir))
     gas, loss = case["gas"], None
     for step in range(case["steps"]):
@@ -66,7 +71,7 @@ def main(case: dict) -> None:
             loss = engine(x[rows], y[rows])
             engine.backward(loss)
             if step == case.get("sigint_after") and k == gas - 1:
-                os.kill(os.getpid(), signal.SIGINT)     # delivered at the next bytecode: inside the step
+                signal.raise_signal(signal.SIGINT)      # to this thread, handled before the call returns
             engine.step()
         if "sigint_after" in case:
             engine.save_checkpoint(case["checkpoint_dir"], tag=f"step{step + 1}")

@@ -95,8 +95,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def script(case: dict, ranks: int, sim: bool) -> list[subprocess.CompletedProcess]:
-    """`exit_script.py` as real processes, one per rank (as ``torchrun`` starts them)."""
+def script(case: dict, ranks: int, sim: bool, sigint_ignored: bool = False) -> list[subprocess.CompletedProcess]:
+    """`exit_script.py` as real processes, one per rank (as ``torchrun`` starts them); ``sigint_ignored``: each
+    starts with SIGINT ignored, as a background job of a non-interactive shell does."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("ZERO_OFFLOAD_SIMULATE")}
     if sim:
         env["ZERO_OFFLOAD_SIMULATE_STREAMS"] = "1"
@@ -104,8 +105,10 @@ def script(case: dict, ranks: int, sim: bool) -> list[subprocess.CompletedProces
     for rank in range(ranks):
         rank_env = dict(env, RANK=str(rank), WORLD_SIZE=str(ranks), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                         MASTER_PORT=str(port)) if ranks > 1 else env
+        ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored else None
         procs.append(subprocess.Popen([sys.executable, str(TESTS / "exit_script.py"), json.dumps(case)],
-                                      env=rank_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+                                      env=rank_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      preexec_fn=ignore))
     out = []
     for p in procs:
         stdout, stderr = p.communicate(timeout=600)
@@ -122,12 +125,15 @@ def test_a_script_ends_cleanly_however_it_ends(tmp_path, ending):
     assert "loss" in json.loads(procs[0].stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("stage,offload", [(2, "nvme"), (3, "cpu")])
-def test_sigint_mid_step_ends_without_an_abort_and_the_last_checkpoint_loads(tmp_path, stage, offload):
+@pytest.mark.parametrize("stage,offload,sigint_ignored", [(2, "nvme", False), (3, "cpu", True)])
+def test_sigint_mid_step_ends_without_an_abort_and_the_last_checkpoint_loads(tmp_path, stage, offload,
+                                                                              sigint_ignored):
+    """Also from a parent that ignores SIGINT (the README's test command run as a background job): the script
+    installs Ctrl-C's handler itself."""
     ckpt = tmp_path / "ckpt"
     case = dict(stage=stage, offload=offload, dpu=offload == "cpu", gas=3, steps=6, ending="return",
                 sigint_after=2, checkpoint_dir=str(ckpt), nvme_dir=str(tmp_path))
-    (p,) = script(case, 1, sim=True)
+    (p,) = script(case, 1, sim=True, sigint_ignored=sigint_ignored)
     assert p.returncode != 0 and "KeyboardInterrupt" in p.stderr and not unclean(p.stderr), p.stderr[-3000:]
     assert (ckpt / "latest").read_text().strip() == "step2"        # steps 1 and 2 completed, step 3 interrupted
     swap = tmp_path / "resume"
@@ -137,6 +143,16 @@ def test_sigint_mid_step_ends_without_an_abort_and_the_last_checkpoint_loads(tmp
     assert engine.global_step == 2
     assert all(torch.isfinite(t).all() for t in engine.full_state_dict().values())
     engine.close()
+
+
+def test_a_script_started_with_sigint_ignored_loses_the_interrupt_unless_it_installs_the_handler(tmp_path):
+    """Power for the test above: where the interrupt went when these tests failed under a loaded shell. A process
+    started with SIGINT ignored inherits SIG_IGN, Python installs no handler, and the script trains to the end."""
+    case = dict(stage=2, offload="cpu", dpu=True, gas=3, steps=4, ending="return", sigint_after=2,
+                checkpoint_dir=str(tmp_path / "ckpt"), nvme_dir=str(tmp_path), keep_inherited_sigint=True)
+    (p,) = script(case, 1, sim=False, sigint_ignored=True)
+    assert p.returncode == 0 and "KeyboardInterrupt" not in p.stderr, p.stderr[-3000:]
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step4"
 
 
 def test_close_is_idempotent_and_a_step_after_it_names_close(tmp_path):

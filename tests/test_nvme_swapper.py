@@ -154,12 +154,12 @@ def test_pool_round_robin_and_bounds():
 
 def test_both_partition_optimizers_fill_the_role(tmp_path):
     from zero_offload.hoststep.nvme_adam import NvmeAdam
-    from zero_offload.offload.copies import CopyEngine
+    from zero_offload.offload.copies import make_copies
     from zero_offload.hoststep.role import PartitionOptimizer
     from zero_offload.hoststep.adam import PartitionedAdam
     hp = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "adamw_mode": True,
           "bias_correction": True}
-    copies = CopyEngine(torch.device("cpu"))
+    copies = make_copies(torch.device("cpu"))
     part = torch.randn(5000)
     nvme = NvmeAdam([part], [hp], copies, tmp_path / "r0", 2048, 3, True, True, block_size=4096)
     assert isinstance(nvme, PartitionOptimizer)
@@ -167,3 +167,29 @@ def test_both_partition_optimizers_fill_the_role(tmp_path):
     assert torch.equal(nvme.masters[0], part)            # masters read back from the files, bit for bit
     nvme.close()
     assert not (tmp_path / "r0").exists()
+
+
+def test_a_swapper_closed_late_leaves_the_directory_another_one_is_filling(tmp_path):
+    """An engine collected late (its swapper closing from a finalizer) while a new engine's swapper, on the same
+    swap directory, has opened no file yet: the directory stays until its last swapper closes. Power: the old rule
+    (remove the directory whenever it is empty) makes the new swapper's first open fail with ENOENT."""
+    directory = tmp_path / "rank0"
+    old, new = Swapper(directory), Swapper(directory)
+    old.close()
+    assert directory.is_dir()
+    new.open("group0.param.swp", 4096)
+    new.close()
+    assert not directory.exists()
+
+
+def test_power_removing_an_empty_directory_in_use_breaks_the_next_open(tmp_path, monkeypatch):
+    directory = tmp_path / "rank0"
+    monkeypatch.setattr(swapper_mod, "_LIVE", {})
+    old, new = Swapper(directory), Swapper(directory)
+    swapper_mod._LIVE.clear()          # as if nothing held it: the old rule
+    swapper_mod._LIVE[old._key] = 1
+    old.close()
+    with pytest.raises(NvmeIOError, match="No such file"):
+        new.open("group0.param.swp", 4096)
+    swapper_mod._LIVE[new._key] = 1
+    new.close()

@@ -59,9 +59,9 @@ def test_the_seeds_10b_model_fits_a_128gb_host_with_bf16_moments():
     assert "bf16 moments" not in (p.name or "")
 
 
-def test_delayed_update_when_the_host_step_would_be_exposed():
+def test_delayed_update_when_the_host_step_would_be_exposed_and_a_stale_step_is_allowed():
     from zero_offload.estimate.throughput import host_step_seconds
-    kw = dict(gpus=1, gpu_memory="80GB", host_memory="384GB", seq_len=1024, gpu_flops=4e14)
+    kw = dict(gpus=1, gpu_memory="80GB", host_memory="384GB", seq_len=1024, gpu_flops=4e14, allow_stale_step=True)
     # 10B with fp32 moments on a 384 GB host: ~5.4 s of host step at 1.9 Gparam/s; DPU hides it.
     p = zero_offload.plan("gpt2-10b", host_adam=1.9e9, **kw)
     assert p.config["zero_optimization"]["offload_optimizer"]["delayed_param_update"] is True
@@ -80,6 +80,26 @@ def test_delayed_update_when_the_host_step_would_be_exposed():
     p = zero_offload.plan("gpt2", host_adam=1e6, **kw)
     assert "offload_optimizer" not in p.config["zero_optimization"]
     assert "delayed_param_update" not in p.reasons
+
+
+def test_the_plan_is_exact_unless_a_stale_step_is_allowed():
+    """The delayed update trains on parameters one step old: the plan never turns it on by itself. It predicts it
+    still, and says what it would gain; allowed, the plan takes it where it is faster."""
+    kw = dict(gpus=1, gpu_memory="80GB", host_memory="128GB", seq_len=1024)       # the seed's demo machine
+    exact = zero_offload.plan("gpt2-10b", **kw)
+    assert exact.fits and not exact.batch.delayed
+    assert "delayed_param_update" not in exact.config["zero_optimization"]["offload_optimizer"]
+    note = exact.reasons["delayed_param_update"]
+    assert note.startswith("off: exact by default") and "--allow-stale-step" in note
+    stale = zero_offload.plan("gpt2-10b", allow_stale_step=True, **kw)
+    assert stale.batch.delayed and stale.batch.timing.tokens_per_s > exact.batch.timing.tokens_per_s
+    gain = stale.batch.timing.tokens_per_s / exact.batch.timing.tokens_per_s - 1
+    assert f"{gain:+.0%}" in note
+    # A config that asks for it gets it without the flag.
+    asked = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
+             "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+             "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "delayed_param_update": True}}}
+    assert zero_offload.plan("gpt2-10b", config=asked, **kw).batch.delayed
 
 
 def test_without_an_accelerator_the_lowest_stage_that_fits_wins():

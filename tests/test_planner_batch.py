@@ -95,22 +95,25 @@ def test_the_seeds_demo_plans_without_a_config():
     assert "activation_checkpointing" in p.reasons and p.reasons["activation_checkpointing"].startswith("on")
     assert "exposed" in p.reasons["step"]
     zero_offload.Config.load(p.config)
-    # Issue 27, item 1: the delayed update fits the seed's 128 GB host: its step shares the gradient buffer with
-    # the next backward (no spare partition: 10 host bytes/param with bf16 moments), its landing buffers are on the
-    # device, and both sides stay inside the planner's 10 % headroom.
+    # Exact by default: no delayed update unless allowed. Allowed, it fits the seed's 128 GB host: its step shares
+    # the gradient buffer with the next backward (no spare partition: 10 host bytes/param with bf16 moments), its
+    # landing buffers are on the device, and both sides stay inside the planner's 10 % headroom.
+    assert not b.delayed and p.reasons["delayed_param_update"].startswith("off: exact by default")
+    p = zero_offload.plan("gpt2-10b", allow_stale_step=True, **SEED)
+    b = p.batch
     assert b.delayed and p.reasons["delayed_param_update"].startswith("on")
     assert b.gas == 1 and "grad_spare" not in b.estimate.host and b.estimate.device["param_incoming"] > 0
     assert b.estimate.host_bytes <= 0.9 * 128e9 and b.estimate.device_bytes <= 0.9 * 80e9
     # power: under accumulation the gradient is fp32 and a spare partition is needed: that does not fit
     accumulating = {**p.config, "gradient_accumulation_steps": 2}
     assert estimate_memory("gpt2-10b", accumulating, 1, micro_batch=b.micro, accelerator=True).host_bytes > 0.9 * 128e9
-    roomy = zero_offload.plan("gpt2-10b", gpus=1, gpu_memory="80GB", host_memory="256GB")
+    roomy = zero_offload.plan("gpt2-10b", gpus=1, gpu_memory="80GB", host_memory="256GB", allow_stale_step=True)
     assert roomy.batch.delayed and roomy.batch.timing.exposed_share <= 0.10
 
 
 def test_accumulation_hides_the_host_step():
     """gpt2-xl on a 24 GB GPU: micro-batch 1 without accumulation left the device idle ~98 % of the step."""
-    p = zero_offload.plan("gpt2-xl", **XL)
+    p = zero_offload.plan("gpt2-xl", allow_stale_step=True, **XL)
     t = p.batch.timing
     # Stage 2 with offload (its smaller buckets leave room for the delayed update's landing buffers); stage 3 would
     # fit too, but its per-unit gathers cost time at one rank (`STAGE3_UNIT_SECONDS`)
@@ -121,8 +124,8 @@ def test_accumulation_hides_the_host_step():
     assert t.exposed_s >= max(0.0, t.host_s - t.compute_s) - 1e-9 and abs(t.step_s - t.compute_s - t.exposed_s) < 1e-9
     assert p.batch.estimate.host["grad_staging"] > 0 and p.batch.estimate.host["grad_spare"] > 0
     # A faster host needs fewer tokens per step; a faster GPU more.
-    fast_host = zero_offload.plan("gpt2-xl", host_adam=2e10, **XL).batch.timing
-    fast_gpu = zero_offload.plan("gpt2-xl", gpu_flops=1.6e15, **XL).batch.timing
+    fast_host = zero_offload.plan("gpt2-xl", host_adam=2e10, allow_stale_step=True, **XL).batch.timing
+    fast_gpu = zero_offload.plan("gpt2-xl", gpu_flops=1.6e15, allow_stale_step=True, **XL).batch.timing
     assert fast_host.tokens < t.tokens < fast_gpu.tokens
 
 
@@ -175,7 +178,9 @@ def test_cli_plans_the_demo_and_says_what_is_exposed(capsys):
     rc, out, _ = _cli(capsys, "--model", "gpt2-10b", "--gpus", "1", "--gpu-mem", "80GB", "--host-mem", "128GB")
     assert rc == 0 and "plan: stage 2 + offload opt, bf16 moments" in out
     assert "activation_checkpointing: on" in out and "of the step exposed" in out and "grad_partition" not in out
-    rc, out, _ = _cli(capsys, "--model", "gpt2-xl", "--gpus", "1", "--gpu-mem", "24GB", "--host-mem", "64GB")
+    assert "delayed_param_update: off: exact by default" in out        # the flag below allows it
+    rc, out, _ = _cli(capsys, "--model", "gpt2-xl", "--gpus", "1", "--gpu-mem", "24GB", "--host-mem", "64GB",
+                      "--allow-stale-step")
     exposed = re.search(r"leave (\d+)% of the step exposed", out)
     assert rc == 0 and "gradient accumulation" in out and exposed and int(exposed.group(1)) <= 10
     assert "grad_spare:" in out and "grad_staging:" in out

@@ -43,6 +43,9 @@ def _train_parser(sub) -> None:
     p.add_argument("--precision", choices=("auto", "fp32", "bf16", "fp16"), default=d.precision,
                    help="override the config's precision (auto keeps it)")
     p.add_argument("--lr", type=float, default=d.lr, help="override the config's learning rate")
+    p.add_argument("--allow-stale-step", action="store_true",
+                   help="without --config: let the plan turn on the delayed parameter update, which trains each "
+                        "step on parameters one step old (default: exact)")
 
 
 def _estimate_parser(sub) -> None:
@@ -82,6 +85,9 @@ def _estimate_parser(sub) -> None:
     p.add_argument("--config", default=None, help="base config: its precision and optimizer are kept, and its "
                                                   "batch sizes when set; the plan picks stage, offload, and the "
                                                   "batch settings it does not set (default: bf16, AdamW)")
+    p.add_argument("--allow-stale-step", action="store_true",
+                   help="let the plan turn on the delayed parameter update, which trains each step on parameters "
+                        "one step old (default: exact; the plan says what it would gain)")
     p.add_argument("--write-config", default=None, help="write the planned config to this JSON file")
     p.add_argument("--no-deepspeed", action="store_true", help="skip DeepSpeed's estimator columns")
 

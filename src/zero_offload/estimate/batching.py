@@ -9,6 +9,10 @@ counted, so a plan never turns on something that does not fit. Among the setting
 `TIE` of the best prediction (larger batches than needed change the training, not only its speed), then
 checkpointing off, then the delayed update off (no stale step), then super_offload off (no second bank), then the
 larger micro-batch.
+
+Exact by default: the delayed update trains every step on parameters one step old, so the plan chooses it only
+where the config asks for it or the caller allows a stale step (`Knobs.allow_stale_step`; ``zero-offload estimate
+--allow-stale-step``). Otherwise it is still predicted, and the notes say what it would gain.
 """
 from __future__ import annotations
 
@@ -50,6 +54,8 @@ class Knobs:
         super_offload: ``offload_optimizer.super_offload``.
         ratio: ``offload_optimizer.ratio``.
         choose_checkpointing: whether ``checkpointing`` None means "choose" (a GPT shape) or "the model's own".
+        allow_stale_step: the plan may choose the delayed update where ``delayed_update`` is None (it changes what
+            is trained: each step's gradient is taken at the parameters before the last step).
     """
     micro_batch: int | None = None
     gradient_accumulation: int | None = None
@@ -58,6 +64,7 @@ class Knobs:
     choose_checkpointing: bool = True
     super_offload: bool | None = None
     ratio: float | None = None
+    allow_stale_step: bool = False
 
 
 @dataclass
@@ -178,10 +185,12 @@ def choose_batch(shape: ModelShape, raw: dict, gpus: int, seq: int | None, knobs
                     c = make(micro, gas, ckpt, policy)
                     if c.fits:
                         options.append(_timed(c, shape, gpus, seq, a))
-    if not options:
+    # The delayed update is predicted always, chosen only where asked for or allowed.
+    allowed = [c for c in options if not c.delayed or knobs.allow_stale_step or knobs.delayed_update]
+    if not allowed:
         return smallest
-    best = max(c.timing.tokens_per_s for c in options)
-    near = [c for c in options if c.timing.tokens_per_s >= (1 - TIE) * best]
+    best = max(c.timing.tokens_per_s for c in allowed)
+    near = [c for c in allowed if c.timing.tokens_per_s >= (1 - TIE) * best]
     chosen = min(near, key=lambda c: (c.timing.tokens, bool(c.checkpointing), c.delayed, c.speculative, -c.ratio,
                                       -c.micro))
     chosen.notes = _explain(chosen, options, seq, free_ckpt, knobs, dpu_possible, spec_possible, ratio_possible, a)
@@ -251,10 +260,19 @@ def _explain(c: BatchChoice, options: list[BatchChoice], seq: int, free_ckpt: bo
                                              "parameters in counted in device memory)")
         elif knobs.delayed_update is None:
             dpu = [o for o in options if o.delayed]
-            notes["delayed_param_update"] = ("off: the host step hides well enough without it" if dpu else
-                                             "off: with it the config does not fit (its spare gradient partition, "
-                                             "and under accumulation a 16-bit publish buffer, need host memory "
-                                             "that is not there, or its device landing buffers device memory)")
+            fastest = max(dpu, key=lambda o: o.timing.tokens_per_s, default=None)
+            gain = fastest.timing.tokens_per_s / t.tokens_per_s - 1 if fastest is not None else 0.0
+            if fastest is not None and not knobs.allow_stale_step and gain > TIE:
+                notes["delayed_param_update"] = (
+                    f"off: exact by default (it trains each step on parameters one step old); allowed "
+                    f"(--allow-stale-step, plan(allow_stale_step=True)) it would reach "
+                    f"~{fastest.timing.tokens_per_s:,.0f} tokens/s, {gain:+.0%}")
+            else:
+                notes["delayed_param_update"] = ("off: the host step hides well enough without it" if dpu else
+                                                 "off: with it the config does not fit (its spare gradient "
+                                                 "partition, and under accumulation a 16-bit publish buffer, need "
+                                                 "host memory that is not there, or its device landing buffers "
+                                                 "device memory)")
     if spec_possible and t.host_s > 0:
         if c.speculative:
             notes["super_offload"] = ("on: the boundary's host step starts during its backward, kept exactly or "

@@ -193,7 +193,7 @@ def _zero_section(base: dict, zero: dict) -> dict:
 
 
 def _knobs(base: dict, user_config: bool, gpus: int, accelerator: bool, shape: ModelShape, micro_batch,
-           gradient_accumulation, activation_checkpointing) -> Knobs:
+           gradient_accumulation, activation_checkpointing, allow_stale_step: bool = False) -> Knobs:
     """What the plan chooses and what is fixed: a value given as an argument or in the user's config is kept;
     without an accelerator nothing is chosen (the host computes: no step model, the config's batch)."""
     sizes = Config.load(base).batch_sizes(gpus)
@@ -210,7 +210,7 @@ def _knobs(base: dict, user_config: bool, gpus: int, accelerator: bool, shape: M
     return Knobs(micro, gas, activation_checkpointing, dpu if (dpu is not None or accelerator) else False,
                  choose_checkpointing=accelerator and shape.gpt is not None,
                  super_offload=spec if (spec is not None or accelerator) else False,
-                 ratio=ratio if (ratio is not None or accelerator) else 1.0)
+                 ratio=ratio if (ratio is not None or accelerator) else 1.0, allow_stale_step=allow_stale_step)
 
 
 def _positive_int(value, name: str) -> None:
@@ -222,7 +222,8 @@ def plan(model, gpus: int = 1, gpu_memory=None, host_memory=None, nvme=None, mic
          seq_len: int | None = None, config: "dict | str | Config | None" = None,
          headroom: float = HEADROOM, *, gradient_accumulation: int | None = None,
          activation_checkpointing: bool | None = None, gpu_flops: float | None = None,
-         host_adam: float | None = None, pcie: float | None = None, calibration=None) -> Plan:
+         host_adam: float | None = None, pcie: float | None = None, calibration=None,
+         allow_stale_step: bool = False) -> Plan:
     """The fastest config for ``model`` on ``gpus`` ranks of one machine that fits with ``headroom`` free.
 
     The stage and offload follow the order of `candidates`; for the first config that fits, the plan also
@@ -245,6 +246,8 @@ def plan(model, gpus: int = 1, gpu_memory=None, host_memory=None, nvme=None, mic
         activation_checkpointing: fix it (default: chosen for a GPT shape on an accelerator, else the model's).
         gpu_flops, host_adam, pcie: the step model's figures: sustained FLOP/s per accelerator, host Adam
             parameters/s (fp32 moments), host <-> device bytes/s; each overrides ``calibration``'s.
+        allow_stale_step: the plan may turn the delayed parameter update on (default: never unless ``config``
+            sets it: it trains each step on parameters one step old; the reasons say what it would gain).
         calibration: a file written by ``zero-offload calibrate`` (`throughput.calibrated`: default
             ``$ZERO_OFFLOAD_CALIBRATION`` or ``~/.cache/zero_offload/calibration.json`` when it exists, else the
             built-in `Assumptions`); ``reasons["constants"]`` says which figures were used and where from.
@@ -280,7 +283,7 @@ def plan(model, gpus: int = 1, gpu_memory=None, host_memory=None, nvme=None, mic
         base = Config.load(config).to_dict() if config is not None else default_plan_config()
         base = {k: v for k, v in base.items() if v is not None}
     knobs = _knobs(base, config is not None, gpus, accelerator, shape, micro_batch, gradient_accumulation,
-                   activation_checkpointing)
+                   activation_checkpointing, allow_stale_step)
     seq = seq_len or (shape.gpt.block_size if shape.gpt is not None else None)
     keep = 1 - headroom
 

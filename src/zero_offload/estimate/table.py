@@ -221,7 +221,8 @@ def run_estimate(ns) -> int:
                   config=ns.config, gradient_accumulation=parse_count_flag(ns.grad_accum, "--grad-accum"),
                   activation_checkpointing=ckpt, gpu_flops=parse_rate_flag(ns.gpu_tflops, "--gpu-tflops", 1e12),
                   host_adam=parse_rate_flag(ns.host_adam, "--host-adam"),
-                  pcie=parse_rate_flag(ns.pcie, "--pcie", 1e9), calibration=getattr(ns, "calibration", None))
+                  pcie=parse_rate_flag(ns.pcie, "--pcie", 1e9), calibration=getattr(ns, "calibration", None),
+                  allow_stale_step=getattr(ns, "allow_stale_step", False))
     ds = deepspeed_estimates(shape, gpus) if not ns.no_deepspeed else None
     print(render(result, shape, ds))
     if not result.fits:

@@ -39,7 +39,7 @@ from zero_offload.nvme.param_store import NvmeParamStore
 from zero_offload.nvme.param_writeback import WriteBackOptimizer
 from zero_offload.nvme.setup import check_swap_directory
 from zero_offload.nvme.state_files import STATE_FILES, bytes_needed
-from zero_offload.offload.copies import CopyEngine, Copies
+from zero_offload.offload.copies import Copies
 from zero_offload.offload.host_cores import host_step_cores
 
 __all__ = ["build_partition_optimizer"]
@@ -131,7 +131,7 @@ def _in_memory(config: Config, parts: list[torch.Tensor], hparams: list[dict], o
                                      all_reduce=all_reduce)
 
 
-def _nvme(parts: list[torch.Tensor], hparams: list[dict], copies: CopyEngine, config: Config,
+def _nvme(parts: list[torch.Tensor], hparams: list[dict], copies: Copies, config: Config,
          rank: int, param_io=None, host_params: bool = False) -> NvmeAdam:
     """The NVMe optimizer for this rank's ``parts`` as ``config`` (offload_optimizer, aio, sub_group_size)
     asks (``param_io``: see `NvmeAdam`), in a checked swap directory.

@@ -27,7 +27,7 @@ from zero_offload.nvme.fail_stop import FailStop
 from zero_offload.nvme.buffers import ALIGNMENT, BufferPool, align_up
 from zero_offload.nvme import state_files
 from zero_offload.nvme.swapper import Pending, Swapper
-from zero_offload.offload.copies import CopyEngine
+from zero_offload.offload.copies import Copies
 from zero_offload.optim.cpu_adam import CPUAdam
 from zero_offload.optim.fused_adam import fused_adam_step
 from zero_offload.hoststep.role import GradSource
@@ -89,7 +89,7 @@ class NvmeAdam(FailStop, NvmeState):
 
     on_host = True
 
-    def __init__(self, parts: list[torch.Tensor], hparams: list[dict], copies: CopyEngine, directory: Path,
+    def __init__(self, parts: list[torch.Tensor], hparams: list[dict], copies: Copies, directory: Path,
                  sub_group_size: int, buffer_count: int, pipeline_read: bool = False, pipeline_write: bool = False,
                  block_size: int = 1 << 20, thread_count: int = 1, param_io=None,
                  queue_depth: int = 1, speculative: bool = False, host_cpus: tuple[int, ...] | None = None,

@@ -67,6 +67,12 @@ class Pending:
         return all(f.done() for f in self.futures)
 
 
+# Swap directories in use by a live `Swapper` of this process, with how many hold each: a directory is removed at
+# `close` only by its last holder (an engine collected late must not remove the directory a new engine is filling).
+_LIVE_LOCK = threading.Lock()
+_LIVE: dict[Path, int] = {}
+
+
 class Swapper:
     """Swap files under ``directory``, read and written through ``thread_count`` I/O threads.
 
@@ -92,7 +98,10 @@ class Swapper:
             raise ValueError(f"Swapper: thread_count and queue_depth must be >= 1, got {thread_count}, "
                              f"{queue_depth}")
         self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
+        with _LIVE_LOCK:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self._key = self.directory.resolve()
+            _LIVE[self._key] = _LIVE.get(self._key, 0) + 1
         self.block_size, self.use_direct = block_size, use_direct and bool(_O_DIRECT)
         self.thread_count, self.queue_depth = thread_count, queue_depth
         self.files: dict[str, SwapFile] = {}
@@ -179,10 +188,14 @@ class Swapper:
                 os.close(f.fd)
                 f.path.unlink(missing_ok=True)
             self.files.clear()
-            try:
-                self.directory.rmdir()          # only when empty: never someone else's files
-            except OSError:
-                pass
+            with _LIVE_LOCK:
+                _LIVE[self._key] -= 1
+                if _LIVE[self._key] == 0:
+                    del _LIVE[self._key]
+                    try:
+                        self.directory.rmdir()          # only when empty: never someone else's files
+                    except OSError:
+                        pass
 
     # -- read-ahead / write-behind ---------------------------------------------------------------------
     def read(self, name: str, dst: torch.Tensor, offset: int = 0) -> Pending:

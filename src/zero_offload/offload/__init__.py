@@ -1,7 +1,8 @@
-"""Host-memory offload: exact-size pinned buffers, copy streams and events, the staging ring of copies up.
+"""Host-memory offload: exact-size pinned buffers, copy streams and events (`make_copies` picks the copies of a
+device), the staging ring of copies up, the gradient buffer lent to a step beside training.
 
-The delayed parameter update schedules the step, so it lives with the step: `zero_offload.hoststep.delayed`.
+The host-step policies that use them live with the step: `zero_offload.hoststep`.
 """
-from zero_offload.offload.copies import DONE, CopyEngine, CopyHandle, Copies, CudaCopies, HostCopies, host_empty
+from zero_offload.offload.copies import DONE, CopyHandle, Copies, CudaCopies, HostCopies, host_empty, make_copies
 
-__all__ = ["CopyEngine", "CopyHandle", "Copies", "CudaCopies", "HostCopies", "DONE", "host_empty"]
+__all__ = ["make_copies", "CopyHandle", "Copies", "CudaCopies", "HostCopies", "DONE", "host_empty"]

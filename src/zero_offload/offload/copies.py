@@ -28,7 +28,7 @@ from zero_offload.offload.handles import DONE, CopyHandle, TransferCounts
 from zero_offload.offload.pinned import host_alloc_bytes, host_empty
 
 __all__ = ["host_empty", "host_alloc_bytes", "TransferCounts", "CopyHandle", "DONE", "Copies", "CudaCopies",
-           "HostCopies", "CopyEngine"]
+           "HostCopies", "make_copies"]
 
 
 
@@ -205,10 +205,10 @@ def _blocking_event(stream) -> "torch.cuda.Event":
     return event
 
 
-def CopyEngine(device: torch.device, pin: bool = True) -> Copies:
-    """The copy engine for ``device``: `CudaCopies` on CUDA, `HostCopies` elsewhere -- or, elsewhere with
-    ``ZERO_OFFLOAD_SIMULATE_STREAMS`` set, `zero_offload.offload.simulated.SimulatedCopies` (each copy lands
-    later, on a worker thread; the variable is read here, once per engine)."""
+def make_copies(device: torch.device, pin: bool = True) -> Copies:
+    """The copies (the `Copies` role) for ``device``: `CudaCopies` on CUDA, `HostCopies` elsewhere -- or,
+    elsewhere with ``ZERO_OFFLOAD_SIMULATE_STREAMS`` set, `zero_offload.offload.simulated.SimulatedCopies` (each
+    copy lands later, on a worker thread; the variable is read here, once per engine)."""
     if device.type == "cuda":
         return CudaCopies(device, pin)
     return simulated.SimulatedCopies(device, pin) if simulated.enabled() else HostCopies(device, pin)

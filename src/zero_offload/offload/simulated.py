@@ -6,7 +6,7 @@ read that forgot to wait for its copy's event still sees the right bytes, and a 
 With ``ZERO_OFFLOAD_SIMULATE_STREAMS=1`` (read when an engine is built) every asynchronous transfer runs on a
 worker thread instead, after a random delay of up to `MAX_DELAY_S`:
 
-- copies down and up (`SimulatedCopies`, picked by `zero_offload.offload.copies.CopyEngine` on the CPU): the
+- copies down and up (`SimulatedCopies`, picked by `zero_offload.offload.copies.make_copies` on the CPU): the
   copy reads its source at that later time, as a copy stream would, so rewriting a source or reading a
   destination before the handle's wait changes the result;
 - asynchronous collectives (`SimulatedCollectives`, used by `zero_offload.comm.DistContext`): the collective

@@ -28,12 +28,12 @@ def _machine(device: torch.device) -> tuple[int, int]:
 
 
 def choose_config(model: GPTConfig, name: str, base: dict, user_config: str | None, world_size: int,
-                  device: torch.device, seq_len: int) -> Choice:
+                  device: torch.device, seq_len: int, allow_stale_step: bool = False) -> Choice:
     """The config to train ``model`` with on ``world_size`` ranks of this machine.
 
     Without ``user_config``: `zero_offload.plan` over ``base`` (the main job's defaults) for this machine's
-    accelerator memory and available host memory. With one: ``base`` is that config, checked against the
-    same memory model.
+    accelerator memory and available host memory, exact unless ``allow_stale_step`` (``--allow-stale-step``) lets
+    it turn the delayed update on. With one: ``base`` is that config, checked against the same memory model.
 
     Raises:
         ValueError: nothing fits, or the given config does not fit; the message carries the estimate (what
@@ -46,7 +46,8 @@ def choose_config(model: GPTConfig, name: str, base: dict, user_config: str | No
     if user_config is None:
         # The main job's model is built with its own checkpointing setting: the plan keeps it.
         result = plan(model, gpus=world_size, gpu_memory=gpu or None, host_memory=host, micro_batch=micro,
-                      seq_len=seq_len, config=base, activation_checkpointing=model.activation_checkpointing)
+                      seq_len=seq_len, config=base, activation_checkpointing=model.activation_checkpointing,
+                      allow_stale_step=allow_stale_step)
         if not result.fits:
             raise ValueError(f"model {name} fits nowhere on this machine: {result.message()}; {hint}")
         return Choice(result.config, result.message())

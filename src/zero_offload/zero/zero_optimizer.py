@@ -14,7 +14,7 @@ from torch.profiler import record_function
 from zero_offload.comm import DistContext
 from zero_offload.config import Config
 from zero_offload.flat import FlatParams
-from zero_offload.offload.copies import CopyEngine
+from zero_offload.offload.copies import make_copies
 from zero_offload.zero.base import BuildStep, MemoryKind, ZeroOptimizerBase
 from zero_offload.zero.grad_partition import GradPartition
 from zero_offload.zero.split_partition import split_for_flat
@@ -69,7 +69,7 @@ class ZeroOptimizer(ZeroOptimizerBase):
         self.flats = [FlatParams(g.params, g.indices, g.names, ctx.world_size) for g in groups]
         ctx.broadcast_from_first(f.buffer for f in self.flats)   # every replica starts from rank 0's weights
         self.flat_grads = [torch.zeros_like(f.buffer) for f in self.flats] if self.stage < 2 else None
-        self.copies = CopyEngine(ctx.device, zc.offload_optimizer.pin_memory)
+        self.copies = make_copies(ctx.device, zc.offload_optimizer.pin_memory)
         rank = ctx.rank if self.stage >= 1 else 0
         ratio = zc.offload_optimizer.ratio                       # < 1: part of each partition stays on the device
         self.partitions = [split_for_flat(f, rank, self.stage, gradient_accumulation > 1, self.copies,

@@ -14,7 +14,7 @@ import torch
 from zero_offload.comm import DistContext, device_free_bytes, gather_objects
 from zero_offload.config import Config
 from zero_offload.nvme.setup import build_param_store
-from zero_offload.offload.copies import CopyEngine
+from zero_offload.offload.copies import make_copies
 from zero_offload.zero.base import BuildStep, MemoryKind, ZeroOptimizerBase
 from zero_offload.zero.no_step import NoStep
 from zero_offload.zero.grad_partition import GradPartition
@@ -61,7 +61,7 @@ class Stage3Optimizer(ZeroOptimizerBase):
         self.offload = zc.offload_optimizer.device in ("cpu", "nvme")
         self.offload_param = zc.offload_param.device in ("cpu", "nvme")
         self.param_nvme = zc.offload_param.device == "nvme"
-        self.copies = CopyEngine(ctx.device, zc.offload_optimizer.pin_memory or zc.offload_param.pin_memory)
+        self.copies = make_copies(ctx.device, zc.offload_optimizer.pin_memory or zc.offload_param.pin_memory)
         self._build_all_units(model, groups, dtype, zc.stage3_param_persistence_threshold)
         self._lay_out_partitions(dtype)
         self.frozen_by_name = frozen_names(model, self.frozen_units)

@@ -56,26 +56,12 @@ class SplitAdam(WholeGroupState):
         self.masters = _Masters(self)
         self.on_host = True
 
-    # -- the host optimizer's face ----------------------------------------------------------------------------
-    @property
-    def optimizer(self) -> torch.optim.Optimizer:
-        return self.host.optimizer
-
-    @property
-    def host_step_s(self) -> float:
-        return self.host.host_step_s
-
-    @property
-    def host_threads(self) -> int:
-        return self.host.host_threads
-
-    @property
-    def speculation(self):
-        return self.host.speculation
-
-    @property
-    def host_thread(self):
-        return self.host.host_thread
+    # -- the host optimizer's face: its live learning rates, timings, thread and speculation ---------------------
+    optimizer = property(lambda self: self.host.optimizer)
+    host_step_s = property(lambda self: self.host.host_step_s)
+    host_threads = property(lambda self: self.host.host_threads)
+    host_thread = property(lambda self: self.host.host_thread)
+    speculation = property(lambda self: self.host.speculation)
 
     def begin_speculation(self, grad_scale: float):
         return self.host.begin_speculation(grad_scale)

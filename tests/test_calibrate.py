@@ -95,8 +95,9 @@ def test_more_host_memory_never_plans_a_slower_step(monkeypatch):
                                      for i, r in enumerate(rates))
     default = [_tokens_per_s(h) for h in sizes]
     assert never_slower(default) and max(default) < 1.05 * min(default), dict(zip(sizes, default))
-    assert all(plan("gpt2-10b", gpu_memory="80GB", host_memory=f"{h}GiB").batch.timing.exposed_share <= 0.10
-               for h in (120, 160, 200))
+    # The delayed update allowed, the host step hides: at most 10 % of the step exposed at every size.
+    assert all(plan("gpt2-10b", gpu_memory="80GB", host_memory=f"{h}GiB", allow_stale_step=True)
+               .batch.timing.exposed_share <= 0.10 for h in (120, 160, 200))
     rates = [_tokens_per_s(h, **SLOW_HOST) for h in sizes]
     assert never_slower(rates), dict(zip(sizes, rates))
     mid = plan("gpt2-10b", gpu_memory="80GB", host_memory="150GiB", **SLOW_HOST)

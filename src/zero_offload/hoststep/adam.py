@@ -109,7 +109,7 @@ class PartitionedAdam(AdamState):
         self.chunk = chunk
         self.host_step_s = 0.0                    # the last host step's own duration, on the thread that ran it
         self.host_params, self.policy = host_params, policy
-        deferred = self.deferred = policy is StepPolicy.DELAYED
+        deferred = policy is StepPolicy.DELAYED
         speculative = policy is StepPolicy.SPECULATIVE
         self.on_host = offload or parts[0].device.type == "cpu"
         self.masters: list[torch.Tensor] = []
@@ -170,6 +170,11 @@ class PartitionedAdam(AdamState):
             self.speculation.outs = [copies.host_empty(p.numel(), p.dtype) if p.dtype != torch.float32 else None
                                      for p in parts]
             self.speculation.on_piece = self._land_speculated
+
+    @property
+    def deferred(self) -> bool:
+        """The delayed update's layout: the kernel never writes the parts; `publish` does (from the policy)."""
+        return self.policy is StepPolicy.DELAYED
 
     @torch.no_grad()
     def step(self, grads: Sequence[GradSource], grad_scale: float, lrs: Sequence[float] | None = None,

@@ -27,25 +27,18 @@ from __future__ import annotations
 import contextlib
 from typing import Callable, ContextManager, Protocol
 
-from zero_offload.hoststep.delayed import DelayedParamUpdate
+from zero_offload.hoststep.delayed import DelayedParamUpdate, HandsOver
 from zero_offload.hoststep.policy import StepPolicy
-from zero_offload.hoststep.role import PartitionOptimizer
 
 __all__ = ["HostStepPipeline", "StepOwner"]
 
 
-class StepOwner(Protocol):
-    """What the pipeline needs from a ZeRO optimizer (`ZeroOptimizer`, `Stage3Optimizer`)."""
-    adam: PartitionOptimizer
+class StepOwner(HandsOver, Protocol):
+    """What the pipeline needs from a ZeRO optimizer (`ZeroOptimizer`, `Stage3Optimizer`): what the delayed update
+    needs (`HandsOver`), and the step and the speculation's final ranges."""
 
     def step(self, grad_scale: float) -> None:
         """Step the partitions with the finished gradients x ``grad_scale`` and bring the parameters up to date."""
-
-    def publish(self) -> None:
-        """The parameters of a step taken with ``publish=False`` go where the model reads them."""
-
-    def take_grads(self) -> list:
-        """The gradient partitions, handed over whole (the next backward fills or waits for them)."""
 
     def report_final_ranges(self, sinks: list) -> None:
         """Each gradient partition reports the boundary's final ranges to its sink."""

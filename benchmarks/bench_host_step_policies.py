@@ -21,10 +21,11 @@ from zero_offload.train.model import GPTConfig, preset
 
 MODELS = {"GPT-2 XL (1.56B)": GPTConfig(n_layer=48, n_head=25, n_embd=1600, vocab_size=50257, block_size=1024),
           "GPT-2 10B": preset("gpt2-10b")}
-# (delayed update, super_offload, ratio); None: the planner chooses
-POLICIES = {"plain offload": (False, False, 1.0), "delayed update": (True, False, 1.0),
-            "super_offload": (False, True, 1.0), "the planner's ratio": (False, False, None),
-            "the planner's choice": (None, None, None)}
+# (delayed update, super_offload, ratio, super_offload_fraction); None: the planner chooses
+POLICIES = {"plain offload": (False, False, 1.0, None), "delayed update": (True, False, 1.0, None),
+            "super_offload, whole second bank": (False, True, 1.0, 1.0),
+            "super_offload, the planner's share": (False, True, 1.0, None),
+            "the planner's ratio": (False, False, None, None), "the planner's exact choice": (None, None, None, None)}
 HEADROOM = 0.10      # the planner's
 
 
@@ -44,9 +45,9 @@ def choose(cfg, policy: tuple, gpu_bytes: int, host_bytes: int, rates):
         need = est.need()
         return est, {"device": max(0, int(need["device"] - gpu_bytes * (1 - HEADROOM))),
                      "host": max(0, int(need["host"] - host_bytes * (1 - HEADROOM))), "nvme": 0}
-    free = policy == (None, None, None)   # the planner's choice: policy and accumulation; else accumulation 1
+    free = policy[:3] == (None, None, None)  # the planner's choice: policy and accumulation; else accumulation 1
     knobs = Knobs(16, None if free else 1, True, policy[0], choose_checkpointing=False, super_offload=policy[1],
-                  ratio=policy[2])
+                  ratio=policy[2], super_offload_fraction=policy[3])
     return choose_batch(shape, policy_config(), 1, cfg.block_size, knobs, rates, measure)
 
 
@@ -57,6 +58,7 @@ def row(name: str, label: str, b) -> str:
         return f"| {name} | {label} | no: {short} missing | - | - | - | {host:.0f} |"
     t = b.timing
     policy = "delayed" if b.delayed else ("super_offload" if b.speculative else "plain")
+    policy += f" {b.fraction:g}" if b.speculative and b.fraction < 1 else ""
     policy += f", ratio {b.ratio:g}" if b.ratio < 1 else ""
     return (f"| {name} | {label} | yes ({policy}, accumulation {b.gas}) | {t.step_s:.2f} | "
             f"{t.graph.idle_share if t.graph else t.exposed_share:.2f} | {t.tokens_per_s:,.0f} | {host:.0f} |")

@@ -75,8 +75,8 @@ def test_a_bad_calibration_file_is_refused_by_name(tmp_path, capsys, content, fa
     assert code == 2 and str(path) in err and fault.split()[0] in err
 
 
-# A slow host step (the 2-core VM's rate) makes the configs' speeds differ with the host size; the default, a GPU
-# server's, hides the host step at every size, and the plan is as fast everywhere (docs/estimate.md).
+# A slow host step (the 2-core VM's rate) makes the configs' speeds differ with the host size; with the default, a
+# GPU server's, more host memory may still buy speed (a larger share speculated by super_offload), never cost it.
 SLOW_HOST = dict(host_adam=1.9e9)
 
 
@@ -94,7 +94,7 @@ def test_more_host_memory_never_plans_a_slower_step(monkeypatch):
     never_slower = lambda rates: all(r >= (1 - planner.THROUGHPUT_TOLERANCE) * max(rates[:i + 1])  # noqa: E731
                                      for i, r in enumerate(rates))
     default = [_tokens_per_s(h) for h in sizes]
-    assert never_slower(default) and max(default) < 1.05 * min(default), dict(zip(sizes, default))
+    assert never_slower(default) and default[-1] >= default[0], dict(zip(sizes, default))
     # The delayed update allowed, the host step hides: at most 10 % of the step exposed at every size.
     assert all(plan("gpt2-10b", gpu_memory="80GB", host_memory=f"{h}GiB", allow_stale_step=True)
                .batch.timing.exposed_share <= 0.10 for h in (120, 160, 200))

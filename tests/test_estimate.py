@@ -28,13 +28,15 @@ SIZES = {"small-bf16": (GPTConfig(vocab_size=4096, block_size=16, n_layer=2, n_h
 CASES = [(0, "none", None), (1, "none", None), (1, "cpu", None), (2, "none", None), (2, "cpu", None),
          (3, "none", None), (3, "cpu", None), (3, "cpu", "cpu"),
          (2, "nvme", None), (3, "nvme", "cpu"), (3, "nvme", "nvme"), (3, "cpu", "nvme"),
-         (2, "cpu+super_offload", None), (3, "cpu+super_offload", "cpu")]
+         (2, "cpu+super_offload", None), (3, "cpu+super_offload", "cpu"), (2, "cpu+super_offload=0.4", None)]
 
 
 def _config(stage, offload, offload_param, precision, nvme_path=None):
     offload, _, spec = offload.partition("+")      # "cpu+super_offload": its second bank of state
+    fraction = float(spec.partition("=")[2] or 1)  # "...=0.4": an undo bank of 0.4 of the state
     opt = {"device": offload, **({"nvme_path": nvme_path} if offload == "nvme" else {}),
-           **({"super_offload": True} if spec else {})}
+           **({"super_offload": True} if spec else {}),
+           **({"super_offload_fraction": fraction} if fraction < 1 else {})}
     zero = {"stage": stage, "offload_optimizer": opt, "reduce_bucket_size": 200_000, "overlap_comm": True,
             "sub_group_size": 100_000}
     if offload_param:

@@ -100,6 +100,13 @@ class OffloadOptimizerConfig(OffloadConfig):
                                         "moments (12 bytes/param more host memory, 8 with bf16 moments); the "
                                         "boundary keeps it, or redoes it exactly when clipping fired, or drops it "
                                         "on fp16 overflow. Not with delayed_param_update.")
+    super_offload_fraction: float = option(1.0, "Not a DeepSpeed key: with super_offload and device 'cpu', the share "
+                                                "of each host partition speculated, the first to land. 1: into a "
+                                                "second bank the size of the state (swapped at the boundary). Below "
+                                                "1: stepped in place after an undo copy of that share (that share x "
+                                                "12 bytes/param, 8 with bf16 moments); the rest is stepped after "
+                                                "backward. The planner sizes it to the free host memory.",
+                                           min=0.0, max=1.0)
     ratio: float = option(1.0, "ZeRO-Offload++'s Twin-Flow (DeepSpeed's key and default): the share of each "
                                "partition whose optimizer state and step are offloaded, at stages 2 and 3 with "
                                "device 'cpu' and the parameters on the device. The rest keeps its fp32 masters, "
@@ -203,6 +210,8 @@ class ZeroConfig:
             self._check_super_offload(path)
         if self.offload_optimizer.ratio < 1.0:
             self._check_ratio(path)
+        if self.offload_optimizer.super_offload_fraction < 1.0:
+            self._check_super_offload_fraction(path)
         if self.offload_optimizer.device != "none" and self.stage < 1:
             raise ConfigError(f"config key '{path}.offload_optimizer.device' = "
                               f"{self.offload_optimizer.device!r} needs '{path}.stage' >= 1 (got 0)")
@@ -237,6 +246,18 @@ class ZeroConfig:
         if self.offload_param.device != "none":
             raise ConfigError(f"{key} needs the parameters on the device; '{path}.offload_param.device' is "
                               f"{self.offload_param.device!r} (the device part steps device parameters)")
+
+    def _check_super_offload_fraction(self, path: str) -> None:
+        """``offload_optimizer.super_offload_fraction`` < 1 sizes the speculation of states in host memory."""
+        oo = self.offload_optimizer
+        key = f"config key '{path}.offload_optimizer.super_offload_fraction' = {oo.super_offload_fraction}"
+        if oo.super_offload_fraction <= 0.0:
+            raise ConfigError(f"{key} speculates nothing: set '{path}.offload_optimizer.super_offload' = false")
+        if not oo.super_offload:
+            raise ConfigError(f"{key} has no effect without '{path}.offload_optimizer.super_offload' = true")
+        if oo.device != "cpu":
+            raise ConfigError(f"{key} needs '{path}.offload_optimizer.device' = 'cpu' (got {oo.device!r}): on NVMe "
+                              "the second bank is a second set of swap files, not host memory")
 
     def _check_super_offload(self, path: str) -> None:
         """``offload_optimizer.super_offload`` needs the host step of stages 2/3 (states in host memory or NVMe)."""

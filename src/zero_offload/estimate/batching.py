@@ -17,6 +17,7 @@ where the config asks for it or the caller allows a stale step (`Knobs.allow_sta
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -25,7 +26,8 @@ from zero_offload.estimate.memory import MemoryEstimate, ModelShape
 from zero_offload.estimate.step_graph import Phases, Structure, predict_step
 from zero_offload.estimate.throughput import (EXPOSED_FRACTION, MAX_GRADIENT_ACCUMULATION, STAGE3_UNIT_SECONDS,
                                               Assumptions, StepTiming, accumulation_to_hide, host_add_seconds,
-                                              SPECULATIVE_KERNEL_COST, device_step_seconds, host_step_seconds,
+                                              SPECULATIVE_KERNEL_COST, UNDO_COPY_COST, device_step_seconds,
+                                              host_step_seconds,
                                               micro_step_seconds, step_timing)
 from zero_offload.flat import partition_numel
 
@@ -37,6 +39,8 @@ MICRO_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 RATIOS = (1.0, 0.9, 0.75, 0.5, 0.25)
 # Predicted throughputs this close to the best count as equal.
 TIE = 0.03
+# super_offload_fraction's grid where the planner sizes it (below it: no speculation).
+FRACTION_STEP = 0.125
 
 # (estimate, {side: bytes short}) of a config dict at a micro-batch and checkpointing setting.
 Measure = Callable[[dict, int, "bool | None"], "tuple[MemoryEstimate, dict[str, int]]"]
@@ -52,6 +56,8 @@ class Knobs:
         checkpointing: activation checkpointing (None for a shape without a transformer: not modelled).
         delayed_update: ``offload_optimizer.delayed_param_update``.
         super_offload: ``offload_optimizer.super_offload``.
+        super_offload_fraction: ``offload_optimizer.super_offload_fraction`` (None: the largest share on the
+            `FRACTION_STEP` grid whose undo bank fits, where the full second bank does not).
         ratio: ``offload_optimizer.ratio``.
         choose_checkpointing: whether ``checkpointing`` None means "choose" (a GPT shape) or "the model's own".
         allow_stale_step: the plan may choose the delayed update where ``delayed_update`` is None (it changes what
@@ -65,6 +71,7 @@ class Knobs:
     super_offload: bool | None = None
     ratio: float | None = None
     allow_stale_step: bool = False
+    super_offload_fraction: float | None = None
 
 
 @dataclass
@@ -78,6 +85,7 @@ class BatchChoice:
         estimate, short: `estimate_memory` of it and {side: bytes missing} (all 0: it fits).
         timing: the predicted step (None without a throughput model: no accelerator or no sequence length).
         notes: {reason key: why}, for `Plan.reasons`.
+        fraction: with super_offload, the share of each partition speculated (``super_offload_fraction``).
     """
     raw: dict
     micro: int
@@ -90,13 +98,14 @@ class BatchChoice:
     short: dict[str, int]
     timing: StepTiming | None = None
     notes: dict[str, str] = field(default_factory=dict)
+    fraction: float = 1.0
 
     @property
     def fits(self) -> bool:
         return not any(self.short.values())
 
 
-def _with(raw: dict, micro: int, gas: int, policy: tuple) -> dict:
+def _with(raw: dict, micro: int, gas: int, policy: tuple, fraction: float | None = None) -> dict:
     out = copy.deepcopy(raw)
     out.pop("train_batch_size", None)
     out["train_micro_batch_size_per_gpu"], out["gradient_accumulation_steps"] = micro, gas
@@ -106,11 +115,33 @@ def _with(raw: dict, micro: int, gas: int, policy: tuple) -> dict:
             offload[key] = True
         elif on is False and isinstance(offload, dict):
             offload.pop(key, None)          # off is the default
+    if isinstance(offload, dict) and (fraction is not None or not policy[1]):
+        offload.pop("super_offload_fraction", None)         # 1 is the default, and needs super_offload
+        if fraction is not None and fraction < 1.0:
+            offload["super_offload_fraction"] = fraction
     if isinstance(offload, dict) and policy[2] is not None:
         offload["ratio"] = policy[2]
         if policy[2] == 1.0:
             offload.pop("ratio")            # 1 is the default
     return out
+
+
+def _sized_fraction(est: MemoryEstimate, short: dict[str, int]) -> float:
+    """The largest ``super_offload_fraction`` on the `FRACTION_STEP` grid whose undo bank would fit where the full
+    second bank (``est``'s ``speculative_state``) leaves the host ``short``; 0 where something else is short."""
+    bank = est.host.get("speculative_state", 0)
+    if not bank or any(v for k, v in short.items() if k != "host"):
+        return 0.0
+    return math.floor((bank - short.get("host", 0)) / bank / FRACTION_STEP) * FRACTION_STEP
+
+
+def _hiding_fraction(t: StepTiming, checkpointing: bool) -> float | None:
+    """The ``super_offload_fraction`` (on the `FRACTION_STEP` grid) whose pieces the host can step in place during
+    one backward, undo copies included; None where that is all of it or none. Speculating more than that is
+    exposed anyway, at the undo copies' cost; the whole second bank avoids the copies but writes a second bank."""
+    backward_s = t.micro_s * (6 / 8 if checkpointing else 4 / 6)      # backward's share of the model's FLOPs
+    share = math.floor(backward_s / (t.host_s * (1 + UNDO_COPY_COST)) / FRACTION_STEP) * FRACTION_STEP
+    return share if FRACTION_STEP <= share < 1.0 else None
 
 
 def _policies(knobs: Knobs, dpu_possible: bool, spec_possible: bool, ratio_possible: bool) -> list[tuple]:
@@ -123,20 +154,23 @@ def _policies(knobs: Knobs, dpu_possible: bool, spec_possible: bool, ratio_possi
             if not (d and s) and not (d and r is not None and r < 1.0)]
 
 
-def _host_step(shape: ModelShape, cfg: Config, gpus: int, gas: int, a: Assumptions) -> tuple[float, int, float]:
+def _host_step(shape: ModelShape, cfg: Config, gpus: int, gas: int,
+               a: Assumptions) -> tuple[float, int, float, float]:
     """(host-step seconds, gradient bytes copied down per micro-step, host-accumulation seconds of each micro-step
-    after the first) of this rank; (0, 0, 0) when the step runs on the device."""
+    after the first, seconds of undo copies of the whole partition's state) of this rank; zeros when the step runs
+    on the device."""
     zc = cfg.zero_optimization
     offload_param = zc.stage == 3 and zc.offload_param.device in ("cpu", "nvme")
     if zc.offload_optimizer.device not in ("cpu", "nvme") and not offload_param:
-        return 0.0, 0, 0.0
+        return 0.0, 0, 0.0, 0.0
     d = 4 if cfg.precision == "fp32" else 2
     part = sum(partition_numel(n, gpus) for n in shape.group_numels())
     moments = 2 if cfg.bf16.bf16_optimizer_states else 4
     accumulates = gas > 1 and zc.stage >= 2          # fp32 partitions added into on the host
     grad = 4 if accumulates else d
     add_s = host_add_seconds(part, d, a.host_adam) if accumulates else 0.0
-    return host_step_seconds(part, moments, grad, d, a.host_adam), part * d, add_s
+    host_s = host_step_seconds(part, moments, grad, d, a.host_adam)
+    return host_s, part * d, add_s, UNDO_COPY_COST * host_s
 
 
 def choose_batch(shape: ModelShape, raw: dict, gpus: int, seq: int | None, knobs: Knobs, a: Assumptions,
@@ -160,11 +194,22 @@ def choose_batch(shape: ModelShape, raw: dict, gpus: int, seq: int | None, knobs
     policies = _policies(knobs, dpu_possible, spec_possible, ratio_possible)
     default = policies[0]
 
-    def make(micro: int, gas: int, ckpt, policy) -> BatchChoice:
-        cfg_raw = _with(raw, micro, gas, policy)
+    def make(micro: int, gas: int, ckpt, policy, fraction: float | None = None) -> BatchChoice:
+        cfg_raw = _with(raw, micro, gas, policy, fraction)
         est, short = measure(cfg_raw, micro, ckpt)
-        return BatchChoice(cfg_raw, micro, gas, ckpt, bool(policy[0]), bool(policy[1]),
-                           1.0 if policy[2] is None else policy[2], est, short)
+        c = BatchChoice(cfg_raw, micro, gas, ckpt, bool(policy[0]), bool(policy[1]),
+                        1.0 if policy[2] is None else policy[2], est, short,
+                        fraction=Config.load(cfg_raw).zero_optimization.offload_optimizer.super_offload_fraction)
+        if c.fits or not policy[1] or fraction is not None or knobs.super_offload_fraction is not None:
+            return c
+        # The full second bank does not fit: speculate the largest share whose undo bank does.
+        share = _sized_fraction(est, short)
+        while share >= FRACTION_STEP:
+            smaller = make(micro, gas, ckpt, policy, share)
+            if smaller.fits:
+                return smaller
+            share -= FRACTION_STEP
+        return c
 
     smallest = make(micros[0], gas0, ckpts[-1], default)
     if not smallest.fits or seq is None:
@@ -181,10 +226,14 @@ def choose_batch(shape: ModelShape, raw: dict, gpus: int, seq: int | None, knobs
                 if knobs.gradient_accumulation is None:
                     need = accumulation_to_hide(first.timing.micro_s, first.timing.host_s, bool(policy[0]))
                     gases.add(min(MAX_GRADIENT_ACCUMULATION, need))
-                for gas in sorted(gases - ({gas0} if policy == default else set())):
-                    c = make(micro, gas, ckpt, policy)
-                    if c.fits:
-                        options.append(_timed(c, shape, gpus, seq, a))
+                for gas in sorted(gases):
+                    shares = [] if policy == default and gas == gas0 else [None]      # that one is `first`
+                    if policy[1] and knobs.super_offload_fraction is None:
+                        shares.append(_hiding_fraction(first.timing, bool(ckpt)))
+                    for share in shares:
+                        c = make(micro, gas, ckpt, policy, share)
+                        if c.fits and (share is None or c.fraction < 1.0):
+                            options.append(_timed(c, shape, gpus, seq, a))
     # The delayed update is predicted always, chosen only where asked for or allowed.
     allowed = [c for c in options if not c.delayed or knobs.allow_stale_step or knobs.delayed_update]
     if not allowed:
@@ -202,8 +251,12 @@ def _timed(c: BatchChoice, shape: ModelShape, gpus: int, seq: int, a: Assumption
     as the engine's recorded step overlaps them (`zero_offload.estimate.step_graph`)."""
     cfg = Config.load(c.raw)
     zc = cfg.zero_optimization
-    host_s, down, add_s = _host_step(shape, cfg, gpus, c.gas, a)
-    host_s *= (SPECULATIVE_KERNEL_COST if c.speculative else 1.0) * c.ratio     # the host's part
+    host_s, down, add_s, save_s = _host_step(shape, cfg, gpus, c.gas, a)
+    # The host's part; super_offload writes a second bank (streaming stores), or below fraction 1 copies the
+    # speculated share out first and steps it in place.
+    undo = c.speculative and c.fraction < 1.0
+    host_s *= (SPECULATIVE_KERNEL_COST if c.speculative and not undo else 1.0) * c.ratio
+    save_s = save_s * c.ratio if undo else 0.0
     tokens = c.micro * seq
     ckpt = c.checkpointing if c.checkpointing is not None else bool(shape.gpt and shape.gpt.activation_checkpointing)
     units = len(shape.units) if zc.stage == 3 else 0
@@ -216,9 +269,10 @@ def _timed(c: BatchChoice, shape: ModelShape, gpus: int, seq: int, a: Assumption
     forward = 2 * shape.n_params * tokens / flops + units * STAGE3_UNIT_SECONDS
     backward = (6 if ckpt else 4) * shape.n_params * tokens / flops + units * STAGE3_UNIT_SECONDS
     offload_param = zc.stage == 3 and zc.offload_param.device in ("cpu", "nvme")
-    structure = Structure(zc.stage, offload_param, c.delayed, c.gas > 1, cfg.precision == "fp32", c.speculative)
+    structure = Structure(zc.stage, offload_param, c.delayed, c.gas > 1, cfg.precision == "fp32", c.speculative,
+                          c.fraction if c.speculative else 1.0)
     up = 0.0 if offload_param else down / a.pcie          # host shards are written in place, gathered later
-    graph = predict_step(structure, Phases(forward, backward, down / a.pcie, up, add_s, host_s, c.gas))
+    graph = predict_step(structure, Phases(forward, backward, down / a.pcie, up, add_s, host_s, c.gas, save_s))
     # ratio < 1: the device part's step is queued at the boundary before the host steps its part (counted in
     # full: the recorded proxy has no device step to overlap it with).
     device_s = device_step_seconds(int(shape.n_params / gpus * (1.0 - c.ratio)))
@@ -275,9 +329,12 @@ def _explain(c: BatchChoice, options: list[BatchChoice], seq: int, free_ckpt: bo
                                                  "device memory)")
     if spec_possible and t.host_s > 0:
         if c.speculative:
+            bank = ("its second bank of master weights and moments" if c.fraction >= 1.0 else
+                     f"{c.fraction:g} of each partition, the first to land, stepped in place after an undo copy: as "
+                     "much as the host steps during backward, or as fits; that copy")
             notes["super_offload"] = ("on: the boundary's host step starts during its backward, kept exactly or "
-                                      "redone where clipping fires (its second bank of master weights and moments "
-                                      "counted in host memory, its landing buffers in device memory)")
+                                      f"redone where clipping fires ({bank} counted in host memory, its landing "
+                                      "buffers in device memory)")
         elif knobs.super_offload is None:
             spec = [o for o in options if o.speculative]
             notes["super_offload"] = ("off: it does not hide enough more of the host step to pay for its memory" if

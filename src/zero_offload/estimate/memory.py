@@ -17,6 +17,7 @@ import torch
 
 from zero_offload.config import Config
 from zero_offload.flat import padded_numel, partition_numel
+from zero_offload.hoststep.banks import speculated_numel
 from zero_offload.estimate.shape import ModelShape, model_shape
 from zero_offload.offload.copies import host_alloc_bytes
 from zero_offload.offload.grad_staging import STAGING_FORMULA, staging_shape
@@ -188,13 +189,13 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
     ratio = zc.offload_optimizer.ratio if offload_opt and not offload_param else 1.0
     rounding = 0
 
-    def host(kind: str, numel: int, dtype_: torch.dtype) -> None:
+    def host(kind: str, numel: int, dtype_: torch.dtype, pinned: bool | None = None) -> None:
         nonlocal rounding
         nbytes = numel * torch.empty((), dtype=dtype_).element_size()
         if (state_nvme and kind == "master") or (param_nvme and kind == "params"):
             return                                 # in swap files: `_nvme_files`
         est.add("host", kind, nbytes)
-        rounding += host_alloc_bytes(numel, dtype_, pin, accelerator) - nbytes
+        rounding += host_alloc_bytes(numel, dtype_, pin if pinned is None else pinned, accelerator) - nbytes
 
     def moments(numel: int, on_host: bool) -> None:
         # Both Adam moments of a partition: on the device, or where the host step keeps them (memory or NVMe).
@@ -306,11 +307,17 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
             est.add("device", "param_incoming", sum(parts) * d)
         est.formulas["param_incoming"] = "super_offload: the partition again where the parameters are (P x d)"
     elif speculative:
-        # super_offload steps into a second bank of masters and moments (`zero_offload.hoststep.speculation`); with
-        # device parameters each piece's 16-bit parameters go through a pinned buffer into device landing buffers.
+        # super_offload steps into a second bank of masters and moments, or (a fraction f < 1) in place after an
+        # undo copy of f of them (`zero_offload.hoststep.banks`); with device parameters each piece's 16-bit
+        # parameters go through a pinned buffer into device landing buffers.
+        fraction = zc.offload_optimizer.super_offload_fraction
+        moment_dtype = torch.bfloat16 if moment_bytes == 2 else torch.float32
+        pinned = None if fraction >= 1.0 else False       # an undo bank is never page-locked: only the host reads it
         for p in parts:
-            host("speculative_state", p * (4 + 2 * moment_bytes), torch.uint8)
-        est.formulas["speculative_state"] = "super_offload: a second master and both moments (P x (4 + 2 x moment))"
+            for dtype_ in (torch.float32, moment_dtype, moment_dtype):
+                host("speculative_state", speculated_numel(p, fraction), dtype_, pinned)
+        est.formulas["speculative_state"] = ("super_offload: a second master and both moments, of the fraction "
+                                             "speculated (f x P x (4 + 2 x moment))")
         if offload_opt and not offload_param:
             est.add("device", "param_incoming", sum(parts) * d)
             est.formulas["param_incoming"] = "super_offload: the partition again on the device (P x d)"

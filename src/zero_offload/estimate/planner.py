@@ -210,7 +210,8 @@ def _knobs(base: dict, user_config: bool, gpus: int, accelerator: bool, shape: M
     return Knobs(micro, gas, activation_checkpointing, dpu if (dpu is not None or accelerator) else False,
                  choose_checkpointing=accelerator and shape.gpt is not None,
                  super_offload=spec if (spec is not None or accelerator) else False,
-                 ratio=ratio if (ratio is not None or accelerator) else 1.0, allow_stale_step=allow_stale_step)
+                 ratio=ratio if (ratio is not None or accelerator) else 1.0, allow_stale_step=allow_stale_step,
+                 super_offload_fraction=offload.get("super_offload_fraction") if isinstance(offload, dict) else None)
 
 
 def _positive_int(value, name: str) -> None:

@@ -50,9 +50,10 @@ WARMUP_STEPS = 2
 RECORDED_STEPS = 3
 BAR_COLUMNS = 60
 # Each op kind's letter in the text timeline, and its name.
-LETTERS = {"forward": "F", "backward": "B", "host_step": "S", "host_add": "a", "h2d": "u", "d2h": "d"}
+LETTERS = {"forward": "F", "backward": "B", "host_step": "S", "host_add": "a", "host_save": "k", "h2d": "u",
+           "d2h": "d"}
 NAMES = {"forward": "forward", "backward": "backward", "host_step": "host step", "host_add": "host accumulation",
-         "h2d": "copy up", "d2h": "copy down"}
+         "host_save": "undo copy", "h2d": "copy up", "d2h": "copy down"}
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,8 @@ class Structure:
         accumulates: more than one micro-step per optimizer step.
         fp32: fp32 training (else bf16).
         speculative: super_offload's speculative host step during the boundary backward.
+        speculated: the share of each partition it speculates (``super_offload_fraction``; below 1 in place
+            after undo copies, `zero_offload.hoststep.banks`).
     """
     stage: int
     offload_param: bool
@@ -73,6 +76,7 @@ class Structure:
     accumulates: bool
     fp32: bool
     speculative: bool = False
+    speculated: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -84,6 +88,8 @@ class Phases:
         down_s: gradient copies down of one micro-step; up_s: parameter copies up of one step.
         add_s: host accumulation of one micro-step; host_s: the host Adam step.
         gas: micro-steps per optimizer step.
+        save_s: super_offload below fraction 1: the undo copies of the whole partition's state (those of the
+            speculated share are recorded).
     """
     forward_s: float
     backward_s: float
@@ -92,6 +98,7 @@ class Phases:
     add_s: float
     host_s: float
     gas: int = 1
+    save_s: float = 0.0
 
 
 @dataclass
@@ -140,6 +147,7 @@ def _config(s: Structure, layer: int) -> dict:
     zero = {"stage": s.stage, "reduce_bucket_size": layer, "overlap_comm": True,
             "offload_optimizer": {"device": "cpu", "delayed_param_update": s.delayed, "dpu_warmup_steps": 1,
                                   "super_offload": s.speculative,
+                                  **({"super_offload_fraction": s.speculated} if s.speculated < 1 else {}),
                                   # as many chunks per layer as a large model's step has
                                   "copy_chunk": -(-layer // CHUNKS_PER_LAYER)}}
     if s.offload_param:
@@ -251,13 +259,13 @@ def _durations(tl: Timeline, marks, p: Phases, fp32: bool):
     micro = _micro_steps(tl.ops, marks)
     params = sum(o.work for o in tl.ops if o.kind == "forward" and o.id < (marks[1][0] if len(marks) > 1 else
                                                                              len(tl.ops)))
-    size = {"forward": params, "backward": params, "host_step": params, "host_add": params,
+    size = {"forward": params, "backward": params, "host_step": params, "host_add": params, "host_save": params,
             "h2d": params * (4 if fp32 else 2), "d2h": params * (4 if fp32 else 2)}
     per_micro = {"forward": p.forward_s, "backward": p.backward_s, "d2h": p.down_s, "host_add": p.add_s}
-    per_step = {"host_step": p.host_s, "h2d": p.up_s}
+    per_step = {"host_step": p.host_s, "host_save": p.save_s, "h2d": p.up_s}
 
     def kind(op: Op) -> str | None:
-        if op.kind in ("forward", "backward", "host_step", "host_add"):
+        if op.kind in ("forward", "backward", "host_step", "host_add", "host_save"):
             return op.kind
         return op.lane if op.lane in ("h2d", "d2h") and op.kind == "copy" else None
 

@@ -118,6 +118,7 @@ def render(result: Plan, shape: ModelShape, ds: dict | None) -> str:
         ckpt = {True: "on", False: "off", None: "as the model sets it"}[b.checkpointing]
         out.append(f"(the plan's row at its micro-batch {b.micro}, accumulation {b.gas}, activation checkpointing "
                    f"{ckpt}{', delayed update' if b.delayed else ''}{', super_offload' if b.speculative else ''}"
+                   f"{f' ({b.fraction:.0%} speculated)' if b.speculative and b.fraction < 1 else ''}"
                    f"{f', ratio {b.ratio:g}' if b.ratio < 1 else ''}; every other row at its smallest setting)")
     if chosen is not None:
         out.append(f"plan: {result.name}")

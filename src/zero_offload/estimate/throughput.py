@@ -199,6 +199,10 @@ def device_step_seconds(params: int) -> float:
 # The speculative kernel (super_offload) writes a second bank of state: streaming stores, 1.2-1.25x the in-place
 # kernel's time (benchmarks/bench_speculative_kernel.py, AVX-512 and AVX2; BENCHMARKS.md).
 SPECULATIVE_KERNEL_COST = 1.25
+# super_offload_fraction < 1 copies the speculated share's master weights and moments out before stepping it in
+# place: the copy takes 0.8x (bf16 moments) to 1.7x (fp32) the in-place step's time (torch's copy reads each
+# destination line before writing it; benchmarks/bench_speculative_kernel.py, BENCHMARKS.md). The larger is used.
+UNDO_COPY_COST = 1.7
 
 
 def accumulation_to_hide(micro_s: float, host_s: float, delayed: bool,

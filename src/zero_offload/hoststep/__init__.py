@@ -2,7 +2,8 @@
 host-step pipeline.
 
 - `pipeline.HostStepPipeline`: what the engine calls at the boundary; it runs the `policy.StepPolicy` the config
-  asks for (synchronous, the delayed update of `delayed`, the speculative step of `speculation`).
+  asks for (synchronous, the delayed update of `delayed`, the speculative step of `speculation` and its
+  `banks`).
 - `builder.build_partition_optimizer`: the one place that chooses a partition optimizer (the `role` it fills):
   `adam.PartitionedAdam` (host or device memory), `torch_optimizer.PartitionedTorchOptimizer`, `nvme_adam.NvmeAdam`
   (swap files), `split.SplitAdam` (``offload_optimizer.ratio``).

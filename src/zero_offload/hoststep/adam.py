@@ -22,6 +22,7 @@ from zero_offload.hoststep.adam_state import AdamState
 from zero_offload.hoststep.copies_up import CopiesUp
 from zero_offload.hoststep.policy import StepPolicy
 from zero_offload.hoststep.role import GradSource
+from zero_offload.hoststep.banks import SwapBank, UndoBank
 from zero_offload.hoststep.speculation import FinalRanges, PieceSpeculation
 
 __all__ = ["PartitionedAdam", "host_state_dtype"]
@@ -71,12 +72,15 @@ class PartitionedAdam(AdamState):
         policy: when the step runs (`StepPolicy`). ``DELAYED``: the kernel never writes the parts; each finished
             chunk goes up into ``incoming`` as the step runs, and `publish` copies those over the parts later
             (masters and 16-bit outputs are always separate buffers). ``SPECULATIVE``: the boundary's pieces are
-            stepped while backward runs, into a second bank of state
-            (`zero_offload.hoststep.speculation.PieceSpeculation`), and `step` keeps or redoes them exactly.
+            stepped while backward runs (`zero_offload.hoststep.speculation.PieceSpeculation`, into a second
+            bank or in place with an undo copy: `zero_offload.hoststep.banks`), and `step` keeps or redoes them
+            exactly.
         state_dtype: dtype of the host Adam moments, fp32 or bf16 (``bf16.bf16_optimizer_states``).
         host_cpus: for a step beside training, the cores `host_thread` is pinned to, one kernel thread each
             (``cpuadam_cores_perc``, `zero_offload.offload.host_cores`); None: torch's thread count.
         chunk: elements per host-step chunk and per copy up (``offload_optimizer.copy_chunk``).
+        speculated: ``SPECULATIVE``: the share of each partition speculated (``super_offload_fraction``; below 1
+            in place with an undo copy, `zero_offload.hoststep.banks`).
 
     Attributes:
         optimizer: the inner ``torch.optim.Optimizer`` whose param groups carry the live learning rates
@@ -102,7 +106,7 @@ class PartitionedAdam(AdamState):
     def __init__(self, parts: list[torch.Tensor], hparams: list[dict], offload: bool, copies: Copies,
                  host_params: bool = False, policy: StepPolicy = StepPolicy.SYNCHRONOUS,
                  state_dtype: torch.dtype = torch.float32, host_cpus: tuple[int, ...] | None = None,
-                 chunk: int = 1 << 24):
+                 chunk: int = 1 << 24, speculated: float = 1.0):
         self.parts, self.offload, self.copies = parts, offload, copies
         host_threads = len(host_cpus) if host_cpus else None
         self.host_threads = host_threads or torch.get_num_threads()
@@ -161,7 +165,8 @@ class PartitionedAdam(AdamState):
         self.host_thread = (HostThread("host-step", copies.device, host_cpus)
                             if policy.beside_training and self.on_host else None)
         # The speculative step (super_offload): only with the fused host kernel over offloaded states.
-        self.speculation = (PieceSpeculation(self.optimizer, copies, self.host_threads, self.host_thread,
+        bank = (SwapBank(self.optimizer, copies) if speculated >= 1.0 else UndoBank(self.optimizer, speculated))
+        self.speculation = (PieceSpeculation(self.optimizer, bank, self.host_threads, self.host_thread,
                                             self.chunk) if speculative and self.on_host else None)
         if self.speculation is not None and self.incoming[0] is not None:
             # Each speculated piece's 16-bit parameters are written to a pinned buffer and go up into the landing
@@ -234,7 +239,9 @@ class PartitionedAdam(AdamState):
         self.speculation.begin(grad_scale)
         # The second bank was the live state a step ago, and the pinned outputs were read: copies up may still
         # read them.
-        reads = [*self.speculation.bank_tensors(), *(o for o in self.speculation.outs if o is not None)]
+        spec = self.speculation
+        reads = [*spec.bank.tensors(), *(spec.result(g) for g in range(len(self.parts))),
+                 *(o for o in spec.outs if o is not None)]
         self.up.wait_reads({_storage(t) for t in reads})
         self.publish_copies = [None] * len(self.parts)
         return self.speculation.sinks()
@@ -251,7 +258,7 @@ class PartitionedAdam(AdamState):
         contents (`incoming_free`). The source is bound here, on the thread that stepped the piece: the issuing
         thread may run the copy after the boundary swapped the banks."""
         spec = self.speculation
-        source = (spec.outs[g] if spec.outs[g] is not None else spec.banks[g]["master"])[lo:hi]
+        source = (spec.outs[g] if spec.outs[g] is not None else spec.result(g))[lo:hi]
 
         def copy(g: int, lo: int, hi: int) -> None:
             handle = self.copies.to_device(self.incoming[g][lo:hi], source, after=self.incoming_free)

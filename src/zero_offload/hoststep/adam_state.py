@@ -39,7 +39,7 @@ class AdamState(WholeGroupState):
                  "exp_avg": [s["exp_avg"] for s in states if "exp_avg" in s],
                  "exp_avg_sq": [s["exp_avg_sq"] for s in states if "exp_avg_sq" in s]}
         if self.speculation is not None:
-            kinds["speculative_state"] = self.speculation.bank_tensors()
+            kinds["speculative_state"] = self.speculation.bank.tensors()
         return kinds
 
     # -- state (the `PartitionedOptimizerState` protocol of zero_offload.state) ----------------------------

@@ -119,7 +119,8 @@ def _in_memory(config: Config, parts: list[torch.Tensor], hparams: list[dict], o
         # A step beside the training thread gets its share of the cores; a synchronous one every core.
         cores = host_step_cores(offload_opt.cpuadam_cores_perc) if policy.beside_training else None
         return PartitionedAdam(parts, hparams, offload, copies, host_params=host_params, policy=policy,
-                               state_dtype=host_state_dtype(config), host_cpus=cores, chunk=offload_opt.copy_chunk)
+                               state_dtype=host_state_dtype(config), host_cpus=cores, chunk=offload_opt.copy_chunk,
+                               speculated=offload_opt.super_offload_fraction)
     for key, on in (("delayed_param_update", policy is StepPolicy.DELAYED),
                     ("super_offload", policy is StepPolicy.SPECULATIVE)):
         if on:

@@ -19,7 +19,9 @@ second bank of the same size, so what it read stays as it was. When the boundary
 So the error bound is 0 for every coefficient. The price is memory, not accuracy: one more copy of the master
 weights and moments, 12 bytes per parameter (8 with bf16 moments) in host memory or in a second set of swap files,
 counted by ``zero_offload.estimate.memory`` as ``speculative_state``; and under clipping the speculated work is done
-again (the plain step's time, exposed, as without speculation).
+again (the plain step's time, exposed, as without speculation). In host memory, ``super_offload_fraction`` < 1
+trades that memory for host work: only the first-landing share is speculated, in place after an undo copy that a
+dropped step copies back (`zero_offload.hoststep.banks`).
 
 Two units, one life cycle (`Speculation`): in host memory each gradient piece is stepped as it lands
 (`PieceSpeculation`); swap files are read and written a sub-group at a time, so with the states on NVMe a sub-group
@@ -37,8 +39,9 @@ from typing import Callable, Protocol, Sequence
 import torch
 
 from zero_offload.host_thread import HostThread
+from zero_offload.hoststep.banks import Bank
 from zero_offload.offload import timeline
-from zero_offload.offload.copies import CopyHandle, Copies
+from zero_offload.offload.copies import CopyHandle
 from zero_offload.optim.cpu_adam import CPUAdam
 
 __all__ = ["FinalRanges", "Speculation", "PieceSpeculation", "SubGroupSpeculation", "ALIGN", "aligned_pieces"]
@@ -178,7 +181,8 @@ class PieceSpeculation(Speculation):
 
     Args:
         optimizer: the host optimizer; one fp32 master partition per param group (its only parameter).
-        copies: page-locks the second bank where the masters are page-locked (copies up read them).
+        bank: where the pieces are written and how the boundary keeps or drops them (`zero_offload.hoststep.banks`:
+            a swapped second bank, or in place with an undo copy of the speculated share).
         threads: the kernel's thread count beside training.
         thread: the host-step thread the pieces run on (its owner's; not closed here).
         chunk: elements per piece (a cancelled speculation stops within one piece).
@@ -191,10 +195,9 @@ class PieceSpeculation(Speculation):
         (and `Speculation`'s: ``hidden_s``, ``total_s``, ``last``).
     """
 
-    def __init__(self, optimizer: CPUAdam, copies: Copies, threads: int, thread: HostThread, chunk: int):
+    def __init__(self, optimizer: CPUAdam, bank: Bank, threads: int, thread: HostThread, chunk: int):
         super().__init__(thread, len(optimizer.param_groups))
-        self.optimizer, self.copies, self.threads, self.chunk = optimizer, copies, threads, chunk
-        self.banks: list[dict[str, torch.Tensor]] = []       # per group: master, exp_avg, exp_avg_sq
+        self.optimizer, self.bank, self.threads, self.chunk = optimizer, bank, threads, chunk
         self.outs: list[torch.Tensor | None] = [None] * len(optimizer.param_groups)
         self.on_piece: Callable[[int, int, int], None] | None = None
 
@@ -206,21 +209,25 @@ class PieceSpeculation(Speculation):
         """The boundary micro-step starts: its pieces are stepped with ``grad_scale`` (1 / loss scale, clip
         coefficient 1) as they land. The learning rates are the param groups' now (the schedule steps after)."""
         self.join()
-        if not self.banks:
-            self._allocate()
         for master in self.masters:
             self.optimizer.ensure_state(master)
+        self.bank.begin()
         self.grad_scale, self.active, self.valid, self.cancelled = grad_scale, True, True, False
         self.ranges = [[] for _ in self.masters]
         self.busy_s = 0.0
 
     def submit(self, g: int, lo: int, values: torch.Tensor, copy: CopyHandle | None) -> None:
-        """Step group ``g``'s elements [lo, lo + len(values)) into the second bank once ``copy`` has landed (any
-        thread). A range submitted twice (the gradient changed after its step) invalidates the speculation."""
-        hi = lo + values.numel()
+        """Step group ``g``'s elements [lo, lo + len(values)) -- as many as the bank takes, the rest wait for the
+        boundary -- once ``copy`` has landed (any thread). A range submitted twice (the gradient changed after its
+        step) invalidates the speculation."""
         with self.lock:
-            if not self.claim(g, lo, hi):
+            if not self.claim(g, lo, lo + values.numel()):
                 return
+            hi = lo + self.bank.reserve(g, values.numel())
+            self.ranges[g].pop()                 # only what the bank took counts as stepped
+            if hi == lo:
+                return
+            self.ranges[g].append((lo, hi))
         tl = timeline.current()
 
         def run() -> None:
@@ -230,77 +237,56 @@ class PieceSpeculation(Speculation):
                 if self.cancelled:
                     return
                 end = min(hi - lo, start + self.chunk)
+                if self.bank.save(g, lo + start, lo + end) and tl is not None:
+                    tl.host_work("host_save", end - start)
                 self._step_piece(g, lo + start, lo + end, values[start:end], self.grad_scale)
                 if tl is not None:
                     tl.host_work("host_step", end - start)
         self.thread.submit(run)
 
-
     def settle(self, grad_scale: float, grads: Sequence[torch.Tensor]) -> bool:
         """At the boundary, once the global norm is known: True when the speculated step stands (``grad_scale`` is
-        the one speculated with and no gradient changed after its piece was stepped); the banks are then swapped
-        and the step counted, every range no piece covered stepped first on this thread from ``grads`` (the
-        finished partitions). False: nothing changed, and the caller steps in place with ``grad_scale``.
+        the one speculated with and no gradient changed after its piece was stepped); every range no piece covered
+        is then stepped on this thread from ``grads`` (the finished partitions), the bank kept and the step
+        counted. False: the live state is what it was, and the caller steps in place with ``grad_scale``.
 
         Raises:
             HostThreadError: a speculative piece failed (chained to its exception).
         """
         if not self.stands(grad_scale):
+            self.bank.drop()
             return False
         for g, grad in enumerate(grads):
             for lo, hi in _gaps(self.ranges[g], grad.numel()):
                 self._step_piece(g, lo, hi, grad[lo:hi], grad_scale)
-        self._swap_banks()
+        self.bank.keep()
         for master in self.masters:
             self.optimizer.count_step(master)
         self.accepted()
         return True
 
+    def discard(self) -> None:
+        """fp16 overflow (or a checkpoint load): what was speculated is dropped, the live state as it was."""
+        if self.active:
+            super().discard()
+            self.bank.drop()
 
-    def bank_tensors(self) -> list[torch.Tensor]:
-        """The second bank: one more master and both moments per group (memory accounting)."""
-        return [t for bank in self.banks for t in bank.values()]
-
-    def _allocate(self) -> None:
-        for master in self.masters:
-            state = self.optimizer.state.get(master) or {}
-            dtype = state["exp_avg"].dtype if "exp_avg" in state else self.optimizer.state_dtype
-            pinned = master.is_pinned()
-            # Touched now (zeros), not by the first speculative piece: first-touch page faults cost ~1.5 s/GB.
-            make = (lambda n, d: self.copies.host_empty(n, d).zero_()) if pinned else \
-                (lambda n, d: torch.zeros(n, dtype=d))
-            self.banks.append({"master": make(master.numel(), torch.float32),
-                               "exp_avg": make(master.numel(), dtype), "exp_avg_sq": make(master.numel(), dtype)})
+    def result(self, g: int) -> torch.Tensor:
+        """Group ``g``'s master as the speculated step writes it (the bank's, or the live one stepped in place)."""
+        return self.bank.target(g)["master"]
 
     def _step_piece(self, g: int, lo: int, hi: int, grad: torch.Tensor, grad_scale: float) -> None:
-        """Group ``g``'s [lo, hi): read from the live state, written into the second bank (and ``outs``), then
+        """Group ``g``'s [lo, hi): read from the live state, written into the bank's target (and ``outs``), then
         handed to ``on_piece``. The body starts on a 16-element boundary, so that the kernel's streaming stores
         (aligned only) cover all of it. Its kernel time counts in ``busy_s``."""
         began = time.perf_counter()
-        out = self.outs[g]
+        out, into = self.outs[g], self.bank.target(g)
         for a, b in aligned_pieces(lo, hi):
-            self.optimizer.step_into(g, a, b, grad[a - lo:b - lo], grad_scale, self.banks[g], self.threads,
+            self.optimizer.step_into(g, a, b, grad[a - lo:b - lo], grad_scale, into, self.threads,
                                      out=None if out is None else out[a:b])
         self.busy_s += time.perf_counter() - began
         if self.on_piece is not None:
             self.on_piece(g, lo, hi)
-
-    def _swap_banks(self) -> None:
-        """The second bank becomes the live state (the tensors keep their identity: the optimizer's param groups
-        and state are keyed by them); the old state becomes the next boundary's second bank."""
-        for master, bank in zip(self.masters, self.banks):
-            state = self.optimizer.state[master]
-            for live, spare in ((master, bank["master"]), (state["exp_avg"], bank["exp_avg"]),
-                                (state["exp_avg_sq"], bank["exp_avg_sq"])):
-                _swap_storage(live, spare)
-
-
-def _swap_storage(a: torch.Tensor, b: torch.Tensor) -> None:
-    """Exchange the storages of two whole, contiguous tensors of one shape and dtype, in place."""
-    sa, sb = a.untyped_storage(), b.untyped_storage()
-    with torch.no_grad():
-        a.set_(sb, 0, b.shape, b.stride())
-        b.set_(sa, 0, a.shape, a.stride())
 
 
 def _gaps(ranges: list[tuple[int, int]], n: int) -> list[tuple[int, int]]:

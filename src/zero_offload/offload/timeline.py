@@ -5,7 +5,8 @@ stream and every wait on it is real (`zero_offload.offload.simulated`). Inside `
 each of them becomes an `Op` of a graph, with what it waited for:
 
 - **host lanes** (one per host thread, ``host:<thread name>``): the host step's chunks (``host_step``, work in
-  elements), the staged gradient adds (``host_add``), and host waits on a copy or collective (``host_wait``);
+  elements), the staged gradient adds (``host_add``), super_offload's undo copies (``host_save``), and host waits
+  on a copy or collective (``host_wait``);
 - **device lanes**: ``compute`` (each parameter-owning module's ``forward`` and ``backward``, work in the
   module's parameters), and one lane per simulated stream (``h2d``/``d2h`` copies, collectives; work in bytes).
 
@@ -41,7 +42,7 @@ def current() -> "Timeline | None":
 @dataclass
 class Op:
     """One node of the graph. ``lane``: where it runs (``host:<thread>``, ``compute``, ``h2d``, ``d2h`` or a
-    collective stream); ``kind``: forward, backward, copy, collective, host_step, host_add, host_wait;
+    collective stream); ``kind``: forward, backward, copy, collective, host_step, host_add, host_save, host_wait;
     ``work``: parameters (compute), bytes (copies, collectives) or elements (host work); ``after``: ids of the ops
     it waits for; ``issued_by``: the id of the host op it was issued after (None: the host lane's start)."""
     id: int
@@ -239,7 +240,7 @@ def _duration(op: Op, r: Rates) -> float:
         return 4 * op.work * r.tokens / r.gpu_flops
     if op.kind == "host_step":
         return op.work / r.host_adam
-    if op.kind == "host_add":
+    if op.kind in ("host_add", "host_save"):        # each a streaming copy of the state's size
         return op.work / r.host_add
     if op.lane == "h2d":
         return op.work / r.h2d

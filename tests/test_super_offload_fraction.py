@@ -16,7 +16,7 @@ import torch
 
 import zero_offload
 from dist_utils import run_ranks
-from reference import MICRO, engine_config, engine_runs, one_step_breakdown, reference_run
+from reference import MICRO, assert_estimated, engine_config, engine_runs, one_step_breakdown, reference_run
 from test_super_offload import clip_value, same, spec_config
 from toy_model import batch, make_model
 from zero_offload.config import ConfigError
@@ -61,6 +61,21 @@ def test_matches_adamw_and_the_plain_engine(results, ws, case):
         assert (params[name] - ref).abs().max().item() <= ATOL, name
         assert same(masters[name], plain_masters[name]), f"{name}: not bitwise the plain engine's"
     assert losses == pytest.approx(ref_losses, abs=1e-5)
+
+
+@pytest.mark.parametrize("stage,gas,kind", [(2, 1, "some"), (2, 3, "off"), (3, 1, "off")])
+def test_bf16_is_bitwise_the_plain_engine(stage, gas, kind):
+    """In bf16 the pieces stepped at the boundary go up through the ring (the 16-bit staging holds only the
+    speculated share): parameters and masters bitwise the plain engine's."""
+    clip = clip_value(kind, gas, 1)
+    configs = [fraction_config(stage, gas, clip, 1, f) for f in (FRACTION, None)]
+    for cfg in configs:
+        cfg["bf16"] = {"enabled": True}
+    (masters, params, losses), (plain_masters, plain_params, plain_losses) = [r[:3] for r in engine_runs(configs)]
+    for name in plain_masters:
+        assert same(masters[name], plain_masters[name]), name
+        assert same(params[name], plain_params[name]), name
+    assert losses == plain_losses
 
 
 def _speculations(cfg: dict, steps: int = 4) -> list[tuple[str, int, int]]:
@@ -118,6 +133,7 @@ def test_the_undo_bank_is_counted_and_estimated_to_the_byte(precision, moment_by
                                          "side": "host"}
     est = estimate_memory(make_model(), cfg, 1, accelerator=False)
     assert est.host["speculative_state"] == held["speculative_state"]["bytes"]
+    assert_estimated(held, cfg)           # every kind, the share-sized 16-bit staging and the ring included
 
 
 @pytest.mark.parametrize("change,named", [

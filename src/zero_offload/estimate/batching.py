@@ -40,7 +40,7 @@ RATIOS = (1.0, 0.9, 0.75, 0.5, 0.25)
 # Predicted throughputs this close to the best count as equal.
 TIE = 0.03
 # super_offload_fraction's grid where the planner sizes it (below it: no speculation).
-FRACTION_STEP = 0.125
+FRACTION_STEP = 0.0625
 
 # (estimate, {side: bytes short}) of a config dict at a micro-batch and checkpointing setting.
 Measure = Callable[[dict, int, "bool | None"], "tuple[MemoryEstimate, dict[str, int]]"]
@@ -127,12 +127,14 @@ def _with(raw: dict, micro: int, gas: int, policy: tuple, fraction: float | None
 
 
 def _sized_fraction(est: MemoryEstimate, short: dict[str, int]) -> float:
-    """The largest ``super_offload_fraction`` on the `FRACTION_STEP` grid whose undo bank would fit where the full
-    second bank (``est``'s ``speculative_state``) leaves the host ``short``; 0 where something else is short."""
-    bank = est.host.get("speculative_state", 0)
-    if not bank or any(v for k, v in short.items() if k != "host"):
+    """The largest ``super_offload_fraction`` on the `FRACTION_STEP` grid whose undo bank and 16-bit staging would
+    fit where the full second bank and the partition-sized staging (``est``'s ``speculative_state`` and
+    ``param_staging``, both scaling with the fraction) leave the host ``short``; 0 where something else is
+    short. The caller checks it (the ring and pinned rounding aside)."""
+    scaled = est.host.get("speculative_state", 0) + est.host.get("param_staging", 0)
+    if not scaled or any(v for k, v in short.items() if k != "host"):
         return 0.0
-    return math.floor((bank - short.get("host", 0)) / bank / FRACTION_STEP) * FRACTION_STEP
+    return math.floor((scaled - short.get("host", 0)) / scaled / FRACTION_STEP) * FRACTION_STEP
 
 
 def _hiding_fraction(t: StepTiming, checkpointing: bool) -> float | None:

@@ -321,9 +321,12 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
         if offload_opt and not offload_param:
             est.add("device", "param_incoming", sum(parts) * d)
             est.formulas["param_incoming"] = "super_offload: the partition again on the device (P x d)"
-            if d < 4:
+            if d < 4:      # the speculated pieces' 16-bit outputs; below fraction 1 the rest goes through the ring
                 for p in parts:
-                    host("param_staging", p, dtype)
+                    host("param_staging", speculated_numel(p, fraction), dtype)
+                if fraction < 1.0 and (grad_dtype if zc.stage >= 2 else dtype) == dtype:
+                    slots, slot_numel = ring_shape(max(parts))
+                    host("param_staging", slots * slot_numel, dtype)
     if grads_on_host and zc.offload_optimizer.delayed_param_update:
         # The delayed update hands this step's gradient partitions to the host step. Filled straight by the copies
         # down, a partition is lent and the next backward refills it behind the step (`GradPartition.take`);

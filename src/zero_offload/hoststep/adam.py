@@ -22,7 +22,7 @@ from zero_offload.hoststep.adam_state import AdamState
 from zero_offload.hoststep.copies_up import CopiesUp
 from zero_offload.hoststep.policy import StepPolicy
 from zero_offload.hoststep.role import GradSource
-from zero_offload.hoststep.banks import SwapBank, UndoBank
+from zero_offload.hoststep.banks import SwapBank, UndoBank, speculated_numel
 from zero_offload.hoststep.speculation import FinalRanges, PieceSpeculation
 
 __all__ = ["PartitionedAdam", "host_state_dtype"]
@@ -172,8 +172,8 @@ class PartitionedAdam(AdamState):
             # Each speculated piece's 16-bit parameters are written to a pinned buffer and go up into the landing
             # buffers at once (fp32 parameters: from the second bank's masters); a step that stands only copies
             # the landing buffers over the parameters on the device.
-            self.speculation.outs = [copies.host_empty(p.numel(), p.dtype) if p.dtype != torch.float32 else None
-                                     for p in parts]
+            self.speculation.outs = [copies.host_empty(speculated_numel(p.numel(), speculated), p.dtype)
+                                     if p.dtype != torch.float32 else None for p in parts]
             self.speculation.on_piece = self._land_speculated
 
     @property
@@ -252,18 +252,21 @@ class PartitionedAdam(AdamState):
             self.speculation.discard()
             self.up.join()
 
-    def _land_speculated(self, g: int, lo: int, hi: int) -> None:
-        """A speculated piece [lo, hi) of group ``g`` goes up into its landing buffer (`incoming`), from the pinned
-        16-bit output or the second bank's fp32 master, once the compute stream has read the buffer's previous
-        contents (`incoming_free`). The source is bound here, on the thread that stepped the piece: the issuing
-        thread may run the copy after the boundary swapped the banks."""
-        spec = self.speculation
-        source = (spec.outs[g] if spec.outs[g] is not None else spec.result(g))[lo:hi]
-
+    def _land_speculated(self, g: int, lo: int, hi: int, source: torch.Tensor | None) -> None:
+        """A stepped piece [lo, hi) of group ``g`` goes up into its landing buffer (`incoming`) from ``source`` (its
+        pinned 16-bit output, or an fp32 master), or where None (stepped in place at the boundary with the 16-bit
+        staging only the speculated share's size) rounded from the master through the ring, once the compute
+        stream has read the buffer's previous contents (`incoming_free`). The source is bound by the thread that
+        stepped the piece: the issuing thread may run the copy after the boundary swapped the banks."""
         def copy(g: int, lo: int, hi: int) -> None:
-            handle = self.copies.to_device(self.incoming[g][lo:hi], source, after=self.incoming_free)
+            if source is None:
+                handle, reads = self._ring().copy_up(self.incoming[g][lo:hi], self.masters[g][lo:hi],
+                                                     self.incoming_free), 0
+            else:
+                handle = self.copies.to_device(self.incoming[g][lo:hi], source, after=self.incoming_free)
+                reads = _storage(source)
             self.publish_copies[g] = handle
-            self.up.track(handle, _storage(source))
+            self.up.track(handle, reads)
         self.up.issue(copy, g, lo, hi)
 
     def _copy_up(self, g: int, lo: int, hi: int) -> None:

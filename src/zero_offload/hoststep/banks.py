@@ -35,7 +35,12 @@ def speculated_numel(numel: int, fraction: float) -> int:
 
 
 class Bank(Protocol):
-    """Where a `PieceSpeculation` writes, per param group ``g`` (one 1-D master partition each)."""
+    """Where a `PieceSpeculation` writes, per param group ``g`` (one 1-D master partition each).
+
+    Attributes:
+        copies_out: `save` copies the live state out (the host work it adds is recorded as ``host_save``).
+    """
+    copies_out: bool
 
     def begin(self) -> None:
         """A boundary starts (the optimizer's state exists)."""
@@ -45,9 +50,14 @@ class Bank(Protocol):
         """How many of the next ``n`` final elements of group ``g`` may be speculated this boundary (taken)."""
         ...
 
-    def save(self, g: int, lo: int, hi: int) -> bool:
-        """Group ``g``'s [lo, hi) is about to be stepped into `target` (on the host-step thread): whether its live
-        state was copied out for that."""
+    def save(self, g: int, lo: int, hi: int) -> int:
+        """Group ``g``'s [lo, hi) is about to be speculated into `target` (on the host-step thread): copied out
+        where the bank undoes; returns the range's offset in bank-sized buffers (the pieces' 16-bit outputs)."""
+        ...
+
+    def final_offset(self, g: int, lo: int) -> int | None:
+        """Where a range from ``lo`` stepped at the boundary (not speculated) writes its 16-bit output in
+        bank-sized buffers; None: nowhere (the owner rounds it from the master)."""
         ...
 
     def target(self, g: int) -> dict[str, torch.Tensor]:
@@ -89,6 +99,8 @@ class SwapBank:
     """A second bank the size of the live state, swapped with it when the step stands (see the module docstring).
     Page-locked where the masters are: a swapped-in master is copied up."""
 
+    copies_out = False
+
     def __init__(self, optimizer: CPUAdam, copies: Copies):
         self.optimizer, self.copies = optimizer, copies
         self.banks: list[dict[str, torch.Tensor]] = []
@@ -101,8 +113,11 @@ class SwapBank:
     def reserve(self, g: int, n: int) -> int:
         return n
 
-    def save(self, g: int, lo: int, hi: int) -> bool:
-        return False                        # the live state is only read
+    def save(self, g: int, lo: int, hi: int) -> int:
+        return lo                           # the live state is only read
+
+    def final_offset(self, g: int, lo: int) -> int | None:
+        return lo
 
     def target(self, g: int) -> dict[str, torch.Tensor]:
         return self.banks[g]
@@ -126,6 +141,8 @@ class UndoBank:
     """The live state stepped in place, the speculated share's old values kept in an undo bank (see the module
     docstring). ``fraction``: the share of each group's partition speculated, the first elements to land."""
 
+    copies_out = True
+
     def __init__(self, optimizer: CPUAdam, fraction: float):
         self.optimizer, self.fraction = optimizer, fraction
         self.banks: list[dict[str, torch.Tensor]] = []
@@ -146,13 +163,16 @@ class UndoBank:
         self.free[g] -= take
         return take
 
-    def save(self, g: int, lo: int, hi: int) -> bool:
+    def save(self, g: int, lo: int, hi: int) -> int:
         at, live, bank = self.used[g], _live(self.optimizer, g), self.banks[g]
         for name in STATE:
             bank[name][at:at + hi - lo].copy_(live[name][lo:hi])
         self.used[g] = at + hi - lo
         self.saved.append((g, lo, hi, at))
-        return True
+        return at
+
+    def final_offset(self, g: int, lo: int) -> int | None:
+        return None                         # stepped in place, its 16 bits rounded from the master
 
     def target(self, g: int) -> dict[str, torch.Tensor]:
         return _live(self.optimizer, g)

@@ -188,10 +188,11 @@ class PieceSpeculation(Speculation):
         chunk: elements per piece (a cancelled speculation stops within one piece).
 
     Attributes:
-        outs: per group, a 16-bit host buffer each piece's updated parameters are also written to (rounded from
-            the new master), or None; set by the owner.
-        on_piece: called as ``on_piece(group, lo, hi)`` after each piece, on the thread that stepped it (the owner
-            starts the piece's copy up into a landing buffer); None: nothing.
+        outs: per group, a 16-bit host buffer the bank's size each piece's updated parameters are also written to
+            (rounded from the new master, at the bank's offset), or None; set by the owner.
+        on_piece: called as ``on_piece(group, lo, hi, source)`` after each piece, on the thread that stepped it
+            (the owner starts the piece's copy up into a landing buffer from ``source``: its 16-bit output or fp32
+            master; None: to be rounded from the live master); None: nothing.
         (and `Speculation`'s: ``hidden_s``, ``total_s``, ``last``).
     """
 
@@ -199,7 +200,7 @@ class PieceSpeculation(Speculation):
         super().__init__(thread, len(optimizer.param_groups))
         self.optimizer, self.bank, self.threads, self.chunk = optimizer, bank, threads, chunk
         self.outs: list[torch.Tensor | None] = [None] * len(optimizer.param_groups)
-        self.on_piece: Callable[[int, int, int], None] | None = None
+        self.on_piece: Callable[[int, int, int, torch.Tensor | None], None] | None = None
 
     @property
     def masters(self) -> list[torch.Tensor]:
@@ -237,9 +238,10 @@ class PieceSpeculation(Speculation):
                 if self.cancelled:
                     return
                 end = min(hi - lo, start + self.chunk)
-                if self.bank.save(g, lo + start, lo + end) and tl is not None:
+                at = self.bank.save(g, lo + start, lo + end)
+                if self.bank.copies_out and tl is not None:
                     tl.host_work("host_save", end - start)
-                self._step_piece(g, lo + start, lo + end, values[start:end], self.grad_scale)
+                self._step_piece(g, lo + start, lo + end, values[start:end], self.grad_scale, at)
                 if tl is not None:
                     tl.host_work("host_step", end - start)
         self.thread.submit(run)
@@ -256,9 +258,14 @@ class PieceSpeculation(Speculation):
         if not self.stands(grad_scale):
             self.bank.drop()
             return False
+        tl = timeline.current()
         for g, grad in enumerate(grads):
             for lo, hi in _gaps(self.ranges[g], grad.numel()):
-                self._step_piece(g, lo, hi, grad[lo:hi], grad_scale)
+                for a in range(lo, hi, self.chunk):      # chunk by chunk: each one's copy up starts at once
+                    b = min(hi, a + self.chunk)
+                    self._step_piece(g, a, b, grad[a:b], grad_scale, self.bank.final_offset(g, a))
+                    if tl is not None:
+                        tl.host_work("host_step", b - a)
         self.bank.keep()
         for master in self.masters:
             self.optimizer.count_step(master)
@@ -275,18 +282,22 @@ class PieceSpeculation(Speculation):
         """Group ``g``'s master as the speculated step writes it (the bank's, or the live one stepped in place)."""
         return self.bank.target(g)["master"]
 
-    def _step_piece(self, g: int, lo: int, hi: int, grad: torch.Tensor, grad_scale: float) -> None:
-        """Group ``g``'s [lo, hi): read from the live state, written into the bank's target (and ``outs``), then
-        handed to ``on_piece``. The body starts on a 16-element boundary, so that the kernel's streaming stores
-        (aligned only) cover all of it. Its kernel time counts in ``busy_s``."""
+    def _step_piece(self, g: int, lo: int, hi: int, grad: torch.Tensor, grad_scale: float,
+                    at: int | None) -> None:
+        """Group ``g``'s [lo, hi): read from the live state, written into the bank's target (and ``outs`` from
+        offset ``at``; None: not there), then handed to ``on_piece`` with where its parameters are to be read
+        from. The body starts on a 16-element boundary, so that the kernel's streaming stores (aligned only)
+        cover all of it. Its kernel time counts in ``busy_s``."""
         began = time.perf_counter()
-        out, into = self.outs[g], self.bank.target(g)
+        into = self.bank.target(g)
+        out = None if self.outs[g] is None or at is None else self.outs[g][at:at + hi - lo]
         for a, b in aligned_pieces(lo, hi):
             self.optimizer.step_into(g, a, b, grad[a - lo:b - lo], grad_scale, into, self.threads,
-                                     out=None if out is None else out[a:b])
+                                     out=None if out is None else out[a - lo:b - lo])
         self.busy_s += time.perf_counter() - began
         if self.on_piece is not None:
-            self.on_piece(g, lo, hi)
+            fp32 = self.outs[g] is None       # fp32 parameters go up from the master
+            self.on_piece(g, lo, hi, self.result(g)[lo:hi] if fp32 else out)
 
 
 def _gaps(ranges: list[tuple[int, int]], n: int) -> list[tuple[int, int]]:

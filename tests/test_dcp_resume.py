@@ -41,7 +41,27 @@ def _fsdp2() -> tuple[torch.nn.Module, torch.optim.Optimizer, int, int]:
     return model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD), dist.get_rank(), dist.get_world_size()
 
 
-def _fsdp2_save(path: str) -> None:
+# The layouts people write: (the model's key path, the optimizer's), dotted; "" the top level.
+LAYOUTS = {"torchtitan": ("", "optimizer"), "get_state_dict": ("model", "optim"), "scripts": ("model", "optimizer"),
+           "tutorial": ("app.model", "app.optim")}
+
+
+def nested(layout: str, msd: dict, osd: dict, **more) -> dict:
+    """``{...}`` with the model and optimizer state dicts at ``layout``'s key paths (and ``more`` at the top)."""
+    out: dict = dict(more)
+    for root, value in zip(LAYOUTS[layout], (msd, osd)):
+        if not root:
+            out.update(value)
+            continue
+        *parents, last = root.split(".")
+        at = out
+        for key in parents:
+            at = at.setdefault(key, {})
+        at[last] = value
+    return out
+
+
+def _fsdp2_save(path: str, layout: str = "get_state_dict", extra_model: str | None = None) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
     model, opt, rank, world = _fsdp2()
@@ -51,7 +71,8 @@ def _fsdp2_save(path: str) -> None:
         opt.step()
         opt.zero_grad()
     msd, osd = get_state_dict(model, opt)
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+    more = {extra_model: dict(msd)} if extra_model else {}         # e.g. an EMA copy of the weights beside them
+    dcp.save(nested(layout, msd, osd, **more), checkpoint_id=path)
 
 
 def reference() -> list[torch.Tensor]:
@@ -145,13 +166,13 @@ def test_a_damaged_or_foreign_checkpoint_is_refused_before_anything_changes(tmp_
     _refused(tmp_path / "dcp", make_model(), r"\.metadata' cannot be read as DCP metadata")
 
 
-def _fsdp2_resume(path: str) -> list[torch.Tensor]:
+def _fsdp2_resume(path: str, layout: str = "torchtitan") -> list[torch.Tensor]:
     """FSDP2 resumes zero-offload's DCP checkpoint and trains M more steps; the full parameters after."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     model, opt, rank, world = _fsdp2()
     msd, osd = get_state_dict(model, opt)
-    dcp.load({"model": msd, "optim": osd}, checkpoint_id=path)
+    dcp.load(nested(layout, msd, osd), checkpoint_id=path)
     set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
     for x in batches(N + M)[N:]:
         half = x.shape[0] // world
@@ -161,7 +182,7 @@ def _fsdp2_resume(path: str) -> list[torch.Tensor]:
     return [p.full_tensor().detach().clone() for p in model.parameters()]
 
 
-def _ours_save(path: str, stage: int) -> None:
+def _ours_save(path: str, stage: int, layout: str = "torchtitan") -> None:
     import torch.distributed as dist
     rank, world = dist.get_rank(), dist.get_world_size()
     engine = zero_offload.initialize(make_model(), config(stage, True))
@@ -170,7 +191,31 @@ def _ours_save(path: str, stage: int) -> None:
             half = x.shape[0] // world
             engine.backward(engine(x[rank * half:(rank + 1) * half]).square().mean())
             engine.step()
-        engine.save_checkpoint(path, format="dcp")
+        engine.save_checkpoint(path, format="dcp", **({} if layout == "torchtitan" else
+                                                         {"dcp_keys": LAYOUTS[layout]}))
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_each_layout_both_ways(tmp_path, layout):
+    """Issue 42, item 5: FSDP2 saves under ``layout``'s keys and the engine finds them by the parameters' names;
+    the engine saves under them (``dcp_keys``) and FSDP2 loads them there. Both end on the uninterrupted run."""
+    run_ranks(_fsdp2_save, 1, str(tmp_path / "theirs"), layout)
+    assert max_diff(resumed(str(tmp_path / "theirs"), 2, True), reference()) <= 1e-5
+    run_ranks(_ours_save, 1, str(tmp_path / "ours"), 2, layout)
+    assert max_diff(run_ranks(_fsdp2_resume, 1, str(tmp_path / "ours"), layout)[0], reference()) <= 1e-5
+
+
+def test_a_model_under_two_prefixes_is_refused_naming_both(tmp_path):
+    """Weights twice (the model and an EMA copy) leave which to train ambiguous: refused, naming both prefixes."""
+    run_ranks(_fsdp2_save, 1, str(tmp_path / "dcp"), "get_state_dict", "ema")
+    _refused(tmp_path / "dcp", make_model(), r"under several prefixes: 'ema', 'model'")
+    from zero_offload.checkpoint.dcp import load_dcp
+    engine = zero_offload.initialize(make_model(), config(2, True))
+    try:
+        load_dcp(engine, tmp_path / "dcp", keys=("model", "optim"))     # named: it loads
+        assert engine.global_step == N
     finally:
         engine.close()
 

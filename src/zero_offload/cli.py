@@ -145,6 +145,10 @@ def main(argv: list[str] | None = None) -> int:
     conv.add_argument("--tag", default=None, help="which checkpoint of src (default: the latest)")
     conv.add_argument("--config", default=None, help="the training config (JSON/hjson; needed for a DCP source, "
                                                      "which carries none)")
+    conv.add_argument("--dcp-model-key", default="", help="--to dcp: the model's key path (dotted; default '', the "
+                                                          "top level, as torchtitan writes; 'model', 'app.model')")
+    conv.add_argument("--dcp-optim-key", default="optimizer", help="--to dcp: the optimizer's key path (default "
+                                                                   "'optimizer', torchtitan's; 'optim', 'app.optim')")
     ns = parser.parse_args(argv)
     from zero_offload.checkpoint import CheckpointError
     from zero_offload.checkpoint.lock import LockedError
@@ -173,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if ns.command == "convert":
             from zero_offload.checkpoint.convert import convert, describe
-            print(describe(convert(ns.src, ns.dst, ns.to, ns.tag, ns.config)))
+            print(describe(convert(ns.src, ns.dst, ns.to, ns.tag, ns.config, (ns.dcp_model_key, ns.dcp_optim_key))))
             return 0
         parser.error(f"unknown command {ns.command}")
     except known as e:

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from zero_offload.checkpoint.formats import load_any, save_any
+from zero_offload.checkpoint.formats import TORCHTITAN_KEYS, load_any, save_any
 from zero_offload.comm import deadline
 from zero_offload.state import check_engine_state
 
@@ -50,13 +50,16 @@ class EngineState:
 
     @deadline
     def save_checkpoint(self, save_dir, tag: str | None = None, client_state: Any = None,
-                        format: str = "zero-offload"):
+                        format: str = "zero-offload", dcp_keys: tuple[str, str] = TORCHTITAN_KEYS):
         """Save the full training state, sharded by rank and written atomically (see `checkpoint`).
 
         A collective: every rank calls it. ``tag`` defaults to ``global_step{N}``; ``save_dir/latest`` is
         updated last. Returns the checkpoint's directory. ``format="dcp"`` writes ``save_dir`` (or
         ``save_dir/tag``) as a ``torch.distributed.checkpoint`` directory that FSDP2 resumes
-        (`zero_offload.checkpoint.dcp.save_dcp`; no ``client_state``); ``format="deepspeed-universal"`` writes
+        (`zero_offload.checkpoint.dcp.save_dcp`; no ``client_state``), the model and the optimizer under
+        ``dcp_keys`` (dotted key paths, ``""`` the top level; default torchtitan's: the model at the top level, the
+        optimizer under ``"optimizer"``; ``("model", "optim")`` for a ``get_state_dict`` script, ``("app.model",
+        "app.optim")`` for the DCP tutorial's); ``format="deepspeed-universal"`` writes
         DeepSpeed's universal layout under ``save_dir/tag``, which DeepSpeed resumes at any stage and world size
         with ``checkpoint.load_universal`` (`zero_offload.checkpoint.deepspeed_write`).
 
@@ -66,7 +69,7 @@ class EngineState:
             CheckpointError: writing failed (`save_checkpoint`, `save_dcp`, `save_universal` name the file).
         """
         self.flush_delayed_update()
-        return save_any(self, save_dir, tag, client_state, format)
+        return save_any(self, save_dir, tag, client_state, format, dcp_keys)
 
     @deadline
     def load_checkpoint(self, load_dir, tag: str | None = None, *, load_optimizer_states: bool = True,

@@ -26,8 +26,9 @@ optimizer partitions' chunked state.
 The modules: `save` (lock, temporary folder, publication, pruning), `load` (and its checks), `reshard` (saved
 layout to this engine's, streamed), `manifest`, `io` (names, checksums, write errors), `lock`, `stream` (a
 safetensors file written piece by piece) and `consolidate` (one state dict or file from the shards). Other
-frameworks' checkpoints, both ways: `dcp` (FSDP2), `deepspeed_read` with `deepspeed_states`, `deepspeed_zero` and
-`deepspeed_universal` (DeepSpeed's ZeRO and universal checkpoints in), `deepspeed_write` (universal out),
+frameworks' checkpoints, both ways: `dcp` (FSDP2) with `dcp_layout` (where its model and optimizer sit),
+`deepspeed_read` with `deepspeed_states`, `deepspeed_zero` and `deepspeed_universal` (DeepSpeed's ZeRO and
+universal checkpoints in), `deepspeed_write` (universal out),
 `foreign` (what those loads share), `foreign_pickle` (DeepSpeed's pickles without DeepSpeed), `dcp_stream` (DCP
 written a tensor at a time), `formats` (which reader or writer a checkpoint goes through) and `convert` with
 `convert_target` (``zero-offload convert``, streamed).

@@ -22,7 +22,7 @@ import torch
 
 from zero_offload.checkpoint.convert_target import ConversionTarget
 from zero_offload.checkpoint.formats import SAVE_FORMATS as FORMATS
-from zero_offload.checkpoint.formats import load_any, save_any
+from zero_offload.checkpoint.formats import TORCHTITAN_KEYS, load_any, save_any
 from zero_offload.checkpoint.io import CheckpointError
 from zero_offload.checkpoint.save import HYPERPARAMETERS
 
@@ -68,26 +68,30 @@ def _source(src: Path, tag: str | None) -> _Source:
 
 
 def _dcp_source(path: Path) -> _Source:
-    from torch.distributed.checkpoint import FileSystemReader
-    from zero_offload.checkpoint.dcp import read_dcp
-    try:
-        meta = FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    except Exception as e:                       # unpickling a damaged file raises anything
-        raise CheckpointError(f"checkpoint '{path}' cannot be read as DCP ({type(e).__name__}: {e})") from e
-    prefix = "optim.param_groups."
+    from zero_offload.checkpoint.dcp import read_dcp, read_metadata
+    from zero_offload.checkpoint.dcp_layout import DcpLayout, model_root, optimizer_names
+    meta = read_metadata(path)
+    optim, names = optimizer_names(meta, path)
+    layout = DcpLayout(model_root(meta, sorted(names), path), optim)
+    prefix = layout.optim_key("param_groups") + "."
     keys = sorted({k[len(prefix):].split(".", 1)[1] for k in meta if k.startswith(prefix)})
     count = len({k[len(prefix):].split(".", 1)[0] for k in meta if k.startswith(prefix)})
-    template = read_dcp(path, {"optim": {"param_groups": [{k: None for k in keys} for _ in range(count)]}})
-    model = {k[len("model."):]: tuple(v.size) for k, v in meta.items() if k.startswith("model.") and hasattr(v, "size")}
-    trainable = {n: s for n, s in model.items() if f"optim.state.{n}.exp_avg" in meta}
+    template = layout.nest(optim={"param_groups": [{k: None for k in keys} for _ in range(count)]})
+    param_groups = layout.optim_part(read_dcp(path, template))["param_groups"]
+    # The model's tensors: those under its root, outside the optimizer's (torchtitan keeps the model at the top).
+    inside = (lambda k: True) if not layout.model else (lambda k: k.startswith(layout.model + "."))  # noqa: E731
+    optimizer = tuple(layout.optim_key(part) + "." for part in ("state", "param_groups"))
+    model = {k[len(layout.model_key("")):]: tuple(v.size) for k, v in meta.items()
+             if inside(k) and not k.startswith(optimizer) and hasattr(v, "size")}
+    trainable = {n: s for n, s in model.items() if n in names}
     groups = [({k: v for k, v in g.items() if k != "params"}, [n for n in g["params"] if n in trainable])
-              for g in template["optim"]["param_groups"]]
+              for g in param_groups]
     extras, aliases = {}, {}
     for name in (n for n in model if n not in trainable):
-        value = _dcp_tensor(path, name, model[name])
+        value = _dcp_tensor(path, layout, name, model[name])
         # A tied name (GPT-2's lm_head.weight) has no optimizer state of its own: the same values as a parameter.
         twin = next((t for t, shape in trainable.items() if shape == model[name] and
-                     torch.equal(_dcp_tensor(path, t, shape), value)), None)
+                     torch.equal(_dcp_tensor(path, layout, t, shape), value)), None)
         if twin is None:
             extras[name] = value
         else:
@@ -95,9 +99,9 @@ def _dcp_source(path: Path) -> _Source:
     return _Source(groups, trainable, extras, {}, aliases)
 
 
-def _dcp_tensor(path: Path, name: str, shape: tuple) -> torch.Tensor:
+def _dcp_tensor(path: Path, layout, name: str, shape: tuple) -> torch.Tensor:
     from zero_offload.checkpoint.dcp import read_dcp
-    return read_dcp(path, {"model": {name: torch.empty(shape)}})["model"][name]
+    return layout.model_part(read_dcp(path, layout.nest({name: torch.empty(shape)})))[name]
 
 
 def skeleton(shapes: dict[str, tuple], extras: dict[str, torch.Tensor],
@@ -146,9 +150,11 @@ def _config(saved: dict, given: str | None) -> dict:
 
 
 def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str, tag: str | None = None,
-            config: str | None = None) -> Path:
+            config: str | None = None, dcp_keys: tuple[str, str] = TORCHTITAN_KEYS) -> Path:
     """Rewrite the checkpoint at ``src`` (its ``tag``, default the latest) as ``to`` (one of `FORMATS`) at ``dst``;
-    returns what `engine.save_checkpoint` returns (the tag directory, or the DCP directory).
+    returns what `engine.save_checkpoint` returns (the tag directory, or the DCP directory). A DCP source's layout
+    is found by the names (`zero_offload.checkpoint.dcp_layout`); a DCP written has the model and the optimizer
+    under ``dcp_keys`` (default torchtitan's).
 
     Raises:
         CheckpointError: ``src`` unreadable, damaged or unmappable (named, as `engine.load_checkpoint` says), or
@@ -170,7 +176,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str, tag: str | 
         warnings.simplefilter("ignore")              # the source config's keys that do not apply here
         target = ConversionTarget(model, _config(source.config, config), groups)
     client_state = load_any(target, src, tag)
-    return save_any(target, dst, None, client_state if client_state and to != "dcp" else None, to)
+    return save_any(target, dst, None, client_state if client_state and to != "dcp" else None, to, dcp_keys)
 
 
 def describe(path: Path) -> str:

@@ -1,8 +1,11 @@
 """Resume from a checkpoint that PyTorch FSDP2 (or torchtitan) wrote with ``torch.distributed.checkpoint``,
 and write one that FSDP2 resumes (`save_dcp`): a DCP directory (``.metadata`` beside ``*.distcp``
-files) of ``{"model": model state dict, "optim": optimizer state dict}``, as
+files) of the model and optimizer state dicts as
 ``torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer)`` returns them (fully qualified parameter
-names; AdamW's ``exp_avg``, ``exp_avg_sq`` and ``step`` per parameter) and ``dcp.save`` writes.
+names; AdamW's ``exp_avg``, ``exp_avg_sq`` and ``step`` per parameter) and ``dcp.save`` writes, under the keys the
+script chose: torchtitan's (the model at the top level, the optimizer under ``"optimizer"``), ``{"model", "optim"}``,
+``{"model", "optimizer"}`` or the tutorial's ``{"app": {"model", "optim"}}``; a reader finds them by the parameters'
+names (`zero_offload.checkpoint.dcp_layout`).
 
 `load_dcp` loads the fp32 parameters as master weights, the Adam moments and the step count into this engine, at any
 ZeRO stage and world size: DCP reshards on read, and each rank reads, one parameter at a time, only the parameters
@@ -20,13 +23,13 @@ import warnings
 from pathlib import Path
 import torch
 
+from zero_offload.checkpoint.dcp_layout import TORCHTITAN, DcpLayout, find_layout
 from zero_offload.checkpoint.foreign import ForeignState, apply_foreign, export_staged
 from zero_offload.checkpoint.io import CheckpointError, agree, module_state, staged_directory
 from zero_offload.state import CheckpointTarget
 
-__all__ = ["is_dcp", "load_dcp", "save_dcp", "read_dcp", "adamw_group", "MODEL_KEY", "OPTIM_KEY"]
+__all__ = ["is_dcp", "load_dcp", "save_dcp", "read_dcp", "read_metadata", "adamw_group"]
 
-MODEL_KEY, OPTIM_KEY = "model", "optim"
 _METADATA = ".metadata"
 
 
@@ -35,7 +38,7 @@ def is_dcp(path: str | os.PathLike) -> bool:
     return (Path(path) / _METADATA).is_file()
 
 
-def _metadata(path: Path) -> dict:
+def read_metadata(path: Path) -> dict:
     """{flattened key: storage metadata} of the checkpoint, after checking that every data file holds the bytes
     the metadata places in it (a truncated file is named here, before anything is read; DCP keeps no checksums,
     so bytes changed in place go unnoticed)."""
@@ -55,24 +58,27 @@ def _metadata(path: Path) -> dict:
     return metadata.state_dict_metadata
 
 
-def _check(engine: CheckpointTarget, meta: dict, path: Path, model_key: str, optim_key: str) -> None:
-    """Every trainable parameter of this engine, with its shape, and its Adam state must be in the checkpoint."""
+def _check(engine: CheckpointTarget, meta: dict, path: Path, keys: tuple[str, str] | None) -> DcpLayout:
+    """Every trainable parameter of this engine, with its shape, and its Adam state must be in the checkpoint, under
+    ``keys`` (the model's and the optimizer's key paths) or where `find_layout` finds them; returns the layout."""
     if engine.optimizer_state.state_format() != "adam":
         raise CheckpointError(f"checkpoint '{path}': an FSDP2 checkpoint carries AdamW's states; this engine's "
                               f"optimizer keeps {engine.optimizer_state.state_format()!r}")
-    for group in engine.optimizer_state.layout():
-        for p in group.params:
-            saved = meta.get(f"{model_key}.{p.name}")
-            if saved is None or not hasattr(saved, "size"):
-                raise CheckpointError(f"checkpoint '{path}' is from another model: it has no parameter '{p.name}' "
-                                      f"(under '{model_key}')")
-            if tuple(saved.size) != tuple(p.shape):
-                raise CheckpointError(f"checkpoint '{path}' is from another model: parameter '{p.name}' has shape "
-                                      f"{list(saved.size)} there and {list(p.shape)} here")
-            for kind in ("exp_avg", "exp_avg_sq", "step"):
-                if f"{optim_key}.state.{p.name}.{kind}" not in meta:
-                    raise CheckpointError(f"checkpoint '{path}' has no optimizer state '{kind}' for parameter "
-                                          f"'{p.name}' (under '{optim_key}.state'): not an AdamW checkpoint")
+    params = [p for group in engine.optimizer_state.layout() for p in group.params]
+    layout = DcpLayout(*keys) if keys is not None else find_layout(meta, [p.name for p in params], path)
+    for p in params:
+        saved = meta.get(layout.model_key(p.name))
+        if saved is None or not hasattr(saved, "size"):
+            raise CheckpointError(f"checkpoint '{path}' is from another model: it has no parameter '{p.name}' "
+                                  f"(under '{layout.model}')")
+        if tuple(saved.size) != tuple(p.shape):
+            raise CheckpointError(f"checkpoint '{path}' is from another model: parameter '{p.name}' has shape "
+                                  f"{list(saved.size)} there and {list(p.shape)} here")
+        for kind in ("exp_avg", "exp_avg_sq", "step"):
+            if layout.optim_key("state", p.name, kind) not in meta:
+                raise CheckpointError(f"checkpoint '{path}' has no optimizer state '{kind}' for parameter "
+                                      f"'{p.name}' (under '{layout.optim_key('state')}'): not an AdamW checkpoint")
+    return layout
 
 
 def read_dcp(path: Path, template: dict) -> dict:
@@ -94,50 +100,51 @@ def read_dcp(path: Path, template: dict) -> dict:
     return template
 
 
-def _step(engine: CheckpointTarget, path: Path, optim_key: str) -> int:
+def _step(engine: CheckpointTarget, path: Path, layout: DcpLayout) -> int:
     names = [p.name for g in engine.optimizer_state.layout() for p in g.params]
-    template = {optim_key: {"state": {n: {"step": torch.zeros(())} for n in names}}}
-    steps = {int(v["step"].item()) for v in read_dcp(path, template)[optim_key]["state"].values()}
+    template = layout.nest(optim={"state": {n: {"step": torch.zeros(())} for n in names}})
+    steps = {int(v["step"].item()) for v in layout.optim_part(read_dcp(path, template))["state"].values()}
     if len(steps) != 1:
         raise CheckpointError(f"checkpoint '{path}' holds different step counts {sorted(steps)} for its parameters")
     return steps.pop()
 
 
-def _reader(path: Path, model_key: str, optim_key: str):
+def _reader(path: Path, layout: DcpLayout):
     """`ParamReader` of the DCP directory: one parameter's weights and moments per call."""
     def read(name: str, shape: tuple) -> dict:
         state = {"exp_avg": torch.empty(shape), "exp_avg_sq": torch.empty(shape)}
-        got = read_dcp(path, {model_key: {name: torch.empty(shape)}, optim_key: {"state": {name: state}}})
-        return {"master": got[model_key][name].reshape(-1),
-                **{k: v.reshape(-1) for k, v in got[optim_key]["state"][name].items()}}
+        got = read_dcp(path, layout.nest({name: torch.empty(shape)}, {"state": {name: state}}))
+        return {"master": layout.model_part(got)[name].reshape(-1),
+                **{k: v.reshape(-1) for k, v in layout.optim_part(got)["state"][name].items()}}
     return read
 
 
-def load_dcp(engine: CheckpointTarget, path: str | os.PathLike, model_key: str = MODEL_KEY,
-             optim_key: str = OPTIM_KEY) -> None:
+def load_dcp(engine: CheckpointTarget, path: str | os.PathLike, keys: tuple[str, str] | None = None) -> None:
     """Load an FSDP2 DCP checkpoint into ``engine`` (see the module docstring). A collective: every rank calls it.
 
     Args:
         path: the DCP directory (the one holding ``.metadata``).
-        model_key, optim_key: the top-level keys the model and optimizer state dicts were saved under.
+        keys: the model's and the optimizer's key paths in it (dotted, ``""`` the top level); None: found by the
+            parameters' names (`zero_offload.checkpoint.dcp_layout.find_layout`).
 
     Raises:
         CheckpointError: an unreadable or damaged file (named), a checkpoint of another model (the first parameter
-            that differs named), or no AdamW state; nothing in the engine is changed then.
+            that differs named), no AdamW state, or the model or optimizer under several prefixes (named); nothing
+            in the engine is changed then.
     """
     path = Path(path)
-    error, step, extra = None, 0, {}
+    error, step, extra, layout = None, 0, {}, TORCHTITAN
     try:
-        meta = _metadata(path)
-        _check(engine, meta, path, model_key, optim_key)
-        step = _step(engine, path, optim_key)
+        meta = read_metadata(path)
+        layout = _check(engine, meta, path, keys)
+        step = _step(engine, path, layout)
         live = module_state(engine.module)
-        wanted = {n: torch.empty_like(t, device="cpu") for n, t in live.items() if f"{model_key}.{n}" in meta}
-        extra = read_dcp(path, {model_key: wanted})[model_key] if wanted else {}
+        wanted = {n: torch.empty_like(t, device="cpu") for n, t in live.items() if layout.model_key(n) in meta}
+        extra = layout.model_part(read_dcp(path, layout.nest(wanted))) if wanted else {}
     except CheckpointError as e:
         error = e
     agree(engine, error, "loading the DCP checkpoint")
-    apply_foreign(engine, _reader(path, model_key, optim_key), ForeignState(
+    apply_foreign(engine, _reader(path, layout), ForeignState(
         step=step, engine={"global_step": step, **_schedule_at(engine, step)}, module=extra))
 
 
@@ -148,14 +155,17 @@ def _schedule_at(engine: CheckpointTarget, step: int) -> dict:
     return {} if schedule is None else {"lr_scheduler": {**schedule, "last_batch_iteration": step - 1}}
 
 
-def save_dcp(engine: CheckpointTarget, path: str | os.PathLike, model_key: str = MODEL_KEY,
-             optim_key: str = OPTIM_KEY) -> Path:
+def save_dcp(engine: CheckpointTarget, path: str | os.PathLike, keys: tuple[str, str] = ("", "optimizer")) -> Path:
     """Write ``path`` as a DCP directory that FSDP2 resumes: ``dcp.load`` into the templates of
-    ``get_state_dict(model, optimizer)``, then ``set_state_dict``. A collective: every rank calls it.
+    ``get_state_dict(model, optimizer)`` placed under ``keys``, then ``set_state_dict``. A collective: every rank
+    calls it.
 
-    It holds ``{model_key: {name: fp32 tensor} (masters, buffers, frozen parameters; a tied alias under each of its
-    names), optim_key: {"state": {name: {"step", "exp_avg", "exp_avg_sq"}}, "param_groups": [one per param group:
-    AdamW's keys with this engine's learning rate, betas, eps and weight decay, and the parameters' names]}}``. The
+    ``keys``: the model's and the optimizer's key paths (dotted; ``""`` the top level); default torchtitan's, the
+    model at the top level and the optimizer under ``"optimizer"`` (`zero_offload.checkpoint.dcp_layout`). Under the
+    model's: ``{name: fp32 tensor}`` (masters, buffers, frozen parameters; a tied alias under each of its names);
+    under the optimizer's: ``{"state": {name: {"step", "exp_avg", "exp_avg_sq"}}, "param_groups": [one per param
+    group: AdamW's keys with this engine's learning rate, betas, eps and weight decay, and the parameters'
+    names]}``. The
     engine's own sharded checkpoint is written first into ``path``'s parent (`save_checkpoint`, every rank); rank 0
     writes the DCP from it, one tensor per ``.distcp`` file, each read from the shards only when DCP writes it
     (`dcp_stream.StreamingPlanner`), so rank 0 holds about one parameter; the staging checkpoint is then removed.
@@ -170,7 +180,7 @@ def save_dcp(engine: CheckpointTarget, path: str | os.PathLike, model_key: str =
     from torch.distributed.checkpoint.api import CheckpointException
     from zero_offload.checkpoint.dcp_stream import ModuleFile, StreamingPlanner
     from zero_offload.checkpoint.load import SavedParameters
-    path = Path(path)
+    path, layout = Path(path), DcpLayout(*keys)
     opt = engine.optimizer_state
     names = [[p.name for p in g.params] for g in opt.layout()]
     steps = [opt.group_step(g) for g in range(len(names))]
@@ -184,21 +194,21 @@ def save_dcp(engine: CheckpointTarget, path: str | os.PathLike, model_key: str =
                 first = aliases.get(name, name)
                 if first in saved.names:
                     model[name] = torch.empty(saved.shape(first), device="meta")
-                    fetch[f"{model_key}.{name}"] = lambda n=first: saved.read(n, "master")
+                    fetch[layout.model_key(name)] = lambda n=first: saved.read(n, "master")
                 elif first in module.names:
                     model[name] = module.meta(first)
-                    fetch[f"{model_key}.{name}"] = lambda n=first: module.read(n)
+                    fetch[layout.model_key(name)] = lambda n=first: module.read(n)
             state = {}
             for g, group in enumerate(names):
                 for n in group:
                     state[n] = {"step": torch.tensor(float(steps[g]))}
                     for kind in ("exp_avg", "exp_avg_sq"):
                         state[n][kind] = torch.empty(saved.shape(n), device="meta")
-                        fetch[f"{optim_key}.state.{n}.{kind}"] = lambda n=n, kind=kind: saved.read(n, kind)
+                        fetch[layout.optim_key("state", n, kind)] = lambda n=n, kind=kind: saved.read(n, kind)
             with warnings.catch_warnings(), staged_directory(path, "dcp") as staging:
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
                 try:
-                    dcp.save({model_key: model, optim_key: {"state": state, "param_groups": groups}},
+                    dcp.save(layout.nest(model, {"state": state, "param_groups": groups}),
                              storage_writer=FileSystemWriter(str(staging), single_file_per_rank=False),
                              planner=StreamingPlanner(fetch), no_dist=True)
                 except CheckpointException as e:        # DCP's (a BaseException): the first failure, as ours

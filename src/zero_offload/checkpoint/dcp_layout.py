@@ -22,7 +22,7 @@ from pathlib import Path
 
 from zero_offload.checkpoint.io import CheckpointError
 
-__all__ = ["DcpLayout", "TORCHTITAN", "find_layout", "optimizer_names"]
+__all__ = ["DcpLayout", "TORCHTITAN", "find_layout", "model_root", "optimizer_names"]
 
 
 @dataclass(frozen=True)
@@ -118,13 +118,15 @@ def model_root(meta: dict, names: list[str], path: Path) -> str:
     roots = {k[:-len(first) - 1] if k != first else "" for k in meta if k == first or k.endswith("." + first)}
     roots = {r for r in roots if all(hasattr(meta.get(_join(r, n)), "size") for n in names)}
     if not roots:
-        found = lambda n: any(hasattr(v, "size") for k, v in meta.items() if k == n or k.endswith("." + n))  # noqa
-        missing = next((n for n in names if not found(n)), first)
+        missing = next((n for n in names if not any(hasattr(v, "size") for k, v in meta.items()
+                                                    if k == n or k.endswith("." + n))), first)
         raise CheckpointError(f"checkpoint '{path}' is from another model: it has no parameter '{missing}' (under "
                               f"any prefix)")
     if len(roots) > 1:
-        raise CheckpointError(f"checkpoint '{path}' holds the model's parameters under several prefixes: "
-                              f"{', '.join(repr(r) for r in sorted(roots))}; pass the one to load (keys=)")
+        found = ", ".join(repr(r) for r in sorted(roots))
+        raise CheckpointError(f"checkpoint '{path}' holds the model's parameters under several prefixes: {found}; "
+                              f"name the one to load: zero_offload.checkpoint.dcp.load_dcp(engine, path, "
+                              f"keys=(model key, optimizer key))")
     return roots.pop()
 
 
@@ -136,9 +138,10 @@ def find_layout(meta: dict, names: list[str], path: Path) -> DcpLayout:
         CheckpointError: no AdamW state or no such parameters (the first missing named), or an ambiguous layout
             (the candidates named).
     """
+    model = model_root(meta, names, path)
     optim, saved = optimizer_names(meta, path)
     for name in names:
         if name not in saved:
             raise CheckpointError(f"checkpoint '{path}' has no optimizer state 'exp_avg' for parameter '{name}' "
                                   f"(under '{_join(optim, 'state')}'): not an AdamW checkpoint of this model")
-    return DcpLayout(model_root(meta, names, path), optim)
+    return DcpLayout(model, optim)

@@ -15,9 +15,10 @@ from zero_offload.checkpoint.load import load_checkpoint
 from zero_offload.checkpoint.save import save_checkpoint
 from zero_offload.state import CheckpointTarget
 
-__all__ = ["SAVE_FORMATS", "load_any", "save_any"]
+__all__ = ["SAVE_FORMATS", "TORCHTITAN_KEYS", "load_any", "save_any"]
 
 SAVE_FORMATS = ("zero-offload", "deepspeed-universal", "dcp")
+TORCHTITAN_KEYS = ("", "optimizer")     # DCP: the model at the top level, the optimizer under "optimizer"
 
 
 def load_any(target: CheckpointTarget, load_dir: str | os.PathLike, tag: str | None = None, *,
@@ -42,10 +43,12 @@ def load_any(target: CheckpointTarget, load_dir: str | os.PathLike, tag: str | N
 
 
 def save_any(target: CheckpointTarget, save_dir: str | os.PathLike, tag: str | None = None,
-             client_state: Any = None, format: str = "zero-offload") -> Path:
+             client_state: Any = None, format: str = "zero-offload",
+             dcp_keys: tuple[str, str] = TORCHTITAN_KEYS) -> Path:
     """Save ``target`` as ``format`` (one of `SAVE_FORMATS`): our own under ``save_dir/tag``, DeepSpeed's universal
-    layout under ``save_dir/tag``, or a DCP directory at ``save_dir`` (``save_dir/tag`` when a tag is given).
-    Returns the directory written. A collective.
+    layout under ``save_dir/tag``, or a DCP directory at ``save_dir`` (``save_dir/tag`` when a tag is given) with
+    the model and optimizer under ``dcp_keys`` (dotted key paths; default torchtitan's, `save_dcp`). Returns the
+    directory written. A collective.
 
     Raises:
         ValueError: an unknown ``format``, ``client_state`` with ``format="dcp"`` (DCP has no place for it), or
@@ -58,7 +61,7 @@ def save_any(target: CheckpointTarget, save_dir: str | os.PathLike, tag: str | N
     if format == "dcp":
         if client_state is not None:
             raise ValueError("save_checkpoint: format='dcp' has no place for client_state; save it yourself")
-        return save_dcp(target, Path(save_dir) / tag if tag is not None else Path(save_dir))
+        return save_dcp(target, Path(save_dir) / tag if tag is not None else Path(save_dir), dcp_keys)
     if format == "deepspeed-universal":
         return save_universal(target, save_dir, tag, client_state)
     return save_checkpoint(target, save_dir, tag, client_state)

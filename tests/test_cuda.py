@@ -205,3 +205,22 @@ def test_offload_states_leaves_the_engines_device_memory_near_zero(stage, offloa
         runs.append(engine.full_state_dict())
         engine.close()
     assert all(torch.equal(runs[0][k], runs[1][k]) for k in runs[0])
+
+
+def test_cuda_trains_through_refused_page_locking(monkeypatch):
+    """Issue 42, item 3: every cudaHostRegister refused (a capped container): one PinnedMemoryWarning, the buffers
+    pageable, and the run still matches AdamW."""
+    from reference import engine_config, engine_run
+    from test_pinned_limits import RefusingCudart
+    from zero_offload.offload import pinned
+    torch.backends.cuda.matmul.allow_tf32 = False
+    monkeypatch.setattr(pinned, "_cudart", RefusingCudart)
+    monkeypatch.setattr(pinned, "_warned", False)
+    cfg = engine_config(2, "cpu")
+    cfg["zero_optimization"]["offload_optimizer"]["pin_memory"] = True
+    with pytest.warns(pinned.PinnedMemoryWarning, match="ulimit -l unlimited"):
+        masters, _, _ = engine_run(cfg)
+    ref, _ = _reference(1)
+    for name, value in ref.items():
+        assert (masters[name] - value).abs().max().item() <= ATOL, name
+    assert pinned.pageable_fallback_bytes() > 0

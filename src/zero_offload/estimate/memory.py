@@ -42,6 +42,11 @@ MODEL_STATE_KINDS = ("params", "grads", "buckets", "grad_partition", "grad_stagi
 GRAD_PARTITION_PARTS = {"grad_spare": "grad_partition"}
 
 
+# Host buffers the engine page-locks with ``pin_memory`` (`zero_offload.offload.pinned.host_empty`): what copies
+# to and from the device read or write.
+PAGE_LOCKED_KINDS = frozenset({"grad_partition", "grad_staging", "grad_spare", "params", "param_staging"})
+
+
 @dataclass
 class MemoryEstimate:
     """Bytes per rank, by kind, on each side. On a machine without an accelerator ``device`` is host memory
@@ -50,12 +55,14 @@ class MemoryEstimate:
     Attributes:
         device, host, nvme: {kind: bytes}.
         formulas: {kind: how it was computed}, for the figures that are formulas rather than sizes.
+        pinned: bytes of the host's that are page-locked buffers (``pin_memory``; with an accelerator).
     """
     device: dict[str, int] = field(default_factory=dict)
     host: dict[str, int] = field(default_factory=dict)
     nvme: dict[str, int] = field(default_factory=dict)
     accelerator: bool = True
     formulas: dict[str, str] = field(default_factory=dict)
+    pinned: int = 0
 
     def add(self, side: str, kind: str, nbytes: int) -> None:
         where = getattr(self, side)
@@ -195,7 +202,12 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
         if (state_nvme and kind == "master") or (param_nvme and kind == "params"):
             return                                 # in swap files: `_nvme_files`
         est.add("host", kind, nbytes)
-        rounding += host_alloc_bytes(numel, dtype_, pin if pinned is None else pinned, accelerator) - nbytes
+        locked = pin if pinned is None else pinned
+        rounding += host_alloc_bytes(numel, dtype_, locked, accelerator) - nbytes
+        # What the engine page-locks: buffers copies read or write (fp32 masters are copied up in fp32 training).
+        if locked and accelerator and (kind in PAGE_LOCKED_KINDS or (d == 4 and kind in ("master",
+                                                                                          "speculative_state"))):
+            est.pinned += nbytes
 
     def moments(numel: int, on_host: bool) -> None:
         # Both Adam moments of a partition: on the device, or where the host step keeps them (memory or NVMe).

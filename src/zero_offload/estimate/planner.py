@@ -20,11 +20,15 @@ from zero_offload.config import Config, ConfigError
 from zero_offload.estimate.batching import BatchChoice, Knobs, choose_batch
 from zero_offload.estimate.throughput import Assumptions, calibrated
 from zero_offload.estimate.memory import MemoryEstimate, ModelShape, default_plan_config, estimate_memory, model_shape
+from zero_offload.offload.host_limits import RAISE_MEMLOCK
 
 __all__ = ["Candidate", "Plan", "plan", "candidates", "parse_bytes", "fmt_bytes", "HEADROOM"]
 
 # Fraction of each memory kept free: allocator fragmentation, the framework's own buffers, other processes.
 HEADROOM = 0.10
+# Pageable host buffers' copy rate against page-locked ones: assumed, not measured here (each copy stages through
+# a driver buffer and blocks the host).
+PAGEABLE_PCIE_SHARE = 0.5
 
 
 def parse_bytes(value, what: str = "memory size", bare_unit: int = 1) -> int:
@@ -224,7 +228,7 @@ def plan(model, gpus: int = 1, gpu_memory=None, host_memory=None, nvme=None, mic
          headroom: float = HEADROOM, *, gradient_accumulation: int | None = None,
          activation_checkpointing: bool | None = None, gpu_flops: float | None = None,
          host_adam: float | None = None, pcie: float | None = None, calibration=None,
-         allow_stale_step: bool = False) -> Plan:
+         allow_stale_step: bool = False, locked_memory: int | None = None) -> Plan:
     """The fastest config for ``model`` on ``gpus`` ranks of one machine that fits with ``headroom`` free.
 
     The stage and offload follow the order of `candidates`; for the first config that fits, the plan also
@@ -249,6 +253,10 @@ def plan(model, gpus: int = 1, gpu_memory=None, host_memory=None, nvme=None, mic
             parameters/s (fp32 moments), host <-> device bytes/s; each overrides ``calibration``'s.
         allow_stale_step: the plan may turn the delayed parameter update on (default: never unless ``config``
             sets it: it trains each step on parameters one step old; the reasons say what it would gain).
+        locked_memory: bytes of host memory each rank may page-lock (``RLIMIT_MEMLOCK`` where it binds:
+            `zero_offload.offload.host_limits.memlock_limit`); None: no limit. Where the plan's page-locked
+            buffers exceed it they stay pageable (`zero_offload.offload.pinned.host_empty`): the step is predicted
+            with copies at `PAGEABLE_PCIE_SHARE` of ``pcie``, and ``reasons["pin_memory"]`` says so.
         calibration: a file written by ``zero-offload calibrate`` (`throughput.calibrated`: default
             ``$ZERO_OFFLOAD_CALIBRATION`` or ``~/.cache/zero_offload/calibration.json`` when it exists, else the
             built-in `Assumptions`); ``reasons["constants"]`` says which figures were used and where from.
@@ -298,8 +306,9 @@ def plan(model, gpus: int = 1, gpu_memory=None, host_memory=None, nvme=None, mic
 
     rows = candidates()
     searched: dict[str, BatchChoice] = {}
+    raws: dict[str, dict] = {}
     for cand in rows:
-        raw = {**base, "zero_optimization": _zero_section(base, cand.zero)}
+        raw = raws[cand.name] = {**base, "zero_optimization": _zero_section(base, cand.zero)}
         if cand.bf16:
             if not base.get("bf16", {}).get("enabled"):
                 cand.error = "bf16 optimizer states need bf16 training"
@@ -315,6 +324,16 @@ def plan(model, gpus: int = 1, gpu_memory=None, host_memory=None, nvme=None, mic
             continue
         cand.batch, cand.estimate, cand.short, cand.fits = batch, batch.estimate, batch.short, batch.fits
     chosen = _fastest([c for c in rows if c.fits], searched)
+    locked_note = None
+    if chosen is not None and locked_memory is not None and chosen.estimate.pinned > locked_memory:
+        # Past the limit page-locking fails and the buffers stay pageable: the copies are slower.
+        figures = dataclasses.replace(figures, pcie=figures.pcie * PAGEABLE_PCIE_SHARE)
+        if chosen.name in searched:
+            searched[chosen.name] = choose_batch(shape, raws[chosen.name], gpus, seq, knobs, figures, measure)
+        locked_note = (f"{fmt_bytes(chosen.estimate.pinned)} of page-locked buffers per rank, over the "
+                       f"locked-memory limit of {fmt_bytes(locked_memory)} (RLIMIT_MEMLOCK): they stay pageable, "
+                       f"and the step is predicted with copies at {PAGEABLE_PCIE_SHARE:.0%} of the pinned rate; "
+                       f"{RAISE_MEMLOCK}")
     if chosen is not None and chosen.name in searched:
         # The plan's row shows its chosen setting; every other row its smallest one.
         b = chosen.batch = searched[chosen.name]
@@ -337,6 +356,8 @@ def plan(model, gpus: int = 1, gpu_memory=None, host_memory=None, nvme=None, mic
     reasons["memory"] = (f"per rank {fmt_bytes(need['device'])} device, {fmt_bytes(need['host'])} host"
                          + (f", {fmt_bytes(need['nvme'])} NVMe" if need["nvme"] else ""))
     reasons.update(chosen.batch.notes)
+    if locked_note is not None:
+        reasons["pin_memory"] = locked_note
     if chosen.batch.timing is not None:
         reasons["constants"] = (f"{figures.gpu_flops / 1e12:.0f} TFLOP/s sustained, host Adam "
                                 f"{figures.host_adam / 1e9:.2f} Gparam/s, {figures.pcie / 1e9:.0f} GB/s each way "

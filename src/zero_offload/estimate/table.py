@@ -7,22 +7,24 @@ import os
 import re
 from pathlib import Path
 
-import psutil
 import torch
 
 from zero_offload.estimate.memory import ModelShape, model_shape
 from zero_offload.estimate.planner import Plan, fmt_bytes, parse_bytes, plan
+from zero_offload.offload.host_limits import memlock_limit, usable_host_memory
 
 __all__ = ["this_machine", "render", "deepspeed_estimates", "hf_config_shape", "parse_size_flag",
            "parse_count_flag", "parse_rate_flag", "run_estimate"]
 
 
 def this_machine() -> dict:
-    """{"gpus", "gpu_memory", "host_memory"} of this machine: CUDA devices and their memory from torch (none:
-    0 bytes, the ranks compute on the host), total RAM from psutil."""
+    """{"gpus", "gpu_memory", "host_memory", "locked_memory"} of this machine: CUDA devices and their memory from
+    torch (none: 0 bytes, the ranks compute on the host), total RAM from psutil or the cgroup's limit where lower,
+    and with CUDA the locked-memory limit where it binds (`zero_offload.offload.host_limits`)."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     gpu_mem = torch.cuda.get_device_properties(0).total_memory if gpus else 0
-    return {"gpus": gpus, "gpu_memory": gpu_mem, "host_memory": psutil.virtual_memory().total}
+    return {"gpus": gpus, "gpu_memory": gpu_mem, "host_memory": usable_host_memory(),
+            "locked_memory": memlock_limit() if gpus else None}
 
 
 def hf_config_shape(path: str) -> ModelShape:
@@ -223,6 +225,7 @@ def run_estimate(ns) -> int:
                   activation_checkpointing=ckpt, gpu_flops=parse_rate_flag(ns.gpu_tflops, "--gpu-tflops", 1e12),
                   host_adam=parse_rate_flag(ns.host_adam, "--host-adam"),
                   pcie=parse_rate_flag(ns.pcie, "--pcie", 1e9), calibration=getattr(ns, "calibration", None),
+                  locked_memory=machine["locked_memory"] if ns.host_mem is None else None,
                   allow_stale_step=getattr(ns, "allow_stale_step", False))
     ds = deepspeed_estimates(shape, gpus) if not ns.no_deepspeed else None
     print(render(result, shape, ds))

@@ -24,14 +24,20 @@ synchronisation.
 """
 from __future__ import annotations
 
+import warnings
 import weakref
 
 import torch
 
-__all__ = ["host_empty", "host_alloc_bytes", "is_page_locked", "pinned_bytes", "freed_bytes", "release_freed"]
+from zero_offload.offload.host_limits import RAISE_MEMLOCK, memlock_limit
+
+__all__ = ["host_empty", "host_alloc_bytes", "is_page_locked", "pinned_bytes", "freed_bytes", "release_freed",
+           "PinnedMemoryWarning", "pageable_fallback_bytes"]
 
 _registered: dict[int, int] = {}             # data_ptr -> bytes of live blocks page-locked by host_empty
 _freed: list[tuple[torch.Tensor, int]] = []  # (the block's memory, its bytes): garbage, still page-locked
+_fallback_bytes = 0                          # bytes meant to be page-locked that stayed pageable
+_warned = False
 
 
 def _cudart():
@@ -69,8 +75,11 @@ def host_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
     available (``cudaHostRegister``, no power-of-two rounding). Blocks freed since the last call are released
     first (`release_freed`).
 
-    Raises:
-        RuntimeError: CUDA refused to page-lock the range (the message gives the bytes and CUDA's error).
+    Where CUDA refuses to page-lock it (a container's or the driver's limit), the tensor stays pageable: training
+    goes on with copies that block the host and run slower, and one `PinnedMemoryWarning` per process names the
+    bytes, the locked-memory limit and how to raise it (`pageable_fallback_bytes` counts them). Stopping instead
+    would end runs on hosts whose limit is not knowable in advance (root's pinning ignores ``RLIMIT_MEMLOCK``; the
+    driver and the container runtime set their own), and nothing a run holds is lost by going on.
     """
     itemsize = torch.empty((), dtype=dtype).element_size()
     if not (pin and torch.cuda.is_available()) or numel == 0:
@@ -80,12 +89,36 @@ def host_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
     block = torch.empty(nbytes, dtype=torch.uint8)
     err = _cudart().cudaHostRegister(block.data_ptr(), nbytes, 0)
     if int(err) != 0:
-        raise RuntimeError(f"cudaHostRegister of {nbytes} bytes of host memory failed with CUDA error "
-                           f"{int(err)} (page-locked memory exhausted? set offload_*.pin_memory = false)")
+        return _pageable(block.view(dtype), f"cudaHostRegister failed with CUDA error {int(err)}")
     t = block.view(dtype)
     _registered[block.data_ptr()] = nbytes
     weakref.finalize(t, _on_collect, block)
     return t
+
+
+class PinnedMemoryWarning(RuntimeWarning):
+    """Host buffers meant to be page-locked are pageable: copies to and from the device block and run slower."""
+
+
+def _pageable(t: torch.Tensor, why: str) -> torch.Tensor:
+    """``t``, left pageable because page-locking it failed (``why``); warns once per process."""
+    global _fallback_bytes, _warned
+    nbytes = t.numel() * t.element_size()
+    _fallback_bytes += nbytes
+    if not _warned:
+        _warned = True
+        limit = memlock_limit()
+        warnings.warn(PinnedMemoryWarning(
+            f"page-locking {nbytes} bytes of host memory failed ({why}) with {pinned_bytes()} bytes page-locked "
+            f"by this process (RLIMIT_MEMLOCK: {'unlimited or not binding' if limit is None else f'{limit} bytes'}):"
+            f" this and any further buffer that fails stays pageable, and copies to and from the device block "
+            f"the host and run slower; {RAISE_MEMLOCK}"), stacklevel=3)
+    return t
+
+
+def pageable_fallback_bytes() -> int:
+    """Bytes of host buffers that were to be page-locked and stayed pageable (`host_empty`), in this process."""
+    return _fallback_bytes
 
 
 def host_alloc_bytes(numel: int, dtype: torch.dtype, pin: bool, accelerator: bool) -> int:

@@ -10,6 +10,7 @@ import torch
 from zero_offload.config import Config
 from zero_offload.estimate import estimate_memory, fmt_bytes, plan
 from zero_offload.estimate.planner import HEADROOM
+from zero_offload.offload.host_limits import cgroup_memory_limit, memlock_limit
 from zero_offload.presets import GPTConfig, count_parameters
 
 __all__ = ["Choice", "choose_config", "needs_sharded_init", "peak_flops"]
@@ -22,9 +23,11 @@ class Choice:
 
 
 def _machine(device: torch.device) -> tuple[int, int]:
-    """(accelerator bytes per rank or 0, host bytes available to this job now)."""
+    """(accelerator bytes per rank or 0, host bytes available to this job now: within the cgroup's limit too)."""
     gpu = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 0
-    return gpu, psutil.virtual_memory().available
+    limit = cgroup_memory_limit()
+    available = psutil.virtual_memory().available
+    return gpu, available if limit is None else min(available, limit)
 
 
 def choose_config(model: GPTConfig, name: str, base: dict, user_config: str | None, world_size: int,
@@ -47,7 +50,8 @@ def choose_config(model: GPTConfig, name: str, base: dict, user_config: str | No
         # The main job's model is built with its own checkpointing setting: the plan keeps it.
         result = plan(model, gpus=world_size, gpu_memory=gpu or None, host_memory=host, micro_batch=micro,
                       seq_len=seq_len, config=base, activation_checkpointing=model.activation_checkpointing,
-                      allow_stale_step=allow_stale_step)
+                      allow_stale_step=allow_stale_step,
+                      locked_memory=memlock_limit() if device.type == "cuda" else None)
         if not result.fits:
             raise ValueError(f"model {name} fits nowhere on this machine: {result.message()}; {hint}")
         return Choice(result.config, result.message())

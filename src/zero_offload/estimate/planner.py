@@ -228,7 +228,7 @@ def plan(model, gpus: int = 1, gpu_memory=None, host_memory=None, nvme=None, mic
          headroom: float = HEADROOM, *, gradient_accumulation: int | None = None,
          activation_checkpointing: bool | None = None, gpu_flops: float | None = None,
          host_adam: float | None = None, pcie: float | None = None, calibration=None,
-         allow_stale_step: bool = False, locked_memory: int | None = None) -> Plan:
+         allow_stale_step: bool = False, locked_memory: int | None = None, timed: bool = True) -> Plan:
     """The fastest config for ``model`` on ``gpus`` ranks of one machine that fits with ``headroom`` free.
 
     The stage and offload follow the order of `candidates`; for the first config that fits, the plan also
@@ -257,6 +257,8 @@ def plan(model, gpus: int = 1, gpu_memory=None, host_memory=None, nvme=None, mic
             `zero_offload.offload.host_limits.memlock_limit`); None: no limit. Where the plan's page-locked
             buffers exceed it they stay pageable (`zero_offload.offload.pinned.host_empty`): the step is predicted
             with copies at `PAGEABLE_PCIE_SHARE` of ``pcie``, and ``reasons["pin_memory"]`` says so.
+        timed: False: only whether and where the model fits, each row at its smallest setting (no step model,
+            nothing chosen by speed: the first row that fits, in `candidates`' order).
         calibration: a file written by ``zero-offload calibrate`` (`throughput.calibrated`: default
             ``$ZERO_OFFLOAD_CALIBRATION`` or ``~/.cache/zero_offload/calibration.json`` when it exists, else the
             built-in `Assumptions`); ``reasons["constants"]`` says which figures were used and where from.
@@ -317,7 +319,7 @@ def plan(model, gpus: int = 1, gpu_memory=None, host_memory=None, nvme=None, mic
         try:
             Config.load(raw)
             batch = choose_batch(shape, raw, gpus, None, knobs, figures, measure)     # its smallest setting
-            if batch.fits and accelerator and seq:
+            if batch.fits and accelerator and seq and timed:
                 searched[cand.name] = choose_batch(shape, raw, gpus, seq, knobs, figures, measure)
         except ConfigError as e:
             cand.error = str(e)

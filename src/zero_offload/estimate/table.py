@@ -203,6 +203,8 @@ def run_estimate(ns) -> int:
     given = sum(x is not None for x in (ns.model, ns.params, ns.hf_config))
     if given > 1:
         raise ValueError("give one of --model, --params, --hf-config")
+    if getattr(ns, "largest", False):
+        return _run_largest(ns)
     if ns.hf_config is not None:
         shape = hf_config_shape(ns.hf_config)
     elif ns.params is not None:
@@ -234,4 +236,25 @@ def run_estimate(ns) -> int:
     if ns.write_config:
         Path(ns.write_config).write_text(json.dumps(result.config, indent=2) + "\n")
         print(f"wrote {ns.write_config}")
+    return 0
+
+
+def _run_largest(ns) -> int:
+    """``zero-offload estimate --largest``: the largest GPT-2-shaped model that trains on the machine described."""
+    from zero_offload.estimate.largest import largest
+    machine = this_machine()
+    gpus = ns.gpus if ns.gpus is not None else max(1, machine["gpus"])
+    gpu_mem = parse_size_flag(ns.gpu_mem, "--gpu-mem") if ns.gpu_mem is not None else machine["gpu_memory"]
+    host_mem = parse_size_flag(ns.host_mem, "--host-mem") if ns.host_mem is not None else machine["host_memory"]
+    nvme = parse_size_flag(ns.nvme, "--nvme") if ns.nvme is not None else None
+    rates = {k: v for k, v in (("gpu_flops", parse_rate_flag(ns.gpu_tflops, "--gpu-tflops", 1e12)),
+                               ("host_adam", parse_rate_flag(ns.host_adam, "--host-adam")),
+                               ("pcie", parse_rate_flag(ns.pcie, "--pcie", 1e9))) if v is not None}
+    found = largest(gpus, gpu_mem, host_mem, nvme, seq_len=ns.seq_len or 1024, config=ns.config,
+                    allow_stale_step=getattr(ns, "allow_stale_step", False),
+                    calibration=getattr(ns, "calibration", None), **rates)
+    if found is None:
+        print("no GPT-2-shaped model fits this machine")
+        return 1
+    print("\n".join(found.lines()))
     return 0

@@ -189,16 +189,27 @@ def test_fp16_overflow_is_undone(stage, offload, tmp_path):
 
 
 # -- memory and configuration --------------------------------------------------------------------------------
+@pytest.mark.parametrize("fraction", (1.0, 0.3))
 @pytest.mark.parametrize("precision,moment_bytes", [("fp32", 4), ("bf16", 2)])
-def test_second_bank_is_counted_and_estimated(precision, moment_bytes):
+def test_second_bank_is_counted_and_estimated(precision, moment_bytes, fraction):
+    """The second bank (or, ``super_offload_fraction`` < 1, the undo bank of that share of each group's partition)
+    in the breakdown, and every kind the estimate counts to the byte (the share-sized 16-bit staging and the ring
+    included)."""
     cfg = spec_config(2, 1, 0.0, 1)
+    if fraction < 1:
+        cfg["zero_optimization"]["offload_optimizer"]["super_offload_fraction"] = fraction
     if precision == "bf16":
         cfg["bf16"] = {"enabled": True, "bf16_optimizer_states": True}
     held = one_step_breakdown(cfg)
-    part = held["master"]["numel"]
-    assert held["speculative_state"] == {"bytes": part * (4 + 2 * moment_bytes), "numel": 3 * part, "side": "host"}
+    engine = zero_offload.initialize(make_model(), cfg)
+    groups = [m.numel() for m in engine.zero.adam.speculation.masters]
+    engine.close()
+    share = sum(int(n * fraction) for n in groups)
+    assert sum(groups) == held["master"]["numel"] and (share < sum(groups)) == (fraction < 1)
+    assert held["speculative_state"] == {"bytes": share * (4 + 2 * moment_bytes), "numel": 3 * share, "side": "host"}
     est = estimate_memory(make_model(), cfg, 1, accelerator=False)
     assert est.host["speculative_state"] == held["speculative_state"]["bytes"]
+    assert_estimated(held, cfg)
 
 
 @pytest.mark.parametrize("stage", (2, 3))

@@ -101,12 +101,9 @@ class OffloadOptimizerConfig(OffloadConfig):
                                         "boundary keeps it, or redoes it exactly when clipping fired, or drops it "
                                         "on fp16 overflow. Not with delayed_param_update.")
     super_offload_fraction: float = option(1.0, "Not a DeepSpeed key: with super_offload and device 'cpu', the share "
-                                                "of each host partition speculated, the first to land. 1: into a "
-                                                "second bank the size of the state (swapped at the boundary). Below "
-                                                "1: stepped in place after an undo copy of that share (that share x "
-                                                "12 bytes/param, 8 with bf16 moments); the rest is stepped after "
-                                                "backward. The planner sizes it to the free host memory.",
-                                           min=0.0, max=1.0)
+                                                "of each partition speculated, the first to land: 1 into a second "
+                                                "bank; below 1 in place after an undo copy (f x 12 bytes/param, 8 "
+                                                "with bf16 moments), the rest after backward.", min=0.0, max=1.0)
     ratio: float = option(1.0, "ZeRO-Offload++'s Twin-Flow (DeepSpeed's key and default): the share of each "
                                "partition whose optimizer state and step are offloaded, at stages 2 and 3 with "
                                "device 'cpu' and the parameters on the device. The rest keeps its fp32 masters, "

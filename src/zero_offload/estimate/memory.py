@@ -7,7 +7,7 @@ Every model-state figure is computed with the engine's own sizing functions -- `
 estimate to `Engine.memory_breakdown()` (2 %) and to the process's anonymous RSS growth (10 %).
 
 Activations are a formula, not a measurement (Korthikanti et al. 2022, "Reducing Activation Recomputation
-in Large Transformer Models", Sec. 4.1), stated in `activation_formula`.
+in Large Transformer Models", Sec. 4.1), stated in `zero_offload.estimate.activations.activation_formula`.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from zero_offload.offload.copies import host_alloc_bytes
 from zero_offload.offload.grad_staging import STAGING_FORMULA, staging_shape
 from zero_offload.offload.staging_ring import ring_shape
 from zero_offload.precision import training_dtype
-from zero_offload.presets import GPTConfig
+from zero_offload.estimate.activations import activation_bytes, activation_formula
 from zero_offload.zero.bucket_pool import bucket_pool_size
 from zero_offload.zero.collectives import MAX_IN_FLIGHT, scattered_dtype
 from zero_offload.zero.buckets import bucket_spans, largest_bucket
@@ -96,28 +96,6 @@ class MemoryEstimate:
         if self.accelerator:
             return {"device": self.device_bytes, "host": self.host_bytes, "nvme": self.nvme_bytes}
         return {"device": 0, "host": self.device_bytes + self.host_bytes, "nvme": self.nvme_bytes}
-
-
-def activation_formula(checkpointing: bool) -> str:
-    per_layer = "s*b*h*(34 + 5*a*s/h) * d/2"
-    head = "b*s*V*(d + 8)"
-    if checkpointing:
-        return f"L * s*b*h*d (block inputs kept) + one block's {per_layer} (recompute) + {head} (logits, fp32 loss)"
-    return f"L * {per_layer} + {head} (logits, fp32 loss)"
-
-
-def activation_bytes(gpt: GPTConfig, micro_batch: int, seq_len: int, dtype_bytes: int,
-                     checkpointing: bool | None = None) -> int:
-    """Activation bytes of one forward/backward of a GPT (Korthikanti et al. 2022, Sec. 4.1): per block
-    ``s*b*h*(34 + 5*a*s/h)`` bytes of 16-bit activations (scaled by ``d/2`` for fp32); with activation
-    checkpointing only each block's input ``s*b*h*d`` is kept, plus one block's activations during its
-    recompute; plus the logits ``b*s*V`` in the training dtype and their fp32 loss copy and gradient.
-    s = seq_len, b = micro_batch, h = n_embd, a = n_head, V = vocab, L = n_layer, d = dtype bytes."""
-    s, b, h, a, v, n = seq_len, micro_batch, gpt.n_embd, gpt.n_head, gpt.vocab_size, gpt.n_layer
-    ckpt = gpt.activation_checkpointing if checkpointing is None else checkpointing
-    block = int(s * b * h * (34 + 5 * a * s / h) * dtype_bytes / 2)
-    logits = b * s * v * (dtype_bytes + 8)
-    return (n * s * b * h * dtype_bytes + block if ckpt else n * block) + logits
 
 
 def _stage2_bucket_bytes(group_numels: list[list[int]], world_size: int, bucket_numel: int, overlap: bool,

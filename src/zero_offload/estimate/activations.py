@@ -1,0 +1,29 @@
+"""Activation memory of a GPT's forward and backward (Korthikanti et al. 2022, Sec. 4.1), for the memory model
+(`zero_offload.estimate.memory`)."""
+from __future__ import annotations
+
+from zero_offload.presets import GPTConfig
+
+__all__ = ["activation_bytes", "activation_formula"]
+
+
+def activation_formula(checkpointing: bool) -> str:
+    per_layer = "s*b*h*(34 + 5*a*s/h) * d/2"
+    head = "b*s*V*(d + 8)"
+    if checkpointing:
+        return f"L * s*b*h*d (block inputs kept) + one block's {per_layer} (recompute) + {head} (logits, fp32 loss)"
+    return f"L * {per_layer} + {head} (logits, fp32 loss)"
+
+
+def activation_bytes(gpt: GPTConfig, micro_batch: int, seq_len: int, dtype_bytes: int,
+                     checkpointing: bool | None = None) -> int:
+    """Activation bytes of one forward/backward of a GPT (Korthikanti et al. 2022, Sec. 4.1): per block
+    ``s*b*h*(34 + 5*a*s/h)`` bytes of 16-bit activations (scaled by ``d/2`` for fp32); with activation
+    checkpointing only each block's input ``s*b*h*d`` is kept, plus one block's activations during its
+    recompute; plus the logits ``b*s*V`` in the training dtype and their fp32 loss copy and gradient.
+    s = seq_len, b = micro_batch, h = n_embd, a = n_head, V = vocab, L = n_layer, d = dtype bytes."""
+    s, b, h, a, v, n = seq_len, micro_batch, gpt.n_embd, gpt.n_head, gpt.vocab_size, gpt.n_layer
+    ckpt = gpt.activation_checkpointing if checkpointing is None else checkpointing
+    block = int(s * b * h * (34 + 5 * a * s / h) * dtype_bytes / 2)
+    logits = b * s * v * (dtype_bytes + 8)
+    return (n * s * b * h * dtype_bytes + block if ckpt else n * block) + logits

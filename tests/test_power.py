@@ -206,7 +206,7 @@ def overflow_not_undone(mp):
         if self.active:
             self.join()
             self.active = False
-            self._swap_banks()
+            self.bank.keep()
             for master in self.masters:
                 self.optimizer.count_step(master)
     mp.setattr(PieceSpeculation, "discard", discard)

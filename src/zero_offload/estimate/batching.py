@@ -156,23 +156,20 @@ def _policies(knobs: Knobs, dpu_possible: bool, spec_possible: bool, ratio_possi
             if not (d and s) and not (d and r is not None and r < 1.0)]
 
 
-def _host_step(shape: ModelShape, cfg: Config, gpus: int, gas: int,
-               a: Assumptions) -> tuple[float, int, float, float]:
+def _host_step(shape: ModelShape, cfg: Config, gpus: int, gas: int, a: Assumptions) -> tuple[float, int, float]:
     """(host-step seconds, gradient bytes copied down per micro-step, host-accumulation seconds of each micro-step
-    after the first, seconds of undo copies of the whole partition's state) of this rank; zeros when the step runs
-    on the device."""
+    after the first) of this rank; (0, 0, 0) when the step runs on the device."""
     zc = cfg.zero_optimization
     offload_param = zc.stage == 3 and zc.offload_param.device in ("cpu", "nvme")
     if zc.offload_optimizer.device not in ("cpu", "nvme") and not offload_param:
-        return 0.0, 0, 0.0, 0.0
+        return 0.0, 0, 0.0
     d = 4 if cfg.precision == "fp32" else 2
     part = sum(partition_numel(n, gpus) for n in shape.group_numels())
     moments = 2 if cfg.bf16.bf16_optimizer_states else 4
     accumulates = gas > 1 and zc.stage >= 2          # fp32 partitions added into on the host
     grad = 4 if accumulates else d
     add_s = host_add_seconds(part, d, a.host_adam) if accumulates else 0.0
-    host_s = host_step_seconds(part, moments, grad, d, a.host_adam)
-    return host_s, part * d, add_s, UNDO_COPY_COST * host_s
+    return host_step_seconds(part, moments, grad, d, a.host_adam), part * d, add_s
 
 
 def choose_batch(shape: ModelShape, raw: dict, gpus: int, seq: int | None, knobs: Knobs, a: Assumptions,
@@ -199,9 +196,9 @@ def choose_batch(shape: ModelShape, raw: dict, gpus: int, seq: int | None, knobs
     def make(micro: int, gas: int, ckpt, policy, fraction: float | None = None) -> BatchChoice:
         cfg_raw = _with(raw, micro, gas, policy, fraction)
         est, short = measure(cfg_raw, micro, ckpt)
+        given = fraction if fraction is not None else knobs.super_offload_fraction     # else the default, 1
         c = BatchChoice(cfg_raw, micro, gas, ckpt, bool(policy[0]), bool(policy[1]),
-                        1.0 if policy[2] is None else policy[2], est, short,
-                        fraction=Config.load(cfg_raw).zero_optimization.offload_optimizer.super_offload_fraction)
+                        1.0 if policy[2] is None else policy[2], est, short, fraction=given or 1.0)
         if c.fits or not policy[1] or fraction is not None or knobs.super_offload_fraction is not None:
             return c
         # The full second bank does not fit: speculate the largest share whose undo bank does.
@@ -253,12 +250,12 @@ def _timed(c: BatchChoice, shape: ModelShape, gpus: int, seq: int, a: Assumption
     as the engine's recorded step overlaps them (`zero_offload.estimate.step_graph`)."""
     cfg = Config.load(c.raw)
     zc = cfg.zero_optimization
-    host_s, down, add_s, save_s = _host_step(shape, cfg, gpus, c.gas, a)
+    host_s, down, add_s = _host_step(shape, cfg, gpus, c.gas, a)
     # The host's part; super_offload writes a second bank (streaming stores), or below fraction 1 copies the
-    # speculated share out first and steps it in place.
+    # speculated share out first (the undo copies of the whole partition: `Phases.save_s`) and steps it in place.
     undo = c.speculative and c.fraction < 1.0
+    save_s = UNDO_COPY_COST * host_s * c.ratio if undo else 0.0
     host_s *= (SPECULATIVE_KERNEL_COST if c.speculative and not undo else 1.0) * c.ratio
-    save_s = save_s * c.ratio if undo else 0.0
     tokens = c.micro * seq
     ckpt = c.checkpointing if c.checkpointing is not None else bool(shape.gpt and shape.gpt.activation_checkpointing)
     units = len(shape.units) if zc.stage == 3 else 0

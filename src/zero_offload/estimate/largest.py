@@ -87,8 +87,6 @@ def largest(gpus: int, gpu_memory, host_memory, nvme=None, *, seq_len: int = 102
     params = _params(best)
     mfu = None
     if chosen.batch is not None and chosen.batch.timing is not None:
-        peak = calibrated(calibration).gpu_flops / TRAINING_SHARE_OF_MATMUL
-        if rates.get("gpu_flops"):
-            peak = rates["gpu_flops"] / TRAINING_SHARE_OF_MATMUL
+        peak = (rates.get("gpu_flops") or calibrated(calibration).gpu_flops) / TRAINING_SHARE_OF_MATMUL
         mfu = 6 * params * chosen.batch.timing.tokens_per_s / peak
     return Largest(best, params, chosen, mfu)

@@ -66,23 +66,33 @@ class FrozenBase(torch.nn.Module):
         return ((self.base[:k] + self.adapter[:k]) * x).sum() + self.adapter.square().sum()
 
 
-def rss_anon() -> int:
-    """Bytes of anonymous resident memory of this process (RssAnon)."""
+def _status(field: str) -> int:
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("RssAnon:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
-    raise RuntimeError("no RssAnon in /proc/self/status")
+    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
-def peak_during(fn) -> int:
-    """Run ``fn()``; return the most RssAnon grew above its value at the start while it ran (bytes)."""
-    base = rss_anon()
+def rss_anon() -> int:
+    """Bytes of anonymous resident memory of this process (RssAnon)."""
+    return _status("RssAnon")
+
+
+def rss_total() -> int:
+    """Bytes of all resident memory of this process (VmRSS: anonymous, file pages it maps, shared memory)."""
+    return _status("VmRSS")
+
+
+def peak_during(fn, probe=rss_anon) -> int:
+    """Run ``fn()``; return the most ``probe()`` (RssAnon unless given) grew above its value at the start while it
+    ran (bytes)."""
+    base = probe()
     peak, done = [base], [False]
 
     def sample():
         while not done[0]:
-            peak[0] = max(peak[0], rss_anon())
+            peak[0] = max(peak[0], probe())
             time.sleep(0.001)
 
     t = threading.Thread(target=sample, daemon=True)
@@ -92,7 +102,7 @@ def peak_during(fn) -> int:
     finally:
         done[0] = True
         t.join()
-    return max(peak[0], rss_anon()) - base
+    return max(peak[0], probe()) - base
 
 
 def run_fresh(script: str, *args) -> dict:

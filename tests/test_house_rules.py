@@ -33,6 +33,10 @@ FACES = {"native.py": {"_native"}}
 # buffers with their None entries, and which buffers persist; torch's FSDP reads them too) and a storage's
 # identity (`_cdata`: it survives resizing to 0 bytes, which data_ptr does not).
 TORCH_PRIVATE = {"_parameters", "_buffers", "_non_persistent_buffers_set", "_cdata"}
+# The loader that stands in for transformers' own ``_load_pretrained_model`` (and the two peft methods it wraps, by
+# name) keeps transformers' loading protocol: the flag its loader sets on each loaded tensor, which its
+# ``_init_weights`` skips, and the conversions a model records for ``save_pretrained``.
+LIBRARY_PROTOCOL = {"hf/pretrained.py": {"_is_hf_initialized", "_weight_conversions"}}
 
 
 @pytest.mark.parametrize("path", sorted(p.relative_to(SRC).as_posix() for p in SRC.rglob("*.py")))
@@ -48,7 +52,7 @@ def test_no_private_name_is_used_across_modules(path):
                 if private and n.module != package and a.name not in FACES.get(path, ()):
                     wrong.append(f"from {n.module} import {a.name}")
         if (isinstance(n, ast.Attribute) and n.attr.startswith("_") and not n.attr.startswith("__")
-                and n.attr not in TORCH_PRIVATE):
+                and n.attr not in TORCH_PRIVATE and n.attr not in LIBRARY_PROTOCOL.get(path, ())):
             owner = ast.unparse(n.value)
             if owner not in {"self", "cls", "super()"} and owner.split(".")[0] not in FOREIGN_OK:
                 wrong.append(f"{owner}.{n.attr}")

@@ -11,6 +11,7 @@ test: the Trainer's precision dropped, accelerate's ``"auto"`` refused, stage-3 
 module (TRL's fused LM head), attributes hidden by the facade (walked from the libraries' sources). And
 generation under stage 3: the same tokens with every unit gathered once as module by module.
 """
+import contextlib
 import re
 from pathlib import Path
 
@@ -260,6 +261,7 @@ def test_the_reference_model_is_partitioned_with_no_optimizer_memory(variant, mo
     # power: prepared as accelerate prepares it, the reference model is whole on every rank
     import zero_offload.hf.trainer as hf_trainer
     monkeypatch.setattr(hf_trainer.ZeroOffloadTrainerMixin, "frozen_engine", lambda self, model: None)
+    monkeypatch.setattr(hf_trainer, "sharded_from_pretrained", contextlib.nullcontext)   # TRL loads it whole
     trainer = runs.run_variant(variant, model_dirs, tmp_path / "power", runs.zero_config(3))[0]
     assert sum(p.data.numel() for p in trainer.ref_model.parameters()) > 0
 

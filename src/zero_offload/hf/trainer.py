@@ -23,6 +23,7 @@ accelerate's ``DeepSpeedEngineWrapper``):
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import transformers
@@ -33,6 +34,7 @@ from zero_offload.config import ConfigError
 from zero_offload.engine import Engine
 from zero_offload.hf.config_fill import fill_as_accelerate, fill_from_training_args, load_ds_config
 from zero_offload.hf.facades import EngineModule, EngineOptimizer, EngineSchedule
+from zero_offload.hf.pretrained import sharded_from_pretrained
 from zero_offload.inference import InferenceEngine
 
 __all__ = ["ZeroOffloadTrainerMixin", "Trainer"]
@@ -84,7 +86,9 @@ class ZeroOffloadTrainerMixin:
         self.ds_config = load_ds_config(ds_config) if ds_config is not None else None
         self.engine: Engine | None = None
         self.frozen_engines: list[InferenceEngine] = []
-        super().__init__(*args, **kwargs)
+        stage3 = self.ds_config is not None and self.ds_config.get("zero_optimization", {}).get("stage") == 3
+        with sharded_from_pretrained() if stage3 else contextlib.nullcontext():
+            super().__init__(*args, **kwargs)      # a TRL trainer given a model name loads it a shard per rank
         if self.ds_config is None:
             return
         if getattr(self.args, "deepspeed", None):

@@ -44,11 +44,13 @@ from zero_offload.comm import all_gather_into, broadcast
 from zero_offload.zero.stage3 import registry
 
 __all__ = ["ShardedInit", "has_slice", "pop_slices", "fill_view", "open_full", "close_full", "shard_in_place",
-           "WriteThrough"]
+           "WriteThrough", "rank_world", "slice_bounds", "adopt_slice"]
 
-def _rank_world() -> tuple[int, int]:
+
+def rank_world() -> tuple[int, int]:
+    """(data-parallel rank, world size), joining the torchrun group as `zero_offload.initialize` will."""
     from zero_offload.comm import DistContext
-    ctx = DistContext.create()                # joins the torchrun group, as initialize will
+    ctx = DistContext.create()
     return ctx.rank, ctx.world_size
 
 
@@ -58,6 +60,29 @@ def has_slice(p: torch.Tensor) -> bool:
 
 def _chunk(numel: int, world: int) -> int:
     return max(1, math.ceil(numel / world))
+
+
+def slice_bounds(numel: int, rank: int, world: int) -> tuple[int, int]:
+    """``[lo, hi)``: the elements of a flattened ``numel``-element parameter that are ``rank``'s slice (the
+    flattened values cut in ``world`` chunks of ceil(numel / world), the last padded with zeros); ``hi`` is
+    clipped to ``numel``, so the range is empty on a rank that holds only padding."""
+    chunk = _chunk(numel, world)
+    return min(rank * chunk, numel), min((rank + 1) * chunk, numel)
+
+
+def adopt_slice(p: torch.nn.Parameter, rank: int, world: int) -> torch.Tensor:
+    """Make the meta parameter ``p`` one built under `ShardedInit` and return its slice to fill: 1-D, ``p``'s
+    dtype, zeros, one chunk long; the first ``hi - lo`` elements (`slice_bounds`) are ``rank``'s values, the
+    rest padding.
+
+    Raises:
+        ValueError: ``p`` is not a meta tensor.
+    """
+    if not p.is_meta:
+        raise ValueError(f"adopt_slice needs a meta parameter; got one on {p.device}")
+    piece = torch.zeros(_chunk(p.numel(), world), dtype=p.dtype)
+    registry.set_slice(p, (piece, rank, world))
+    return piece
 
 
 def _slice(full: torch.Tensor, rank: int, world: int) -> tuple:
@@ -85,7 +110,7 @@ def shard_in_place(model: torch.nn.Module) -> None:
     """Turn an already-built model into one built under `ShardedInit` (DeepSpeed's ``zero.Init(module=...)``):
     parameter by parameter, rank 0's values are broadcast (a collective, as DeepSpeed's ``_zero_init_param``)
     and each rank keeps its 1/N slice; the parameter becomes meta, so its full memory is freed at once."""
-    rank, world = _rank_world()
+    rank, world = rank_world()
     for module in model.modules():
         for p in module._parameters.values():
             if p is not None and not p.is_meta and not has_slice(p):
@@ -271,7 +296,7 @@ class ShardedInit:
         self._patched: list[tuple[type, object]] = []
 
     def __enter__(self):
-        rank, world = _rank_world()
+        rank, world = rank_world()
         for cls in _subclasses(torch.nn.Module):
             self._patch(cls, rank, world)
         # Classes defined inside the context (a lazily imported model file) are wrapped as they are made.

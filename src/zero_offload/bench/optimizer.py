@@ -4,7 +4,9 @@ Each path does what ZeRO-Offload's host step needs on N parameters: a 16-bit gra
 master and both Adam moments updated, the 16-bit parameter out.
 
 - zero-offload: `fused_adam_step`, one pass (28 bytes/param moved: 2 grad + 3 x (4 read + 4 write)
-  + 2 out; 20 with bf16 moments).
+  + 2 out; 20 with bf16 moments). With ``--dtype bf16`` also bf16 master weights (DeepSpeed's
+  ``bf16_master_weights_and_grads`` with ``bf16_optimizer_states``: the master is the 16-bit parameter, 14
+  bytes/param: 2 grad + 3 x (2 + 2)), rounded to nearest-even and stochastically.
 - torch: the 16-bit gradient copied into an fp32 buffer, ``torch._fused_adamw_`` (what
   ``torch.optim.AdamW(fused=True)`` runs), the master copied into the 16-bit parameter (40 bytes/param:
   6 + 28 + 6).
@@ -35,6 +37,7 @@ __all__ = ["main"]
 
 HP = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
 OURS, OURS_BF16 = "zero-offload fused", "zero-offload fused, bf16 moments"
+OURS_MASTER = {"nearest": "zero-offload bf16 master, nearest", "stochastic": "zero-offload bf16 master, stoch."}
 TORCH, DEEPSPEED = "torch fused AdamW + 2 casts", "DeepSpeed CPUAdam + 2 casts"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -65,6 +68,18 @@ def _ours(n: int, dtype: torch.dtype, state_dtype: torch.dtype) -> Callable[[], 
     def run():
         step[0] += 1
         fused_adam_step(master, grad, m, v, step=step[0], out=out, **HP)
+
+    return run
+
+
+def _ours_bf16_master(n: int, rounding: str) -> Callable[[], None]:
+    master, grad = torch.randn(n).to(torch.bfloat16), torch.randn(n).to(torch.bfloat16)
+    m, v = torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16)
+    step = [0]
+
+    def run():
+        step[0] += 1
+        fused_adam_step(master, grad, m, v, step=step[0], rounding=rounding, seed=step[0], **HP)
 
     return run
 
@@ -150,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
              (OURS, n, 28, lambda: _ours(n, dtype, torch.float32)),
              (OURS_BF16, n, 20, lambda: _ours(n, dtype, torch.bfloat16)),
              (TORCH, n, 40, lambda: _torch(n, dtype))]
+    if dtype == torch.bfloat16:
+        specs += [(OURS_MASTER[r], n, 14, lambda r=r: _ours_bf16_master(n, r)) for r in OURS_MASTER]
     if not args.no_deepspeed:
         specs.append((DEEPSPEED, n, 40, lambda: _deepspeed(n, dtype)))
     runs, errors = {}, {}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import types
 import typing
 import warnings
@@ -122,6 +123,13 @@ def _check_range(value, meta, path):
                           f"in zero-offload yet ({reason})")
 
 
+@functools.cache
+def _type_hints(cls) -> dict:
+    """The dataclass's resolved annotations, once per class (resolving them compiles each string: the planner
+    reads thousands of configs)."""
+    return typing.get_type_hints(cls)
+
+
 def from_dict(cls, data: dict, path: str = ""):
     """Build dataclass `cls` from `data`, checking keys, types, ranges and not-yet-implemented values.
 
@@ -133,7 +141,7 @@ def from_dict(cls, data: dict, path: str = ""):
     """
     if not isinstance(data, dict):
         raise ConfigError(f"config key '{path or '<root>'}': expected an object, got {data!r}")
-    hints = typing.get_type_hints(cls)
+    hints = _type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     ignored = getattr(cls, "IGNORED", {})
     kwargs = {}

@@ -1,4 +1,5 @@
-"""The host Adam/AdamW step on one flat partition: 16-bit gradient in, fp32 state updated, 16-bit parameter out.
+"""The host Adam/AdamW step on one flat partition: 16-bit gradient in, fp32 (or bf16) state updated, 16-bit
+parameter out.
 
 This module is the single Python face of the host kernel (ZeRO-Offload, Ren et al. 2021, Sec. 4.2: the
 CPU optimizer; DeepSpeed's ``DeepSpeedCPUAdam`` / ``csrc/adam/cpu_adam_impl.cpp``). `fused_adam_step` runs
@@ -21,6 +22,13 @@ Bound tested in tests/test_fused_adam.py (50 steps, lr=1e-3, decaying gradients)
 ``max |w_bf16 - w_fp32| <= 0.01 * lr * steps`` (measured 0.0044 * lr * steps at 10 steps, 0.0033 at 200);
 ``exp_avg`` within 2**-6 of its largest value (measured 0.0075); ``exp_avg_sq`` within 10% relatively
 (measured 3.3% max, 0.07% mean).
+
+bf16 master weights (DeepSpeed's ``bf16_master_weights_and_grads``; its CPU Adam widens a bf16 parameter, steps
+in fp32 and stores it rounded to nearest-even): the same fp32 arithmetic on the widened weight, then rounded to
+nearest-even (bitwise DeepSpeed's rule) or, with ``rounding="stochastic"``, up with probability equal to the
+remainder's share of an ulp, from a counter-based hash of (seed, element index): unbiased, reproducible, and the
+same bits on every ISA, thread count, chunking and in the fallback (tests/test_fused_adam_bf16_master.py).
+Nearest rounding drops every update smaller than half an ulp (2**-9 relative); stochastic keeps it in the mean.
 """
 from __future__ import annotations
 
@@ -33,13 +41,16 @@ import torch
 
 from zero_offload.optim import _native
 
-__all__ = ["fused_adam_step", "native_available", "active_isa", "DEFAULT_CHUNK"]
+__all__ = ["fused_adam_step", "native_available", "active_isa", "stochastic_bf16", "DEFAULT_CHUNK", "ROUNDINGS"]
 
 DEFAULT_CHUNK = 1 << 21  # elements per chunk when on_chunk is given: ~1 ms of work, 8 MiB of fp32 master
 _GRAD_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _STATE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 _OUT_CODES = {None: 0, torch.bfloat16: 1, torch.float16: 2}
 _SCALE, _DECAY, _L2, _LERP_SMALL, _NT_OUT, _NT_STATE, _PREFETCH, _DYNAMIC = 1, 2, 4, 8, 16, 32, 64, 128
+_STOCHASTIC, _MASTER_BF16 = 256, 512
+_MASTER_CODES = {torch.float32: 0, torch.bfloat16: 1}
+ROUNDINGS = ("nearest", "stochastic")
 # Kernel tuning, chosen by measurement (BENCHMARKS.md, "Host optimizer kernel"): non-temporal stores for the
 # write-only 16-bit output (+12%; for the read-modify-write states they cost 35%), 64K-element blocks
 # handed to threads in turn (+2%, and a descheduled core no longer holds the others up), no software prefetch.
@@ -96,12 +107,16 @@ def fused_adam_step(
     chunk_size: int | None = None,
     num_threads: int | None = None,
     sources: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    rounding: str = "nearest",
+    seed: int = 0,
+    index_base: int = 0,
 ) -> None:
     """One Adam (L2) or AdamW (decoupled decay) step over 1-D CPU tensors of equal length N, in place (or, with
     ``sources``, out of place).
 
     Args:
-        master: fp32 [N], contiguous, updated in place.
+        master: fp32 [N], or bf16 [N] (DeepSpeed's ``bf16_master_weights_and_grads``: the update is computed in
+            fp32 from the widened weight and rounded back as ``rounding`` says), contiguous, updated in place.
         grad: bf16, fp16 or fp32 [N]; multiplied by ``grad_scale`` (1/loss_scale x clip coefficient) first.
         exp_avg, exp_avg_sq: fp32 [N], or both bf16 [N] (half the state memory; see the module docstring
             for the accuracy bound), updated in place.
@@ -116,18 +131,30 @@ def fused_adam_step(
             then only receive the result: the sources are left as they were (a speculative step keeps what a
             step with another gradient scale needs: `zero_offload.hoststep.speculation`). Bitwise the in-place
             result. Default: read in place.
+        rounding: how a bf16 ``master`` is rounded: "nearest" (nearest-even, DeepSpeed's) or "stochastic" (up
+            with probability equal to the distance from the bf16 value below, in bf16 ulps: unbiased, so updates
+            smaller than half an ulp still move the weight on average).
+        seed: the stochastic rounding's key (uint32; one per step and partition); element ``i``'s random bits are
+            a hash of (``seed``, ``index_base + i``), so they do not depend on chunks, threads or the ISA, and the
+            torch fallback draws the same ones.
+        index_base: the partition offset of element 0 (for the bits above).
 
     Memory traffic per parameter: 2 (16-bit grad) + 3 x 8 (master, exp_avg, exp_avg_sq read and
-    written) + 2 (16-bit out) = 28 bytes with fp32 states, 20 bytes with bf16 states.
+    written) + 2 (16-bit out) = 28 bytes with fp32 states, 20 bytes with bf16 states; with a bf16 master (which
+    is itself the 16-bit weight: no ``out``) and bf16 states, 2 + 3 x 4 = 14 bytes.
 
     Mirrors ``torch.optim.AdamW`` (adamw_mode=True) and ``torch.optim.Adam`` with ``weight_decay``
     (adamw_mode=False), as DeepSpeed's ``adam_w_mode`` does.
 
     Raises:
         ValueError: a tensor of the wrong type, device, dtype, shape or length (the message names it),
-            or ``step < 1``.
+            ``step < 1``, an unknown ``rounding``, or ``out`` with a bf16 master.
     """
-    _check("master", master, {torch.float32: 0}, None)
+    _check("master", master, _MASTER_CODES, None)
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"fused_adam_step: rounding must be one of {ROUNDINGS}, got {rounding!r}")
+    if master.dtype == torch.bfloat16 and out is not None:
+        raise ValueError("fused_adam_step: a bf16 master is the 16-bit weight itself; pass out=None")
     n = master.numel()
     _check("grad", grad, _GRAD_CODES, n)
     _check("exp_avg", exp_avg, _STATE_CODES, n)
@@ -166,7 +193,7 @@ def fused_adam_step(
                     dst[lo:hi].copy_(src[lo:hi])
                 _torch_step(master[lo:hi], grad[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi], step, lr, beta1,
                             beta2, eps, weight_decay, adamw_mode, bias_correction, grad_scale,
-                            None if out is None else out[lo:hi], scratch)
+                            None if out is None else out[lo:hi], scratch, rounding, seed, index_base + lo)
             if on_chunk is not None:
                 on_chunk(start, end)
         return
@@ -182,19 +209,23 @@ def fused_adam_step(
         flags |= _PREFETCH
     if sources is not None and STREAM_OUT_OF_PLACE:
         flags |= _NT_STATE
+    if master.dtype == torch.bfloat16:
+        flags |= _MASTER_BF16 | (_STOCHASTIC if rounding == "stochastic" else 0)
     # Constants in double as torch computes them, rounded to fp32 once (as torch does with a Python scalar).
     hp = _native.HParams(grad_scale, 1.0 - lr * weight_decay, weight_decay, 1.0 - beta1, beta2, 1.0 - beta2,
-                         math.sqrt(bc2), eps, -lr / bc1, flags, PREFETCH_ELEMS)
+                         math.sqrt(bc2), eps, -lr / bc1, flags, PREFETCH_ELEMS, seed & 0xFFFFFFFF, index_base)
     threads = num_threads or torch.get_num_threads()
     gd, sd, od = _GRAD_CODES[grad.dtype], _STATE_CODES[exp_avg.dtype], _OUT_CODES[None if out is None else out.dtype]
     reads = sources or (master, exp_avg, exp_avg_sq)
     ptrs = [t.data_ptr() for t in (master, grad, exp_avg, exp_avg_sq)] + [0 if out is None else out.data_ptr()]
     ptrs += [t.data_ptr() for t in reads]
     state = exp_avg.element_size()
-    sizes = [4, grad.element_size(), state, state, 2, 4, state, state]
+    width = master.element_size()
+    sizes = [width, grad.element_size(), state, state, 2, width, state, state]
     hp_ref = ctypes.byref(hp)
     for start in range(0, n, chunk):
         end = min(n, start + chunk)
+        hp.index_base = index_base + start
         p = [0 if base == 0 else base + start * size for base, size in zip(ptrs, sizes)]
         lib.zo_adam_step_from(p[0], p[1], gd, p[2], p[3], sd, p[4] or None, od, end - start, hp_ref, threads,
                               p[5], p[6], p[7])
@@ -222,12 +253,43 @@ class _Scratch:
         return self.buffers[name][:k]
 
 
+_M32 = 0xFFFFFFFF
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """fused_adam.c's ``zo_hash`` (lowbias32) on int64 tensors holding uint32 values."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32          # int64 products wrap; their low 32 bits are the uint32 product's
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _M32
+    return x ^ (x >> 16)
+
+
+def stochastic_bf16(x: torch.Tensor, seed: int, index_base: int = 0) -> torch.Tensor:
+    """fp32 ``x`` [N] rounded to bf16 stochastically with the kernel's bits for elements ``index_base`` ..
+    ``index_base + N - 1`` under ``seed``: bitwise what the native kernel stores (the fallback's path)."""
+    index = torch.arange(index_base, index_base + x.numel(), dtype=torch.int64)
+    key = _hash32((seed & _M32) ^ _hash32(((index >> 32) + 0x9E3779B9) & _M32))
+    bits = _hash32(key ^ (index & _M32)) & 0xFFFF
+    rounded = ((x.reshape(-1).view(torch.int32).to(torch.int64) & _M32) + bits) >> 16
+    rounded = torch.where(torch.isnan(x.reshape(-1)), 0x7FC0, rounded)
+    return (rounded - ((rounded & 0x8000) << 1)).to(torch.int16).view(torch.bfloat16).view(x.shape)
+
+
 def _torch_step(master, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, adamw_mode,
-                bias_correction, grad_scale, out, scratch: _Scratch) -> None:
-    """The fallback on one piece: torch's fused kernel where it applies, else torch's ops in AdamW's order.
+                bias_correction, grad_scale, out, scratch: _Scratch, rounding: str = "nearest", seed: int = 0,
+                index_base: int = 0) -> None:
+    """The fallback on one piece: torch's fused kernel where it applies, else torch's ops in AdamW's order; a
+    bf16 master is stepped as an fp32 copy and rounded back.
 
     Every fp32 temporary lives in ``scratch`` (the same kernels as ``grad.float() * grad_scale``,
     ``v.sqrt() / bc2_sqrt`` etc., written into a buffer: bitwise the same values)."""
+    if master.dtype == torch.bfloat16:
+        wide = scratch.get("master", master.numel()).copy_(master)
+        _torch_step(wide, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, adamw_mode,
+                    bias_correction, grad_scale, None, scratch)
+        master.copy_(wide if rounding == "nearest" else stochastic_bf16(wide, seed, index_base))
+        return
     k = master.numel()
     fused = bias_correction and exp_avg.dtype == torch.float32
     l2 = weight_decay != 0.0 and not adamw_mode

@@ -26,7 +26,8 @@ class HParams(ctypes.Structure):
 
     _fields_ = [(name, ctypes.c_float) for name in (
         "grad_scale", "decay", "l2", "w1", "beta2", "one_minus_beta2", "bc2_sqrt", "eps", "neg_step_size")
-    ] + [("flags", ctypes.c_int32), ("prefetch_elems", ctypes.c_int32)]
+    ] + [("flags", ctypes.c_int32), ("prefetch_elems", ctypes.c_int32), ("seed", ctypes.c_uint32),
+         ("index_base", ctypes.c_int64)]
 
 
 def library_path() -> Path | None:

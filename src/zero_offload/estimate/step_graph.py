@@ -24,12 +24,14 @@ last bucket's copy down is 1/16 of a micro-step's, the last chunk's copy up 1/64
 """
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import os
 import subprocess
 import sys
 import warnings
+import weakref
 from dataclasses import asdict, dataclass
 
 import torch
@@ -280,11 +282,25 @@ def _durations(tl: Timeline, marks, p: Phases, fp32: bool):
     return seconds, kind
 
 
+_PREDICTED: dict[int, dict[Phases, StepGraph]] = {}   # id(recorded timeline) -> its replays, dropped with it
+
+
 def predict_step(s: Structure, p: Phases) -> StepGraph:
     """Replay ``s``'s recorded steps with ``p``'s durations and read the steady state between the starts of the
-    second and third recorded steps (see the module docstring)."""
+    second and third recorded steps (see the module docstring). A replay is kept for the recording it read (the
+    planner asks for the same one for every host size): a copy of it is returned."""
     tl, marks = recording(s)
-    seconds, kind = _durations(tl, marks, p, s.fp32)
+    memo = _PREDICTED.get(id(tl))
+    if memo is None:
+        memo = _PREDICTED[id(tl)] = {}
+        weakref.finalize(tl, _PREDICTED.pop, id(tl), None)
+    if p not in memo:
+        memo[p] = _replay(tl, marks, p, s.fp32)
+    return copy.deepcopy(memo[p])
+
+
+def _replay(tl: Timeline, marks, p: Phases, fp32: bool) -> StepGraph:
+    seconds, kind = _durations(tl, marks, p, fp32)
     pred = timeline.predict(tl, seconds)
     firsts = [m[0] for m in marks if m[2] == 0]
     computes = [o for o in tl.ops if o.lane == "compute"]

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 
-RUNS = 6                 # per mode; without the fix 32 of 32 such runs aborted (exit -6, SIGABRT)
+RUNS = 3                 # per mode; without the fix 32 of 32 such runs aborted (exit -6, SIGABRT): 3 suffice
 
 DRIVER = r'''
 import gc, json, os, sys, tempfile, threading, warnings

@@ -109,13 +109,13 @@ def _load_slices(model, state_dict, checkpoint_files, load_config, expected_keys
                 name, pattern = rename_source_key(key, [], [], base_model_prefix=prefix, meta_state_dict=targets)
             if name not in targets:
                 info.unexpected_keys.add(name)
-            elif pattern is not None:                # read whole when converted, as transformers does
-                dtype = _dtype_for(name, targets[name], plan)
+                continue
+            dtype = _dtype_for(name, targets[name], plan)
+            if pattern is not None:                  # read whole when converted, as transformers does
                 merged.setdefault(name, copy.deepcopy(by_pattern[pattern])).add_tensor(
                     name, key, pattern, functools.partial(_read_whole, path, key, dtype))
             else:
-                _place(model, targets, info, name, shape, _dtype_for(name, targets[name], plan), (path, key),
-                       rank, world)
+                _place(model, targets, info, name, shape, dtype, (path, key), rank, world)
     for name, converter in merged.items():          # one converted group in memory at a time
         for target, value in converter.convert(name, model=model, config=model.config, loading_info=info).items():
             value = value[0] if isinstance(value, list) else value

@@ -23,7 +23,7 @@ from the parent module the function is applied to (GPT-2's ``c_proj`` scaling fr
 Hugging Face 5's ``smart_apply`` (not ``Module.apply``) and plain writes in ``__init__``. Random draws happen
 on the full tensor in the same order as in a normal build, so the weights stay bit-identical to it.
 
-Memory: one parameter's full values at a time (the gathered tensor and its padded flat copy), besides one
+Memory: one parameter's full values at a time (the gathered tensor, then its slice), besides one
 module's constructor tensors before they are sliced, so the build never holds the whole model. Partitioning
 only when the outermost ``__init__`` returns would keep parent writes too, but holds the whole model on every
 rank for the whole build, the memory sharded init exists to avoid. Each write to a sharded parameter is a
@@ -80,16 +80,21 @@ def adopt_slice(p: torch.nn.Parameter, rank: int, world: int) -> torch.Tensor:
     """
     if not p.is_meta:
         raise ValueError(f"adopt_slice needs a meta parameter; got one on {p.device}")
-    piece = torch.zeros(_chunk(p.numel(), world), dtype=p.dtype)
+    piece = _piece(p.numel(), p.dtype, world)
     registry.set_slice(p, (piece, rank, world))
     return piece
 
 
+def _piece(numel: int, dtype: torch.dtype, world: int) -> torch.Tensor:
+    """A rank's slice of a ``numel``-element parameter before it is filled: one chunk of zeros (the padding)."""
+    return torch.zeros(_chunk(numel, world), dtype=dtype)
+
+
 def _slice(full: torch.Tensor, rank: int, world: int) -> tuple:
-    chunk = _chunk(full.numel(), world)
-    flat = torch.zeros(chunk * world, dtype=full.dtype)
-    flat[:full.numel()] = full.detach().reshape(-1).cpu()
-    return flat[rank * chunk:(rank + 1) * chunk].clone(), rank, world
+    lo, hi = slice_bounds(full.numel(), rank, world)
+    piece = _piece(full.numel(), full.dtype, world)
+    piece[:hi - lo] = full.detach().reshape(-1)[lo:hi]
+    return piece, rank, world
 
 
 def _keep_slice(p: torch.nn.Parameter, full: torch.Tensor, rank: int, world: int) -> None:

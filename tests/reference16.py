@@ -66,15 +66,19 @@ def _average(grads: list[torch.Tensor], comm: torch.dtype, divide_first: bool) -
     return total if divide_first else total / ws
 
 
-def combine(micro: list[list[torch.Tensor]], stage: int, dtype: torch.dtype, comm: torch.dtype) -> torch.Tensor:
+def combine(micro: list[list[torch.Tensor]], stage: int, dtype: torch.dtype, comm: torch.dtype,
+            sum_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The gradient the engine's optimizer reads for one parameter, before the loss scale is divided out.
 
     Args:
         micro: ``micro[r][k]``: the 16-bit gradient of rank r's micro-batch k.
         stage: the ZeRO stage (0-3).
         dtype: the training dtype; ``comm`` the communication dtype.
+        sum_dtype: the dtype stages 2/3 accumulate micro-batches in (bf16 with ``bf16_master_weights_and_grads``:
+            each add rounded to nearest, as torch's bf16 add rounds).
     Returns:
-        The gradient in the dtype of the engine's partition: ``dtype``, or fp32 under accumulation at stages 2/3.
+        The gradient in the dtype of the engine's partition: ``dtype``, or ``sum_dtype`` under accumulation at
+        stages 2/3.
     """
     ws, gas = len(micro), len(micro[0])
     fp16_first = comm == torch.float16
@@ -94,9 +98,9 @@ def combine(micro: list[list[torch.Tensor]], stage: int, dtype: torch.dtype, com
         reduced = [g.to(dtype) for g in reduced]         # the reduced bucket is copied back into a 16-bit bucket
     if gas == 1:
         return reduced[0].to(dtype)
-    total = reduced[0].float()
+    total = reduced[0].to(sum_dtype)
     for g in reduced[1:]:
-        total += g.float()
+        total = (total.float() + g.float()).to(sum_dtype)
     return total
 
 
@@ -115,10 +119,15 @@ class Reference16:
         stage, gas, ws, clip: the ZeRO stage, accumulation steps, world size and ``gradient_clipping``.
         loss_scale: the static fp16 loss scale (1.0 otherwise).
         comm: ``communication_data_type`` ("fp32", "bf16", "fp16"); None: the training dtype.
+        masters: "fp32", or bf16 masters (``bf16_master_weights_and_grads``) rounded "nearest" or "stochastic":
+            gradients then accumulate in bf16, and the new master is the fp32 result rounded to bf16, so the bound
+            grows by half a bf16 ulp of it (nearest) or a whole one (stochastic: either neighbour).
     """
 
     def __init__(self, precision: str, stage: int, gas: int, ws: int, clip: float = 0.0, loss_scale: float = 1.0,
-                 comm: str | None = None, lr: float = LR, weight_decay: float = 0.01, eps: float = 1e-8):
+                 comm: str | None = None, lr: float = LR, weight_decay: float = 0.01, eps: float = 1e-8,
+                 masters: str = "fp32"):
+        self.rounding = None if masters == "fp32" else masters
         self.dtype = DTYPES[precision]
         self.comm = DTYPES[comm] if comm else self.dtype
         self.stage, self.gas, self.ws, self.clip, self.loss_scale = stage, gas, ws, clip, loss_scale
@@ -156,7 +165,7 @@ class Reference16:
                 loss_sum += loss.item()
         for i, m in enumerate(self.masters):
             g = combine([[micro[r][k][i] for k in range(self.gas)] for r in range(self.ws)], self.stage,
-                        self.dtype, self.comm)
+                        self.dtype, self.comm, torch.bfloat16 if self.rounding else torch.float32)
             m.grad = g.float() / self.loss_scale
         norm = float(torch.nn.utils.clip_grad_norm_(self.masters, self.clip if self.clip > 0 else math.inf))
         before = [m.detach().clone() for m in self.masters]
@@ -170,6 +179,8 @@ class Reference16:
             denom = (state["exp_avg_sq"] / (1 - beta2**self.t)).sqrt() + self.eps
             size = self.lr * (a / (1 - beta1**self.t) / denom + self.wd * w.abs())
             bound[name] = 4 * ulp(m.detach(), torch.float32) + (32 + 8 * self.t) * U32 * size
+            if self.rounding:
+                bound[name] += ulp(m.detach(), torch.bfloat16) * (0.5 if self.rounding == "nearest" else 1.0)
         return {"masters": {n: m.detach().clone() for n, m in zip(self.names, self.masters)}, "bound": bound,
                 "norm": norm, "loss": loss_sum / (self.gas * self.ws)}
 
@@ -209,7 +220,9 @@ def lockstep_run(config: dict, reference: dict, steps: int = 5, dpu_warmup: int 
         masters = engine.full_state_dict()
         ratios = {n: ((masters[n] - step["masters"][n]).abs() / step["bound"][n]).max().item() for n in masters}
         worst = max(ratios, key=ratios.get)
+        off16 = sum(int((v != v.bfloat16().float()).sum()) for v in masters.values())   # not bf16 values
         out.append({"weights_ulp": weights_ulp, "masters_ratio": ratios[worst], "worst": worst,
+                    "masters_off_bf16": off16,
                     "norm_rel": abs(engine.last_grad_norm - step["norm"]) / step["norm"], "norm": step["norm"],
                     "loss": loss, "ref_loss": step["loss"]})
         history.append(masters)

@@ -30,11 +30,12 @@ def test_the_kernel_matches_torch(dtype, overwrite, n, threads):
 def test_without_the_kernel_torch_does_it(monkeypatch):
     monkeypatch.setattr(_native, "load", lambda *a, **k: None)
     dst, src = torch.ones(10), torch.full((10,), 2.0, dtype=torch.bfloat16)
-    assert abs(float(host_add.accumulate(dst, src, False, 2)) - 90.0) < 1e-4 and torch.equal(dst, torch.full((10,), 3.0))
+    total = float(host_add.accumulate(dst, src, False, 2))
+    assert abs(total - 90.0) < 1e-4 and torch.equal(dst, torch.full((10,), 3.0))
 
 
 @pytest.mark.parametrize("dst,src,threads,fault", [
-    (torch.zeros(4, dtype=torch.bfloat16), torch.zeros(4), 1, "dst must be"),
+    (torch.zeros(4, dtype=torch.float16), torch.zeros(4), 1, "dst must be"),
     (torch.zeros(4), torch.zeros(4, dtype=torch.int32), 1, "src must be"),
     (torch.zeros(4), torch.zeros(2, 2), 1, "src must be"),
     (torch.zeros(4), torch.zeros(5), 1, "src has 5 elements, dst has 4"),
@@ -43,3 +44,16 @@ def test_without_the_kernel_torch_does_it(monkeypatch):
 def test_bad_arguments_are_refused_by_name(dst, src, threads, fault):
     with pytest.raises(ValueError, match=fault):
         host_add.accumulate(dst, src, False, threads)
+
+
+@pytest.mark.parametrize("src_dtype", [torch.bfloat16, torch.float32])
+def test_bf16_partition_adds_round_each_sum_to_nearest(src_dtype):
+    """A bf16 gradient partition (``bf16_master_weights_and_grads``): each add is the fp32 sum rounded to bf16, and
+    the squares are those of the rounded result."""
+    g = torch.Generator().manual_seed(3)
+    dst = torch.randn(1000, generator=g).to(torch.bfloat16)
+    src = (torch.randn(1000, generator=g) * 1e-2).to(src_dtype)
+    expect = (dst.float() + src.float()).to(torch.bfloat16)
+    sq = host_add.accumulate(dst, src, False, 2)
+    assert torch.equal(dst, expect)
+    assert torch.allclose(sq, expect.float().square().sum(), rtol=1e-6)

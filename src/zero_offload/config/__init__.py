@@ -1,7 +1,8 @@
 """The DeepSpeed-style JSON config as typed dataclasses, with errors that name the key at fault.
 
-- `sections`: `Config` and its sections (fp16, bf16, zero_optimization, offload, aio); `Config.load` takes a
-  dict, a path or a `Config`;
+- `sections`: `Config` and its sections (zero_optimization, offload, aio); `Config.load` takes a dict, a path
+  or a `Config`;
+- `precision`: the fp16 and bf16 sections and the rules for bf16 master weights;
 - `schema`: building dataclasses from JSON (`from_dict`, `option`) and `ConfigError`;
 - `optim`: the optimizer and LR-schedule sections;
 - `compat`: DeepSpeed's legacy spellings, Hugging Face ``"auto"`` values, and the tables of DeepSpeed keys

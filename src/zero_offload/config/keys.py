@@ -18,7 +18,6 @@ _BY_VALUE = {
     "allgather_size": "DeepSpeed reads it only with the legacy 'zero_optimization': true form",
     "bfloat16 (with bf16 also given)": "DeepSpeed reads only 'bf16'",
     "bf16.immediate_grad_update": "gradients always go straight to their partition",
-    "bf16.bf16_master_weights_and_grads": "master weights stay fp32 (more memory, same or better accuracy)",
     "bf16.bf16_optimizer_states (without offload_optimizer.device 'cpu')": "the device Adam keeps fp32 moments",
     "gradient_predivide_factor (with prescale_gradients true)": "DeepSpeed ignores it then too",
     "optimizer.params.torch_adam": "the host step always uses zero-offload's kernel",

@@ -15,6 +15,7 @@ from zero_offload.config.auto import AutoContext, resolve_auto
 from zero_offload.config.compat import (IGNORED_OFFLOAD, IGNORED_OFFLOAD_OPTIMIZER, IGNORED_OFFLOAD_PARAM,
                                        IGNORED_TOP_LEVEL, IGNORED_ZERO, normalize)
 from zero_offload.config.io import check_finite, decode_config_string, read_config_file
+from zero_offload.config.precision import BF16Config, FP16Config, check_master_weights
 from zero_offload.config.optim import (SCHEDULER_PARAMS, AdamParams, LRRangeTestParams, OneCycleParams,
                                        OptimizerConfig, SchedulerConfig, WarmupCosineLRParams,
                                        WarmupDecayLRParams, WarmupLRParams)
@@ -24,37 +25,6 @@ __all__ = ["Config", "ConfigError", "BatchSizes", "FP16Config", "BF16Config", "O
            "SchedulerConfig", "ZeroConfig", "OffloadConfig", "AutoContext", "AdamParams", "WarmupLRParams",
            "WarmupDecayLRParams", "WarmupCosineLRParams", "OneCycleParams", "LRRangeTestParams", "SCHEDULER_PARAMS",
            "OffloadOptimizerConfig", "OffloadParamConfig", "AioConfig"]
-
-
-@dataclass
-class FP16Config:
-    enabled: bool = option(False, "Train with fp16 parameters, fp32 master weights and loss scaling.")
-    loss_scale: float = option(0.0, "Static loss scale; 0 selects dynamic loss scaling.", min=0.0)
-    initial_scale_power: int = option(16, "Dynamic scaling starts at 2**initial_scale_power.", min=0, max=64)
-    loss_scale_window: int = option(1000, "Clean steps before the dynamic scale doubles.", min=1)
-    hysteresis: int = option(2, "Overflows tolerated before the scale is halved.", min=1)
-    consecutive_hysteresis: bool = option(False, "Refill hysteresis after every clean step (DeepSpeed's flag).")
-    min_loss_scale: float = option(1.0, "The dynamic scale never drops below this.", min=0.0, min_exclusive=True)
-    auto_cast: bool = option(False, "Accepted for DeepSpeed compatibility; inputs are not cast.",
-                             not_implemented={True: "cast inputs yourself; the model runs in fp16"})
-    fp16_master_weights_and_grads: bool = option(
-        False, "DeepSpeed's fp16 master weights; master weights are always fp32 here.",
-        not_implemented={True: "master weights are always fp32"})
-
-
-@dataclass
-class BF16Config:
-    enabled: bool = option(False, "Train with bf16 parameters and fp32 master weights (no loss scaling).")
-    check_grad_overflow: bool = option(True, "Skip the optimizer step when the gradient norm is not finite "
-                                             "(DeepSpeed 0.19.8's default, true).")
-    immediate_grad_update: bool = option(False, "DeepSpeed's bf16 optimizer switch; gradients always go "
-                                                "straight to their partition here (no effect).")
-    bf16_master_weights_and_grads: bool = option(False, "DeepSpeed: bf16 master weights and gradients. "
-                                                        "Accepted with a warning: masters stay fp32.")
-    bf16_optimizer_states: bool = option(False, "Keep the Adam moments in bf16 on the host (DeepSpeed PR 8010): "
-                                                "4 bytes/param less, with offload_optimizer.device = 'cpu' (no "
-                                                "effect otherwise); unlike DeepSpeed, bf16_master_weights_and_grads "
-                                                "is not required (masters stay fp32).")
 
 
 @dataclass
@@ -310,6 +280,7 @@ class Config:
     def validate(self, path):
         if self.fp16.enabled and self.bf16.enabled:
             raise ConfigError("config keys 'fp16.enabled' and 'bf16.enabled' are both true; choose one")
+        check_master_weights(self)
 
     @classmethod
     def load(cls, source: "Config | dict | str | os.PathLike", auto: "AutoContext | None" = None) -> "Config":
@@ -359,9 +330,6 @@ class Config:
         if self.bf16.immediate_grad_update:
             out.append("config key 'bf16.immediate_grad_update' has no effect: gradients always go straight to "
                        "their partition")
-        if self.bf16.bf16_master_weights_and_grads:
-            out.append("config key 'bf16.bf16_master_weights_and_grads' has no effect yet: master weights stay "
-                       "fp32 (more memory, same or better accuracy)")
         if self.bf16.bf16_optimizer_states and self.zero_optimization.offload_optimizer.device != "cpu":
             out.append("config key 'bf16.bf16_optimizer_states' has no effect without "
                        "'zero_optimization.offload_optimizer.device' = 'cpu': the device Adam keeps fp32 moments")

@@ -158,7 +158,11 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
         micro = cfg.batch_sizes(world_size).micro_batch_per_gpu
     except Exception:                       # batch keys that do not divide: the engine reports it itself
         gas, micro = cfg.gradient_accumulation_steps or 1, cfg.train_micro_batch_size_per_gpu or 1
-    grad_dtype_bytes = 4 if gas > 1 else d   # stage 2/3 partitions accumulate in fp32 under accumulation
+    # bf16.bf16_master_weights_and_grads: bf16 masters, and gradient partitions that accumulate in bf16
+    bf16_masters = cfg.bf16.bf16_master_weights_and_grads
+    master_dtype = torch.bfloat16 if bf16_masters else torch.float32
+    fp32_sum = gas > 1 and not bf16_masters
+    grad_dtype_bytes = 4 if fp32_sum else d   # stage 2/3 partitions accumulate in fp32 under accumulation
     est = MemoryEstimate(accelerator=accelerator)
     offload_opt = zc.offload_optimizer.device in ("cpu", "nvme")
     offload_param = zc.stage == 3 and zc.offload_param.device in ("cpu", "nvme")
@@ -183,8 +187,8 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
         locked = pin if pinned is None else pinned
         rounding += host_alloc_bytes(numel, dtype_, locked, accelerator) - nbytes
         # What the engine page-locks: buffers copies read or write (fp32 masters are copied up in fp32 training).
-        if locked and accelerator and (kind in PAGE_LOCKED_KINDS or (d == 4 and kind in ("master",
-                                                                                          "speculative_state"))):
+        copied_up = kind in ("master", "speculative_state") and (d == 4 or bf16_masters)
+        if locked and accelerator and (kind in PAGE_LOCKED_KINDS or copied_up):
             est.pinned += nbytes
 
     def moments(numel: int, on_host: bool) -> None:
@@ -206,7 +210,7 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
         # the parameters are their own masters) and torch's fp32 moments.
         if cut:
             est.add("device", "device_grad_partition", cut * grad_dtype_bytes)
-            if d < 4:
+            if d < 4 and not bf16_masters:
                 est.add("device", "device_master", cut * 4)
             est.add("device", "device_exp_avg", cut * 4)
             est.add("device", "device_exp_avg_sq", cut * 4)
@@ -234,12 +238,12 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
                 host("grad_partition", p - cut, grad_dtype if zc.stage == 2 else dtype)
                 if zc.stage == 2 and gas > 1:       # pieces: this rank's buckets
                     grad_staging(min(largest_bucket(p, zc.reduce_bucket_size), p - cut), d)
-                host("master", p - cut, torch.float32)
+                host("master", p - cut, master_dtype)
                 moments(p - cut, on_host=True)
             else:
                 if zc.stage == 2:
                     est.add("device", "grad_partition", p * grad_dtype_bytes)
-                if d < 4:
+                if d < 4 and not bf16_masters:            # bf16 masters in place: the parameters themselves
                     est.add("device", "master", p * 4)
                 moments(p, on_host=False)
     else:
@@ -276,13 +280,15 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
                 host("grad_partition", p - cut, grad_dtype)
                 if gas > 1:
                     grad_staging(min(shard, p - cut), shard_bytes)
-                # fp32 shards in memory are their masters (not under super_offload, whose banks swap)
-                if not (offload_param and d == 4 and not param_nvme) or speculative:
-                    host("master", p - cut, torch.float32)
+                # Shards in memory of the masters' dtype are their masters (not under super_offload, whose banks
+                # swap, nor the delayed update, whose step writes them at publish only)
+                own = offload_param and not param_nvme and (d == 4 or bf16_masters)
+                if not own or speculative or (bf16_masters and zc.offload_optimizer.delayed_param_update):
+                    host("master", p - cut, master_dtype)
                 moments(p - cut, on_host=True)
             else:
                 est.add("device", "grad_partition", p * grad_dtype_bytes)
-                if d < 4:
+                if d < 4 and not bf16_masters:
                     est.add("device", "master", p * 4)
                 moments(p, on_host=False)
     grads_on_host = offload_opt or offload_param
@@ -321,7 +327,7 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
         # The delayed update hands this step's gradient partitions to the host step. Filled straight by the copies
         # down, a partition is lent and the next backward refills it behind the step (`GradPartition.take`);
         # under accumulation at stage >= 2 (fp32, through the staging worker) the next backward fills a second one.
-        if zc.stage >= 2 and gas > 1:
+        if zc.stage >= 2 and fp32_sum:
             for p in parts:
                 host("grad_spare", p, grad_dtype)
             est.formulas["grad_spare"] = ("delayed update under accumulation: a second gradient partition "

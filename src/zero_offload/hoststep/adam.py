@@ -21,11 +21,12 @@ from zero_offload.optim.cpu_adam import CPUAdam
 from zero_offload.hoststep.adam_state import AdamState
 from zero_offload.hoststep.copies_up import CopiesUp
 from zero_offload.hoststep.policy import StepPolicy
+from zero_offload.hoststep.precision import check_bf16_masters
 from zero_offload.hoststep.role import GradSource
 from zero_offload.hoststep.banks import SwapBank, UndoBank, speculated_numel
 from zero_offload.hoststep.speculation import FinalRanges, PieceSpeculation
 
-__all__ = ["PartitionedAdam", "host_state_dtype"]
+__all__ = ["PartitionedAdam"]
 
 
 def _recorded(on_chunk):
@@ -45,10 +46,6 @@ def _recorded(on_chunk):
 def _storage(t: torch.Tensor) -> int:
     """The address of ``t``'s storage: views of one buffer share it."""
     return t.untyped_storage().data_ptr()
-
-def host_state_dtype(config) -> torch.dtype:
-    """The dtype of the host Adam moments: bf16 under ``bf16.bf16_optimizer_states``, else fp32."""
-    return torch.bfloat16 if config.bf16.bf16_optimizer_states else torch.float32
 
 
 class PartitionedAdam(AdamState):
@@ -81,11 +78,16 @@ class PartitionedAdam(AdamState):
         chunk: elements per host-step chunk and per copy up (``offload_optimizer.copy_chunk``).
         speculated: ``SPECULATIVE``: the share of each partition speculated (``super_offload_fraction``; below 1
             in place with an undo copy, `zero_offload.hoststep.banks`).
+        master_dtype: fp32, or bf16 (DeepSpeed's ``bf16_master_weights_and_grads``, bf16 parts, states on the host):
+            each master is then the bf16 parameter itself -- the part when it is host memory, else a pinned copy
+            that the copies up read -- updated in fp32 and rounded back as ``rounding`` says.
+        rounding, seed, index_bases: the bf16 masters' rounding ("nearest" or "stochastic"), the run's key and,
+            per group, the partition's first element in the group's numbering (`CPUAdam`).
 
     Attributes:
         optimizer: the inner ``torch.optim.Optimizer`` whose param groups carry the live learning rates
             (the LR schedule writes into them).
-        masters: per group, the fp32 master partition, shape (partition numel,).
+        masters: per group, the master partition (fp32, or bf16: ``master_dtype``), shape (partition numel,).
         outs: per group, the 16-bit tensor the host kernel writes updated parameters into (the partition
             itself on a CPU device or for host shards; with the delayed update under accumulation, a pinned
             16-bit buffer its chunks go up from), or None: offloaded 16-bit parameters headed for the device
@@ -100,13 +102,14 @@ class PartitionedAdam(AdamState):
 
     Raises:
         ValueError: ``bias_correction = false`` with the states on an accelerator (torch's Adam has no
-            such switch).
+            such switch), or bf16 masters there or over parts that are not bf16.
     """
 
     def __init__(self, parts: list[torch.Tensor], hparams: list[dict], offload: bool, copies: Copies,
                  host_params: bool = False, policy: StepPolicy = StepPolicy.SYNCHRONOUS,
                  state_dtype: torch.dtype = torch.float32, host_cpus: tuple[int, ...] | None = None,
-                 chunk: int = 1 << 24, speculated: float = 1.0):
+                 chunk: int = 1 << 24, speculated: float = 1.0, master_dtype: torch.dtype = torch.float32,
+                 rounding: str = "nearest", seed: int = 0, index_bases: Sequence[int] | None = None):
         self.parts, self.offload, self.copies = parts, offload, copies
         host_threads = len(host_cpus) if host_cpus else None
         self.host_threads = host_threads or torch.get_num_threads()
@@ -125,9 +128,13 @@ class PartitionedAdam(AdamState):
         self.published_from: list[torch.Tensor | None] = [None] * len(parts)
         self.publish_copies: list[CopyHandle | None] = [None] * len(parts)
         self.sources: list[GradSource] = []      # the gradient sources of the step in progress (or the last)
+        if master_dtype != torch.float32:
+            check_bf16_masters(parts, self.on_host, master_dtype)
         for part in parts:
             sixteen_bit = part.dtype != torch.float32
-            if offload and (deferred or speculative or not (host_params and not sixteen_bit)):
+            if master_dtype != torch.float32:
+                master, out = self._bf16_master(part, deferred or speculative), None
+            elif offload and (deferred or speculative or not (host_params and not sixteen_bit)):
                 # fp32 masters are only read by the kernel (and copied up in fp32 runs): pinned only then.
                 master = (copies.host_empty(part.numel(), torch.float32) if not sixteen_bit
                           else torch.empty(part.numel(), dtype=torch.float32)).copy_(part)
@@ -150,11 +157,14 @@ class PartitionedAdam(AdamState):
         self.incoming_free: CopyHandle | None = None   # where the compute stream last read them (`publish`)
         self.params_free: CopyHandle | None = None     # the compute that read the parts, at a synchronous step
         groups = [{"params": [m], **h} for m, h in zip(self.masters, hparams)]
+        for group, base in zip(groups, index_bases or [0] * len(groups)):
+            group["index_base"] = base
         if self.on_host:
             self.optimizer = CPUAdam(groups, state_dtype=state_dtype, num_threads=host_threads,
-                                     chunk_size=self.chunk)
+                                     chunk_size=self.chunk, rounding=rounding, seed=seed)
         else:
             for g in groups:
+                g.pop("index_base")
                 if not g.pop("bias_correction"):
                     raise ValueError("optimizer.params.bias_correction = false needs the optimizer states on "
                                      "the host (offload_optimizer.device = 'cpu'); torch's device Adam "
@@ -175,6 +185,13 @@ class PartitionedAdam(AdamState):
             self.speculation.outs = [copies.host_empty(speculated_numel(p.numel(), speculated), p.dtype)
                                      if p.dtype != torch.float32 else None for p in parts]
             self.speculation.on_piece = self._land_speculated
+
+    def _bf16_master(self, part: torch.Tensor, beside: bool) -> torch.Tensor:
+        """A bf16 part's bf16 master: the part itself where it is host memory stepped in place, else a pinned copy
+        (device parts: the copies up read it; a step beside training writes the parts only when it publishes)."""
+        if self.offload and (beside or not self.host_params):
+            return self.copies.host_empty(part.numel(), part.dtype).copy_(part)
+        return part
 
     @property
     def deferred(self) -> bool:
@@ -306,6 +323,9 @@ class PartitionedAdam(AdamState):
         is copied up from there (DeepSpeed's step-plus-copy, without a pass that re-reads the fp32 master to
         round it). Otherwise None: the chunks go up through the ring."""
         part = self.parts[g]
+        if self.master_is_param(g):          # bf16 masters: the copies read the master, the kernel writes no out
+            self.published_from[g] = self.masters[g]
+            return None
         self.published_from[g] = grad if part.dtype != torch.float32 and grad.dtype == part.dtype else None
         return self.published_from[g]
 
@@ -349,18 +369,19 @@ class PartitionedAdam(AdamState):
         per parameter of pinned memory less). Under accumulation (fp32 gradient) a pinned 16-bit
         buffer, made on first use. fp32 parameters are published from the masters: None."""
         part = self.parts[g]
-        if self._out_over_grad(g, grad) is None and part.dtype != torch.float32:
+        out = self._out_over_grad(g, grad)
+        if out is None and part.dtype != torch.float32 and not self.master_is_param(g):
             if self.outs[g] is None:
                 self.outs[g] = self.copies.host_empty(part.numel(), part.dtype)
-            self.published_from[g] = self.outs[g]
-        return self.published_from[g]
+            self.published_from[g] = out = self.outs[g]
+        return out
 
     def publish_reader(self, g: int) -> tuple[CopyHandle, torch.Tensor] | None:
         """The copy up that `publish` queued from group ``g``'s gradient buffer, and that buffer: its owner
         orders the next copies down into it after the copy (`GradPartition.read_by`). None when publish read
         no gradient buffer."""
         handle, source = self.publish_copies[g], self.published_from[g]
-        return None if handle is None or source is self.outs[g] else (handle, source)
+        return None if handle is None or source is self.outs[g] or source is self.masters[g] else (handle, source)
 
     @torch.no_grad()
     def publish(self) -> None:
@@ -394,18 +415,3 @@ class PartitionedAdam(AdamState):
         if self.host_thread is not None:
             self.host_thread.close()
         self.up.close()
-
-    def staging_tensors(self) -> list[torch.Tensor]:
-        """Host buffers that only carry updated parameters towards the device: the ring's slots, or with the
-        delayed update the pinned 16-bit copies of the device partitions (2 bytes per element)."""
-        held = self.ring.tensors() if self.ring is not None else []
-        if self.deferred and not self.host_params:
-            held += [o for o in self.outs if o is not None]
-        if self.speculation is not None:
-            held += [o for o in self.speculation.outs if o is not None]
-        return held
-
-    def incoming_tensors(self) -> list[torch.Tensor]:
-        """The delayed update's device landing buffers (`incoming`: P x d bytes), empty without it."""
-        return [t for t in self.incoming if t is not None]
-

@@ -1,9 +1,9 @@
 """`AdamState`: the state face of `zero_offload.hoststep.adam.PartitionedAdam` (checkpoints, accounting).
 
-The fp32 masters and Adam's moments of a partition in host or device memory, read and written in pieces
+The masters (fp32, or bf16) and Adam's moments of a partition in host or device memory, read and written in pieces
 (`zero_offload.state.PartitionedOptimizerState`) and counted by kind for ``memory_breakdown``. A mixin of the one
-class that holds them: it reads the owner's ``masters``, ``optimizer``, ``on_host`` and ``speculation`` and calls
-its ``write_parts`` and ``discard_speculation``.
+class that holds them: it reads the owner's ``masters``, ``parts``, ``optimizer``, ``on_host``, ``speculation``,
+``ring``, ``outs`` and ``incoming`` and calls its ``write_parts`` and ``discard_speculation``.
 """
 from __future__ import annotations
 
@@ -97,3 +97,22 @@ class AdamState(WholeGroupState):
         targets = {"master": mine, **{k: state[k] for k in ("exp_avg", "exp_avg_sq") if k in state}}
         fill_from_chunks(chunks, g, targets)
         self.write_parts([g])
+
+    def master_is_param(self, g: int) -> bool:
+        """Group ``g``'s master has the parameters' dtype (bf16 masters): no rounding between them, and the
+        copies up read the master itself."""
+        return self.masters[g].dtype == self.parts[g].dtype != torch.float32
+
+    def staging_tensors(self) -> list[torch.Tensor]:
+        """Host buffers that only carry updated parameters towards the device: the ring's slots, or with the
+        delayed update the pinned 16-bit copies of the device partitions (2 bytes per element)."""
+        held = self.ring.tensors() if self.ring is not None else []
+        if self.deferred and not self.host_params:
+            held += [o for o in self.outs if o is not None]
+        if self.speculation is not None:
+            held += [o for o in self.speculation.outs if o is not None]
+        return held
+
+    def incoming_tensors(self) -> list[torch.Tensor]:
+        """The delayed update's device landing buffers (`incoming`: P x d bytes), empty without it."""
+        return [t for t in self.incoming if t is not None]

@@ -29,7 +29,8 @@ from __future__ import annotations
 import torch
 
 from zero_offload.config import Config, ConfigError
-from zero_offload.hoststep.adam import PartitionedAdam, host_state_dtype
+from zero_offload.hoststep.adam import PartitionedAdam
+from zero_offload.hoststep.precision import host_state_dtype, master_dtype, master_rounding
 from zero_offload.hoststep.nvme_adam import NvmeAdam
 from zero_offload.hoststep.policy import StepPolicy
 from zero_offload.hoststep.role import PartitionOptimizer
@@ -106,11 +107,11 @@ def build_partition_optimizer(config: Config, parts: list[torch.Tensor], hparams
         # back to the files after each step.
         masters = [param_store.read_range(g, 0, p.numel()).float() for g, p in enumerate(parts)]
         return WriteBackOptimizer(_in_memory(config, masters, hparams, True, copies, True), param_store)
-    return _in_memory(config, parts, hparams, offload, copies, host_params, segments, all_reduce)
+    return _in_memory(config, parts, hparams, offload, copies, host_params, segments, all_reduce, rank)
 
 
 def _in_memory(config: Config, parts: list[torch.Tensor], hparams: list[dict], offload: bool, copies: Copies,
-               host_params: bool, segments: list | None = None, all_reduce=None) -> PartitionedAdam:
+               host_params: bool, segments: list | None = None, all_reduce=None, rank: int = 0) -> PartitionedAdam:
     """States in device or host memory: the fused kernel for Adam/AdamW, a torch optimizer otherwise."""
     opt = config.optimizer
     offload_opt = config.zero_optimization.offload_optimizer
@@ -118,9 +119,16 @@ def _in_memory(config: Config, parts: list[torch.Tensor], hparams: list[dict], o
     if opt.torch_kwargs is None and not opt.params.amsgrad:
         # A step beside the training thread gets its share of the cores; a synchronous one every core.
         cores = host_step_cores(offload_opt.cpuadam_cores_perc) if policy.beside_training else None
+        # Stochastic rounding's element numbering: rank r's partition starts at r x its size (stages 1-2: the
+        # flat buffer's own offsets, so the bits do not depend on the world size).
         return PartitionedAdam(parts, hparams, offload, copies, host_params=host_params, policy=policy,
                                state_dtype=host_state_dtype(config), host_cpus=cores, chunk=offload_opt.copy_chunk,
-                               speculated=offload_opt.super_offload_fraction)
+                               speculated=offload_opt.super_offload_fraction, master_dtype=master_dtype(config),
+                               index_bases=[rank * p.numel() for p in parts], **master_rounding(config))
+    if master_dtype(config) != torch.float32:
+        raise ConfigError("config key 'bf16.bf16_master_weights_and_grads' = true needs the optimizer Adam/AdamW on "
+                          "the fused host kernel (DeepSpeed: DeepSpeedCPUAdam); a client optimizer, amsgrad or "
+                          f"{opt.type!r} steps fp32 masters")
     for key, on in (("delayed_param_update", policy is StepPolicy.DELAYED),
                     ("super_offload", policy is StepPolicy.SPECULATIVE)):
         if on:

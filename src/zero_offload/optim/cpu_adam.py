@@ -7,11 +7,11 @@ import torch
 
 from zero_offload.optim.fused_adam import fused_adam_step
 
-__all__ = ["CPUAdam"]
+__all__ = ["CPUAdam", "step_seed"]
 
 
 class CPUAdam(torch.optim.Optimizer):
-    """Adam/AdamW over fp32 CPU parameters, stepping through `fused_adam_step`.
+    """Adam/AdamW over fp32 (or bf16) CPU parameters, stepping through `fused_adam_step`.
 
     Same hyper-parameters and results as ``torch.optim.AdamW`` (``adamw_mode=True``, decoupled weight
     decay) or ``torch.optim.Adam`` with L2 ``weight_decay`` (``adamw_mode=False``), mirroring
@@ -24,9 +24,13 @@ class CPUAdam(torch.optim.Optimizer):
         num_threads: the kernel's thread count on every step (default: ``torch.get_num_threads()`` at each
             step); the engine gives `zero_offload.offload.host_cores`' share.
         chunk_size: elements per ``on_chunk`` call (default: `fused_adam_step`'s).
+        rounding: how bf16 parameters (bf16 master weights, DeepSpeed's ``bf16_master_weights_and_grads``: widened
+            to fp32, updated, rounded back) are rounded: "nearest" (DeepSpeed's) or "stochastic".
+        seed: stochastic rounding's key; each step draws from (seed, step count, ``index_base`` + element), where
+            ``index_base`` is a param group key (default 0: the engine gives each rank's partition offset).
 
     Raises:
-        ValueError: a hyper-parameter out of range, or a parameter that is not an fp32 CPU tensor.
+        ValueError: a hyper-parameter out of range, or a parameter that is not an fp32 or bf16 CPU tensor.
     """
 
     checks_params_at_init = True     # DeepSpeed's name for it (compat.ops.adam) checks them at step instead
@@ -43,6 +47,8 @@ class CPUAdam(torch.optim.Optimizer):
         state_dtype: torch.dtype = torch.float32,
         num_threads: int | None = None,
         chunk_size: int | None = None,
+        rounding: str = "nearest",
+        seed: int = 0,
     ):
         if lr < 0.0:
             raise ValueError(f"CPUAdam: lr must be >= 0, got {lr}")
@@ -55,13 +61,15 @@ class CPUAdam(torch.optim.Optimizer):
         if state_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"CPUAdam: state_dtype must be torch.float32 or torch.bfloat16, got {state_dtype}")
         self.state_dtype, self.num_threads, self.chunk_size = state_dtype, num_threads, chunk_size
+        self.rounding, self.seed = rounding, seed
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         adamw_mode=adamw_mode, bias_correction=bias_correction)
         super().__init__(params, defaults)
         for group in self.param_groups if self.checks_params_at_init else ():
             for p in group["params"]:
-                if p.device.type != "cpu" or p.dtype != torch.float32:
-                    raise ValueError(f"CPUAdam: parameters must be fp32 CPU tensors, got {p.dtype} on {p.device}")
+                if p.device.type != "cpu" or p.dtype not in (torch.float32, torch.bfloat16):
+                    raise ValueError(f"CPUAdam: parameters must be fp32 or bf16 CPU tensors, got {p.dtype} on "
+                                     f"{p.device}")
 
     @torch.no_grad()
     def step(
@@ -125,8 +133,15 @@ class CPUAdam(torch.optim.Optimizer):
                 on_chunk=None if on_chunk is None else (
                     lambda a, b, gi=gi, pi=pi, lo=lo: on_chunk(gi, pi, lo + a, lo + b)),
                 num_threads=self.num_threads, chunk_size=self.chunk_size if on_chunk is not None else None,
+                **self._rounding(group, state["step"], lo),
             )
         return loss
+
+    def _rounding(self, group: dict, step: int, lo: int) -> dict:
+        """`fused_adam_step`'s rounding arguments for elements from ``lo`` of a parameter of ``group`` at ``step``:
+        a key per step, and the elements' index in the group's numbering (``index_base``)."""
+        return {"rounding": self.rounding, "seed": step_seed(self.seed, step),
+                "index_base": group.get("index_base", 0) + lo}
 
     def _begin_step(self, p: torch.Tensor) -> None:
         """Make or cast ``p``'s moments and count its step (once per step, however many work items it has)."""
@@ -166,7 +181,17 @@ class CPUAdam(torch.optim.Optimizer):
                         step=state["step"] + 1, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                         weight_decay=group["weight_decay"], adamw_mode=group["adamw_mode"],
                         bias_correction=group["bias_correction"], grad_scale=grad_scale,
-                        num_threads=num_threads or self.num_threads, sources=live, out=out)
+                        num_threads=num_threads or self.num_threads, sources=live, out=out,
+                        **self._rounding(group, state["step"] + 1, lo))
+
+
+def step_seed(seed: int, step: int) -> int:
+    """The stochastic rounding key (uint32) of ``step`` under run seed ``seed``: both mixed (splitmix64's
+    finalizer), so neighbouring steps and seeds draw unrelated bits."""
+    z = (seed * 0x9E3779B97F4A7C15 + step) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) & 0xFFFFFFFF
 
 
 def _work_items(groups: list[dict], stepped: dict, order) -> list[tuple[int, int, int, int]]:

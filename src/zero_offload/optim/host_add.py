@@ -29,7 +29,8 @@ def accumulate(dst: torch.Tensor, src: torch.Tensor, overwrite: bool, threads: i
     """``dst = src`` (``overwrite``) or ``dst += src``, then the sum of squares of ``dst``.
 
     Args:
-        dst: the fp32 gradient partition's piece, 1-D, contiguous, on the CPU; written in place.
+        dst: the gradient partition's piece, fp32 (or bf16: ``bf16_master_weights_and_grads``, each add rounded to
+            nearest-even as DeepSpeed's bf16 add rounds; in torch, two passes), 1-D, contiguous, on the CPU.
         src: the staged piece, fp32, bf16 or fp16, 1-D, contiguous, on the CPU, as many elements as ``dst``.
         overwrite: the step's first micro-step (convert) rather than a later one (add).
         threads: the kernel's OpenMP threads (>= 1; fewer for a piece too small to share).
@@ -40,7 +41,7 @@ def accumulate(dst: torch.Tensor, src: torch.Tensor, overwrite: bool, threads: i
     Raises:
         ValueError: a tensor of the wrong device, dtype, shape or length, or ``threads`` < 1 (the message names it).
     """
-    for name, t, dtypes in (("dst", dst, (torch.float32,)), ("src", src, tuple(_CODES))):
+    for name, t, dtypes in (("dst", dst, (torch.float32, torch.bfloat16)), ("src", src, tuple(_CODES))):
         if t.device.type != "cpu" or t.dtype not in dtypes or t.dim() != 1 or not t.is_contiguous():
             raise ValueError(f"accumulate: {name} must be a 1-D contiguous CPU tensor of dtype in {dtypes}, got "
                              f"{t.dtype} of shape {tuple(t.shape)} on {t.device}")
@@ -48,7 +49,7 @@ def accumulate(dst: torch.Tensor, src: torch.Tensor, overwrite: bool, threads: i
         raise ValueError(f"accumulate: src has {src.numel()} elements, dst has {dst.numel()}")
     if threads < 1:
         raise ValueError(f"accumulate: threads must be >= 1, got {threads}")
-    lib = _native.load()
+    lib = _native.load() if dst.dtype == torch.float32 else None
     if lib is None:
         dst.copy_(src) if overwrite else dst.add_(src)
         return torch.linalg.vector_norm(dst, dtype=torch.float32).square()

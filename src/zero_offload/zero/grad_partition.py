@@ -18,7 +18,7 @@ from zero_offload.optim.host_add import STAGED_ADD_THREADS, accumulate
 from zero_offload.zero.buckets import GradBucket, largest_bucket
 from zero_offload.offload.buffer_lease import BufferLease
 
-__all__ = ["GradPartition", "ReadyGrad"]
+__all__ = ["GradPartition", "ReadyGrad", "accumulates_fp32"]
 
 NORM_CHUNK = 1 << 20
 
@@ -43,6 +43,12 @@ class ReadyGrad:
         if self.lease is not None:
             self.lease.release_all()
 
+
+
+def accumulates_fp32(config, gradient_accumulation: int) -> bool:
+    """Whether a stage 2/3 gradient partition accumulates micro-steps in fp32: under accumulation, unless the config
+    keeps bf16 gradient partitions (``bf16.bf16_master_weights_and_grads``: DeepSpeed adds them in bf16)."""
+    return gradient_accumulation > 1 and not config.bf16.bf16_master_weights_and_grads
 
 class GradPartition:
     """Where reduced gradients of one group end up, ready for the optimizer step.

@@ -16,7 +16,7 @@ from zero_offload.config import Config
 from zero_offload.flat import FlatParams
 from zero_offload.offload.copies import make_copies
 from zero_offload.zero.base import BuildStep, MemoryKind, ZeroOptimizerBase
-from zero_offload.zero.grad_partition import GradPartition
+from zero_offload.zero.grad_partition import GradPartition, accumulates_fp32
 from zero_offload.zero.split_partition import split_for_flat
 from zero_offload.zero.layout import GroupLayout, contiguous_layout
 from zero_offload.zero.averaging import GradAveraging
@@ -72,10 +72,11 @@ class ZeroOptimizer(ZeroOptimizerBase):
         self.copies = make_copies(ctx.device, zc.offload_optimizer.pin_memory)
         rank = ctx.rank if self.stage >= 1 else 0
         ratio = zc.offload_optimizer.ratio                       # < 1: part of each partition stays on the device
-        self.partitions = [split_for_flat(f, rank, self.stage, gradient_accumulation > 1, self.copies,
-                                          zc.reduce_bucket_size, ratio) if ratio < 1.0 else
+        fp32_sum = accumulates_fp32(config, gradient_accumulation)
+        self.partitions = [split_for_flat(f, rank, self.stage, fp32_sum, self.copies, zc.reduce_bucket_size, ratio)
+                           if ratio < 1.0 else
                            GradPartition.for_flat(f, rank, self.stage, self.flat_grads[i] if self.flat_grads else None,
-                                                  self.offload, gradient_accumulation > 1, self.copies,
+                                                  self.offload, fp32_sum, self.copies,
                                                   bucket_numel=zc.reduce_bucket_size)
                            for i, f in enumerate(self.flats)]
         self.reducer = GradientReducer(ctx, self.flats, self.partitions, self.flat_grads, self.stage,

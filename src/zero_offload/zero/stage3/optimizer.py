@@ -17,7 +17,7 @@ from zero_offload.nvme.setup import build_param_store
 from zero_offload.offload.copies import make_copies
 from zero_offload.zero.base import BuildStep, MemoryKind, ZeroOptimizerBase
 from zero_offload.zero.no_step import NoStep
-from zero_offload.zero.grad_partition import GradPartition
+from zero_offload.zero.grad_partition import GradPartition, accumulates_fp32
 from zero_offload.zero.split_partition import split_partition
 from zero_offload.zero.collectives import scattered_dtype
 from zero_offload.zero.layout import GroupLayout, place_slots
@@ -126,11 +126,12 @@ class Stage3Optimizer(ZeroOptimizerBase):
         # Pieces arrive as reduce-scattered unit shards.
         piece_dtype = scattered_dtype(self.ctx.world_size, communication_dtype(config), dtype)
         ratio = config.zero_optimization.offload_optimizer.ratio     # < 1: part of it stays on the device
-        self.partitions = [split_partition(p.numel(), ratio, dtype, self.ctx.device, 3, gradient_accumulation > 1,
-                                           self.copies, piece_numel=max((u.shard_numel for u in units), default=0),
+        fp32_sum = accumulates_fp32(config, gradient_accumulation)
+        self.partitions = [split_partition(p.numel(), ratio, dtype, self.ctx.device, 3, fp32_sum, self.copies,
+                                           piece_numel=max((u.shard_numel for u in units), default=0),
                                            piece_dtype=piece_dtype) if ratio < 1.0 else
-                           GradPartition(p.numel(), dtype, self.ctx.device, 3, host_step, gradient_accumulation > 1,
-                                         self.copies, piece_numel=max((u.shard_numel for u in units), default=0),
+                           GradPartition(p.numel(), dtype, self.ctx.device, 3, host_step, fp32_sum, self.copies,
+                                         piece_numel=max((u.shard_numel for u in units), default=0),
                                          piece_dtype=piece_dtype)
                            for p, units in zip(self.parts, self.group_units)]
         self.adam = build_step(config, self.parts, [g.hparams for g in groups], self.copies,

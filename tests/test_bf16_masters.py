@@ -1,0 +1,201 @@
+"""bf16 master weights and gradient partitions (DeepSpeed's ``bf16.bf16_master_weights_and_grads``) train what a
+plain-torch reference that rounds the same way trains, step by step (`reference16`, lockstep).
+
+The reference (`reference16.Reference16` with ``masters``) accumulates micro-batches in bf16 (each add rounded to
+nearest, as DeepSpeed's bf16 add on the device), steps ``torch.optim.AdamW`` on fp32 copies of the engine's bf16
+masters, and allows the new master to be the fp32 result rounded to bf16: half a bf16 ulp of it with nearest
+rounding, one ulp with stochastic rounding, on top of `reference16`'s fp32 bound. Each step also asserts:
+- every master the engine holds is a bf16 value (an engine that kept fp32 masters fails here at the first step);
+- the gradient norm within `test_exact16.NORM_REL` of the reference's (an fp32 accumulation of 3 micro-batches
+  differs from the bf16 one by about 2**-9 relative: 200x the bound);
+- the 16-bit weights are the masters exactly.
+"""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import zero_offload
+from dist_utils import run_ranks
+from reference import MICRO, assert_estimated, engine_config, train_step
+from reference16 import lockstep_runs
+from test_exact16 import CLIP, DPU_WARMUP, STEPS, Case, case_config, check, reference_kwargs
+from toy_model import make_model
+from zero_offload.config import ConfigError
+
+# (rounding, Case): stages 1-3, host states (offload 'cpu'; 'none' on this CPU device keeps them on the host too),
+# accumulation 1 and 3, clipping, the delayed update, parameters on the host (stage 3), fp32 reductions.
+CASES = [("nearest", Case("bf16", 1, "cpu", 1, True)), ("nearest", Case("bf16", 2, "cpu", 3, True)),
+         ("nearest", Case("bf16", 2, "none", 3, False)), ("nearest", Case("bf16", 3, "cpu", 3, True)),
+         ("nearest", Case("bf16", 2, "cpu", 1, False, dpu=True)), ("stochastic", Case("bf16", 2, "cpu", 3, True)),
+         ("stochastic", Case("bf16", 3, "cpu", 1, False))]
+COMM_CASES = [("nearest", Case("bf16", 3, "cpu", 3, True, comm="fp32"))]
+
+
+def bf16_config(rounding: str, case: Case, ws: int) -> dict:
+    cfg = case_config(case, ws, "")
+    cfg["bf16"].update(bf16_master_weights_and_grads=True, master_weights_rounding=rounding)
+    cfg["seed"] = 7
+    return cfg
+
+
+def _runs(cases, ws):
+    args = [(bf16_config(r, c, ws), {**reference_kwargs(c), "masters": r}, DPU_WARMUP if c.dpu else None)
+            for r, c in cases]
+    return lockstep_runs(args, STEPS) if ws == 1 else run_ranks(lockstep_runs, 2, args, STEPS)[0]
+
+
+@pytest.fixture(scope="module")
+def results():
+    out = {(1, r, c): s for (r, c), s in zip(CASES, _runs(CASES, 1))}
+    two = CASES[1:2] + CASES[3:4] + CASES[5:6] + COMM_CASES
+    out.update({(2, r, c): s for (r, c), s in zip(two, _runs(two, 2))})
+    return out
+
+
+def _keys():
+    two = CASES[1:2] + CASES[3:4] + CASES[5:6] + COMM_CASES
+    return [(1, r, c) for r, c in CASES] + [(2, r, c) for r, c in two]
+
+
+@pytest.mark.parametrize("key", _keys(), ids=lambda k: f"ws{k[0]}-{k[1]}-{k[2]}")
+def test_bf16_masters_lockstep(results, key):
+    steps = results[key]
+    check(steps)
+    for u, s in enumerate(steps):
+        assert s["masters_off_bf16"] == 0, f"step {u}: {s['masters_off_bf16']} masters are not bf16 values"
+
+
+def _train(rounding: str, lr: float = 3e-3, steps: int = 3):
+    cfg = engine_config(2, "cpu", 1, precision="bf16")
+    cfg["optimizer"]["params"]["lr"] = lr
+    cfg["bf16"].update(bf16_master_weights_and_grads=True, master_weights_rounding=rounding)
+    cfg["seed"] = 7
+    engine = zero_offload.initialize(make_model(), cfg)
+    try:
+        for u in range(steps):
+            train_step(engine, u, 0, 1)
+        return engine.full_state_dict()
+    finally:
+        engine.close()
+
+
+class _FixedGradient(torch.nn.Module):
+    """loss = sum(w * x) for a fixed x: every rank's gradient is x, and so is their average, bitwise."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(4000, generator=torch.Generator().manual_seed(0)))
+
+    def forward(self, x):
+        return (self.w * x).sum()
+
+
+def _fixed_gradient_run() -> torch.Tensor:
+    cfg = engine_config(2, "cpu", 1, precision="bf16")
+    cfg["bf16"].update(bf16_master_weights_and_grads=True, master_weights_rounding="stochastic")
+    cfg["optimizer"]["params"]["lr"] = 1e-5
+    cfg["seed"] = 7
+    engine = zero_offload.initialize(_FixedGradient(), cfg)
+    x = torch.randn(4000, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    try:
+        for _ in range(3):
+            engine.backward(engine(x))
+            engine.step()
+        return engine.full_state_dict()["w"]
+    finally:
+        engine.close()
+
+
+def test_stochastic_rounding_moves_what_nearest_cannot():
+    """An update far below half a bf16 ulp: nearest rounding leaves every master as it was (DeepSpeed's
+    behaviour with bf16 masters), stochastic rounding moves a share of them, and the same seed draws the same bits
+    on 1 and 2 ranks (each element's bits are keyed by its index in the flat buffer, not in the rank's part)."""
+    start = {n: p.detach().float() for n, p in make_model().to(torch.bfloat16).named_parameters()}
+    lr = 1e-6                         # Adam's update is about lr; for |w| >= 1e-2 half an ulp is >= 3e-5
+    big = {n: w.abs() >= 1e-2 for n, w in start.items()}
+    nearest = _train("nearest", lr=lr)
+    stochastic = _train("stochastic", lr=lr)
+    moved = sum(int((stochastic[n] != start[n])[big[n]].sum()) for n in start)
+    assert all(torch.equal(nearest[n][big[n]], start[n][big[n]]) for n in start)
+    assert moved > 0
+    assert all(torch.equal(a, b) for a, b in zip(_train("stochastic", lr=lr).values(), stochastic.values()))
+    one, two = _fixed_gradient_run(), run_ranks(_fixed_gradient_run, 2)[0]
+    assert torch.equal(one, two)
+
+
+def test_bf16_masters_checkpoint_round_trip(tmp_path):
+    """Saved masters are the bf16 values widened; an engine with bf16 masters resumes them exactly, and one with fp32
+    masters resumes the same values."""
+    cfg = engine_config(2, "cpu", 1, precision="bf16")
+    cfg["bf16"]["bf16_master_weights_and_grads"] = True
+    engine = zero_offload.initialize(make_model(), cfg)
+    for u in range(2):
+        train_step(engine, u, 0, 1)
+    engine.save_checkpoint(str(tmp_path))
+    saved = engine.full_state_dict()
+    engine.close()
+    for masters in (True, False):
+        cfg["bf16"]["bf16_master_weights_and_grads"] = masters
+        resumed = zero_offload.initialize(make_model(), cfg)
+        resumed.load_checkpoint(str(tmp_path))
+        assert all(torch.equal(v, saved[n]) for n, v in resumed.full_state_dict().items())
+        assert resumed.global_step == 2
+        resumed.close()
+
+
+BREAKDOWN_CASES = [(1, "cpu", 1, {}), (2, "cpu", 1, {}), (2, "cpu", 3, {}), (2, "none", 3, {}),
+                   (2, "cpu", 3, {"delayed_param_update": True}), (3, "cpu", 3, {}), (3, "none", 1, {})]
+
+
+@pytest.mark.parametrize("stage,offload,gas,extra", BREAKDOWN_CASES,
+                         ids=[f"stage{c[0]}-{c[1]}-gas{c[2]}{'-dpu' if c[3] else ''}" for c in BREAKDOWN_CASES])
+def test_bf16_masters_memory_breakdown_is_estimated(stage, offload, gas, extra):
+    """``memory_breakdown()`` after a step equals `estimate_memory` to the byte: bf16 masters (2 bytes per element;
+    none where the parameters in host memory are their own masters: this CPU device without offload, stage 3's
+    host shards), bf16 gradient partitions under accumulation, no 16-bit staging ring."""
+    cfg = engine_config(stage, offload, gas, precision="bf16")
+    cfg["bf16"]["bf16_master_weights_and_grads"] = True
+    cfg["zero_optimization"]["offload_optimizer"].update(extra)
+    if stage == 3 and offload == "cpu":
+        cfg["zero_optimization"]["offload_param"] = {"device": "cpu"}
+    engine = zero_offload.initialize(make_model(), cfg)
+    try:
+        for u in range(2):
+            train_step(engine, u, 0, 1)
+        held = engine.memory_breakdown()
+    finally:
+        engine.close()
+    assert_estimated(held, cfg)
+    numel = sum(p.numel() for p in make_model().parameters())
+    master = held["master"]["bytes"]
+    assert master == (0 if (offload == "none" or (stage == 3 and not extra)) else held["master"]["numel"] * 2)
+    assert held["master"]["numel"] in (0, numel) or stage == 1
+    grads = held.get("grad_partition", {"bytes": 0, "numel": 1})
+    assert grads["bytes"] <= 2 * grads["numel"], grads
+
+
+BAD = [({"bf16": {"enabled": False, "bf16_master_weights_and_grads": True}}, "'bf16.enabled' = true"),
+       ({"zero_optimization": {"stage": 0}}, "'zero_optimization.stage' 1, 2 or 3"),
+       ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}},
+        "'zero_optimization.offload_optimizer.device' = 'nvme'"),
+       ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "super_offload": True}}},
+        "super_offload"),
+       ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}}, "ratio"),
+       ({"optimizer": {"type": "SGD", "params": {"lr": 0.1}}}, "Adam/AdamW"),
+       ({"bf16": {"enabled": True, "bf16_master_weights_and_grads": False, "master_weights_rounding": "stochastic"}},
+        "'bf16.master_weights_rounding' = 'stochastic' needs")]
+
+
+@pytest.mark.parametrize("change,message", BAD, ids=[m for _, m in BAD])
+def test_bf16_master_config_errors(change, message):
+    cfg = {"train_micro_batch_size_per_gpu": MICRO, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+           "bf16": {"enabled": True, "bf16_master_weights_and_grads": True},
+           "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    for key, value in change.items():
+        cfg[key] = {**cfg.get(key, {}), **value} if key == "bf16" else value
+    with warnings.catch_warnings(), pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        warnings.simplefilter("ignore")
+        zero_offload.initialize(make_model(), cfg)

@@ -46,6 +46,9 @@ def _train_parser(sub) -> None:
     p.add_argument("--allow-stale-step", action="store_true",
                    help="without --config: let the plan turn on the delayed parameter update, which trains each "
                         "step on parameters one step old (default: exact)")
+    p.add_argument("--allow-bf16-masters", action="store_true",
+                   help="without --config: let the plan keep bf16 master weights (DeepSpeed's "
+                        "bf16_master_weights_and_grads; default: fp32 masters)")
 
 
 def _estimate_parser(sub) -> None:
@@ -90,6 +93,9 @@ def _estimate_parser(sub) -> None:
     p.add_argument("--allow-stale-step", action="store_true",
                    help="let the plan turn on the delayed parameter update, which trains each step on parameters "
                         "one step old (default: exact; the plan says what it would gain)")
+    p.add_argument("--allow-bf16-masters", action="store_true",
+                   help="let the plan keep bf16 master weights (DeepSpeed's bf16_master_weights_and_grads: 8 "
+                        "instead of 10 host bytes per parameter; updates below half a bf16 ulp are lost)")
     p.add_argument("--write-config", default=None, help="write the planned config to this JSON file")
     p.add_argument("--no-deepspeed", action="store_true", help="skip DeepSpeed's estimator columns")
 

@@ -166,10 +166,12 @@ def _host_step(shape: ModelShape, cfg: Config, gpus: int, gas: int, a: Assumptio
     d = 4 if cfg.precision == "fp32" else 2
     part = sum(partition_numel(n, gpus) for n in shape.group_numels())
     moments = 2 if cfg.bf16.bf16_optimizer_states else 4
-    accumulates = gas > 1 and zc.stage >= 2          # fp32 partitions added into on the host
-    grad = 4 if accumulates else d
-    add_s = host_add_seconds(part, d, a.host_adam) if accumulates else 0.0
-    return host_step_seconds(part, moments, grad, d, a.host_adam), part * d, add_s
+    bf16_masters = cfg.bf16.bf16_master_weights_and_grads      # the master is the 16-bit parameter: no output
+    accumulates = gas > 1 and zc.stage >= 2          # partitions added into on the host: fp32, or bf16
+    grad = 4 if accumulates and not bf16_masters else d
+    add_s = host_add_seconds(part, d, a.host_adam, grad) if accumulates else 0.0
+    step_s = host_step_seconds(part, moments, grad, 0 if bf16_masters else d, a.host_adam, 2 if bf16_masters else 4)
+    return step_s, part * d, add_s
 
 
 def choose_batch(shape: ModelShape, raw: dict, gpus: int, seq: int | None, knobs: Knobs, a: Assumptions,
@@ -189,6 +191,7 @@ def choose_batch(shape: ModelShape, raw: dict, gpus: int, seq: int | None, knobs
     # Chosen for states in host memory only: the step model has no NVMe I/O term, so under nvme the config's
     # super_offload and ratio are kept as given (both run there).
     spec_possible = zc.offload_optimizer.device == "cpu" and zc.stage >= 2 and zc.offload_param.device != "nvme"
+    spec_possible = spec_possible and not base.bf16.bf16_master_weights_and_grads     # not built with bf16 masters
     ratio_possible = spec_possible and zc.offload_param.device == "none"
     policies = _policies(knobs, dpu_possible, spec_possible, ratio_possible)
     default = policies[0]

@@ -102,6 +102,10 @@ def candidates() -> list[Candidate]:
         Candidate("stage 2 + offload opt, bf16 moments", {"stage": 2, "offload_optimizer": cpu},
                   "ZeRO-Offload with the Adam moments in bf16 on the host (bf16.bf16_optimizer_states): 10 "
                   "instead of 14 host bytes per parameter", bf16={"bf16_optimizer_states": True}),
+        Candidate("stage 2 + offload opt, bf16 masters+moments", {"stage": 2, "offload_optimizer": cpu},
+                  "ZeRO-Offload with bf16 master weights and moments (bf16.bf16_master_weights_and_grads): 8 host "
+                  "bytes per parameter; changes what is trained, so only where allowed",
+                  bf16={"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}),
         Candidate("stage 3", {"stage": 3}, "16-bit parameters partitioned too (stage 3)"),
         Candidate("stage 3 + offload opt", {"stage": 3, "offload_optimizer": cpu},
                   "stage 3 with the optimizer states and step on the host"),
@@ -228,7 +232,8 @@ def plan(model, gpus: int = 1, gpu_memory=None, host_memory=None, nvme=None, mic
          headroom: float = HEADROOM, *, gradient_accumulation: int | None = None,
          activation_checkpointing: bool | None = None, gpu_flops: float | None = None,
          host_adam: float | None = None, pcie: float | None = None, calibration=None,
-         allow_stale_step: bool = False, locked_memory: int | None = None, timed: bool = True) -> Plan:
+         allow_stale_step: bool = False, locked_memory: int | None = None, timed: bool = True,
+         allow_bf16_masters: bool = False) -> Plan:
     """The fastest config for ``model`` on ``gpus`` ranks of one machine that fits with ``headroom`` free.
 
     The stage and offload follow the order of `candidates`; for the first config that fits, the plan also
@@ -253,6 +258,9 @@ def plan(model, gpus: int = 1, gpu_memory=None, host_memory=None, nvme=None, mic
             parameters/s (fp32 moments), host <-> device bytes/s; each overrides ``calibration``'s.
         allow_stale_step: the plan may turn the delayed parameter update on (default: never unless ``config``
             sets it: it trains each step on parameters one step old; the reasons say what it would gain).
+        allow_bf16_masters: the plan may choose bf16 master weights (DeepSpeed's ``bf16_master_weights_and_grads``:
+            8 instead of 10 host bytes per parameter; updates below half a bf16 ulp are lost), where ``config`` does
+            not ask for them itself (default: never: they change what is trained).
         locked_memory: bytes of host memory each rank may page-lock (``RLIMIT_MEMLOCK`` where it binds:
             `zero_offload.offload.host_limits.memlock_limit`); None: no limit. Where the plan's page-locked
             buffers exceed it they stay pageable (`zero_offload.offload.pinned.host_empty`): the step is predicted
@@ -314,6 +322,11 @@ def plan(model, gpus: int = 1, gpu_memory=None, host_memory=None, nvme=None, mic
         if cand.bf16:
             if not base.get("bf16", {}).get("enabled"):
                 cand.error = "bf16 optimizer states need bf16 training"
+                continue
+            asked = base["bf16"].get("bf16_master_weights_and_grads")
+            if cand.bf16.get("bf16_master_weights_and_grads") and not (allow_bf16_masters or asked):
+                cand.error = ("bf16 master weights change what is trained: not chosen unless allowed "
+                              "(--allow-bf16-masters, plan(allow_bf16_masters=True))")
                 continue
             raw["bf16"] = {**base["bf16"], **cand.bf16}
         try:

@@ -228,7 +228,8 @@ def run_estimate(ns) -> int:
                   host_adam=parse_rate_flag(ns.host_adam, "--host-adam"),
                   pcie=parse_rate_flag(ns.pcie, "--pcie", 1e9), calibration=getattr(ns, "calibration", None),
                   locked_memory=machine["locked_memory"] if ns.host_mem is None else None,
-                  allow_stale_step=getattr(ns, "allow_stale_step", False))
+                  allow_stale_step=getattr(ns, "allow_stale_step", False),
+                  allow_bf16_masters=getattr(ns, "allow_bf16_masters", False))
     ds = deepspeed_estimates(shape, gpus) if not ns.no_deepspeed else None
     print(render(result, shape, ds))
     if not result.fits:
@@ -252,6 +253,7 @@ def _run_largest(ns) -> int:
                                ("pcie", parse_rate_flag(ns.pcie, "--pcie", 1e9))) if v is not None}
     found = largest(gpus, gpu_mem, host_mem, nvme, seq_len=ns.seq_len or 1024, config=ns.config,
                     allow_stale_step=getattr(ns, "allow_stale_step", False),
+                    allow_bf16_masters=getattr(ns, "allow_bf16_masters", False),
                     calibration=getattr(ns, "calibration", None), **rates)
     if found is None:
         print("no GPT-2-shaped model fits this machine")

@@ -19,7 +19,7 @@ Per rank and optimizer step of ``gas`` micro-steps of ``t`` tokens each:
   same thread, no more bytes than its copy, and is not charged;
 - **host step**: the fused Adam kernel streams ``8 + 4 x moment bytes + gradient bytes + d`` bytes per parameter
   of the partition (28 B for bf16 with fp32 moments, 20 B with bf16 moments, 30 B with fp32 accumulated
-  gradients), at ``host_adam x 28`` bytes/s (``host_adam``: the kernel's parameters/s with fp32 moments);
+  gradients; with bf16 masters ``4 + 4 x moment bytes + 2``, 14 B with bf16 moments), at ``host_adam x 28`` bytes/s (``host_adam``: the kernel's parameters/s with fp32 moments);
 - **copies up**: the updated 16-bit partition, ``P x d`` bytes at ``pcie`` (none for stage 3's host shards).
 - **the step**: these pieces overlap as the engine's own recorded step overlaps them: the planner replays it
   with their durations (`zero_offload.estimate.step_graph`), and ``exposed`` is the device's idle time in it.
@@ -111,17 +111,19 @@ def calibrated(calibration=None) -> Assumptions:
                        source=f"calibration {path}" + (f" (built-in {', '.join(kept)})" if kept else ""))
 
 
-def host_step_seconds(params: int, moment_bytes: int, grad_bytes: int, param_bytes: int, host_adam: float) -> float:
+def host_step_seconds(params: int, moment_bytes: int, grad_bytes: int, param_bytes: int, host_adam: float,
+                      master_bytes: int = 4) -> float:
     """Seconds of one host Adam step over ``params`` elements: its bytes per parameter over the kernel's
-    bandwidth, ``host_adam`` params/s x 28 bytes (the measured layout)."""
-    return params * (8 + 4 * moment_bytes + grad_bytes + param_bytes) / (host_adam * 28)
+    bandwidth, ``host_adam`` params/s x 28 bytes (the measured layout). ``param_bytes``: the 16-bit output (0 with
+    bf16 masters, ``master_bytes`` 2: the master is the parameter)."""
+    return params * (2 * master_bytes + 4 * moment_bytes + grad_bytes + param_bytes) / (host_adam * 28)
 
 
-def host_add_seconds(params: int, piece_bytes: int, host_adam: float) -> float:
-    """Seconds of one micro-step's host accumulation into an fp32 gradient partition of ``params`` elements: the
-    staged piece (``piece_bytes`` per element) read, the fp32 partition read and written (10 B per element in
-    bf16), at the host step's bandwidth, ``host_adam`` params/s x 28 bytes."""
-    return params * (piece_bytes + 8) / (host_adam * 28)
+def host_add_seconds(params: int, piece_bytes: int, host_adam: float, sum_bytes: int = 4) -> float:
+    """Seconds of one micro-step's host accumulation into a gradient partition of ``params`` elements: the staged
+    piece (``piece_bytes`` per element) read, the partition (fp32, or bf16 with bf16 masters: ``sum_bytes``) read
+    and written (10 B per element in bf16), at the host step's bandwidth, ``host_adam`` params/s x 28 bytes."""
+    return params * (piece_bytes + 2 * sum_bytes) / (host_adam * 28)
 
 
 # Stage 3's gather and release of one unit, in forward or in backward, in seconds: the difference between stage 3 +

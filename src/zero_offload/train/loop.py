@@ -44,6 +44,7 @@ class TrainArgs:
     precision: str = "auto"
     lr: float | None = None
     allow_stale_step: bool = False
+    allow_bf16_masters: bool = False
 
 
 def default_config(steps: int, device: torch.device) -> dict:
@@ -117,7 +118,8 @@ def train(args: TrainArgs) -> dict:
     # Before any work: the planner's config for this machine (no --config), or a check that --config fits.
     try:
         choice = choose_config(cfg_model, args.model, _raw_config(args, ctx.device), args.config,
-                               ctx.world_size, ctx.device, seq_len, args.allow_stale_step)
+                               ctx.world_size, ctx.device, seq_len, args.allow_stale_step,
+                               args.allow_bf16_masters)
     except ValueError as e:
         choice = e
     if ctx.distributed:   # every rank takes rank 0's choice (free memory differs a little between ranks)

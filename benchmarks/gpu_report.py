@@ -6,7 +6,7 @@ import json
 __all__ = ["markdown"]
 
 SECTIONS = ("calibrate", "cuda_tests", "sanitizer", "gpt2", "gpt2_xl", "gpt2_compiled", "gpt2_10b", "gpt2_10b_dpu",
-            "largest", "two_gpus")
+            "largest", "largest_planned", "two_gpus")
 
 
 def _gib(n) -> str:
@@ -153,6 +153,15 @@ def markdown(report: dict) -> str:
                           f"peak host RSS {_gib(b['peak_rss_bytes'])} GiB, {b['step_s']:.1f} s per step, host syncs "
                           f"per step {_num(b.get('host_syncs_per_step'), '.1f')}, copy overlap "
                           f"{_num(b.get('copy_overlap'))}, native kernel {b.get('native_kernel')}"]
+    planned = sections.get("largest_planned", {})
+    if planned.get("ok"):
+        m, e = planned["measured"], planned["estimate"]
+        lines += ["", f"## (d') largest model the estimate names ({planned['plan']}, bf16 masters allowed)", "",
+                  f"{planned['params'] / 1e9:.2f} B params ({planned['shape']}): MFU {_num(planned.get('mfu'))} "
+                  f"(predicted {_num(planned.get('predicted_mfu'))}), {m['step_s']:.1f} s per step (predicted "
+                  f"{_num(e.get('predicted_step_s'), '.1f')}), peak device {_gib(m['peak_device_bytes'])} GiB "
+                  f"(/ estimate {_num(planned.get('device_over_estimate'))}), peak host RSS "
+                  f"{_gib(m['peak_rss_bytes'])} GiB (/ estimate {_num(planned.get('rss_over_estimate'))})"]
     for name in ("gpt2_10b", "gpt2_10b_dpu"):
         if sections.get(name, {}).get("ok"):
             lines += _ten_b(name, sections[name])

@@ -4,6 +4,7 @@ On a GPU machine with no network, the default run fits one 9-minute call (289 s 
 
     python benchmarks/gpu_validate.py --out $OUT          # calibrate, cuda_tests, sanitizer, gpt2, gpt2_10b(_dpu)
     python benchmarks/gpu_validate.py --out $OUT --sections largest      # <= 5 min
+    python benchmarks/gpu_validate.py --out $OUT --sections largest_planned      # <= 7 min
     python benchmarks/gpu_validate.py --out $OUT --sections two_gpus     # 2+ GPUs, <= 2.5 min
     python benchmarks/gpu_validate.py --out DIR --device cpu --tiny      # the smoke run CI does (tens of s)
 
@@ -32,6 +33,9 @@ subprocess with its own time limit (`LIMITS`), so a crash or an out-of-memory in
 (d) ``largest``: the largest GPT (hidden 4096, 32 heads) that trains with stage 3 + both offloads + activation
     checkpointing + bf16 moments: it starts at 2 layers and doubles, then bisects, while the section's budget
     allows the next try (each try's time predicted from the last one's).
+(d') ``largest_planned`` (issue 42): the largest model ``zero-offload estimate --largest --allow-bf16-masters``
+    names for this GPU and host, trained with its plan for a few steps: MFU, peak device memory and host RSS
+    against the estimate (`gpu_planned`).
 (e) ``gpt2_10b`` and ``gpt2_10b_dpu``: the seed's 10B GPT-2 in a pinned config (stage 2, optimizer offloaded with
     bf16 moments, activation checkpointing, micro-batch 16, accumulation 1), without and with the delayed update,
     for 8 timed steps on distinct batches (every step's loss reported), beside the step the planner's model
@@ -67,17 +71,18 @@ sys.path.insert(0, str(ROOT / "src"))   # this repository's code, as in the sect
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_measure as gm  # noqa: E402
 from gpu_native import ensure_native, native_report  # noqa: E402,F401 (ensure_native: tests call it here)
+from gpu_planned import section_largest_planned  # noqa: E402
 from gpu_report import markdown  # noqa: E402
 
 SECTIONS = ("calibrate", "cuda_tests", "sanitizer", "gpt2", "gpt2_xl", "gpt2_compiled", "gpt2_10b", "gpt2_10b_dpu",
-            "largest", "two_gpus")
+            "largest", "largest_planned", "two_gpus")
 # The default run: what matters most, inside one 9-minute call with the native build (issue 27, item 8).
 DEFAULT_SECTIONS = ("calibrate", "cuda_tests", "sanitizer", "gpt2", "gpt2_10b", "gpt2_10b_dpu")
 # Seconds per section on one H100 (the default sections sum to 520 s; the build takes ~20 s).
 LIMITS = {"calibrate": 45, "cuda_tests": 80, "sanitizer": 40, "gpt2": 110, "gpt2_xl": 200, "gpt2_compiled": 240,
           "gpt2_10b": 150,
           "gpt2_10b_dpu": 150,
-          "largest": 300, "two_gpus": 150}
+          "largest": 300, "largest_planned": 420, "two_gpus": 150}
 # The 10B model's pinned config (the same every run, so runs compare): stage 2, optimizer offloaded with bf16
 # moments, activation checkpointing, micro-batch 16 x 1024 tokens, no accumulation.
 TEN_B_MICRO = 16
@@ -422,7 +427,8 @@ def section_two_gpus(args) -> dict:
 BODIES = {"calibrate": section_calibrate, "cuda_tests": section_cuda_tests, "sanitizer": section_sanitizer,
           "gpt2": section_gpt2, "gpt2_compiled": section_gpt2_compiled,
           "largest": section_largest, "gpt2_10b": section_gpt2_10b,
-          "gpt2_10b_dpu": section_gpt2_10b_dpu, "two_gpus": section_two_gpus, "gpt2_xl": section_gpt2_xl}
+          "gpt2_10b_dpu": section_gpt2_10b_dpu, "two_gpus": section_two_gpus, "gpt2_xl": section_gpt2_xl,
+          "largest_planned": lambda args: section_largest_planned(args, measure_matmul_peak)}
 
 
 # -- the driver -----------------------------------------------------------------------------------------------

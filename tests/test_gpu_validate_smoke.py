@@ -38,7 +38,8 @@ def test_gpu_validate_tiny_cpu_smoke(tmp_path):
     """The smoke run, from a checkout that lacks the native libraries: the run builds them first (issue 20)."""
     root = _checkout_without_libraries(tmp_path / "checkout")
     out = tmp_path / "out"
-    sections = "calibrate,cuda_tests,sanitizer,gpt2,gpt2_xl,gpt2_compiled,gpt2_10b,gpt2_10b_dpu,largest,two_gpus"
+    sections = ("calibrate,cuda_tests,sanitizer,gpt2,gpt2_xl,gpt2_compiled,gpt2_10b,gpt2_10b_dpu,largest,"
+                "largest_planned,two_gpus")
     proc = subprocess.run([sys.executable, str(root / "benchmarks" / "gpu_validate.py"), "--device", "cpu",
                            "--tiny", "--out", str(out), "--sections", sections], capture_output=True, text=True,
                           timeout=600)

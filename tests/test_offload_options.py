@@ -196,3 +196,20 @@ def test_bf16_moments_without_offload_warn_that_they_have_no_effect():
     cfg["bf16"]["bf16_optimizer_states"] = True
     messages = zero_offload.Config.load(cfg).no_effect_warnings()
     assert any("'bf16.bf16_optimizer_states' has no effect" in m for m in messages)
+
+
+def test_deepspeeds_fp32_optimizer_states_false_is_bf16_moments():
+    """DeepSpeed's ``optimizer.params.fp32_optimizer_states: false`` (its CPU Adam keeps moments in the parameters'
+    dtype) gives bf16 host moments, as ``bf16.bf16_optimizer_states`` does; with fp16 it is refused by name."""
+    from toy_model import make_model
+    cfg = engine_config(2, "cpu", 1, precision="bf16")
+    cfg["optimizer"]["params"]["fp32_optimizer_states"] = False
+    engine = zero_offload.initialize(make_model(), cfg)
+    try:
+        assert engine.optimizer.state_dtype == torch.bfloat16
+    finally:
+        engine.close()
+    cfg = engine_config(2, "cpu", 1, precision="fp16")
+    cfg["optimizer"]["params"]["fp32_optimizer_states"] = False
+    with pytest.raises(zero_offload.ConfigError, match="'optimizer.params.fp32_optimizer_states' = false"):
+        zero_offload.Config.load(cfg)

@@ -18,7 +18,7 @@ _BY_VALUE = {
     "allgather_size": "DeepSpeed reads it only with the legacy 'zero_optimization': true form",
     "bfloat16 (with bf16 also given)": "DeepSpeed reads only 'bf16'",
     "bf16.immediate_grad_update": "gradients always go straight to their partition",
-    "bf16.bf16_optimizer_states (without offload_optimizer.device 'cpu')": "the device Adam keeps fp32 moments",
+    "bf16.bf16_optimizer_states (offload_optimizer.device 'none')": "the device Adam keeps fp32 moments",
     "gradient_predivide_factor (with prescale_gradients true)": "DeepSpeed ignores it then too",
     "optimizer.params.torch_adam": "the host step always uses zero-offload's kernel",
     "zero_optimization.contiguous_gradients = false": "gradients are always copied into contiguous buckets",
@@ -31,7 +31,6 @@ _BY_VALUE = {
 _REFUSED_BY_VALUE = {
     "optimizer.params.max_grad_norm": "not an optimizer parameter (DeepSpeed refuses it too); use the "
                                      "top-level gradient_clipping",
-    "optimizer.params.fp32_optimizer_states = false": "moments are always fp32",
     "zero_optimization.offload_optimizer.aio.use_gds = true": "GPUDirect Storage needs CUDA and cuFile",
 }
 

@@ -30,8 +30,9 @@ class AdamParams:
     torch_adam: bool = option(False, "Accepted for DeepSpeed compatibility; the host kernel is always ours.")
     amsgrad: bool = option(False, "AMSGrad (keep the running max of exp_avg_sq): the step then runs "
                                   "torch.optim.Adam/AdamW(amsgrad=True) on this rank's partition.")
-    fp32_optimizer_states: bool = option(True, "DeepSpeed's switch for fp32 Adam moments; they are always "
-                                               "fp32 here.", not_implemented={False: "moments are always fp32"})
+    fp32_optimizer_states: bool = option(True, "DeepSpeed's switch for the CPU Adam's moments: false keeps them "
+                                               "in the parameters' precision, bf16 here (as "
+                                               "bf16.bf16_optimizer_states; needs bf16 training).")
 
     def validate(self, path):
         for i, b in enumerate(self.betas):

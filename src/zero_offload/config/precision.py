@@ -10,7 +10,7 @@ from zero_offload.config.schema import ConfigError, option
 if TYPE_CHECKING:
     from zero_offload.config.sections import Config
 
-__all__ = ["FP16Config", "BF16Config", "check_master_weights"]
+__all__ = ["FP16Config", "BF16Config", "check_master_weights", "bf16_moments_from_optimizer"]
 
 
 @dataclass
@@ -40,21 +40,38 @@ class BF16Config:
         False, "DeepSpeed's bf16 master weights and gradient partitions: the host step widens each bf16 master "
                "to fp32, updates it and rounds it back (master_weights_rounding), and gradients accumulate in "
                "bf16; 2 + 2 bytes/param of host memory less. Changes what is trained: only where asked.")
-    bf16_optimizer_states: bool = option(False, "Keep the Adam moments in bf16 on the host (DeepSpeed PR 8010): "
-                                                "4 bytes/param less, with offload_optimizer.device = 'cpu' (no "
-                                                "effect otherwise); unlike DeepSpeed, bf16_master_weights_and_grads "
-                                                "is not required.")
+    bf16_optimizer_states: bool = option(False, "Keep the Adam moments in bf16 on the host or in NVMe files "
+                                                "(DeepSpeed PR 8010): 4 bytes/param less, with "
+                                                "offload_optimizer.device 'cpu' or 'nvme' (no effect on an "
+                                                "accelerator's own states); unlike DeepSpeed, "
+                                                "bf16_master_weights_and_grads is not required.")
     master_weights_rounding: Literal["nearest", "stochastic"] = option(
         "nearest", "Not a DeepSpeed key: how a bf16 master is rounded after its update; 'nearest' (nearest-even, "
                    "DeepSpeed's) or 'stochastic' (unbiased: an update below half a bf16 ulp still moves the weight "
                    "on average). Needs bf16_master_weights_and_grads.")
 
 
+def bf16_moments_from_optimizer(cfg: "Config") -> None:
+    """DeepSpeed's ``optimizer.params.fp32_optimizer_states: false`` (its CPU Adam keeps the moments in the
+    parameters' dtype) is ``bf16.bf16_optimizer_states`` here: set it, so one key says what the moments are.
+
+    Raises:
+        ConfigError: without bf16 training (fp16 moments are not built).
+    """
+    opt = cfg.optimizer
+    if opt is None or opt.torch_kwargs is not None or opt.params.fp32_optimizer_states:
+        return
+    if not cfg.bf16.enabled:
+        raise ConfigError("config key 'optimizer.params.fp32_optimizer_states' = false keeps the moments in the "
+                          "parameters' dtype: built for bf16 ('bf16.enabled' = true), not fp16 or fp32")
+    cfg.bf16.bf16_optimizer_states = True
+
+
 def check_master_weights(cfg: "Config") -> None:
     """Refuse a bf16 master-weight setting this engine does not build, naming the keys.
 
     Mirrors DeepSpeed 0.19.8: bf16 masters only with ``bf16.enabled`` at ZeRO stages 1-3 and with its CPU Adam
-    (here: Adam/AdamW on the fused host kernel). Not built yet: NVMe states or parameters, ``super_offload``,
+    (here: Adam/AdamW on the fused host kernel). Not built yet: parameters on NVMe, ``super_offload``,
     ``offload_optimizer.ratio`` < 1.
 
     Raises:
@@ -77,11 +94,10 @@ def check_master_weights(cfg: "Config") -> None:
     if opt is not None and (opt.torch_kwargs is not None or opt.params.amsgrad):
         raise ConfigError(f"{key} needs optimizer type Adam/AdamW without amsgrad (got {opt.type!r}): only the fused "
                           "host kernel steps bf16 masters (DeepSpeed: DeepSpeedCPUAdam)")
-    unbuilt = [("zero_optimization.offload_optimizer.device", oo.device == "nvme", "'nvme'"),
-               ("zero_optimization.offload_param.device", zc.offload_param.device == "nvme", "'nvme'"),
+    unbuilt = [("zero_optimization.offload_param.device", zc.offload_param.device == "nvme", "'nvme'"),
                ("zero_optimization.offload_optimizer.super_offload", oo.super_offload, "true"),
                ("zero_optimization.offload_optimizer.ratio", oo.ratio < 1.0, str(oo.ratio))]
     for other, on, value in unbuilt:
         if on:
-            raise ConfigError(f"{key} and '{other}' = {value} do not combine yet: bf16 masters are built for states "
-                              "in host memory ('offload_optimizer.device' 'cpu', all of them on the host)")
+            raise ConfigError(f"{key} and '{other}' = {value} do not combine yet: bf16 masters are built for the "
+                              "plain and delayed host step, states in host memory or NVMe, parameters in memory")

@@ -15,7 +15,7 @@ from zero_offload.config.auto import AutoContext, resolve_auto
 from zero_offload.config.compat import (IGNORED_OFFLOAD, IGNORED_OFFLOAD_OPTIMIZER, IGNORED_OFFLOAD_PARAM,
                                        IGNORED_TOP_LEVEL, IGNORED_ZERO, normalize)
 from zero_offload.config.io import check_finite, decode_config_string, read_config_file
-from zero_offload.config.precision import BF16Config, FP16Config, check_master_weights
+from zero_offload.config.precision import BF16Config, FP16Config, bf16_moments_from_optimizer, check_master_weights
 from zero_offload.config.optim import (SCHEDULER_PARAMS, AdamParams, LRRangeTestParams, OneCycleParams,
                                        OptimizerConfig, SchedulerConfig, WarmupCosineLRParams,
                                        WarmupDecayLRParams, WarmupLRParams)
@@ -280,6 +280,7 @@ class Config:
     def validate(self, path):
         if self.fp16.enabled and self.bf16.enabled:
             raise ConfigError("config keys 'fp16.enabled' and 'bf16.enabled' are both true; choose one")
+        bf16_moments_from_optimizer(self)
         check_master_weights(self)
 
     @classmethod
@@ -330,9 +331,10 @@ class Config:
         if self.bf16.immediate_grad_update:
             out.append("config key 'bf16.immediate_grad_update' has no effect: gradients always go straight to "
                        "their partition")
-        if self.bf16.bf16_optimizer_states and self.zero_optimization.offload_optimizer.device != "cpu":
+        if self.bf16.bf16_optimizer_states and self.zero_optimization.offload_optimizer.device == "none":
             out.append("config key 'bf16.bf16_optimizer_states' has no effect without "
-                       "'zero_optimization.offload_optimizer.device' = 'cpu': the device Adam keeps fp32 moments")
+                       "'zero_optimization.offload_optimizer.device' 'cpu' or 'nvme': the device Adam keeps fp32 "
+                       "moments")
         if self.prescale_gradients and self.gradient_predivide_factor != 1.0:
             out.append("config key 'gradient_predivide_factor' has no effect with 'prescale_gradients' = true "
                        "(as in DeepSpeed)")

@@ -377,15 +377,17 @@ def _nvme_files(est: MemoryEstimate, cfg: Config, shape: ModelShape, parts: list
     d = torch.empty((), dtype=dtype).element_size()
     param_nvme = zc.stage == 3 and zc.offload_param.device == "nvme"
     if zc.offload_optimizer.device == "nvme":
-        sub = state_files.sub_group_numel(parts, zc.sub_group_size)
-        for kind in ("master", "exp_avg", "exp_avg_sq"):
-            est.add("nvme", kind, sum(-(-n // sub) * sub * 4 for n in parts))
+        sizes = state_files.element_sizes(cfg)            # bf16 masters or moments: 2 bytes per element
+        sub = state_files.sub_group_numel(parts, zc.sub_group_size, sizes)
+        for kind, size in zip(("master", "exp_avg", "exp_avg_sq"), sizes):
+            est.add("nvme", kind, sum(state_files.file_bytes(n, sub, size) for n in parts))
         oo = zc.offload_optimizer
         if oo.super_offload:       # the second bank of state files the speculated sub-groups are written to
-            est.add("nvme", "speculative_state", 3 * sum(-(-n // sub) * sub * 4 for n in parts))
+            est.add("nvme", "speculative_state", state_files.bytes_needed(parts, zc.sub_group_size, sizes))
         est.add("host", "nvme_buffers", state_files.pool_bytes(parts, zc.sub_group_size, oo.buffer_count,
-                                                               oo.pipeline_read, oo.pipeline_write))
-        if d < 4 and (accelerator or param_nvme):    # 16-bit outputs leave through one staging slot per buffer
+                                                               oo.pipeline_read, oo.pipeline_write, sizes))
+        # 16-bit outputs of fp32 masters leave through one staging slot per buffer (bf16 masters: from the pool)
+        if d < 4 and not cfg.bf16.bf16_master_weights_and_grads and (accelerator or param_nvme):
             sub_groups = sum(-(-n // sub) for n in parts)
             slots = state_files.pool_slots(oo.buffer_count, oo.pipeline_read, oo.pipeline_write)
             est.add("host", "param_staging", min(slots, sub_groups) * sub * d)
@@ -394,8 +396,9 @@ def _nvme_files(est: MemoryEstimate, cfg: Config, shape: ModelShape, parts: list
         largest = max(partition_numel(n, world_size) for _, _, n in shape.units)
         est.add("host", "param_pool", NvmeParamStore.pool_bytes(largest, dtype, zc.offload_param.buffer_count))
         est.add("host", "param_write_ring", NvmeParamStore.write_ring_bytes())
-    est.formulas["nvme"] = ("states: 3 files of whole sub-groups (sub_group_size, aligned to 4 KiB) x 4 B; pool: "
-                            "min(buffer_count, 1 + pipeline_read + pipeline_write) x 12 B x sub-group (super_offload: "
+    est.formulas["nvme"] = ("states: 3 files of whole sub-groups (sub_group_size, aligned to 4 KiB) x 4 B (2 B: bf16 "
+                            "masters or moments); pool: min(buffer_count, 1 + pipeline_read + pipeline_write) x 12 B "
+                            "(less with bf16) x sub-group (super_offload: "
                             "the state files twice); params: one file per group, d B per element, read "
                             "through buffer_count buffers of the largest shard, written behind the step through a "
                             f"ring of {NvmeParamStore.write_ring_bytes() >> 20} MiB")

@@ -39,7 +39,7 @@ from zero_offload.hoststep.torch_optimizer import PartitionedTorchOptimizer
 from zero_offload.nvme.param_store import NvmeParamStore
 from zero_offload.nvme.param_writeback import WriteBackOptimizer
 from zero_offload.nvme.setup import check_swap_directory
-from zero_offload.nvme.state_files import STATE_FILES, bytes_needed
+from zero_offload.nvme.state_files import STATE_FILES, bytes_needed, element_sizes
 from zero_offload.offload.copies import Copies
 from zero_offload.offload.host_cores import host_step_cores
 
@@ -151,10 +151,12 @@ def _nvme(parts: list[torch.Tensor], hparams: list[dict], copies: Copies, config
     zc = config.zero_optimization
     oo = zc.offload_optimizer
     banks = 2 if oo.super_offload else 1          # super_offload: a second bank of state files
-    need = banks * bytes_needed([p.numel() for p in parts], zc.sub_group_size)
+    need = banks * bytes_needed([p.numel() for p in parts], zc.sub_group_size, element_sizes(config))
     directory = check_swap_directory(oo.nvme_path, rank, need, reclaimable=STATE_FILES)
     cores = host_step_cores(oo.cpuadam_cores_perc) if oo.super_offload else None
     return NvmeAdam(parts, hparams, copies, directory, zc.sub_group_size, oo.buffer_count, oo.pipeline_read,
                     oo.pipeline_write, block_size=config.aio.block_size, thread_count=config.aio.threads,
                     queue_depth=config.aio.queue_depth, param_io=param_io, speculative=oo.super_offload,
-                    host_cpus=cores, host_params=host_params)
+                    host_cpus=cores, host_params=host_params, master_dtype=master_dtype(config),
+                    state_dtype=host_state_dtype(config), index_bases=[rank * p.numel() for p in parts],
+                    **master_rounding(config))

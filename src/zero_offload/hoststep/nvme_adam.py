@@ -1,4 +1,4 @@
-"""`NvmeAdam`: a rank's optimizer partition with its fp32 masters and Adam moments in swap files.
+"""`NvmeAdam`: a rank's optimizer partition with its masters and Adam moments in swap files.
 
 ZeRO-Infinity (arXiv 2104.07857, Sec. 5-6; DeepSpeed's ``PipelinedOptimizerSwapper``): the partition is cut
 into sub-groups of ``sub_group_size`` elements; the host step streams them through a pool of
@@ -7,7 +7,8 @@ kernel, write i-1 behind (``pipeline_write``) -- so host memory for optimizer st
 model. Same role as `PartitionedAdam`: `zero_offload.hoststep.role.PartitionOptimizer`.
 
 Files: ``{nvme_path}/zero_offload/rank{r}/group{g}.{master,exp_avg,exp_avg_sq}.swp``, each sub-group at
-byte offset ``i x sub x 4`` (``sub`` rounded up to 1024 elements for O_DIRECT alignment). With super_offload a
+byte offset ``i x sub x`` its element size (4, or 2 for bf16 masters or moments; ``sub`` rounded up to whole
+4096-byte blocks for O_DIRECT). With super_offload a
 second bank, ``group{g}.spec.{kind}.swp``, and a bit per sub-group saying which bank holds its live state
 (`zero_offload.hoststep.speculation.SubGroupSpeculation`). The moments start
 as sparse files (zeros, no disk written) and are written by the first step. Files left by a killed run are
@@ -28,7 +29,7 @@ from zero_offload.nvme.buffers import ALIGNMENT, BufferPool, align_up
 from zero_offload.nvme import state_files
 from zero_offload.nvme.swapper import Pending, Swapper
 from zero_offload.offload.copies import Copies
-from zero_offload.optim.cpu_adam import CPUAdam
+from zero_offload.optim.cpu_adam import CPUAdam, step_seed
 from zero_offload.optim.fused_adam import fused_adam_step
 from zero_offload.hoststep.role import GradSource
 from zero_offload.hoststep.speculation import SubGroupSpeculation, aligned_pieces
@@ -38,7 +39,7 @@ __all__ = ["NvmeAdam"]
 
 
 class _SwappedMasters:
-    """The fp32 master partitions as a sequence: ``masters[g]`` reads group g's file into a new tensor."""
+    """The master partitions as a sequence: ``masters[g]`` reads group g's file into a new fp32 tensor."""
 
     def __init__(self, owner: "NvmeAdam"):
         self._owner = owner
@@ -79,6 +80,9 @@ class NvmeAdam(FailStop, NvmeState):
             (`SubGroupSpeculation`); the updated parameters wait in ``landing`` (like ``parts``) until kept.
         host_params: the parts are host memory themselves (stage 3 ``offload_param.device = cpu``): the landing
             buffers are host memory too (counted as ``param_staging``; else as ``param_incoming``).
+        master_dtype, state_dtype: the files' dtypes of the masters (fp32, or bf16: the master is then the bf16
+            parameter, sent on from the pool as it is) and of both moments (fp32 or bf16).
+        rounding, seed, index_bases: bf16 masters' rounding and its key (`PartitionedAdam`).
 
     Raises:
         NvmeIOError: a failed read or write (naming the file). After one, every later `step` and state read
@@ -93,10 +97,16 @@ class NvmeAdam(FailStop, NvmeState):
                  sub_group_size: int, buffer_count: int, pipeline_read: bool = False, pipeline_write: bool = False,
                  block_size: int = 1 << 20, thread_count: int = 1, param_io=None,
                  queue_depth: int = 1, speculative: bool = False, host_cpus: tuple[int, ...] | None = None,
-                 host_params: bool = False):
+                 host_params: bool = False, master_dtype: torch.dtype = torch.float32,
+                 state_dtype: torch.dtype = torch.float32, rounding: str = "nearest", seed: int = 0,
+                 index_bases: Sequence[int] | None = None):
         self.parts, self.copies, self.param_io = parts, copies, param_io
         self.pipeline_read, self.pipeline_write = pipeline_read, pipeline_write
-        self.sub = state_files.sub_group_numel([p.numel() for p in parts], sub_group_size)
+        self.dtypes = (master_dtype, state_dtype, state_dtype)       # of the master, exp_avg and exp_avg_sq files
+        self.sizes = tuple(d.itemsize for d in self.dtypes)
+        self.rounding, self.seed = rounding, seed
+        self.index_bases = list(index_bases or [0] * len(parts))
+        self.sub = state_files.sub_group_numel([p.numel() for p in parts], sub_group_size, self.sizes)
         self.units = [(g, i, lo, min(p.numel(), lo + self.sub))
                       for g, p in enumerate(parts) for i, lo in enumerate(range(0, p.numel(), self.sub))]
         directory.mkdir(parents=True, exist_ok=True)
@@ -111,9 +121,9 @@ class NvmeAdam(FailStop, NvmeState):
         for g, p in enumerate(parts):
             for kind in KINDS:
                 for bank in range(self.banks):
-                    self.swapper.open(self._name(g, kind, bank), self.file_bytes(p.numel()))
+                    self.swapper.open(self._name(g, kind, bank), self.file_bytes(p.numel(), kind))
         slots = state_files.pool_slots(buffer_count, pipeline_read, pipeline_write)
-        self.pool = BufferPool(slots, 3 * self.sub * state_files.FP32, pin=copies.pin)   # DeepSpeed pins them too
+        self.pool = BufferPool(slots, sum(self.sizes) * self.sub, pin=copies.pin)   # DeepSpeed pins them too
         self.staging = [None] * slots
         self._writes: list[Pending | None] = [None] * slots
         self.steps = [0] * len(parts)
@@ -135,9 +145,13 @@ class NvmeAdam(FailStop, NvmeState):
         self._guard(self._write_initial_masters)
 
     # -- layout ----------------------------------------------------------------------------------------
-    def file_bytes(self, numel: int) -> int:
-        """Bytes of one state file of a partition of ``numel`` elements (whole sub-groups)."""
-        return state_files.file_bytes(numel, self.sub)
+    def file_bytes(self, numel: int, kind: str = "master") -> int:
+        """Bytes of ``kind``'s state file of a partition of ``numel`` elements (whole sub-groups)."""
+        return state_files.file_bytes(numel, self.sub, self.sizes[KINDS.index(kind)])
+
+    def _region(self, k: int) -> int:
+        """Byte offset of state ``k``'s region in a pool buffer (whole 4096-byte blocks: `sub_group_numel`)."""
+        return sum(self.sizes[:k]) * self.sub
 
     @staticmethod
     def _name(g: int, kind: str, bank: int = 0) -> str:
@@ -145,21 +159,21 @@ class NvmeAdam(FailStop, NvmeState):
 
     def _views(self, slot: int, n: int) -> list[torch.Tensor]:
         buf = self.pool.buffers[slot]
-        return [buf.view(torch.float32, n, k * self.sub * state_files.FP32) for k in range(3)]
+        return [buf.view(dtype, n, self._region(k)) for k, dtype in enumerate(self.dtypes)]
 
     def _io(self, slot: int, u: int, write: bool, kinds=KINDS, bank: int | None = None) -> list[Pending]:
         """Start reads or writes of sub-group ``u``'s ``kinds`` (aligned lengths: the padding goes along) in
         ``bank`` (default: the one holding its live state)."""
         g, i, lo, hi = self.units[u]
         bank = self.bank[u] if bank is None else bank
-        nbytes = align_up((hi - lo) * state_files.FP32, ALIGNMENT)
         buf = self.pool.buffers[slot]
         out = []
         for k, kind in enumerate(KINDS):
             if kind in kinds:
-                view = buf.raw[k * self.sub * state_files.FP32:k * self.sub * state_files.FP32 + nbytes]
+                nbytes = align_up((hi - lo) * self.sizes[k], ALIGNMENT)
+                view = buf.raw[self._region(k):self._region(k) + nbytes]
                 op = self.swapper.write if write else self.swapper.read
-                out.append(op(self._name(g, kind, bank), view, i * self.sub * state_files.FP32))
+                out.append(op(self._name(g, kind, bank), view, i * self.sub * self.sizes[k]))
         return out
 
     def _wait(self, pendings) -> None:
@@ -256,22 +270,23 @@ class NvmeAdam(FailStop, NvmeState):
         h = self.optimizer.param_groups[g]
         part = self.parts[g][a:b]
         target = self.landing[g][a:b] if land else part
-        sixteen_bit = part.dtype != torch.float32
+        rounded = part.dtype != master.dtype          # 16-bit parameters of fp32 masters: the kernel writes them
         out = None
         if self.param_io is not None:
-            out = self._staging(slot, part.dtype)[a - lo:b - lo] if sixteen_bit else None
-        elif sixteen_bit:
+            out = self._staging(slot, part.dtype)[a - lo:b - lo] if rounded else None
+        elif rounded:
             out = target if target.device.type == "cpu" else self._staging(slot, part.dtype)[a - lo:b - lo]
         fused_adam_step(master, grad, exp_avg, exp_avg_sq, step=step, lr=lr,
                         beta1=h["betas"][0], beta2=h["betas"][1], eps=h["eps"],
                         weight_decay=h["weight_decay"], adamw_mode=h["adamw_mode"],
                         bias_correction=h["bias_correction"], grad_scale=grad_scale, out=out,
-                        num_threads=self.host_threads)
+                        num_threads=self.host_threads, rounding=self.rounding, seed=step_seed(self.seed, step),
+                        index_base=self.index_bases[g] + a)
         if self.param_io is not None:       # the updated parameters go to their swap file, behind
-            self.param_io.write_behind(g, a, out if sixteen_bit else master)
+            self.param_io.write_behind(g, a, out if rounded else master)
         elif target.device.type != "cpu":   # up while the next one steps (a landing buffer: once publish read it)
-            self.copies.to_device(target, out if sixteen_bit else master, after=self.landing_free if land else None)
-        elif not sixteen_bit:
+            self.copies.to_device(target, out if rounded else master, after=self.landing_free if land else None)
+        elif not rounded:
             target.copy_(master)
 
     # -- super_offload: the speculative step (zero_offload.hoststep.speculation) ------------------------------------

@@ -1,9 +1,10 @@
 """`NvmeState`: the state face of `zero_offload.hoststep.nvme_adam.NvmeAdam` (checkpoints, accounting).
 
-The fp32 masters and Adam's moments in swap files, streamed one sub-group at a time through the owner's buffer pool:
-written whole at start and at a load, read for a checkpoint or a master export, patched by ``write_master``, and
-counted for ``memory_breakdown``. A mixin of the one class that holds the files: it uses the owner's sub-group
-layout (``units``, ``parts``), pool (``pool``, ``_views``, ``_free_slot``) and I/O (``_io``, ``_wait``, ``_guard``).
+The masters and Adam's moments (fp32, or bf16) in swap files, streamed one sub-group at a time through the owner's
+buffer pool: written whole at start and at a load, read for a checkpoint or a master export, patched by
+``write_master``, and counted for ``memory_breakdown``. A mixin of the one class that holds the files: it uses the
+owner's sub-group layout (``units``, ``parts``), pool (``pool``, ``_views``, ``_free_slot``) and I/O (``_io``,
+``_wait``, ``_guard``).
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ class NvmeState(WholeGroupState):
     # -- state, streamed -------------------------------------------------------------------------------
     @torch.no_grad()
     def _write_initial_masters(self) -> None:
-        """The fp32 masters from the parameters, sub-group by sub-group; the moments stay sparse zeros."""
+        """The masters from the parameters, sub-group by sub-group; the moments stay sparse zeros."""
         nslots = len(self.pool)
         for k, (g, i, lo, hi) in enumerate(self.units):
             slot = k % nslots
@@ -57,15 +58,15 @@ class NvmeState(WholeGroupState):
     def swapped_bytes(self) -> dict[str, int]:
         """Bytes of swap files by state kind (whole sub-groups; the moments' files fill on the first step), and
         with super_offload the second bank's as ``speculative_state``."""
-        out = {kind: sum(self.file_bytes(p.numel()) for p in self.parts) for kind in KINDS}
+        out = {kind: sum(self.file_bytes(p.numel(), kind) for p in self.parts) for kind in KINDS}
         if self.banks == 2:
             out["speculative_state"] = sum(out.values())
         return out
 
     @torch.no_grad()
     def write_master(self, g: int, offset: int, values: torch.Tensor) -> None:
-        """Overwrite group ``g``'s fp32 master at element ``offset`` with ``values`` (1-D): each sub-group it
-        touches is read, patched and written back through the pool."""
+        """Overwrite group ``g``'s master at element ``offset`` with ``values`` (1-D; rounded to nearest where the
+        master is bf16): each sub-group it touches is read, patched and written back through the pool."""
         self._guard(self._write_master, g, offset, values.detach().reshape(-1).float().cpu())
 
     def _write_master(self, g: int, offset: int, values: torch.Tensor) -> None:
@@ -96,8 +97,8 @@ class NvmeState(WholeGroupState):
     def state_chunks(self, g: int, chunk_numel: int = 1 << 24):
         """Group ``g``'s state streamed from its files: yields (offset, {kind: fp32 CPU tensor}) one sub-group
         at a time (at most ``sub_group_size`` elements; ``chunk_numel`` is not used), in increasing offset.
-        Each piece is a view of a pool buffer, valid until the next piece is asked for: host memory stays the
-        pool (copy a piece to keep it)."""
+        Each fp32 piece is a view of a pool buffer, valid until the next piece is asked for: host memory stays the
+        pool (copy a piece to keep it); a bf16 state is widened into a new tensor."""
         for u, (_g, _i, lo, hi) in enumerate(self.units):
             if _g == g:
                 yield lo, self._guard(self._read_sub_group, u)
@@ -106,7 +107,7 @@ class NvmeState(WholeGroupState):
         _, _, lo, hi = self.units[u]
         self._free_slot(0)
         self._wait(self._io(0, u, write=False))
-        return dict(zip(KINDS, self._views(0, hi - lo)))
+        return {kind: view.float() for kind, view in zip(KINDS, self._views(0, hi - lo))}
 
     @torch.no_grad()
     def load_state_chunks(self, g: int, step: int, chunks) -> None:

@@ -13,7 +13,7 @@ import torch
 
 from zero_offload.config import Config, ConfigError
 from zero_offload.nvme.param_store import PARAM_SUFFIX, NvmeParamStore
-from zero_offload.nvme.state_files import STATE_FILES, bytes_needed
+from zero_offload.nvme.state_files import STATE_FILES, bytes_needed, element_sizes
 
 __all__ = ["check_swap_directory", "swap_directory", "build_param_store"]
 
@@ -72,7 +72,7 @@ def build_param_store(units: list, numels: list[int], dtype: torch.dtype, config
     need, what = param_bytes, f"its 16-bit parameters ({param_bytes:,} bytes)"
     reclaimable: tuple[str, ...] = (PARAM_SUFFIX,)
     if oo.device == "nvme" and Path(oo.nvme_path).resolve() == Path(op.nvme_path).resolve():
-        state_bytes = bytes_needed(numels, zc.sub_group_size)
+        state_bytes = bytes_needed(numels, zc.sub_group_size, element_sizes(config))
         need += state_bytes
         what += f" and optimizer states ({state_bytes:,} bytes)"
         reclaimable += STATE_FILES

@@ -1,24 +1,37 @@
 """The layout of the optimizer states' swap files and their host buffer pool (sizes only, no I/O).
 
-One file per param group and state (the fp32 master and both moments), written whole sub-groups at a time through a
-pool of aligned host buffers (`zero_offload.hoststep.nvme_adam.NvmeAdam`); the checks at initialize
-(`zero_offload.nvme.setup`) and the estimate (`zero_offload.estimate.memory`) size them with these functions.
+One file per param group and state (the master and both moments: fp32, or bf16 where the config asks), written
+whole sub-groups at a time through a pool of aligned host buffers (`zero_offload.hoststep.nvme_adam.NvmeAdam`);
+the checks at initialize (`zero_offload.nvme.setup`) and the estimate (`zero_offload.estimate.memory`) size them
+with these functions.
 """
 from __future__ import annotations
 
 from zero_offload.nvme.buffers import align_up
 from zero_offload.state import STATE_KINDS
 
-__all__ = ["STATE_FILES", "FP32", "sub_group_numel", "pool_slots", "pool_bytes", "bytes_needed", "file_bytes"]
+__all__ = ["STATE_FILES", "FP32", "FP32_SIZES", "sub_group_numel", "pool_slots", "pool_bytes", "bytes_needed",
+           "file_bytes", "element_sizes"]
 
 FP32 = 4
+FP32_SIZES = (FP32, FP32, FP32)      # bytes per element of the master, exp_avg and exp_avg_sq files
 STATE_FILES = tuple(f".{kind}.swp" for kind in STATE_KINDS)    # name endings of the states' swap files
 
 
-def sub_group_numel(numels: list[int], sub_group_size: int) -> int:
+def element_sizes(config) -> tuple[int, int, int]:
+    """Bytes per element of the three state files under ``config`` (a `zero_offload.config.Config`): the master (4,
+    or 2 with ``bf16.bf16_master_weights_and_grads``) and both moments (4, or 2 with ``bf16.bf16_optimizer_states``)."""
+    master = 2 if config.bf16.bf16_master_weights_and_grads else FP32
+    moment = 2 if config.bf16.bf16_optimizer_states else FP32
+    return master, moment, moment
+
+
+def sub_group_numel(numels: list[int], sub_group_size: int, sizes: tuple[int, ...] = FP32_SIZES) -> int:
     """Elements per sub-group for partitions of ``numels``: ``sub_group_size``, at most the largest partition,
-    rounded up to 1024 (4096 bytes of fp32, the O_DIRECT alignment)."""
-    return align_up(min(sub_group_size, max(max(numels), 1)) * FP32) // FP32
+    rounded up so that a sub-group of the narrowest state is whole 4096-byte blocks (the O_DIRECT alignment): 1024
+    elements with fp32 states, 2048 with a 2-byte one."""
+    narrow = min(sizes)
+    return align_up(min(sub_group_size, max(max(numels), 1)) * narrow) // narrow
 
 
 def pool_slots(buffer_count: int, pipeline_read: bool, pipeline_write: bool) -> int:
@@ -29,19 +42,21 @@ def pool_slots(buffer_count: int, pipeline_read: bool, pipeline_write: bool) -> 
 
 
 def pool_bytes(numels: list[int], sub_group_size: int, buffer_count: int, pipeline_read: bool = False,
-               pipeline_write: bool = False) -> int:
+               pipeline_write: bool = False, sizes: tuple[int, ...] = FP32_SIZES) -> int:
     """Host bytes of the sub-group pool for partitions of ``numels``: `pool_slots` aligned buffers of the three
-    fp32 states of one sub-group."""
+    states of one sub-group (``sizes`` bytes per element each)."""
     slots = pool_slots(buffer_count, pipeline_read, pipeline_write)
-    return slots * align_up(3 * sub_group_numel(numels, sub_group_size) * FP32)
+    return slots * align_up(sum(sizes) * sub_group_numel(numels, sub_group_size, sizes))
 
 
-def file_bytes(numel: int, sub: int) -> int:
-    """Bytes of one state file of a partition of ``numel`` elements, in whole sub-groups of ``sub`` elements."""
-    return -(-numel // sub) * sub * FP32
+def file_bytes(numel: int, sub: int, size: int = FP32) -> int:
+    """Bytes of one state file of a partition of ``numel`` elements of ``size`` bytes, in whole sub-groups of
+    ``sub`` elements."""
+    return -(-numel // sub) * sub * size
 
 
-def bytes_needed(numels: list[int], sub_group_size: int) -> int:
-    """Bytes of swap files for partitions of ``numels`` elements: 3 fp32 states, whole sub-groups."""
-    sub = sub_group_numel(numels, sub_group_size)
-    return sum(3 * file_bytes(n, sub) for n in numels)
+def bytes_needed(numels: list[int], sub_group_size: int, sizes: tuple[int, ...] = FP32_SIZES) -> int:
+    """Bytes of swap files for partitions of ``numels`` elements: 3 states (``sizes`` bytes per element), whole
+    sub-groups."""
+    sub = sub_group_numel(numels, sub_group_size, sizes)
+    return sum(file_bytes(n, sub, size) for n in numels for size in sizes)

@@ -33,8 +33,9 @@ class DeepSpeedCPUAdam(CPUAdam):
             raise ValueError("DeepSpeedCPUAdam(amsgrad=True) is not supported (DeepSpeed ignores it); use "
                              "torch.optim.AdamW(amsgrad=True) as the client optimizer")
         if not fp32_optimizer_states:
-            raise ValueError("DeepSpeedCPUAdam(fp32_optimizer_states=False): moments are always fp32 here "
-                             "(bf16 host moments: the config's bf16.bf16_optimizer_states)")
+            raise ValueError("DeepSpeedCPUAdam(fp32_optimizer_states=False) as a client optimizer is not built: give "
+                             "the config's optimizer.params.fp32_optimizer_states = false (or "
+                             "bf16.bf16_optimizer_states) for bf16 host moments")
         self.adam_w_mode = adamw_mode
         self.fp32_optimizer_states = True
         super().__init__(model_params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,

@@ -26,17 +26,24 @@ from toy_model import make_model
 from zero_offload.config import ConfigError
 
 # (rounding, Case): stages 1-3, host states (offload 'cpu'; 'none' on this CPU device keeps them on the host too),
-# accumulation 1 and 3, clipping, the delayed update, parameters on the host (stage 3), fp32 reductions.
+# accumulation 1 and 3, clipping, the delayed update, parameters on the host (stage 3), NVMe states, super_offload
+# (kept without clipping, redone with it; NVMe's second bank of files), fp32 reductions.
 CASES = [("nearest", Case("bf16", 1, "cpu", 1, True)), ("nearest", Case("bf16", 2, "cpu", 3, True)),
          ("nearest", Case("bf16", 2, "none", 3, False)), ("nearest", Case("bf16", 3, "cpu", 3, True)),
          ("nearest", Case("bf16", 2, "cpu", 1, False, dpu=True)), ("stochastic", Case("bf16", 2, "cpu", 3, True)),
          ("stochastic", Case("bf16", 3, "cpu", 1, False)), ("nearest", Case("bf16", 2, "nvme", 3, True)),
-         ("stochastic", Case("bf16", 3, "nvme", 1, False))]
+         ("stochastic", Case("bf16", 3, "nvme", 1, False)), ("nearest", Case("bf16", 2, "cpu", 1, False, spec=True)),
+         ("stochastic", Case("bf16", 3, "cpu", 3, True, spec=True)),
+         ("nearest", Case("bf16", 2, "nvme", 1, False, spec=True))]
 COMM_CASES = [("nearest", Case("bf16", 3, "cpu", 3, True, comm="fp32"))]
+# super_offload_fraction 0.5: half of each partition speculated in place after an undo copy.
+FRACTION = ("nearest", Case("bf16", 2, "cpu", 3, False, spec=True))
 
 
-def bf16_config(rounding: str, case: Case, ws: int, nvme_path: str = "") -> dict:
+def bf16_config(rounding: str, case: Case, ws: int, nvme_path: str = "", fraction: float = 1.0) -> dict:
     cfg = case_config(case, ws, nvme_path)
+    if fraction < 1.0:
+        cfg["zero_optimization"]["offload_optimizer"]["super_offload_fraction"] = fraction
     cfg["bf16"].update(bf16_master_weights_and_grads=True, master_weights_rounding=rounding)
     cfg["seed"] = 7
     if cfg["zero_optimization"].get("offload_param", {}).get("device") == "nvme":    # not built with bf16 masters
@@ -45,28 +52,28 @@ def bf16_config(rounding: str, case: Case, ws: int, nvme_path: str = "") -> dict
 
 
 def _runs(cases, ws, nvme_path):
-    args = [(bf16_config(r, c, ws, nvme_path), {**reference_kwargs(c), "masters": r}, DPU_WARMUP if c.dpu else None)
-            for r, c in cases]
+    args = [(bf16_config(r, c, ws, nvme_path, 0.5 if (r, c) == FRACTION and key == "f" else 1.0),
+             {**reference_kwargs(c), "masters": r}, DPU_WARMUP if c.dpu else None) for key, r, c in cases]
     return lockstep_runs(args, STEPS) if ws == 1 else run_ranks(lockstep_runs, 2, args, STEPS)[0]
 
 
-TWO_RANKS = CASES[1:2] + CASES[3:4] + CASES[5:6] + CASES[7:8] + COMM_CASES
+ONE_RANK = [("", r, c) for r, c in CASES] + [("f", *FRACTION)]
+TWO_RANKS = [("", r, c) for r, c in CASES[1:2] + CASES[3:4] + CASES[5:6] + CASES[7:8] + CASES[10:11] + COMM_CASES]
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("nvme_bf16"))
-    out = {(1, r, c): s for (r, c), s in zip(CASES, _runs(CASES, 1, path))}
-    out.update({(2, r, c): s for (r, c), s in zip(TWO_RANKS, _runs(TWO_RANKS, 2, path))})
+    out = {(1, *k): s for k, s in zip(ONE_RANK, _runs(ONE_RANK, 1, path))}
+    out.update({(2, *k): s for k, s in zip(TWO_RANKS, _runs(TWO_RANKS, 2, path))})
     return out
 
 
 def _keys():
-    two = TWO_RANKS
-    return [(1, r, c) for r, c in CASES] + [(2, r, c) for r, c in two]
+    return [(1, *k) for k in ONE_RANK] + [(2, *k) for k in TWO_RANKS]
 
 
-@pytest.mark.parametrize("key", _keys(), ids=lambda k: f"ws{k[0]}-{k[1]}-{k[2]}")
+@pytest.mark.parametrize("key", _keys(), ids=lambda k: f"ws{k[0]}-{k[2]}-{k[3]}" + ("-fraction0.5" if k[1] else ""))
 def test_bf16_masters_lockstep(results, key):
     steps = results[key]
     check(steps)
@@ -159,11 +166,12 @@ def test_bf16_masters_checkpoint_round_trip(tmp_path, offload):
 
 BREAKDOWN_CASES = [(1, "cpu", 1, {}), (2, "cpu", 1, {}), (2, "cpu", 3, {}), (2, "none", 3, {}),
                    (2, "cpu", 3, {"delayed_param_update": True}), (3, "cpu", 3, {}), (3, "none", 1, {}),
-                   (2, "nvme", 1, {}), (3, "nvme", 3, {})]
+                   (2, "nvme", 1, {}), (3, "nvme", 3, {}), (2, "cpu", 1, {"super_offload": True}),
+                   (3, "cpu", 3, {"super_offload": True, "super_offload_fraction": 0.5})]
 
 
 @pytest.mark.parametrize("stage,offload,gas,extra", BREAKDOWN_CASES,
-                         ids=[f"stage{c[0]}-{c[1]}-gas{c[2]}{'-dpu' if c[3] else ''}" for c in BREAKDOWN_CASES])
+                         ids=[f"stage{c[0]}-{c[1]}-gas{c[2]}-{'-'.join(c[3]) or 'plain'}" for c in BREAKDOWN_CASES])
 def test_bf16_masters_memory_breakdown_is_estimated(stage, offload, gas, extra, tmp_path):
     """``memory_breakdown()`` after a step equals `estimate_memory` to the byte: bf16 masters (2 bytes per element;
     none where the parameters in host memory are their own masters: this CPU device without offload, stage 3's
@@ -193,6 +201,9 @@ def test_bf16_masters_memory_breakdown_is_estimated(stage, offload, gas, extra, 
         return
     master = held["master"]["bytes"]
     assert master == (0 if (offload == "none" or (stage == 3 and not extra)) else held["master"]["numel"] * 2)
+    if extra.get("super_offload"):          # the second (or undo) bank's master is bf16 too
+        bank = held["speculative_state"]
+        assert bank["bytes"] < 4 * bank["numel"], bank
     grads = held.get("grad_partition", {"bytes": 0, "numel": 1})
     assert grads["bytes"] <= 2 * grads["numel"], grads
 
@@ -202,8 +213,6 @@ BAD = [({"bf16": {"enabled": False, "bf16_master_weights_and_grads": True}}, "'b
        ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"},
                                "offload_param": {"device": "nvme", "nvme_path": "/tmp"}}},
         "'zero_optimization.offload_param.device' = 'nvme'"),
-       ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "super_offload": True}}},
-        "super_offload"),
        ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}}, "ratio"),
        ({"optimizer": {"type": "SGD", "params": {"lr": 0.1}}}, "Adam/AdamW"),
        ({"bf16": {"enabled": True, "bf16_master_weights_and_grads": False, "master_weights_rounding": "stochastic"}},

@@ -71,7 +71,7 @@ def check_master_weights(cfg: "Config") -> None:
     """Refuse a bf16 master-weight setting this engine does not build, naming the keys.
 
     Mirrors DeepSpeed 0.19.8: bf16 masters only with ``bf16.enabled`` at ZeRO stages 1-3 and with its CPU Adam
-    (here: Adam/AdamW on the fused host kernel). Not built yet: parameters on NVMe, ``super_offload``,
+    (here: Adam/AdamW on the fused host kernel). Not built yet: parameters on NVMe,
     ``offload_optimizer.ratio`` < 1.
 
     Raises:
@@ -95,9 +95,8 @@ def check_master_weights(cfg: "Config") -> None:
         raise ConfigError(f"{key} needs optimizer type Adam/AdamW without amsgrad (got {opt.type!r}): only the fused "
                           "host kernel steps bf16 masters (DeepSpeed: DeepSpeedCPUAdam)")
     unbuilt = [("zero_optimization.offload_param.device", zc.offload_param.device == "nvme", "'nvme'"),
-               ("zero_optimization.offload_optimizer.super_offload", oo.super_offload, "true"),
                ("zero_optimization.offload_optimizer.ratio", oo.ratio < 1.0, str(oo.ratio))]
     for other, on, value in unbuilt:
         if on:
             raise ConfigError(f"{key} and '{other}' = {value} do not combine yet: bf16 masters are built for the "
-                              "plain and delayed host step, states in host memory or NVMe, parameters in memory")
+                              "host step of states in host memory or NVMe, of parameters in memory")

@@ -191,8 +191,8 @@ def choose_batch(shape: ModelShape, raw: dict, gpus: int, seq: int | None, knobs
     # Chosen for states in host memory only: the step model has no NVMe I/O term, so under nvme the config's
     # super_offload and ratio are kept as given (both run there).
     spec_possible = zc.offload_optimizer.device == "cpu" and zc.stage >= 2 and zc.offload_param.device != "nvme"
-    spec_possible = spec_possible and not base.bf16.bf16_master_weights_and_grads     # not built with bf16 masters
-    ratio_possible = spec_possible and zc.offload_param.device == "none"
+    ratio_possible = (spec_possible and zc.offload_param.device == "none"
+                      and not base.bf16.bf16_master_weights_and_grads)       # not built with bf16 masters
     policies = _policies(knobs, dpu_possible, spec_possible, ratio_possible)
     default = policies[0]
 

@@ -310,14 +310,14 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
         moment_dtype = torch.bfloat16 if moment_bytes == 2 else torch.float32
         pinned = None if fraction >= 1.0 else False       # an undo bank is never page-locked: only the host reads it
         for p in parts:
-            for dtype_ in (torch.float32, moment_dtype, moment_dtype):
+            for dtype_ in (master_dtype, moment_dtype, moment_dtype):
                 host("speculative_state", speculated_numel(p, fraction), dtype_, pinned)
         est.formulas["speculative_state"] = ("super_offload: a second master and both moments, of the fraction "
                                              "speculated (f x P x (4 + 2 x moment))")
         if offload_opt and not offload_param:
             est.add("device", "param_incoming", sum(parts) * d)
             est.formulas["param_incoming"] = "super_offload: the partition again on the device (P x d)"
-            if d < 4:      # the speculated pieces' 16-bit outputs; below fraction 1 the rest goes through the ring
+            if d < 4 and not bf16_masters:   # the speculated pieces' 16-bit outputs; below 1 the rest: the ring
                 for p in parts:
                     host("param_staging", speculated_numel(p, fraction), dtype)
                 if fraction < 1.0 and (grad_dtype if zc.stage >= 2 else dtype) == dtype:

@@ -19,7 +19,8 @@ Per rank and optimizer step of ``gas`` micro-steps of ``t`` tokens each:
   same thread, no more bytes than its copy, and is not charged;
 - **host step**: the fused Adam kernel streams ``8 + 4 x moment bytes + gradient bytes + d`` bytes per parameter
   of the partition (28 B for bf16 with fp32 moments, 20 B with bf16 moments, 30 B with fp32 accumulated
-  gradients; with bf16 masters ``4 + 4 x moment bytes + 2``, 14 B with bf16 moments), at ``host_adam x 28`` bytes/s (``host_adam``: the kernel's parameters/s with fp32 moments);
+  gradients; with bf16 masters ``4 + 4 x moment bytes + 2``, 14 B with bf16 moments), at ``host_adam x 28``
+  bytes/s (``host_adam``: the kernel's parameters/s with fp32 moments);
 - **copies up**: the updated 16-bit partition, ``P x d`` bytes at ``pcie`` (none for stage 3's host shards).
 - **the step**: these pieces overlap as the engine's own recorded step overlaps them: the planner replays it
   with their durations (`zero_offload.estimate.step_graph`), and ``exposed`` is the device's idle time in it.

@@ -180,10 +180,10 @@ class PartitionedAdam(AdamState):
                                             self.chunk) if speculative and self.on_host else None)
         if self.speculation is not None and self.incoming[0] is not None:
             # Each speculated piece's 16-bit parameters are written to a pinned buffer and go up into the landing
-            # buffers at once (fp32 parameters: from the second bank's masters); a step that stands only copies
-            # the landing buffers over the parameters on the device.
+            # buffers at once (masters of the parameters' dtype, fp32 or bf16: from the bank's masters); a step that
+            # stands only copies the landing buffers over the parameters on the device.
             self.speculation.outs = [copies.host_empty(speculated_numel(p.numel(), speculated), p.dtype)
-                                     if p.dtype != torch.float32 else None for p in parts]
+                                     if p.dtype != m.dtype else None for p, m in zip(parts, self.masters)]
             self.speculation.on_piece = self._land_speculated
 
     def _bf16_master(self, part: torch.Tensor, beside: bool) -> torch.Tensor:

@@ -296,8 +296,8 @@ class PieceSpeculation(Speculation):
                                      out=None if out is None else out[a - lo:b - lo])
         self.busy_s += time.perf_counter() - began
         if self.on_piece is not None:
-            fp32 = self.outs[g] is None       # fp32 parameters go up from the master
-            self.on_piece(g, lo, hi, self.result(g)[lo:hi] if fp32 else out)
+            own = self.outs[g] is None        # parameters of the master's dtype go up from the master
+            self.on_piece(g, lo, hi, self.result(g)[lo:hi] if own else out)
 
 
 def _gaps(ranges: list[tuple[int, int]], n: int) -> list[tuple[int, int]]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
+import torch
+
 from zero_offload.config.schema import ConfigError, option
 
 if TYPE_CHECKING:
@@ -49,6 +51,18 @@ class BF16Config:
         "nearest", "Not a DeepSpeed key: how a bf16 master is rounded after its update; 'nearest' (nearest-even, "
                    "DeepSpeed's) or 'stochastic' (unbiased: an update below half a bf16 ulp still moves the weight "
                    "on average). Needs bf16_master_weights_and_grads.")
+
+    @property
+    def master_dtype(self) -> torch.dtype:
+        """The dtype of the master weights and of accumulated gradient partitions: bf16 under
+        ``bf16_master_weights_and_grads``, else fp32."""
+        return torch.bfloat16 if self.bf16_master_weights_and_grads else torch.float32
+
+    @property
+    def state_dtype(self) -> torch.dtype:
+        """The dtype of the Adam moments where the host keeps them (memory or NVMe): bf16 under
+        ``bf16_optimizer_states``, else fp32."""
+        return torch.bfloat16 if self.bf16_optimizer_states else torch.float32
 
 
 def bf16_moments_from_optimizer(cfg: "Config") -> None:

@@ -160,7 +160,7 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
         gas, micro = cfg.gradient_accumulation_steps or 1, cfg.train_micro_batch_size_per_gpu or 1
     # bf16.bf16_master_weights_and_grads: bf16 masters, and gradient partitions that accumulate in bf16
     bf16_masters = cfg.bf16.bf16_master_weights_and_grads
-    master_dtype = torch.bfloat16 if bf16_masters else torch.float32
+    master_dtype = cfg.bf16.master_dtype
     fp32_sum = gas > 1 and not bf16_masters
     grad_dtype_bytes = 4 if fp32_sum else d   # stage 2/3 partitions accumulate in fp32 under accumulation
     est = MemoryEstimate(accelerator=accelerator)
@@ -170,7 +170,7 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
     # arithmetic in `_nvme_files`; the host keeps gradients, the I/O pools and staging.
     state_nvme = zc.offload_optimizer.device == "nvme"
     param_nvme = offload_param and zc.offload_param.device == "nvme"
-    # bf16.bf16_optimizer_states: the host kernel keeps both moments in bf16 (`host_state_dtype`).
+    # bf16.bf16_optimizer_states: the host kernel keeps both moments in bf16 (`BF16Config.state_dtype`).
     moment_bytes = 2 if cfg.bf16.bf16_optimizer_states and (offload_opt or not accelerator) else 4
     pin = zc.offload_optimizer.pin_memory or (zc.stage == 3 and zc.offload_param.pin_memory)
     speculative = zc.offload_optimizer.super_offload

@@ -157,14 +157,13 @@ class PartitionedAdam(AdamState):
         self.incoming_free: CopyHandle | None = None   # where the compute stream last read them (`publish`)
         self.params_free: CopyHandle | None = None     # the compute that read the parts, at a synchronous step
         groups = [{"params": [m], **h} for m, h in zip(self.masters, hparams)]
-        for group, base in zip(groups, index_bases or [0] * len(groups)):
-            group["index_base"] = base
         if self.on_host:
+            for group, base in zip(groups, index_bases or [0] * len(groups)):
+                group["index_base"] = base           # stochastic rounding's element numbering (`CPUAdam`)
             self.optimizer = CPUAdam(groups, state_dtype=state_dtype, num_threads=host_threads,
                                      chunk_size=self.chunk, rounding=rounding, seed=seed)
         else:
             for g in groups:
-                g.pop("index_base")
                 if not g.pop("bias_correction"):
                     raise ValueError("optimizer.params.bias_correction = false needs the optimizer states on "
                                      "the host (offload_optimizer.device = 'cpu'); torch's device Adam "

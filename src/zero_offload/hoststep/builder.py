@@ -30,7 +30,7 @@ import torch
 
 from zero_offload.config import Config, ConfigError
 from zero_offload.hoststep.adam import PartitionedAdam
-from zero_offload.hoststep.precision import host_state_dtype, master_dtype, master_rounding
+from zero_offload.hoststep.precision import master_rounding
 from zero_offload.hoststep.nvme_adam import NvmeAdam
 from zero_offload.hoststep.policy import StepPolicy
 from zero_offload.hoststep.role import PartitionOptimizer
@@ -122,10 +122,10 @@ def _in_memory(config: Config, parts: list[torch.Tensor], hparams: list[dict], o
         # Stochastic rounding's element numbering: rank r's partition starts at r x its size (stages 1-2: the
         # flat buffer's own offsets, so the bits do not depend on the world size).
         return PartitionedAdam(parts, hparams, offload, copies, host_params=host_params, policy=policy,
-                               state_dtype=host_state_dtype(config), host_cpus=cores, chunk=offload_opt.copy_chunk,
-                               speculated=offload_opt.super_offload_fraction, master_dtype=master_dtype(config),
+                               state_dtype=config.bf16.state_dtype, host_cpus=cores, chunk=offload_opt.copy_chunk,
+                               speculated=offload_opt.super_offload_fraction, master_dtype=config.bf16.master_dtype,
                                index_bases=[rank * p.numel() for p in parts], **master_rounding(config))
-    if master_dtype(config) != torch.float32:
+    if config.bf16.master_dtype != torch.float32:
         raise ConfigError("config key 'bf16.bf16_master_weights_and_grads' = true needs the optimizer Adam/AdamW on "
                           "the fused host kernel (DeepSpeed: DeepSpeedCPUAdam); a client optimizer, amsgrad or "
                           f"{opt.type!r} steps fp32 masters")
@@ -157,6 +157,6 @@ def _nvme(parts: list[torch.Tensor], hparams: list[dict], copies: Copies, config
     return NvmeAdam(parts, hparams, copies, directory, zc.sub_group_size, oo.buffer_count, oo.pipeline_read,
                     oo.pipeline_write, block_size=config.aio.block_size, thread_count=config.aio.threads,
                     queue_depth=config.aio.queue_depth, param_io=param_io, speculative=oo.super_offload,
-                    host_cpus=cores, host_params=host_params, master_dtype=master_dtype(config),
-                    state_dtype=host_state_dtype(config), index_bases=[rank * p.numel() for p in parts],
+                    host_cpus=cores, host_params=host_params, master_dtype=config.bf16.master_dtype,
+                    state_dtype=config.bf16.state_dtype, index_bases=[rank * p.numel() for p in parts],
                     **master_rounding(config))

@@ -1,22 +1,11 @@
-"""The dtypes a partition optimizer keeps on the host, from the config: the Adam moments
-(``bf16.bf16_optimizer_states``) and the master weights (``bf16.bf16_master_weights_and_grads``, DeepSpeed 0.19.8's
-``ZeROOptimizer._configure_master_weights``), and the rounding of bf16 masters."""
+"""bf16 master weights in a partition optimizer (DeepSpeed 0.19.8's ``bf16_master_weights_and_grads``,
+``ZeROOptimizer._configure_master_weights``): their rounding from the config, and what they need. The dtypes
+themselves are the config's (`zero_offload.config.BF16Config.master_dtype`, ``state_dtype``)."""
 from __future__ import annotations
 
 import torch
 
-__all__ = ["host_state_dtype", "master_dtype", "master_rounding", "check_bf16_masters"]
-
-
-def host_state_dtype(config) -> torch.dtype:
-    """The dtype of the host Adam moments: bf16 under ``bf16.bf16_optimizer_states``, else fp32."""
-    return torch.bfloat16 if config.bf16.bf16_optimizer_states else torch.float32
-
-
-def master_dtype(config) -> torch.dtype:
-    """The dtype of the master weights (and of accumulated gradient partitions): bf16 under
-    ``bf16.bf16_master_weights_and_grads``, else fp32."""
-    return torch.bfloat16 if config.bf16.bf16_master_weights_and_grads else torch.float32
+__all__ = ["master_rounding", "check_bf16_masters"]
 
 
 def master_rounding(config) -> dict:

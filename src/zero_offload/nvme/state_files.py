@@ -21,9 +21,8 @@ STATE_FILES = tuple(f".{kind}.swp" for kind in STATE_KINDS)    # name endings of
 def element_sizes(config) -> tuple[int, int, int]:
     """Bytes per element of the three state files under ``config`` (a `zero_offload.config.Config`): the master (4,
     or 2 with ``bf16.bf16_master_weights_and_grads``) and both moments (4, or 2 with ``bf16.bf16_optimizer_states``)."""
-    master = 2 if config.bf16.bf16_master_weights_and_grads else FP32
-    moment = 2 if config.bf16.bf16_optimizer_states else FP32
-    return master, moment, moment
+    moment = config.bf16.state_dtype.itemsize
+    return config.bf16.master_dtype.itemsize, moment, moment
 
 
 def sub_group_numel(numels: list[int], sub_group_size: int, sizes: tuple[int, ...] = FP32_SIZES) -> int:

@@ -226,6 +226,7 @@ def lockstep_run(config: dict, reference: dict, steps: int = 5, dpu_warmup: int 
                     "norm_rel": abs(engine.last_grad_norm - step["norm"]) / step["norm"], "norm": step["norm"],
                     "loss": loss, "ref_loss": step["loss"]})
         history.append(masters)
+    engine.close()        # its threads end here: a later run_ranks forks no thread holding a lock
     return out
 
 

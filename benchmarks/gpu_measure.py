@@ -318,25 +318,26 @@ def _thread_report() -> dict:
 
 
 def run_plain(cfg_model, device, micro: int, steps: int, profile: bool = True,
-              compile_backend: str | None = None) -> dict:
+              compile_backend: str | None = None, optimizers=None) -> dict:
     """Plain torch: fp32 weights, bf16 autocast, torch.optim.AdamW(fused=True) on the device; freed after.
-    ``compile_backend``: the model compiled in place first."""
+    ``compile_backend``: the model compiled in place first. ``optimizers(model)``: a list of optimizers instead."""
     rss = RssPeak()
     try:
-        return _run_plain(cfg_model, device, micro, steps, profile, rss, compile_backend)
+        return _run_plain(cfg_model, device, micro, steps, profile, rss, compile_backend, optimizers)
     finally:
         rss.stop()
 
 
 def _run_plain(cfg_model, device, micro: int, steps: int, profile: bool, rss: RssPeak,
-               compile_backend: str | None = None) -> dict:
+               compile_backend: str | None = None, optimizers=None) -> dict:
     torch = _torch()
     from zero_offload.train.model import flops_per_token
     _reset_peak(device)
     model = build_model(cfg_model, device, torch.float32, sharded=False)
     if compile_backend is not None:
         model.compile(backend=compile_backend)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=device.type == "cuda")
+    opts = optimizers(model) if optimizers is not None else [
+        torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=device.type == "cuda")]
     seq = cfg_model.block_size
     data = batches(cfg_model.vocab_size, micro, seq, device, 4)
     it = iter(range(10**9))
@@ -347,8 +348,9 @@ def _run_plain(cfg_model, device, micro: int, steps: int, profile: bool, rss: Rs
             _, loss = model(x, y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
 
     elapsed = timed_steps(one_step, device, steps)
     traced = profile_steps(one_step, device) if profile else {}
@@ -357,7 +359,7 @@ def _run_plain(cfg_model, device, micro: int, steps: int, profile: bool, rss: Rs
               "peak_rss_bytes": rss.stop(),
               "params": sum(p.numel() for p in model.parameters()), "flops_per_token": flops_per_token(cfg_model, seq),
               **traced}
-    del model, opt, data
+    del model, opts, data
     free()
     return result
 

@@ -24,8 +24,8 @@ from zero_offload.offload import simulated
 from zero_offload.offload.simulated import SimulatedCollectives
 
 __all__ = ["DistContext", "DoneWork", "CollectiveTimeoutError", "collective_timeout", "deadline", "all_gather_into",
-           "reduce_scatter", "broadcast", "gather_objects", "broadcast_object", "barrier", "collective_device",
-           "choose_device"]
+           "reduce_scatter", "all_to_all", "broadcast", "gather_objects", "broadcast_object", "barrier",
+           "collective_device", "choose_device"]
 
 DEFAULT_TIMEOUT_S = 600.0   # 10 minutes: long enough for a slow checkpoint, short enough to notice a stall
 
@@ -129,6 +129,20 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, average: bool = False, 
     """Sum (``average``: NCCL's ReduceOp.AVG) ``inp`` over ranks and keep this rank's slice of it in ``out``."""
     op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
     return _REDUCE_SCATTER(out, inp, op=op, group=group, async_op=async_op)
+
+
+def all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],
+               group=None) -> None:
+    """Send ``in_splits[r]`` consecutive elements of ``inp`` to rank r and receive ``out_splits[r]`` from it into
+    ``out``, in rank order (synchronous). CPU tensors under an NCCL-only group go through the current CUDA device
+    (`collective_device`)."""
+    device = collective_device(out, group)
+    if device == out.device:
+        dist.all_to_all_single(out, inp, out_splits, in_splits, group=group)
+        return
+    staged_out, staged_in = _on(device, [out, inp])
+    dist.all_to_all_single(staged_out, staged_in, out_splits, in_splits, group=group)
+    out.copy_(staged_out)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group=None) -> None:
@@ -300,6 +314,15 @@ class DistContext:
             out.copy_(inp)
             return DoneWork()
         return reduce_scatter(out, inp, average, self.group, async_op)
+
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> None:
+        """Each rank sends ``in_splits[r]`` elements of ``inp`` to rank r (of the group) and receives
+        ``out_splits[r]`` into ``out``, in rank order; synchronous (Muon's owners: `zero_offload.hoststep.muon_owners`).
+        """
+        if not self.distributed:
+            out.copy_(inp)
+            return
+        all_to_all(out, inp, out_splits, in_splits, self.group)
 
     @property
     def distributed(self) -> bool:

@@ -73,7 +73,8 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
         args: an object with ``deepspeed_config`` (a path), as ``add_config_arguments`` adds; optional.
         model: the ``nn.Module`` to train.
         optimizer: a ``torch.optim`` optimizer over the model's parameters, DeepSpeed's ``DeepSpeedCPUAdam`` or
-            ``FusedLamb`` as `ops` names them, or a callable that takes the parameters and returns one; it
+            ``FusedLamb`` as `ops` names them, ``[torch.optim.Muon(matrices), torch.optim.AdamW(rest)]``
+            (`compat.muon_client`), or a callable that takes the parameters and returns one; it
             replaces the config's ``optimizer`` section, as in DeepSpeed (`compat.optimizer`): Adam/AdamW
             run on the fused kernel (the host one with ``offload_optimizer``) with their param groups.
         model_parameters: parameters or param-group dicts (per-group lr / weight_decay are kept).
@@ -101,7 +102,7 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
         check_mpu(mpu)
     auto_values: dict = {}
     if optimizer is not None:
-        if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
+        if callable(optimizer) and not isinstance(optimizer, (torch.optim.Optimizer, list, tuple)):
             params = model_parameters if model_parameters is not None else model.parameters()
             optimizer = optimizer(params)
         section, model_parameters = client_optimizer_config(optimizer, model)

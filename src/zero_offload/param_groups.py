@@ -6,12 +6,23 @@ import torch
 
 from zero_offload.zero import ParamGroup
 
-__all__ = ["param_groups"]
+__all__ = ["param_groups", "takes_muon"]
+
+
+def takes_muon(p: torch.Tensor, name: str) -> bool:
+    """Whether optimizer type Muon steps ``p`` with Muon (else AdamW): its ``use_muon`` attribute where the user
+    set one, else DeepSpeed 0.19.8's rule (``set_optimizer_flags``): a matrix (2-D or more) whose name has neither
+    "embed" nor "lm_head"."""
+    if hasattr(p, "use_muon"):
+        return bool(p.use_muon)
+    return p.dim() >= 2 and not any(k in name.lower() for k in ("embed", "lm_head"))
 
 
 def param_groups(module: torch.nn.Module, model_parameters, opt) -> list[ParamGroup]:
     """The trainable parameters of ``module`` in groups, each in model order with its names, positions and
     hyper-parameters (``opt.group_hyperparameters``: the config's optimizer params overridden by the group's keys).
+    Optimizer type Muon splits each group into its Muon half, then its AdamW half (`takes_muon`), as DeepSpeed's
+    ``_muon_param_groups``.
     ``model_parameters``: None (every parameter with ``requires_grad``, one group), parameters, or group dicts;
     groups left with no trainable parameter are dropped.
 
@@ -36,8 +47,12 @@ def param_groups(module: torch.nn.Module, model_parameters, opt) -> list[ParamGr
         if not params:
             continue
         params.sort(key=lambda p: where[id(p)][0])
-        groups.append(ParamGroup(params, [where[id(p)][1] for p in params], [where[id(p)][0] for p in params],
-                                 opt.group_hyperparameters(g)))
+        halves = [(None, params)] if opt.muon is None else \
+            [(use, [p for p in params if takes_muon(p, where[id(p)][1]) is use]) for use in (True, False)]
+        for use_muon, half in halves:
+            if half:
+                groups.append(ParamGroup(half, [where[id(p)][1] for p in half], [where[id(p)][0] for p in half],
+                                         opt.group_hyperparameters(g, use_muon)))
     if not groups:
         raise ValueError(f"{type(module).__name__} has no trainable parameters (none with "
                          f"requires_grad=True): there is nothing to optimize")

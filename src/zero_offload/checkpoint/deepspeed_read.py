@@ -85,10 +85,11 @@ def load_deepspeed(engine: CheckpointTarget, directory: str | os.PathLike, load_
     directory = Path(directory)
     error, reader, state = None, None, None
     try:
-        if engine.optimizer_state.state_format() != "adam":
-            raise CheckpointError(f"checkpoint '{directory}': a DeepSpeed checkpoint of Adam's states cannot be loaded "
-                                  f"into an engine whose optimizer keeps {engine.optimizer_state.state_format()!r}")
         reader = read_deepspeed(directory)
+        if engine.optimizer_state.state_format() != reader.state_format():
+            raise CheckpointError(f"checkpoint '{directory}': a DeepSpeed checkpoint of {reader.state_format()!r} "
+                                  f"states cannot be loaded into an engine whose optimizer keeps "
+                                  f"{engine.optimizer_state.state_format()!r}")
         check_parameters(engine, reader.shapes, f"'{reader.model_file}'")
         mine = [p.name for g in engine.optimizer_state.layout() for p in g.params]
         if isinstance(reader, UniversalFiles):

@@ -47,6 +47,10 @@ class UniversalFiles(ModelStates):
                                   f"not parameter '{name}' of shape {self.shapes[name]}")
         return t
 
+    def state_format(self) -> str:
+        """Adam's moments (a universal checkpoint of another optimizer is refused when read)."""
+        return "adam"
+
     def step(self) -> int:
         steps = set()
         for name in self.shapes:

@@ -101,8 +101,15 @@ class ZeroShards(ModelStates):
                                       f"ranks (hpZ/MiCS), which this engine does not map")
         return stage3_pieces(self.shapes, sizes, self.world, self.model_file)
 
+    def state_format(self) -> str:
+        """``muon`` when some group holds DeepSpeed Muon's ``momentum_buffer``, else ``adam``."""
+        return "muon" if any("momentum_buffer" in m for m in self._rank(0)["moments"]) else "adam"
+
     def step(self) -> int:
+        """The Adam groups' step count (Muon's groups keep none; 0 when every group is Muon's)."""
         steps = {as_int(m["step"]) for r in range(self.world) for m in self._rank(r)["moments"] if "step" in m}
+        if not steps and self.state_format() == "muon":
+            return 0
         if len(steps) != 1:
             raise CheckpointError(f"DeepSpeed checkpoint '{self.directory}' holds step counts {sorted(steps)} "
                                   f"(one expected)")
@@ -120,11 +127,31 @@ class ZeroShards(ModelStates):
         out = {k: torch.zeros(n) for k in STATE_KINDS}
         for r, g, lo, length, at in self.pieces[name]:
             state = self._rank(r)
-            sources = {"master": state["flats"][g], "exp_avg": state["moments"][g]["exp_avg"],
-                       "exp_avg_sq": state["moments"][g]["exp_avg_sq"]}
+            moments = state["moments"][g]
+            if "momentum_buffer" in moments:      # DeepSpeed Muon: the momentum, and no second moment
+                buffer = moments["momentum_buffer"]
+                whole = buffer.numel() != state["flats"][g].numel()
+                out["master"][at:at + length] = state["flats"][g][lo:lo + length]
+                out["exp_avg"][at:at + length] = (self._whole_momentum(r, g, name, buffer)[at:at + length] if whole
+                                                  else buffer[lo:lo + length])
+                continue
+            sources = {"master": state["flats"][g], "exp_avg": moments["exp_avg"], "exp_avg_sq": moments["exp_avg_sq"]}
             for k in STATE_KINDS:
                 out[k][at:at + length] = sources[k][lo:lo + length]
         return out
+
+    def _whole_momentum(self, r: int, g: int, name: str, buffer: torch.Tensor) -> torch.Tensor:
+        """``name``'s whole momentum in DeepSpeed Muon's buffer of whole parameters (optimizer on the device:
+        ``_muon_momentum_buffer``, each parameter with a piece in rank ``r``'s partition of group ``g``, in order);
+        with the optimizer offloaded the buffer is partition-sized (``_apply_muon_updates_cpu_offload``)."""
+        held = sorted((lo, n) for n, pieces in self.pieces.items() for rr, gg, lo, _, _ in pieces if (rr, gg) == (r, g))
+        offset = 0
+        for _, other in held:
+            size = numel(self.shapes[other])
+            if other == name:
+                return buffer[offset:offset + size]
+            offset += size
+        raise CheckpointError(f"checkpoint file '{self._files[r]}' has no momentum for '{name}'")
 
     def module_state(self) -> dict[str, torch.Tensor]:
         out = super().module_state()
@@ -176,10 +203,16 @@ def _rank_state(path: Path) -> dict:
         raise CheckpointError(f"checkpoint file '{path}' holds no fp32 master partitions")
     for i, flat in enumerate(flats):
         state = states.get(i, {})
+        if "momentum_buffer" in state and "exp_avg" not in state:     # a DeepSpeed Muon group (stages 1-2)
+            if stage == 3:
+                raise CheckpointError(f"checkpoint file '{path}' holds a stage-3 Muon group {i}, whose momentum "
+                                      f"DeepSpeed keeps apart from the checkpoint's partitions; stages 1-2 map")
+            continue
         if not {"exp_avg", "exp_avg_sq"} <= set(state):
             optimizer = ((sd.get("ds_config") or {}).get("optimizer") or {}).get("type", "unknown")
             raise CheckpointError(f"checkpoint file '{path}' holds optimizer state {sorted(state)} for group {i} "
-                                  f"(DeepSpeed optimizer '{optimizer}'); only Adam's moments map onto this engine")
+                                  f"(DeepSpeed optimizer '{optimizer}'); only Adam's moments and Muon's momentum "
+                                  f"map onto this engine")
         for kind in ("exp_avg", "exp_avg_sq"):
             if state[kind].numel() != flat.numel():
                 raise CheckpointError(f"checkpoint file '{path}' is damaged: group {i}'s {kind} has "

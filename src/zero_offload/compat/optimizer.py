@@ -18,6 +18,7 @@ import warnings
 import torch
 
 from zero_offload.compat.ops.adam import DeepSpeedCPUAdam
+from zero_offload.compat.muon_client import is_torch_muon, torch_muon_config
 from zero_offload.compat.ops.lamb import FusedLamb
 
 __all__ = ["client_optimizer_config", "ClientScheduler"]
@@ -39,6 +40,8 @@ def client_optimizer_config(optimizer: torch.optim.Optimizer, model: torch.nn.Mo
     Raises:
         ValueError: an optimizer that is not a ``torch.optim`` class (its step cannot run on the partitions).
     """
+    if is_torch_muon(optimizer):
+        return torch_muon_config(optimizer, model)
     cls = type(optimizer)
     if isinstance(optimizer, (DeepSpeedCPUAdam, FusedLamb)):
         return _deepspeed_class_config(optimizer)

@@ -52,8 +52,8 @@ UNBUILT = {
     "compile.deepcompile = true": "DeepCompile's graph passes (ZeRO inside the compiled graph, activation and "
                                   "optimizer-state offload) are not built; engine.compile() compiles the model with "
                                   "plain torch.compile, the engine's hooks between graphs",
-    "optimizer.type OneBitAdam, OneBitLamb, ZeroOneAdam, Lion, Muon, MuAdam, MuAdamW, MuSGD":
-        "use Adam/AdamW, Lamb or a torch.optim name (SGD, Adagrad, RMSprop, ...)",
+    "optimizer.type OneBitAdam, OneBitLamb, ZeroOneAdam, Lion, MuAdam, MuAdamW, MuSGD":
+        "use Adam/AdamW, Lamb, Muon or a torch.optim name (SGD, Adagrad, RMSprop, ...)",
 }
 
 
@@ -140,7 +140,7 @@ IGNORED_ZERO = {
     "override_module_apply": "module.apply is not patched",
     "log_trace_cache_warnings": "the stage-3 fetch schedule warns once when the module order changes",
     "enable_sanity_checks": "no extra internal checks",
-    "save_muon_momentum_buffer_in_memory": "no Muon optimizer",
+    "save_muon_momentum_buffer_in_memory": "Muon's momentum is kept where the optimizer states are (docs/muon.md)",
     "leaf_module": "every module that owns parameters is its own gather unit",
     "pipeline_loading_checkpoint": "no pipeline parallelism",
     "zenflow": "ZenFlow's stall-free offload is not built: the plain ZeRO-Offload host step runs instead",

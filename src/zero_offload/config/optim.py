@@ -14,8 +14,8 @@ import torch
 
 from zero_offload.config.schema import ConfigError, from_dict, option
 
-__all__ = ["AdamParams", "LambParams", "OptimizerConfig", "SchedulerConfig", "WarmupLRParams", "WarmupDecayLRParams",
-           "WarmupCosineLRParams", "OneCycleParams", "LRRangeTestParams", "SCHEDULER_PARAMS",
+__all__ = ["AdamParams", "LambParams", "MuonParams", "check_muon", "OptimizerConfig", "SchedulerConfig",
+           "WarmupLRParams", "WarmupDecayLRParams", "WarmupCosineLRParams", "OneCycleParams", "LRRangeTestParams", "SCHEDULER_PARAMS",
            "REFUSED_OPTIMIZERS"]
 
 
@@ -66,6 +66,105 @@ class LambParams:
                               f"'{path}.max_coeff' ({self.max_coeff!r})")
 
 
+@dataclass
+class MuonParams:
+    """DeepSpeed 0.19.8's ``"optimizer": {"type": "Muon"}`` params (``DeepSpeedEngine._muon_param_groups``): Muon
+    for the matrices, AdamW for the rest, each half with its own settings. A key left out takes the value of
+    DeepSpeed's ``MuonWithAuxAdam`` (Muon lr 0.02, momentum 0.95; Adam lr 3e-4, betas (0.9, 0.95), eps 1e-10;
+    weight decay 0). ``flavor: "torch"`` and the ``ns_*``/``nesterov``/``adjust_lr_fn`` keys are ours:
+    ``torch.optim.Muon``'s definition (`zero_offload.optim.muon`)."""
+    lr: float | None = option(None, "Both halves' learning rate (muon_lr / adam_lr override it).", min=0.0)
+    muon_lr: float | None = option(None, "The Muon half's learning rate.", min=0.0)
+    adam_lr: float | None = option(None, "The Adam half's learning rate.", min=0.0)
+    momentum: float | None = option(None, "Muon's momentum (default 0.95).", min=0.0, max=1.0)
+    weight_decay: float | None = option(None, "Decoupled weight decay of both halves (default 0).", min=0.0)
+    ns_method: Literal["gram", "standard"] | None = option(None, "DeepSpeed's Newton-Schulz: 'gram' (default: "
+                                                                 "fp16 Gram iteration) or 'standard' (bf16).")
+    betas: tuple[float, float] | None = option(None, "The Adam half's (beta1, beta2) (default (0.9, 0.95)).")
+    eps: float | None = option(None, "The Adam half's eps (default 1e-10).", min=0.0)
+    adam_w_mode: bool = option(True, "The Adam half's decay is decoupled (AdamW); false: L2.")
+    per_head_muon: bool = option(False, "Orthogonalize each attention head's rows of q/k/v on their own "
+                                        "(DeepSpeed's per_head_muon).")
+    flavor: Literal["deepspeed", "torch"] = option("deepspeed", "Whose Muon: DeepSpeed's, or torch.optim.Muon's "
+                                                                "(Nesterov optional, bf16 addmm iteration, lr "
+                                                                "adjusted by shape).")
+    nesterov: bool = option(True, "torch flavor: Nesterov momentum.")
+    ns_steps: int = option(5, "Newton-Schulz iterations.", min=1, max=99)
+    ns_coefficients: tuple[float, float, float] = option((3.4445, -4.775, 2.0315),
+                                                         "torch flavor: the quintic's (a, b, c).")
+    ns_eps: float = option(1e-7, "torch flavor: the norm's lower clamp.", min=0.0)
+    adjust_lr_fn: Literal["original", "match_rms_adamw"] | None = option(None, "torch flavor: the learning rate's "
+                                                                              "scale by shape.")
+
+    def validate(self, path):
+        for i, b in enumerate(self.betas or ()):
+            if not 0.0 <= b < 1.0:
+                raise ConfigError(f"config key '{path}.betas[{i}]': got {b!r}, must be in [0, 1)")
+        if self.flavor == "torch" and self.ns_method is not None:
+            raise ConfigError(f"config key '{path}.ns_method' = {self.ns_method!r} is DeepSpeed's; flavor 'torch' "
+                              f"runs torch.optim.Muon's iteration (ns_coefficients, ns_steps, ns_eps)")
+
+    def half(self, use_muon: bool, group: dict) -> dict:
+        """One half's hyper-parameters (DeepSpeed's resolution, most specific last: MuonWithAuxAdam's default, the
+        shared key, muon_lr / adam_lr, then the param group's own ``group`` keys)."""
+        if use_muon:
+            keys = dict(lr=0.02, momentum=0.95, weight_decay=0.0, ns_method="gram")
+            override = self.muon_lr
+        else:
+            keys = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-10, weight_decay=0.0)
+            override = self.adam_lr
+        out = {k: getattr(self, k) if getattr(self, k) is not None else v for k, v in keys.items()}
+        if override is not None:
+            out["lr"] = override
+        out.update({k: group[k] for k in keys if k in group})
+        if use_muon:
+            out.update(use_muon=True, flavor=self.flavor, nesterov=self.nesterov, ns_steps=self.ns_steps,
+                       ns_coefficients=tuple(self.ns_coefficients), ns_eps=self.ns_eps, adjust_lr_fn=self.adjust_lr_fn,
+                       betas=(0.9, 0.95), eps=1e-10)
+            if self.flavor == "torch":
+                out["ns_method"] = "torch"
+        else:
+            out["betas"] = tuple(out["betas"])
+            out["use_muon"] = False
+        return dict(out, adamw_mode=self.adam_w_mode, bias_correction=True)
+
+
+def check_muon(config) -> None:
+    """Optimizer type Muon with a setting it is not built with: refused, naming the key and why.
+
+    Raises:
+        ConfigError: the NVMe states or parameters, ``ratio`` < 1, the delayed update, ``super_offload``, bf16
+            masters or ``per_head_muon`` with type Muon.
+    """
+    opt = config.optimizer
+    if opt is None or opt.muon is None:
+        return
+    zc = config.zero_optimization
+    oo = zc.offload_optimizer
+    refusals = (
+        (oo.device == "nvme", "zero_optimization.offload_optimizer.device", "'nvme'",
+         "the momentum is not streamed through swap files yet; use device 'cpu'"),
+        (zc.stage == 3 and zc.offload_param.device == "nvme", "zero_optimization.offload_param.device", "'nvme'",
+         "Muon's masters stay in memory; use offload_param 'cpu' or 'none'"),
+        (oo.ratio < 1.0, "zero_optimization.offload_optimizer.ratio", str(oo.ratio),
+         "each Muon matrix is stepped whole by its owner's exchange, not split between device and host"),
+        (oo.delayed_param_update, "zero_optimization.offload_optimizer.delayed_param_update", "true",
+         "the owners' exchanges are collectives of the training thread's step, which the delayed update runs "
+         "beside the next forward"),
+        (oo.super_offload, "zero_optimization.offload_optimizer.super_offload", "true",
+         "a matrix is orthogonalized only once all of its gradient is reduced, so no piece can be stepped "
+         "while backward runs"),
+        (config.bf16.bf16_master_weights_and_grads, "bf16.bf16_master_weights_and_grads", "true",
+         "Muon steps fp32 masters"),
+        (opt.muon.per_head_muon, "optimizer.params.per_head_muon", "true",
+         "per-head Newton-Schulz is not wired to the model's attention geometry here; each matrix is "
+         "orthogonalized whole"),
+    )
+    for on, key, value, why in refusals:
+        if on:
+            raise ConfigError(f"config key '{key}' = {value} with optimizer type 'Muon' is not built: {why}")
+
+
 # DeepSpeed optimizer types with no counterpart here, and what to use instead.
 REFUSED_OPTIMIZERS = {
     "onebitadam": "1-bit Adam's compressed communication is not built; use 'Adam' (the same update before "
@@ -73,7 +172,6 @@ REFUSED_OPTIMIZERS = {
     "onebitlamb": "1-bit LAMB's compressed communication is not built; use 'Lamb'",
     "zerooneadam": "0/1 Adam is not built; use 'Adam'",
     "lion": "Lion is not built; use 'AdamW' or pass a client optimizer",
-    "muon": "Muon is not built; use 'AdamW'",
     "muadam": "MuP's MuAdam is not built; use 'Adam' with per-group learning rates",
     "muadamw": "MuP's MuAdamW is not built; use 'AdamW' with per-group learning rates",
     "musgd": "MuP's MuSGD is not built; use 'SGD' with per-group learning rates",
@@ -90,8 +188,10 @@ def _torch_optimizer(name: str):
 @dataclass
 class OptimizerConfig:
     torch_kwargs: ClassVar[dict | None] = None     # set per instance: the params of a torch.optim type
+    muon: ClassVar[MuonParams | None] = None       # set per instance: type Muon's params
     type: str = option("Adam", "Adam or AdamW (our fused kernel; AdamW forces adam_w_mode = true), Lamb "
-                               "(DeepSpeed's FusedLamb, stages 0-2), or any torch.optim class name (SGD, "
+                               "(DeepSpeed's FusedLamb, stages 0-2), Muon (DeepSpeed's: Muon for the matrices, "
+                               "AdamW for the rest; docs/muon.md), or any torch.optim class name (SGD, "
                                "Adagrad, RMSprop, ...), which then runs on this rank's partition, as DeepSpeed "
                                "runs getattr(torch.optim, type).")
     params: Any = option(factory=dict, help="The optimizer's hyper-parameters, as DeepSpeed names them.")
@@ -99,10 +199,13 @@ class OptimizerConfig:
     def __post_init__(self):
         self._resolve("optimizer")
 
-    def group_hyperparameters(self, group: dict) -> dict:
-        """One param group's hyperparameters as the partition optimizers take them: ``lr``, ``betas``, ``eps`` and
+    def group_hyperparameters(self, group: dict, use_muon: bool | None = None) -> dict:
+        """Type Muon: the ``use_muon`` half of ``group`` (`MuonParams.half`). Otherwise one param group's
+        hyperparameters as the partition optimizers take them: ``lr``, ``betas``, ``eps`` and
         ``weight_decay`` from ``group`` where it sets them (a ``model_parameters`` group, as torch's), else from
         these params; ``adamw_mode`` (type AdamW, or ``adam_w_mode``) and ``bias_correction`` from these params."""
+        if self.muon is not None:
+            return self.muon.half(bool(use_muon), group)
         p = self.params
         return dict(lr=group.get("lr", p.lr), betas=tuple(group.get("betas", p.betas)), eps=group.get("eps", p.eps),
                     weight_decay=group.get("weight_decay", p.weight_decay),
@@ -132,6 +235,14 @@ class OptimizerConfig:
             self.torch_kwargs = {k: getattr(lamb, k) for k in raw}
             self.params = AdamParams(lr=lamb.lr, betas=lamb.betas, eps=lamb.eps, weight_decay=lamb.weight_decay,
                                      adam_w_mode=False, bias_correction=lamb.bias_correction)
+            return
+        if lower == "muon":
+            self.type, self.torch_kwargs = "Muon", None
+            self.muon = from_dict(MuonParams, raw, f"{path}.params")
+            adam = self.muon.half(False, {})
+            self.params = AdamParams(lr=self.muon.lr if self.muon.lr is not None else self.muon.half(True, {})["lr"],
+                                     betas=adam["betas"], eps=adam["eps"], weight_decay=adam["weight_decay"],
+                                     adam_w_mode=self.muon.adam_w_mode)
             return
         if lower in REFUSED_OPTIMIZERS:
             raise ConfigError(f"config key '{path}.type': {self.type!r} is accepted by DeepSpeed but not "

@@ -16,7 +16,7 @@ from zero_offload.config.compat import (IGNORED_OFFLOAD, IGNORED_OFFLOAD_OPTIMIZ
                                        IGNORED_TOP_LEVEL, IGNORED_ZERO, normalize)
 from zero_offload.config.io import check_finite, decode_config_string, read_config_file
 from zero_offload.config.precision import BF16Config, FP16Config, bf16_moments_from_optimizer, check_master_weights
-from zero_offload.config.optim import (SCHEDULER_PARAMS, AdamParams, LRRangeTestParams, OneCycleParams,
+from zero_offload.config.optim import (SCHEDULER_PARAMS, AdamParams, check_muon, LRRangeTestParams, OneCycleParams,
                                        OptimizerConfig, SchedulerConfig, WarmupCosineLRParams,
                                        WarmupDecayLRParams, WarmupLRParams)
 from zero_offload.config.schema import ConfigError, from_dict, option, to_dict
@@ -282,6 +282,7 @@ class Config:
             raise ConfigError("config keys 'fp16.enabled' and 'bf16.enabled' are both true; choose one")
         bf16_moments_from_optimizer(self)
         check_master_weights(self)
+        check_muon(self)
 
     @classmethod
     def load(cls, source: "Config | dict | str | os.PathLike", auto: "AutoContext | None" = None) -> "Config":

@@ -18,6 +18,7 @@ import torch
 from zero_offload.config import Config
 from zero_offload.flat import padded_numel, partition_numel
 from zero_offload.hoststep.banks import speculated_numel
+from zero_offload.hoststep.muon_owners import ASSEMBLED_FORMULA, assembled_bytes
 from zero_offload.estimate.shape import ModelShape, model_shape
 from zero_offload.offload.copies import host_alloc_bytes
 from zero_offload.offload.grad_staging import STAGING_FORMULA, staging_shape
@@ -147,8 +148,9 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    shape = model if isinstance(model, ModelShape) else model_shape(model)
     cfg = Config.load(config if config is not None else default_plan_config())
+    shape = model if isinstance(model, ModelShape) else model_shape(model, muon=cfg.optimizer is not None
+                                                                     and cfg.optimizer.type == "Muon")
     zc = cfg.zero_optimization
     accelerator = torch.cuda.is_available() if accelerator is None else accelerator
     dtype = training_dtype(cfg)
@@ -191,13 +193,15 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
         if locked and accelerator and (kind in PAGE_LOCKED_KINDS or copied_up):
             est.pinned += nbytes
 
-    def moments(numel: int, on_host: bool) -> None:
+    def moments(numel: int, on_host: bool, g: int = -1) -> None:
         # Both Adam moments of a partition: on the device, or where the host step keeps them (memory or NVMe).
+        # A Muon group keeps one fp32 momentum, counted as exp_avg.
         if on_host and state_nvme:
             return                                 # in swap files: `_nvme_files`
         side = "host" if on_host else "device"
-        est.add(side, "exp_avg", numel * moment_bytes)
-        est.add(side, "exp_avg_sq", numel * moment_bytes)
+        muon = g in shape.muon_groups
+        est.add(side, "exp_avg", numel * (4 if muon else moment_bytes))
+        est.add(side, "exp_avg_sq", 0 if muon else numel * moment_bytes)
 
     def grad_staging(piece_numel: int, piece_bytes: int) -> None:
         # Accumulated gradients come down whole through two pinned slots of the largest piece (`GradPartition`).
@@ -231,7 +235,7 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
                                                               bool(zc.overlap_comm), d))
             est.formulas["buckets"] = ("largest bucket x (2 + 2 in flight with overlap_comm, at most the bucket "
                                        "count) x d")
-        for p in parts:
+        for g, p in enumerate(parts):
             if offload_opt:
                 cut = device_numel(p, ratio)
                 device_part(cut)
@@ -239,13 +243,13 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
                 if zc.stage == 2 and gas > 1:       # pieces: this rank's buckets
                     grad_staging(min(largest_bucket(p, zc.reduce_bucket_size), p - cut), d)
                 host("master", p - cut, master_dtype)
-                moments(p - cut, on_host=True)
+                moments(p - cut, on_host=True, g=g)
             else:
                 if zc.stage == 2:
                     est.add("device", "grad_partition", p * grad_dtype_bytes)
                 if d < 4 and not bf16_masters:            # bf16 masters in place: the parameters themselves
                     est.add("device", "master", p * 4)
-                moments(p, on_host=False)
+                moments(p, on_host=False, g=g)
     else:
         host_step = offload_opt or offload_param
         parts, shards = [], []
@@ -269,7 +273,7 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
             est.add("device", "generation_params", max(0, sum(unit_bytes) - est.device["live_params"]))
         reduced = sorted((padded_numel(sum(n), world_size) * d for _, _, n in shape.units), reverse=True)
         est.add("device", "reduce_buffers", sum(reduced[:MAX_IN_FLIGHT + 1]))   # frozen units reduce nothing
-        for p, shard in zip(parts, shards):
+        for g, (p, shard) in enumerate(zip(parts, shards)):
             if offload_param:
                 host("params", p, dtype)
             else:
@@ -285,12 +289,12 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
                 own = offload_param and not param_nvme and (d == 4 or bf16_masters)
                 if not own or speculative or (bf16_masters and zc.offload_optimizer.delayed_param_update):
                     host("master", p - cut, master_dtype)
-                moments(p - cut, on_host=True)
+                moments(p - cut, on_host=True, g=g)
             else:
                 est.add("device", "grad_partition", p * grad_dtype_bytes)
                 if d < 4 and not bf16_masters:
                     est.add("device", "master", p * 4)
-                moments(p, on_host=False)
+                moments(p, on_host=False, g=g)
     grads_on_host = offload_opt or offload_param
     parts = [p - device_numel(p, ratio) for p in parts]       # the host parts (all of each, at ratio 1)
     if speculative and state_nvme:
@@ -353,6 +357,9 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
         est.formulas["param_staging"] = "min(4, ceil(P / 2^21)) slots x min(2^21, P) elements x d"
     if state_nvme or param_nvme:
         _nvme_files(est, cfg, shape, parts, world_size, dtype, accelerator)
+    if shape.muon_groups:
+        est.add("device", "muon_assembled", assembled_bytes(sum(sum(groups[g]) for g in shape.muon_groups)))
+        est.formulas["muon_assembled"] = ASSEMBLED_FORMULA
     if rounding:
         est.add("host", "pinned_rounding", rounding)
         est.formulas["pinned_rounding"] = ("each pinned host buffer rounded up to a power of two "

@@ -215,6 +215,9 @@ def _knobs(base: dict, user_config: bool, gpus: int, accelerator: bool, shape: M
     offload = base.get("zero_optimization", {}).get("offload_optimizer", {})
     dpu, spec, ratio = ((offload.get("delayed_param_update"), offload.get("super_offload"), offload.get("ratio"))
                         if isinstance(offload, dict) else (None, None, None))
+    if str((base.get("optimizer") or {}).get("type", "")).lower() == "muon":
+        # Muon steps after backward on the training thread, each matrix whole (`zero_offload.config.optim.check_muon`)
+        dpu, spec, ratio = dpu or False, spec or False, 1.0 if ratio is None else ratio
     return Knobs(micro, gas, activation_checkpointing, dpu if (dpu is not None or accelerator) else False,
                  choose_checkpointing=accelerator and shape.gpt is not None,
                  super_offload=spec if (spec is not None or accelerator) else False,
@@ -294,13 +297,14 @@ def plan(model, gpus: int = 1, gpu_memory=None, host_memory=None, nvme=None, mic
     host_bytes = parse_bytes(host_memory, "host_memory")
     nvme_bytes = parse_bytes(nvme, "nvme") if nvme is not None else 0
     accelerator = gpu_bytes > 0
-    shape = model if isinstance(model, ModelShape) else model_shape(model)
     if isinstance(config, dict):
         Config.load(config)                       # a bad base config fails here, naming the key
         base = copy.deepcopy(config)
     else:
         base = Config.load(config).to_dict() if config is not None else default_plan_config()
         base = {k: v for k, v in base.items() if v is not None}
+    muon = str((base.get("optimizer") or {}).get("type", "")).lower() == "muon"
+    shape = model if isinstance(model, ModelShape) else model_shape(model, muon=muon)
     knobs = _knobs(base, config is not None, gpus, accelerator, shape, micro_batch, gradient_accumulation,
                    activation_checkpointing, allow_stale_step)
     seq = seq_len or (shape.gpt.block_size if shape.gpt is not None else None)

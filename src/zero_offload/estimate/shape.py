@@ -21,11 +21,14 @@ class ModelShape:
         name: for messages and tables.
         frozen: ``(module name, -1, [numels])`` per unit of ``requires_grad=False`` parameters (sharded at
             stage 3 like trainable ones, `zero.stage3.frozen`; never optimized).
+        muon_groups: the param groups optimizer type Muon steps with Muon (group 0: the matrices; group 1 the
+            rest, as `zero_offload.param_groups` splits them).
     """
     units: tuple[tuple[str, int, tuple[int, ...]], ...]
     gpt: GPTConfig | None = None
     name: str = "model"
     frozen: tuple[tuple[str, int, tuple[int, ...]], ...] = ()
+    muon_groups: frozenset[int] = frozenset()
 
     @property
     def n_params(self) -> int:
@@ -42,15 +45,24 @@ class ModelShape:
         return max(sum(n) for _, _, n in self.units)
 
 
-def model_shape(model) -> ModelShape:
+def model_shape(model, muon: bool = False) -> ModelShape:
     """A `ModelShape` from an ``nn.Module`` (any device, meta included; one param group, as
     `initialize` makes without ``model_parameters``), a preset name, a `GPTConfig`, or a parameter count.
+    ``muon``: optimizer type Muon, which splits the parameters into a Muon and an Adam group
+    (`zero_offload.param_groups.takes_muon`; a preset is built on the meta device for its names; a bare count
+    stays one group).
 
     Raises:
         ValueError: an unknown preset name (the message lists the valid ones), a count < 1, or a module with
             no trainable parameters.
         TypeError: anything else.
     """
+    if muon and isinstance(model, (str, GPTConfig)):
+        from zero_offload.train.model import GPT          # the main job's model, named as the engine groups it
+        cfg = preset(model) if isinstance(model, str) else model
+        with torch.device("meta"):
+            units = model_shape(GPT(cfg), muon=True)
+        return ModelShape(units.units, cfg, model if isinstance(model, str) else "gpt", (), units.muon_groups)
     if isinstance(model, str):
         cfg = preset(model)
         return ModelShape(tuple((m, g, tuple(n)) for m, g, n in gpt_units(cfg)), cfg, model)
@@ -66,20 +78,30 @@ def model_shape(model) -> ModelShape:
         if model < 1:
             raise ValueError(f"a model needs at least 1 parameter, got {model}")
         return ModelShape((("model", 0, (model,)),), None, f"{model / 1e9:.3g}B params")
-    units, frozen = _module_units(model, trainable=True), _module_units(model, trainable=False)
+    units, frozen = _module_units(model, True, muon), _module_units(model, trainable=False)
     if not units and not frozen:
         raise ValueError(f"{type(model).__name__} has no parameters")
     gpt = getattr(model, "config", None)
-    return ModelShape(units, gpt if isinstance(gpt, GPTConfig) else None, type(model).__name__, frozen)
+    muon_groups = frozenset({0}) if muon and any(g == 0 for _, g, _ in units) else frozenset()
+    if muon and not muon_groups:          # no matrix takes Muon: the Adam half is the only group
+        units = tuple((m, 0, n) for m, _, n in units)
+    return ModelShape(units, gpt if isinstance(gpt, GPTConfig) else None, type(model).__name__, frozen,
+                      muon_groups)
 
 
-def _module_units(model: torch.nn.Module, trainable: bool) -> tuple[tuple[str, int, tuple[int, ...]], ...]:
-    """Stage 3's unit rule: a parameter belongs to the first module that holds it (tied ones count once)."""
+def _module_units(model: torch.nn.Module, trainable: bool,
+                  muon: bool = False) -> tuple[tuple[str, int, tuple[int, ...]], ...]:
+    """Stage 3's unit rule: a parameter belongs to the first module that holds it (tied ones count once); with
+    ``muon``, per group (Muon's, then Adam's), as the engine builds them."""
+    from zero_offload.param_groups import takes_muon
     seen: set[int] = set()
     units = []
     for name, module in model.named_modules():
-        own = [p for p in module.parameters(recurse=False) if p.requires_grad == trainable and id(p) not in seen]
+        own = [(f"{name}.{n}" if name else n, p) for n, p in module.named_parameters(recurse=False)
+               if p.requires_grad == trainable and id(p) not in seen]
         if own:
-            seen.update(id(p) for p in own)
-            units.append((name, 0 if trainable else -1, tuple(p.numel() for p in own)))
-    return tuple(units)
+            seen.update(id(p) for _, p in own)
+            group = (lambda n, p: 0 if takes_muon(p, n) else 1) if muon else (lambda n, p: 0 if trainable else -1)
+            units += [(name, g, tuple(p.numel() for n, p in own if group(n, p) == g))
+                      for g in sorted({group(n, p) for n, p in own})]
+    return tuple(sorted(units, key=lambda u: u[1]) if muon else units)

@@ -19,7 +19,7 @@ from zero_offload.offload.copies import CopyHandle, Copies
 from zero_offload.offload.staging_ring import StagingRing
 from zero_offload.optim.cpu_adam import CPUAdam
 from zero_offload.hoststep.adam_state import AdamState
-from zero_offload.hoststep.copies_up import CopiesUp
+from zero_offload.hoststep.copies_up import CopiesUp, storage_of
 from zero_offload.hoststep.policy import StepPolicy
 from zero_offload.hoststep.precision import check_bf16_masters
 from zero_offload.hoststep.role import GradSource
@@ -41,11 +41,6 @@ def _recorded(on_chunk):
         if on_chunk is not None:
             on_chunk(g, param, lo, hi)
     return chunk
-
-
-def _storage(t: torch.Tensor) -> int:
-    """The address of ``t``'s storage: views of one buffer share it."""
-    return t.untyped_storage().data_ptr()
 
 
 class PartitionedAdam(AdamState):
@@ -192,6 +187,8 @@ class PartitionedAdam(AdamState):
             return self.copies.host_empty(part.numel(), part.dtype).copy_(part)
         return part
 
+    def adam_steps(self, g: int) -> bool:   # noqa: D102 -- False for `PartitionedMuon`'s Muon groups
+        return True
     @property
     def deferred(self) -> bool:
         """The delayed update's layout: the kernel never writes the parts; `publish` does (from the policy)."""
@@ -231,7 +228,9 @@ class PartitionedAdam(AdamState):
                 self.write_parts([g for g, out in enumerate(self.outs) if out is None])
             return
         with record_function("zero_offload.optimizer.device_step"):
-            for master, g in zip(self.masters, ready):
+            for i, (master, g) in enumerate(zip(self.masters, ready)):
+                if not self.adam_steps(i):          # a Muon group (`zero_offload.hoststep.muon`)
+                    continue
                 if g.dtype != torch.float32:
                     master.grad = g.float().mul_(grad_scale)
                 else:
@@ -258,7 +257,7 @@ class PartitionedAdam(AdamState):
         spec = self.speculation
         reads = [*spec.bank.tensors(), *(spec.result(g) for g in range(len(self.parts))),
                  *(o for o in spec.outs if o is not None)]
-        self.up.wait_reads({_storage(t) for t in reads})
+        self.up.wait_reads({storage_of(t) for t in reads})
         self.publish_copies = [None] * len(self.parts)
         return self.speculation.sinks()
 
@@ -280,7 +279,7 @@ class PartitionedAdam(AdamState):
                                                      self.incoming_free), 0
             else:
                 handle = self.copies.to_device(self.incoming[g][lo:hi], source, after=self.incoming_free)
-                reads = _storage(source)
+                reads = storage_of(source)
             self.publish_copies[g] = handle
             self.up.track(handle, reads)
         self.up.issue(copy, g, lo, hi)
@@ -292,12 +291,12 @@ class PartitionedAdam(AdamState):
         after = self.params_free
         if source is not None:
             self.publish_copies[g] = handle = self.copies.to_device(part[lo:hi], source[lo:hi], after)
-            reads = _storage(source)
+            reads = storage_of(source)
         elif part.dtype != torch.float32:
             handle, reads = self._ring().copy_up(part[lo:hi], self.masters[g][lo:hi], after), 0
         else:
             handle = self.copies.to_device(part[lo:hi], self.masters[g][lo:hi], after)
-            reads = _storage(self.masters[g])
+            reads = storage_of(self.masters[g])
         self.up.track(handle, reads)
         self.up.add_pending(handle)
 
@@ -308,7 +307,7 @@ class PartitionedAdam(AdamState):
         source = self.published_from[g] if self.published_from[g] is not None else self.masters[g]
         handle = self.copies.to_device(self.incoming[g][lo:hi], source[lo:hi], after=self.incoming_free)
         self.publish_copies[g] = handle
-        self.up.track(handle, _storage(source))
+        self.up.track(handle, storage_of(source))
         self.sources[g].released(lo, hi, handle)
 
     def _ring(self) -> StagingRing:
@@ -343,12 +342,14 @@ class PartitionedAdam(AdamState):
             self.params_free = self.copies.compute_point()    # on the thread that ran the compute
             on_chunk = lambda g, _param, lo, hi: self.up.issue(self._copy_up, g, lo, hi)  # noqa: E731
             outs = [self._out_over_grad(g, grad) for g, grad in enumerate(grads)]
-        self.up.wait_reads({_storage(t) for t in (*self.masters, *outs) if t is not None})
+        self.up.wait_reads({storage_of(t) for t in (*self.masters, *outs) if t is not None})
         on_chunk = _recorded(on_chunk)
         with record_function("zero_offload.optimizer.host_step"):
-            order = None if on_chunk is None else [(g, 0, lo, hi) for g, lo, hi in self._chunk_order()]
-            self.optimizer.step(grads=[[g] for g in grads], grad_scale=grad_scale,
-                                outputs=[[o] for o in outs], on_chunk=on_chunk, lrs=lrs, order=order)
+            order = None if on_chunk is None else [(g, 0, lo, hi) for g, lo, hi in self._chunk_order()
+                                                   if self.adam_steps(g)]
+            self.optimizer.step(grads=[[g] if self.adam_steps(i) else [None] for i, g in enumerate(grads)],
+                                grad_scale=grad_scale, outputs=[[o] for o in outs], on_chunk=on_chunk, lrs=lrs,
+                                order=order)
         self.up.join()                   # every chunk's copy is queued (and its handle known) before the step ends
         self.up.release()
         self.host_step_s = time.perf_counter() - start

@@ -30,6 +30,8 @@ import torch
 
 from zero_offload.config import Config, ConfigError
 from zero_offload.hoststep.adam import PartitionedAdam
+from zero_offload.hoststep.muon import PartitionedMuon, muon_rule
+from zero_offload.hoststep.muon_owners import MuonOwners
 from zero_offload.hoststep.precision import master_rounding
 from zero_offload.hoststep.nvme_adam import NvmeAdam
 from zero_offload.hoststep.policy import StepPolicy
@@ -49,7 +51,8 @@ __all__ = ["build_partition_optimizer"]
 def build_partition_optimizer(config: Config, parts: list[torch.Tensor], hparams: list[dict], copies: Copies,
                               rank: int, *, offload: bool, host_params: bool = False,
                               param_store: NvmeParamStore | None = None, segments: list | None = None,
-                              all_reduce=None, cuts: list[int] | None = None) -> PartitionOptimizer:
+                              all_reduce=None, cuts: list[int] | None = None, layouts: list | None = None,
+                              ctx=None) -> PartitionOptimizer:
     """The partition optimizer ``config`` asks for, over this rank's ``parts``.
 
     Args:
@@ -67,6 +70,9 @@ def build_partition_optimizer(config: Config, parts: list[torch.Tensor], hparams
             stages 0-2 give them.
         cuts: ``offload_optimizer.ratio`` < 1: per group, the elements at the start of the part that stay on the
             device (the gradient partition's cut, `zero_offload.zero.split_partition.device_numel`); else None.
+        layouts, ctx: optimizer type Muon: where each parameter sits in the ranks' partitions
+            (`zero_offload.zero.layout.GroupLayout` per group) and the data-parallel group (`DistContext`), for
+            the matrices' owners (`zero_offload.hoststep.muon_owners.MuonOwners`).
 
     Raises:
         ConfigError: ``offload_optimizer.delayed_param_update`` or ``offload_optimizer.device = nvme`` with an
@@ -76,6 +82,8 @@ def build_partition_optimizer(config: Config, parts: list[torch.Tensor], hparams
         ValueError: ``bias_correction = false`` with the states on an accelerator.
     """
     opt = config.optimizer
+    if opt.type == "Muon":
+        return _muon(config, parts, hparams, copies, offload, host_params, layouts, ctx)
     if opt.type == "Lamb" and segments is None:
         raise ConfigError("config key 'optimizer.type' = 'Lamb' is built at 'zero_optimization.stage' 0-2, not 3: "
                           "LAMB's per-tensor trust ratio needs each parameter's pieces in the partition (DeepSpeed "
@@ -160,3 +168,19 @@ def _nvme(parts: list[torch.Tensor], hparams: list[dict], copies: Copies, config
                     host_cpus=cores, host_params=host_params, master_dtype=config.bf16.master_dtype,
                     state_dtype=config.bf16.state_dtype, index_bases=[rank * p.numel() for p in parts],
                     **master_rounding(config))
+
+
+def _muon(config: Config, parts, hparams, copies, offload, host_params, layouts, ctx) -> PartitionedMuon:
+    """Type Muon: `PartitionedMuon`, its states where the Adam moments would be (the settings it is not built with
+    were refused with the config: `zero_offload.config.optim.check_muon`).
+
+    Raises:
+        ValueError: no layouts or data-parallel group given.
+    """
+    zc = config.zero_optimization
+    if layouts is None or ctx is None:
+        raise ValueError("optimizer type Muon needs the partitions' layouts and the data-parallel group")
+    owners = MuonOwners(layouts, [muon_rule(h) for h in hparams], [{} for _ in hparams], ctx.rank, ctx.world_size,
+                        replicated=zc.stage == 0 and ctx.world_size > 1, all_to_all=ctx.all_to_all,
+                        device=ctx.device)
+    return PartitionedMuon(parts, hparams, offload, copies, owners, host_params=host_params)

@@ -21,7 +21,12 @@ from zero_offload.host_thread import HostThread
 from zero_offload.offload import timeline
 from zero_offload.offload.copies import CopyHandle, Copies
 
-__all__ = ["CopiesUp"]
+__all__ = ["CopiesUp", "storage_of"]
+
+
+def storage_of(t) -> int:
+    """The address of tensor ``t``'s storage, by which the copies' reads are tracked: views of one buffer share it."""
+    return t.untyped_storage().data_ptr()
 
 
 class CopiesUp:

@@ -88,7 +88,8 @@ class ZeroOptimizer(ZeroOptimizerBase):
         self.adam = build_step(config, parts, [g.hparams for g in groups], self.copies, ctx.rank,
                                offload=self.offload, segments=segments,
                                all_reduce=self._sum_over_ranks if self.stage >= 1 else None,
-                               cuts=[p.cut for p in self.partitions] if ratio < 1.0 else None)
+                               cuts=[p.cut for p in self.partitions] if ratio < 1.0 else None,
+                               layouts=self.layout(), ctx=ctx)
         self.gathers = 0                   # all-gathers of updated partitions issued (running count)
         self.trainable_ids = {id(p) for f in self.flats for p in f.params}   # the model holds them all alive
         self._reduced = False              # stages 0/1: the full gradient was reduced since the last step

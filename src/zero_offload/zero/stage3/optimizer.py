@@ -137,7 +137,8 @@ class Stage3Optimizer(ZeroOptimizerBase):
         self.adam = build_step(config, self.parts, [g.hparams for g in groups], self.copies,
                                self.ctx.rank, offload=host_step, host_params=self.offload_param,
                                param_store=self.store if self.param_nvme else None,
-                               cuts=[p.cut for p in self.partitions] if ratio < 1.0 else None)
+                               cuts=[p.cut for p in self.partitions] if ratio < 1.0 else None,
+                               layouts=self.layout(), ctx=self.ctx)
 
     def _build_units(self, model, g: int, group, dtype, threshold: int) -> list[ShardedUnit]:
         """One unit per module that owns (first holds) some of the group's parameters, in module order."""

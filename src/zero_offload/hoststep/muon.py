@@ -1,0 +1,140 @@
+"""`PartitionedMuon`: Muon for the matrices and AdamW for the rest, over one partition per param group.
+
+DeepSpeed's ``"type": "Muon"`` (``MuonWithAuxAdam``) and ``torch.optim.Muon`` with a torch AdamW beside it. The
+engine splits each param group into a Muon half and an Adam half (`zero_offload.param_groups.takes_muon`). The Adam
+groups are `PartitionedAdam`'s: the fused host kernel, or torch's fused AdamW on the device. A Muon group keeps its
+fp32 masters and its momentum partitioned like Adam's moments, where the config puts the optimizer state (host
+memory with ``offload_optimizer.device = cpu``), and steps in three parts:
+
+1. on the partition: the gradient x (clip coefficient / loss scale) folded into the momentum, and the Nesterov
+   update (`zero_offload.optim.muon.momentum_step`), elementwise;
+2. each whole matrix orthogonalized once, by its owner rank (`zero_offload.hoststep.muon_owners.MuonOwners`);
+3. on the partition: decoupled weight decay and the update, ``p <- p (1 - lr wd) - lr' O`` (lr' = lr, or torch's
+   shape-adjusted lr), then the 16-bit parameters written from the masters.
+
+A step the engine skips (fp16 overflow) never reaches the momentum: the overflow is found before `step`.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Iterator, Sequence
+
+import torch
+
+from zero_offload.hoststep.adam import PartitionedAdam
+from zero_offload.hoststep.muon_owners import MuonOwners
+from zero_offload.hoststep.role import GradSource
+from zero_offload.offload.copies import Copies
+from zero_offload.optim.muon import MuonRule, momentum_step
+from zero_offload.state import fill_from_chunks
+
+__all__ = ["PartitionedMuon", "muon_rule"]
+
+
+def muon_rule(h: dict) -> MuonRule | None:
+    """A param group's `MuonRule` from its hyper-parameters (`zero_offload.config.optim.MuonParams.half`), or None
+    for a group Adam steps."""
+    if not h.get("use_muon"):
+        return None
+    return MuonRule(flavor=h["flavor"], momentum=h["momentum"], nesterov=h["nesterov"], ns_method=h["ns_method"],
+                    ns_steps=h["ns_steps"], coefficients=tuple(h["ns_coefficients"]), eps=h["ns_eps"],
+                    adjust_lr=h["adjust_lr_fn"])
+
+
+class PartitionedMuon(PartitionedAdam):
+    """`PartitionedAdam` whose Muon groups are stepped by Muon (module docstring).
+
+    Args:
+        parts, hparams, offload, copies, host_params: as `PartitionedAdam`; a Muon group's ``hparams`` carry
+            ``use_muon`` and its rule's keys (`muon_rule`).
+        owners: who orthogonalizes each Muon matrix, and the exchanges (`MuonOwners`).
+
+    Attributes:
+        momenta: per Muon group, its fp32 momentum partition (beside its master).
+    """
+
+    def __init__(self, parts: list[torch.Tensor], hparams: list[dict], offload: bool, copies: Copies,
+                 owners: MuonOwners, host_params: bool = False):
+        super().__init__(parts, hparams, offload, copies, host_params=host_params)
+        self.rules = [muon_rule(h) for h in hparams]
+        self.owners = owners
+        self.momenta = {g: torch.zeros(m.numel(), dtype=torch.float32, device=m.device)
+                        for g, m in enumerate(self.masters) if self.rules[g] is not None}
+        self.muon_steps = [0] * len(parts)
+
+    def adam_steps(self, g: int) -> bool:
+        return self.rules[g] is None
+
+    @torch.no_grad()
+    def step(self, grads: Sequence[GradSource], grad_scale: float, lrs: Sequence[float] | None = None,
+             publish: bool = True) -> None:
+        """One step of every group (the `PartitionOptimizer` role): the Muon groups (a collective: every rank at
+        the same step), then the Adam groups by `PartitionedAdam.step`.
+
+        Raises:
+            RuntimeError: a gradient source with copies still in flight (`GradSource.ready`).
+        """
+        muon = sorted(self.momenta)
+        updates = {}
+        for g in muon:
+            grad = grads[g].ready().to(self.masters[g].device, torch.float32, copy=True)
+            if grad_scale != 1.0:
+                grad.mul_(grad_scale)
+            updates[g] = momentum_step(self.momenta[g], grad, self.rules[g])
+        results = self.owners.orthogonalize(updates)
+        for g in muon:
+            group = self.optimizer.param_groups[g]
+            lr = lrs[g] if lrs is not None else group["lr"]
+            master = self.masters[g]
+            master.mul_(1 - lr * group["weight_decay"])
+            if self.rules[g].flavor == "torch":         # torch's lr adjusted per matrix
+                for m in self.owners.matrices:
+                    if m.group == g:
+                        for p in self.owners.held(m, self.owners.rank):
+                            lo, hi = p.part_offset, p.part_offset + p.length
+                            master[lo:hi].add_(results[g][lo:hi], alpha=-lr * self.rules[g].lr_factor(m.shape))
+            else:
+                master.add_(results[g], alpha=-lr)
+            self.muon_steps[g] += 1
+        if len(muon) < len(self.parts):
+            super().step(grads, grad_scale, lrs, publish)
+        self.write_parts(muon)
+
+    # -- state: the momentum in the checkpoint's exp_avg slot, exp_avg_sq zeros ----------------------------------
+    def state_format(self) -> str:
+        """``muon``: a Muon group's ``exp_avg`` slot holds its momentum (Adam groups as ``adam``)."""
+        return "muon"
+
+    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """As `PartitionedAdam`, with the Muon groups' momenta under ``exp_avg``."""
+        kinds = super().state_tensors()
+        kinds["exp_avg"] = kinds["exp_avg"] + list(self.momenta.values())
+        return kinds
+
+    def group_step(self, g: int) -> int:
+        return self.muon_steps[g] if g in self.momenta else super().group_step(g)
+
+    def state_chunks(self, g: int, chunk_numel: int = 1 << 24) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
+        """Group ``g``'s state in pieces (`PartitionedAdam.state_chunks`); a Muon group's ``exp_avg`` is its
+        momentum and its ``exp_avg_sq`` zeros."""
+        if g not in self.momenta:
+            yield from super().state_chunks(g, chunk_numel)
+            return
+        master, momentum = self.masters[g], self.momenta[g]
+        for lo in range(0, master.numel(), max(1, chunk_numel)):
+            hi = min(master.numel(), lo + chunk_numel)
+            yield lo, {"master": master[lo:hi].float().cpu(), "exp_avg": momentum[lo:hi].cpu(),
+                       "exp_avg_sq": torch.zeros(hi - lo)}
+
+    @torch.no_grad()
+    def load_state_chunks(self, g: int, step: int, chunks: Iterable[tuple[int, dict[str, torch.Tensor]]]) -> None:
+        """Replace group ``g``'s state from `state_chunks`' pieces (a Muon group: master and momentum).
+
+        Raises:
+            ValueError: pieces that do not cover the partition (`zero_offload.state.fill_from_chunks`).
+        """
+        if g not in self.momenta:
+            super().load_state_chunks(g, step, chunks)
+            return
+        fill_from_chunks(chunks, g, {"master": self.masters[g], "exp_avg": self.momenta[g]})
+        self.muon_steps[g] = step
+        self.write_parts([g])

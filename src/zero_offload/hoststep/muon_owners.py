@@ -1,0 +1,178 @@
+"""`MuonOwners`: each Muon matrix orthogonalized once, whole, on one owner rank, and its partitions sent back.
+
+Newton-Schulz needs the whole matrix, while ZeRO keeps each rank's partition of it (stages 1-3; at stage 0 every
+rank holds every matrix). The momentum step is elementwise and runs on the partitions where the optimizer state
+lives (`zero_offload.optim.muon.momentum_step`). Then, per round of matrices:
+
+1. up: each rank sends the owner of each matrix its pieces of the update (fp32; one all-to-all; at stage 0 the
+   owner already holds them and nothing is sent);
+2. the owner assembles each matrix it owns on the compute device, orthogonalizes it
+   (`zero_offload.optim.muon.orthogonalize`);
+3. down: the owner sends each rank its pieces of the result in the iteration's dtype, exact there (one all-to-all).
+
+Owners are chosen once, greedily (largest first, to the least loaded rank) over the matrices' Newton-Schulz FLOPs,
+as torchtitan's DistMuon gives each matrix one rank. Bytes per Muon parameter per step, N ranks, stages 1-3: over
+the network (N-1)/N x (4 + d) (d: 2 for a 16-bit iteration, 4 for fp32); with the states on the host, across PCIe
+4 up and d down besides the gradient's and the parameter's own copies. Stage 0: d x (N-1) from each owner, no up.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from zero_offload.optim.muon import MuonRule, ns_dtype, ns_flops, orthogonalize
+from zero_offload.zero.layout import GroupLayout, Piece
+
+__all__ = ["MuonMatrix", "MuonOwners", "assign_owners", "assembled_bytes", "ROUND_NUMEL", "ASSEMBLED_FORMULA"]
+
+ROUND_NUMEL = 1 << 27       # elements of the matrices exchanged per round
+ASSEMBLED_FORMULA = ("Muon: min(round = 2^27, Muon elements) x 20 B on the device (pieces received and assembled in "
+                     "fp32, up to three iteration temporaries), an upper bound of an owner's working memory")
+
+AllToAll = Callable[[torch.Tensor, torch.Tensor, list, list], None]   # (out, inp, out_splits, in_splits)
+
+
+@dataclass(frozen=True)
+class MuonMatrix:
+    """One Muon matrix: group ``group``'s parameter ``name`` of ``shape``, its ``pieces`` across the ranks'
+    partitions, orthogonalized by ``owner``."""
+    group: int
+    name: str
+    shape: tuple[int, ...]
+    pieces: tuple[Piece, ...]
+    owner: int
+    num_heads: int | None = None
+
+    @property
+    def numel(self) -> int:
+        return sum(p.length for p in self.pieces)
+
+
+def assembled_bytes(muon_numel: int, round_numel: int = ROUND_NUMEL) -> int:
+    """Upper bound of the device bytes an owner works in during one round (`ASSEMBLED_FORMULA`), for the estimate."""
+    return min(round_numel, muon_numel) * 20
+
+
+def assign_owners(shapes: Sequence[tuple[int, ...]], world: int) -> list[int]:
+    """Per matrix, its owner rank: the largest Newton-Schulz cost first, each to the rank with the least so far
+    (ties: the lower rank, then the earlier matrix), so the same on every rank."""
+    load = [0.0] * world
+    owners = [0] * len(shapes)
+    for i in sorted(range(len(shapes)), key=lambda i: (-ns_flops(shapes[i]), i)):
+        rank = min(range(world), key=lambda r: (load[r], r))
+        owners[i] = rank
+        load[rank] += ns_flops(shapes[i])
+    return owners
+
+
+class MuonOwners:
+    """The owners of a partition optimizer's Muon matrices and the exchanges of one step (module docstring).
+
+    Args:
+        layouts: per param group, where each parameter's elements sit in the ranks' partitions
+            (`zero_offload.zero.layout`).
+        rules: per param group, its `MuonRule`, or None for a group stepped by Adam.
+        heads: per param group, {parameter name: attention heads} for DeepSpeed's ``per_head_muon``.
+        rank, world: this rank and the data-parallel world size.
+        replicated: every rank holds every partition (stage 0).
+        all_to_all: the group's all-to-all (`zero_offload.comm.DistContext.all_to_all`).
+        device: where the matrices are assembled and orthogonalized (the compute device).
+        round_numel: elements of the matrices exchanged per round (at least one whole matrix), which bounds an
+            owner's assembled matrices.
+    """
+
+    def __init__(self, layouts: Sequence[GroupLayout], rules: Sequence[MuonRule | None],
+                 heads: Sequence[dict[str, int]], rank: int, world: int, replicated: bool, all_to_all: AllToAll,
+                 device: torch.device, round_numel: int = ROUND_NUMEL):
+        found = [(g, p) for g, (lay, rule) in enumerate(zip(layouts, rules)) if rule is not None for p in lay.params]
+        owners = assign_owners([p.shape for _, p in found], world)
+        self.matrices = [MuonMatrix(g, p.name, p.shape, p.pieces, o, heads[g].get(p.name))
+                         for (g, p), o in zip(found, owners)]
+        self.rules, self.rank, self.world = list(rules), rank, world
+        self.replicated, self.all_to_all, self.device = replicated, all_to_all, device
+        dtypes = {ns_dtype(r, device) for r in rules if r is not None}
+        self.down_dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
+        self.rounds: list[list[MuonMatrix]] = []
+        for m in self.matrices:
+            if not self.rounds or sum(x.numel for x in self.rounds[-1]) + m.numel > round_numel:
+                self.rounds.append([])
+            self.rounds[-1].append(m)
+
+    def owned(self) -> list[MuonMatrix]:
+        """The matrices this rank orthogonalizes."""
+        return [m for m in self.matrices if m.owner == self.rank]
+
+    def held(self, m: MuonMatrix, rank: int) -> list[Piece]:
+        """The pieces of ``m`` in ``rank``'s partition (every piece at stage 0)."""
+        return list(m.pieces) if self.replicated else [p for p in m.pieces if p.rank == rank]
+
+    def assembled_numel(self) -> int:
+        """The most elements this rank assembles at once (its largest round): the owner's transient matrices."""
+        return max((sum(m.numel for m in r if m.owner == self.rank) for r in self.rounds), default=0)
+
+    @torch.no_grad()
+    def orthogonalize(self, updates: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """Per Muon group ``g``, this rank's 1-D fp32 update partition ``updates[g]`` -> a new 1-D fp32 tensor of
+        its size holding the orthogonalized update at every Muon matrix's pieces, zeros elsewhere. A collective:
+        every rank calls it at the same step."""
+        results = {g: torch.zeros_like(u) for g, u in updates.items()}
+        for matrices in self.rounds:
+            whole = self._gather(matrices, updates)
+            out = {m.name: orthogonalize(whole[m.name].view(m.shape), self.rules[m.group], m.num_heads)
+                   for m in matrices if m.owner == self.rank}
+            self._scatter(matrices, out, results)
+        return results
+
+    def _gather(self, matrices: list[MuonMatrix], updates: dict[int, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Step 1: every matrix this rank owns, whole, flat on the device."""
+        whole = {m.name: torch.empty(m.numel, dtype=torch.float32, device=self.device)
+                 for m in matrices if m.owner == self.rank}
+        if self.replicated:
+            for m in matrices:
+                if m.owner == self.rank:
+                    for p in m.pieces:
+                        whole[m.name][p.param_offset:p.param_offset + p.length] = \
+                            updates[m.group][p.part_offset:p.part_offset + p.length]
+            return whole
+        sends, in_splits, out_splits = [], [], []
+        for dst in range(self.world):
+            pieces = [updates[m.group][p.part_offset:p.part_offset + p.length]
+                      for m in matrices if m.owner == dst for p in self.held(m, self.rank)]
+            sends += pieces
+            in_splits.append(sum(t.numel() for t in pieces))
+            out_splits.append(sum(p.length for m in matrices if m.owner == self.rank for p in self.held(m, dst)))
+        send = (torch.cat(sends) if sends else torch.empty(0)).to(self.device)
+        recv = torch.empty(sum(out_splits), dtype=torch.float32, device=self.device)
+        self.all_to_all(recv, send, out_splits, in_splits)
+        at = 0
+        for src in range(self.world):
+            for m in matrices:
+                if m.owner == self.rank:
+                    for p in self.held(m, src):
+                        whole[m.name][p.param_offset:p.param_offset + p.length] = recv[at:at + p.length]
+                        at += p.length
+        return whole
+
+    def _scatter(self, matrices: list[MuonMatrix], out: dict[str, torch.Tensor],
+                 results: dict[int, torch.Tensor]) -> None:
+        """Step 3: each rank's pieces of the orthogonalized matrices, written into its result partitions."""
+        sends, in_splits, out_splits = [], [], []
+        for dst in range(self.world):
+            pieces = [out[m.name].reshape(-1)[p.param_offset:p.param_offset + p.length]
+                      for m in matrices if m.owner == self.rank for p in self.held(m, dst)]
+            sends += pieces
+            in_splits.append(sum(t.numel() for t in pieces))
+            out_splits.append(sum(p.length for m in matrices if m.owner == dst for p in self.held(m, self.rank)))
+        send = torch.cat(sends).to(self.down_dtype) if sends else torch.empty(0, dtype=self.down_dtype,
+                                                                              device=self.device)
+        recv = torch.empty(sum(out_splits), dtype=self.down_dtype, device=self.device)
+        self.all_to_all(recv, send, out_splits, in_splits)
+        at = 0
+        for src in range(self.world):
+            for m in matrices:
+                if m.owner == src:
+                    for p in self.held(m, self.rank):
+                        results[m.group][p.part_offset:p.part_offset + p.length] = recv[at:at + p.length]
+                        at += p.length

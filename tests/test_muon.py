@@ -1,0 +1,245 @@
+"""Muon under ZeRO (docs/muon.md): DeepSpeed's ``"type": "Muon"`` against DeepSpeed's own ``MuonWithAuxAdam`` as a
+plain optimizer, and ``torch.optim.Muon`` + ``torch.optim.AdamW`` handed to ``deepspeed.initialize`` against the
+same two torch optimizers (`muon_reference`): stages 0-3, the optimizer on the device or offloaded to the CPU,
+1 and 2 ranks, accumulation 1 and 3, clipping that fires on some steps; weights within 1e-5 after 5 steps. Each
+mutation of the owner scheme below must fail: a shard orthogonalized instead of the whole matrix, a rank given
+another rank's result, Nesterov dropped, an overflow step folded into the momentum."""
+from contextlib import nullcontext
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import zero_offload
+from dist_utils import run_ranks
+from muon_reference import MICRO, MUON, deepspeed_muon, fp32_iteration, reference_run, torch_muon
+from reference import assert_estimated, engine_run, one_step_breakdown, train_step
+from toy_model import batch, make_model
+from zero_offload.config import ConfigError
+
+# The toy model's global gradient norms over these 5 steps lie between about 6.3 and 7.5 (ws 2, gas 3): a clip of
+# 7.0 fires on the first step and not on the others (checked in the test).
+CLIP = 7.0
+
+
+def _config(stage=2, offload="none", gas=1, clip=0.0, params=MUON, **zero):
+    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas, "gradient_clipping": clip,
+            "optimizer": {"type": "Muon", "params": params},
+            "zero_optimization": {"stage": stage, "offload_optimizer": {"device": offload},
+                                  "reduce_bucket_size": 500, **zero}}
+
+
+def _run(config, mutation=None, fp32=True, steps=5):
+    """One rank's engine run, in a process of its own (`run_ranks`): mutations and the fp32 patch end with it."""
+    if mutation is not None:
+        mutation()
+    with fp32_iteration() if fp32 else nullcontext():
+        full, _, _, norms = engine_run(config, steps=steps, with_norms=True)
+    return full, norms
+
+
+def _max_error(full, ref):
+    return max((full[k] - v).abs().max().item() for k, v in ref.items())
+
+
+CASES = [(0, "none", 1), (1, "cpu", 3), (2, "none", 3), (2, "cpu", 1), (3, "cpu", 3), (3, "none", 1)]
+
+
+@pytest.mark.parametrize("stage,offload,gas", CASES)
+def test_deepspeed_muon_two_ranks(stage, offload, gas):
+    clip = CLIP if gas == 3 else 0.0
+    ref = reference_run(lambda m: deepspeed_muon(MUON, m), ws=2, gas=gas, clip=clip)
+    for full, norms in run_ranks(_run, 2, _config(stage, offload, gas, clip)):
+        assert _max_error(full, ref) <= 1e-5
+        if clip:
+            assert min(norms) < clip < max(norms), norms          # clipping fires on some steps only
+
+
+@pytest.mark.parametrize("stage,offload", [(2, "cpu"), (3, "none")])
+def test_deepspeed_muon_one_rank(stage, offload):
+    ref = reference_run(lambda m: deepspeed_muon(MUON, m))
+    full, _ = _run(_config(stage, offload))
+    assert _max_error(full, ref) <= 1e-5
+
+
+@pytest.mark.parametrize("method", ["standard", "gram"])
+def test_sixteen_bit_iteration_first_step(method):
+    """The iteration in its own dtype (bf16 for ``standard``; ``gram`` in fp16 where the CPU has it, else fp32),
+    one step at 1 rank: the gradient is then the reference's bit for bit, so the 16-bit update is too. (After it,
+    the Adam half's last-bit differences from torch's AdamW reach the next gradients, and a 16-bit iteration turns
+    them into whole ulps: the 5-step matrix runs the iteration in fp32.)"""
+    params = dict(MUON, ns_method=method)
+    ref = reference_run(lambda m: deepspeed_muon(params, m), fp32=False, steps=1)
+    full, _ = _run(_config(2, "cpu", params=params), fp32=False, steps=1)
+    assert _max_error(full, ref) <= 1e-6
+
+
+TORCH_MUON = dict(lr=0.01, weight_decay=0.05, momentum=0.9, nesterov=False, adjust_lr_fn="match_rms_adamw")
+TORCH_ADAMW = dict(lr=0.004, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01)
+
+
+def _client_run(stage, offload, fp32=True, steps=5):
+    with fp32_iteration() if fp32 else nullcontext():
+        return _client_steps(stage, offload, steps)
+
+
+def _client_steps(stage, offload, steps):
+    import zero_offload.deepspeed as ds
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    ws = dist.get_world_size() if dist.is_initialized() else 1
+    model = make_model()
+    config = {"train_micro_batch_size_per_gpu": MICRO,
+              "zero_optimization": {"stage": stage, "offload_optimizer": {"device": offload},
+                                    "reduce_bucket_size": 500}}
+    engine, *_ = ds.initialize(model=model, config=config, optimizer=torch_muon(model, TORCH_MUON, TORCH_ADAMW))
+    for step in range(steps):
+        x, y = batch(step, MICRO * ws)
+        rows = slice(rank * MICRO, (rank + 1) * MICRO)
+        engine.backward(engine(x[rows], y[rows]))
+        engine.step()
+    return engine.full_state_dict()
+
+
+@pytest.mark.parametrize("stage,offload", [(1, "cpu"), (3, "cpu")])
+def test_torch_muon_client(stage, offload):
+    ref = reference_run(lambda m: torch_muon(m, TORCH_MUON, TORCH_ADAMW), ws=2)
+    for full in run_ranks(_client_run, 2, stage, offload):
+        assert _max_error(full, ref) <= 1e-5
+
+
+def test_torch_muon_client_bf16_iteration_first_step():
+    """torch's own bf16 iteration, one step at 1 rank (see `test_sixteen_bit_iteration_first_step`)."""
+    ref = reference_run(lambda m: torch_muon(m, TORCH_MUON, TORCH_ADAMW), fp32=False, steps=1)
+    full = _client_run(2, "cpu", fp32=False, steps=1)
+    assert _max_error(full, ref) <= 1e-6
+
+
+def test_torch_muon_alone_names_how_to_pass_both():
+    import zero_offload.deepspeed as ds
+    model = make_model()
+    muon = torch.optim.Muon([p for p in model.parameters() if p.ndim == 2])
+    with pytest.raises(ValueError, match=r"optimizer=\[torch.optim.Muon\(matrices, ...\), torch.optim.AdamW"):
+        ds.initialize(model=model, config={"train_micro_batch_size_per_gpu": MICRO}, optimizer=muon)
+
+
+# -- power: each mutation of the scheme must move the weights past the bound -------------------------------------
+def _shard_only():
+    """Orthogonalize each rank's pieces on their own, as one-row matrices, instead of the owner's whole matrix."""
+    from zero_offload.hoststep import muon_owners
+    from zero_offload.optim.muon import orthogonalize
+
+    def local(self, updates):
+        results = {g: torch.zeros_like(u) for g, u in updates.items()}
+        for m in self.matrices:
+            for p in self.held(m, self.rank):
+                lo, hi = p.part_offset, p.part_offset + p.length
+                results[m.group][lo:hi] = orthogonalize(updates[m.group][lo:hi].view(1, -1), self.rules[m.group])
+        return results
+    muon_owners.MuonOwners.orthogonalize = local
+
+
+def _wrong_rank():
+    """Each rank receives the next rank's result partition instead of its own."""
+    from zero_offload.hoststep import muon_owners
+    original = muon_owners.MuonOwners.orthogonalize
+
+    def rotated(self, updates):
+        results = original(self, updates)
+        for g, r in results.items():
+            every = [torch.empty_like(r) for _ in range(self.world)]
+            dist.all_gather(every, r)
+            results[g] = every[(self.rank + 1) % self.world]
+        return results
+    muon_owners.MuonOwners.orthogonalize = rotated
+
+
+def _no_nesterov():
+    from zero_offload.hoststep import muon
+
+    def plain(momentum, grad, rule):
+        momentum.lerp_(grad, 1 - rule.momentum)
+        return momentum.clone()
+    muon.momentum_step = plain
+
+
+@pytest.mark.parametrize("mutation", [_shard_only, _wrong_rank, _no_nesterov])
+def test_mutations_fail(mutation):
+    ref = reference_run(lambda m: deepspeed_muon(MUON, m), ws=2)
+    for full, _ in run_ranks(_run, 2, _config(2, "cpu"), mutation):
+        assert _max_error(full, ref) > 1e-4
+
+
+def _overflow_run(fold, monkeypatch):
+    """fp16 whose first steps overflow (loss scale 2^40): the skipped steps leave the momentum as it was."""
+    from zero_offload.hoststep.pipeline import HostStepPipeline
+    if fold:      # the mutation: a skipped step still folds its (non-finite) gradient into the momentum
+        def discard(self):
+            for g, m in self.zero.adam.momenta.items():
+                m.lerp_(self.zero.partitions[g].ready().float(), 0.05)
+        monkeypatch.setattr(HostStepPipeline, "discard", discard)
+    config = _config(2, "cpu", params=MUON)
+    config["fp16"] = {"enabled": True, "initial_scale_power": 40, "loss_scale_window": 1000}
+    engine = zero_offload.initialize(make_model(), config)
+    momenta = []
+    for step in range(2):
+        train_step(engine, step, 0, 1)
+        momenta.append([m.clone() for m in engine.zero.adam.momenta.values()])
+    return engine.skipped_steps, momenta
+
+
+@pytest.mark.parametrize("fold", [False, True])
+def test_overflow_leaves_momentum(fold, monkeypatch):
+    skipped, momenta = _overflow_run(fold, monkeypatch)
+    assert skipped == 2
+    unchanged = all(torch.count_nonzero(m) == 0 for step in momenta for m in step)
+    assert unchanged != fold
+
+
+def test_refusals_name_the_key():
+    for zero, key in (({"offload_optimizer": {"device": "cpu", "delayed_param_update": True}},
+                       "delayed_param_update"),
+                      ({"offload_optimizer": {"device": "cpu", "super_offload": True}}, "super_offload"),
+                      ({"offload_optimizer": {"device": "cpu", "ratio": 0.5}}, "ratio"),
+                      ({"offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}, "offload_optimizer.device")):
+        config = _config(2, **{"offload": "cpu"})
+        config["zero_optimization"].update(zero)
+        with pytest.raises(ConfigError, match=key):
+            zero_offload.initialize(make_model(), config)
+    with pytest.raises(ConfigError, match="per_head_muon"):
+        zero_offload.initialize(make_model(), _config(2, params=dict(MUON, per_head_muon=True)))
+    with pytest.raises(ConfigError, match="ns_method"):
+        zero_offload.initialize(make_model(), _config(2, params=dict(MUON, ns_method="cubic")))
+
+
+@fp32_iteration()
+def test_owners_balance_and_checkpoint(tmp_path):
+    from zero_offload.hoststep.muon_owners import assign_owners
+    assert assign_owners([(64, 64), (8, 8), (8, 8), (32, 32)], 2) == [0, 1, 1, 1]
+    engine = zero_offload.initialize(make_model(), _config(2, "cpu"))
+    for step in range(2):
+        train_step(engine, step, 0, 1)
+    engine.save_checkpoint(str(tmp_path), tag="t")
+    before = {g: m.clone() for g, m in engine.zero.adam.momenta.items()}
+    resumed = zero_offload.initialize(make_model(), _config(3, "none"))
+    resumed.load_checkpoint(str(tmp_path), tag="t")
+    train_step(engine, 2, 0, 1)
+    train_step(resumed, 2, 0, 1)
+    a, b = engine.full_state_dict(), resumed.full_state_dict()
+    assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6
+    assert all(torch.count_nonzero(m) > 0 for m in before.values())
+    adam = _config(2, "cpu")
+    adam["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}
+    with pytest.raises(Exception, match="muon"):
+        zero_offload.initialize(make_model(), adam).load_checkpoint(str(tmp_path), tag="t")
+
+
+@pytest.mark.parametrize("stage,offload", [(1, "cpu"), (2, "cpu"), (2, "none"), (3, "cpu"), (3, "none")])
+def test_breakdown_matches_estimate(stage, offload):
+    """``memory_breakdown()`` after a step and ``estimate_memory`` agree to the byte on every model-state kind: the
+    Muon group's momentum (4 B per element, under ``exp_avg``) and no ``exp_avg_sq`` for it."""
+    config = _config(stage, offload)
+    held = one_step_breakdown(config)
+    assert_estimated(held, config)
+    n_muon = sum(p.numel() for n, p in make_model().named_parameters() if p.dim() >= 2)
+    # exp_avg: the momentum and the Adam half's first moment; exp_avg_sq: the Adam half's only
+    assert held["exp_avg"]["bytes"] - held["exp_avg_sq"]["bytes"] >= 4 * n_muon

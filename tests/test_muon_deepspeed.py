@@ -1,0 +1,71 @@
+"""DeepSpeed 0.19.8's own Muon (docs/muon.md): its ZeRO 1-2 runs against its optimizer alone, the reference
+`test_muon` compares this engine with (they agree without clipping; with a clip that fires DeepSpeed's ZeRO clips the
+orthogonalized update instead of the gradient, and moves away from it), and its ZeRO 1-2 checkpoints, optimizer on
+the device or offloaded, resumed here on 1 rank. DeepSpeed runs on its CPU accelerator in `dist_utils.run_ranks`."""
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import zero_offload
+from deepspeed_peer import needs_deepspeed
+from dist_utils import run_ranks
+from muon_reference import MICRO, MUON, deepspeed_muon, fp32_iteration, reference_run
+from toy_model import batch, make_model
+
+pytestmark = needs_deepspeed
+N, M = 3, 2
+
+
+def _ds_run(stage, offload, clip, path=None):
+    """DeepSpeed trains N + M steps (saving ``path`` after N); its full parameters."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    zc = {"stage": stage, **({"offload_optimizer": {"device": "cpu"}} if offload else {})}
+    config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": clip, "zero_optimization": zc,
+              "zero_force_ds_cpu_optimizer": False, "optimizer": {"type": "Muon", "params": MUON}}
+    with fp32_iteration(), torch._dynamo.config.patch(disable=True):
+        engine, *_ = deepspeed.initialize(model=make_model(), config=config)
+        for step in range(N + M):
+            if step == N and path:
+                engine.save_checkpoint(path)
+            x, y = batch(step, MICRO * ws)
+            rows = slice(rank * MICRO, (rank + 1) * MICRO)
+            engine.backward(engine(x[rows], y[rows]))
+            engine.step()
+    return {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+
+
+def _max_error(a, b):
+    return max((a[k] - v).abs().max().item() for k, v in b.items())
+
+
+@pytest.mark.parametrize("stage,offload", [(1, False), (2, True)])
+def test_deepspeed_zero_muon_equals_its_optimizer(stage, offload, tmp_path):
+    """The reference is DeepSpeed's own (its ZeRO runs equal it), and a DeepSpeed ZeRO checkpoint resumes here: N
+    steps under DeepSpeed on 2 ranks, saved, then M steps here on 1 rank equal DeepSpeed's M."""
+    ref = reference_run(lambda m: deepspeed_muon(MUON, m), ws=2, steps=N + M)
+    path = str(tmp_path / "ds")
+    theirs = run_ranks(_ds_run, 2, stage, offload, 0.0, path)[0]
+    assert _max_error(theirs, ref) <= 1e-5
+    config = {"train_micro_batch_size_per_gpu": MICRO * 2, "optimizer": {"type": "Muon", "params": MUON},
+              "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    with fp32_iteration():
+        engine = zero_offload.initialize(make_model(), config)
+        engine.load_checkpoint(path)
+        assert engine.global_step == N
+        for step in range(N, N + M):
+            x, y = batch(step, MICRO * 2)
+            engine.backward(engine(x, y))
+            engine.step()
+    assert _max_error(engine.full_state_dict(), theirs) <= 1e-5
+
+
+def test_deepspeed_zero_clips_the_update():
+    """With a clip that fires, DeepSpeed's ZeRO run leaves its own optimizer's (docs/muon.md: its norm is over the
+    orthogonalized updates); this engine keeps to the optimizer (`test_muon`)."""
+    ref = reference_run(lambda m: deepspeed_muon(MUON, m), ws=2, clip=7.0, steps=N + M)
+    theirs = run_ranks(_ds_run, 2, 2, False, 7.0)[0]
+    assert _max_error(theirs, ref) > 1e-3

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import torch
 import torch._dynamo
 
+from reference16 import U32, Reference16, ulp
 from toy_model import batch, make_model
 
 MICRO = 2
@@ -90,3 +91,40 @@ def reference_run(make_optimizers, ws: int = 1, gas: int = 1, clip: float = 0.0,
             for opt in optimizers:
                 opt.step()
     return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+class MuonReference16(Reference16):
+    """`reference16.Reference16` stepped by DeepSpeed's ``MuonWithAuxAdam`` (torch AdamW for the Adam half) with
+    ``params``: the same 16-bit gradients, combined with the engine's roundings, unscaled and clipped.
+
+    The bound of one step: an Adam master's is `Reference16.bound` with its group's settings. A Muon master's:
+    without clipping (``grad_scale`` a power of two) both sides fold bitwise the same gradient into bitwise the same
+    momentum and orthogonalize the same matrix, so they differ only in the decay and the add: 4 ulp of the master
+    and ``(32 + 8 t) u lr (|O| + wd |w|)``; with clipping the clip coefficient differs by <= 20 u relative (the sum of
+    squares' order), which the iteration may amplify by at most a^5 = 3.4445^5 (its slope at zero, compounded over
+    5 iterations): ``20 a^5 u lr max|O|`` more.
+    """
+
+    def __init__(self, params: dict = MUON, **kw):
+        super().__init__(lr=params["lr"], weight_decay=params["weight_decay"], eps=params["eps"], **kw)
+        from deepspeed.runtime.engine import DeepSpeedEngine
+        from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
+        for name, m in zip(self.names, self.masters):
+            m.use_muon = m.dim() >= 2 and not any(k in name.lower() for k in ("embed", "lm_head"))
+        groups = DeepSpeedEngine._muon_param_groups(list(self.masters), dict(params))
+        self.opt = MuonWithAuxAdam(groups, adam_optimizer=torch.optim.AdamW, adam_optimizer_kwargs={})
+
+    def bound(self, m: torch.Tensor, before: torch.Tensor, abs_avg: torch.Tensor) -> torch.Tensor:
+        group = next(g for g in self.opt.param_groups if any(p is m for p in g["params"]))
+        lr, wd = group["lr"], group["weight_decay"]
+        if not group["use_muon"]:       # `Reference16.bound` with this group's settings
+            beta1, beta2 = group["betas"]
+            abs_avg.mul_(beta1).add_(m.grad.abs(), alpha=1 - beta1)
+            denom = (self.opt.state[m]["exp_avg_sq"] / (1 - beta2**self.t)).sqrt() + group["eps"]
+            size = lr * (abs_avg / (1 - beta1**self.t) / denom + wd * before.abs())
+            return 4 * ulp(m.detach(), torch.float32) + (32 + 8 * self.t) * U32 * size
+        update = (before * (1 - lr * wd) - m.detach()).abs() / lr          # |O| as it was applied
+        out = 4 * ulp(m.detach(), torch.float32) + (32 + 8 * self.t) * U32 * lr * (update + wd * before.abs())
+        if self.clip > 0:
+            out += 20 * 3.4445**5 * U32 * lr * update.max()
+        return out

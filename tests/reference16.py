@@ -171,21 +171,26 @@ class Reference16:
         before = [m.detach().clone() for m in self.masters]
         self.opt.step()
         self.t += 1
-        beta1, beta2 = self.opt.param_groups[0]["betas"]
-        bound = {}
-        for name, m, w, a in zip(self.names, self.masters, before, self.abs_avg):
-            a.mul_(beta1).add_(m.grad.abs(), alpha=1 - beta1)
-            state = self.opt.state[m]
-            denom = (state["exp_avg_sq"] / (1 - beta2**self.t)).sqrt() + self.eps
-            size = self.lr * (a / (1 - beta1**self.t) / denom + self.wd * w.abs())
-            bound[name] = 4 * ulp(m.detach(), torch.float32) + (32 + 8 * self.t) * U32 * size
-            if self.rounding:
-                bound[name] += ulp(m.detach(), torch.bfloat16) * (0.5 if self.rounding == "nearest" else 1.0)
+        bound = {name: self.bound(m, w, a) for name, m, w, a in zip(self.names, self.masters, before, self.abs_avg)}
         return {"masters": {n: m.detach().clone() for n, m in zip(self.names, self.masters)}, "bound": bound,
                 "norm": norm, "loss": loss_sum / (self.gas * self.ws)}
 
 
-def lockstep_run(config: dict, reference: dict, steps: int = 5, dpu_warmup: int | None = None) -> list[dict]:
+    def bound(self, m: torch.Tensor, before: torch.Tensor, abs_avg: torch.Tensor) -> torch.Tensor:
+        """The per-element bound of master ``m`` after this step (the module docstring), ``before`` it was
+        stepped; ``abs_avg`` is its moving average of |g|, updated here."""
+        beta1, beta2 = self.opt.param_groups[0]["betas"]
+        abs_avg.mul_(beta1).add_(m.grad.abs(), alpha=1 - beta1)
+        denom = (self.opt.state[m]["exp_avg_sq"] / (1 - beta2**self.t)).sqrt() + self.eps
+        size = self.lr * (abs_avg / (1 - beta1**self.t) / denom + self.wd * before.abs())
+        out = 4 * ulp(m.detach(), torch.float32) + (32 + 8 * self.t) * U32 * size
+        if self.rounding:
+            out += ulp(m.detach(), torch.bfloat16) * (0.5 if self.rounding == "nearest" else 1.0)
+        return out
+
+
+def lockstep_run(config: dict, reference: dict, steps: int = 5, dpu_warmup: int | None = None,
+                 reference_class=None) -> list[dict]:
     """Train the toy model with the engine on this rank's micro-batches, checking every step against a
     `Reference16` built from ``reference`` (its keyword arguments) that starts from the engine's masters.
 
@@ -204,7 +209,7 @@ def lockstep_run(config: dict, reference: dict, steps: int = 5, dpu_warmup: int 
     rank = dist.get_rank() if dist.is_initialized() else 0
     ws = dist.get_world_size() if dist.is_initialized() else 1
     engine = zero_offload.initialize(make_model(), config)
-    ref = Reference16(ws=ws, **reference)
+    ref = (reference_class or Reference16)(ws=ws, **reference)
     dtype = ref.dtype
     history = [engine.full_state_dict()]
     out = []

@@ -12,7 +12,9 @@ import torch.distributed as dist
 
 import zero_offload
 from dist_utils import run_ranks
-from muon_reference import MICRO, MUON, deepspeed_muon, fp32_iteration, reference_run, torch_muon
+from muon_reference import (MICRO, MUON, MuonReference16, deepspeed_muon, fp32_iteration, reference_run,
+                            torch_muon)
+from reference16 import lockstep_run
 from reference import assert_estimated, engine_run, one_step_breakdown, train_step
 from toy_model import batch, make_model
 from zero_offload.config import ConfigError
@@ -120,6 +122,27 @@ def test_torch_muon_alone_names_how_to_pass_both():
     muon = torch.optim.Muon([p for p in model.parameters() if p.ndim == 2])
     with pytest.raises(ValueError, match=r"optimizer=\[torch.optim.Muon\(matrices, ...\), torch.optim.AdamW"):
         ds.initialize(model=model, config={"train_micro_batch_size_per_gpu": MICRO}, optimizer=muon)
+
+
+def _lockstep(stage, offload, gas, clip, precision):
+    config = _config(stage, offload, gas, clip)
+    config[precision] = {"enabled": True, **({"loss_scale": 1024} if precision == "fp16" else {})}
+    reference = dict(precision=precision, stage=stage, gas=gas, clip=clip,
+                     loss_scale=1024.0 if precision == "fp16" else 1.0)
+    with fp32_iteration(), torch._dynamo.config.patch(disable=True):
+        return lockstep_run(config, reference, steps=3, reference_class=MuonReference16)
+
+
+@pytest.mark.parametrize("stage,offload,gas,clip,precision", [(2, "cpu", 3, CLIP, "bf16"), (1, "cpu", 1, 0.0, "fp16"),
+                                                              (3, "none", 3, 0.0, "bf16"),
+                                                              (0, "none", 1, CLIP, "fp16")])
+def test_sixteen_bit_lockstep(stage, offload, gas, clip, precision):
+    """bf16 and fp16 (static loss scale 1024) on 2 ranks, each step from the engine's own masters against
+    `MuonReference16` (its bound derived there): every master within it, the 16-bit weights the rounded masters."""
+    for steps in run_ranks(_lockstep, 2, stage, offload, gas, clip, precision):
+        for s in steps:
+            assert s["masters_ratio"] <= 1.0, s
+            assert s["weights_ulp"] == 0.0, s
 
 
 # -- power: each mutation of the scheme must move the weights past the bound -------------------------------------

@@ -266,3 +266,25 @@ def test_breakdown_matches_estimate(stage, offload):
     n_muon = sum(p.numel() for n, p in make_model().named_parameters() if p.dim() >= 2)
     # exp_avg: the momentum and the Adam half's first moment; exp_avg_sq: the Adam half's only
     assert held["exp_avg"]["bytes"] - held["exp_avg_sq"]["bytes"] >= 4 * n_muon
+
+
+def test_planner_knows_muon():
+    """The planner never picks what Muon is not built with (the delayed update, super_offload, ratio < 1), its
+    memory has the momentum instead of two moments, and its host step holds the owners' Newton-Schulz."""
+    from zero_offload.config import Config
+    from zero_offload.estimate import estimate_memory, plan
+    from zero_offload.estimate.shape import model_shape
+    from zero_offload.optim.muon import ns_flops
+    config = {"train_micro_batch_size_per_gpu": 8, "bf16": {"enabled": True}, "optimizer": {"type": "Muon"},
+              "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    chosen = plan("gpt2-10b", gpus=1, gpu_memory="80GB", host_memory="256GB", config=config, gpu_flops=4.0e14)
+    assert chosen.fits and Config.load(chosen.config).optimizer.type == "Muon"
+    oo = chosen.config["zero_optimization"].get("offload_optimizer", {})
+    assert not oo.get("delayed_param_update") and not oo.get("super_offload") and oo.get("ratio", 1.0) == 1.0
+    timing = next(r for r in chosen.rows if r.name == chosen.name).batch.timing
+    shape = model_shape("gpt2-10b", muon=True)
+    assert timing.host_s > sum(ns_flops(m) for m in shape.muon_matrices) / 4.0e14
+    adam = dict(config, optimizer={"type": "AdamW"})
+    muon_host = estimate_memory("gpt2-10b", config, accelerator=True).host
+    adam_host = estimate_memory("gpt2-10b", adam, accelerator=True).host
+    assert muon_host["exp_avg_sq"] < 0.01 * adam_host["exp_avg_sq"] and muon_host["exp_avg"] == adam_host["exp_avg"]

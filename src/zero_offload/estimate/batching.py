@@ -27,8 +27,7 @@ from zero_offload.estimate.step_graph import Phases, Structure, predict_step
 from zero_offload.estimate.throughput import (EXPOSED_FRACTION, MAX_GRADIENT_ACCUMULATION, STAGE3_UNIT_SECONDS,
                                               Assumptions, StepTiming, accumulation_to_hide, host_add_seconds,
                                               SPECULATIVE_KERNEL_COST, UNDO_COPY_COST, device_step_seconds,
-                                              host_step_seconds,
-                                              micro_step_seconds, step_timing)
+                                              host_step_seconds, micro_step_seconds, muon_step_seconds, step_timing)
 from zero_offload.flat import partition_numel
 
 __all__ = ["Knobs", "BatchChoice", "choose_batch", "MICRO_BATCHES", "TIE"]
@@ -164,13 +163,18 @@ def _host_step(shape: ModelShape, cfg: Config, gpus: int, gas: int, a: Assumptio
     if zc.offload_optimizer.device not in ("cpu", "nvme") and not offload_param:
         return 0.0, 0, 0.0
     d = 4 if cfg.precision == "fp32" else 2
-    part = sum(partition_numel(n, gpus) for n in shape.group_numels())
+    parts = [partition_numel(n, gpus) for n in shape.group_numels()]
+    part = sum(parts)
+    muon = sum(parts[g] for g in shape.muon_groups)         # type Muon: its groups' step (`muon_step_seconds`)
     moments = 2 if cfg.bf16.bf16_optimizer_states else 4
     bf16_masters = cfg.bf16.bf16_master_weights_and_grads      # the master is the 16-bit parameter: no output
     accumulates = gas > 1 and zc.stage >= 2          # partitions added into on the host: fp32, or bf16
     grad = 4 if accumulates and not bf16_masters else d
     add_s = host_add_seconds(part, d, a.host_adam, grad) if accumulates else 0.0
-    step_s = host_step_seconds(part, moments, grad, 0 if bf16_masters else d, a.host_adam, 2 if bf16_masters else 4)
+    step_s = host_step_seconds(part - muon, moments, grad, 0 if bf16_masters else d, a.host_adam,
+                               2 if bf16_masters else 4)
+    if muon:
+        step_s += muon_step_seconds(muon, shape.muon_matrices, gpus, d, a)
     return step_s, part * d, add_s
 
 

@@ -8,6 +8,8 @@ import torch
 
 from zero_offload.presets import GPTConfig, gpt_units, preset
 
+from zero_offload.param_groups import takes_muon
+
 __all__ = ["ModelShape", "model_shape"]
 
 
@@ -23,12 +25,14 @@ class ModelShape:
             stage 3 like trainable ones, `zero.stage3.frozen`; never optimized).
         muon_groups: the param groups optimizer type Muon steps with Muon (group 0: the matrices; group 1 the
             rest, as `zero_offload.param_groups` splits them).
+        muon_matrices: the shapes of the matrices Muon orthogonalizes (the step model's Newton-Schulz FLOPs).
     """
     units: tuple[tuple[str, int, tuple[int, ...]], ...]
     gpt: GPTConfig | None = None
     name: str = "model"
     frozen: tuple[tuple[str, int, tuple[int, ...]], ...] = ()
     muon_groups: frozenset[int] = frozenset()
+    muon_matrices: tuple[tuple[int, ...], ...] = ()
 
     @property
     def n_params(self) -> int:
@@ -62,7 +66,8 @@ def model_shape(model, muon: bool = False) -> ModelShape:
         cfg = preset(model) if isinstance(model, str) else model
         with torch.device("meta"):
             units = model_shape(GPT(cfg), muon=True)
-        return ModelShape(units.units, cfg, model if isinstance(model, str) else "gpt", (), units.muon_groups)
+        return ModelShape(units.units, cfg, model if isinstance(model, str) else "gpt", (), units.muon_groups,
+                          units.muon_matrices)
     if isinstance(model, str):
         cfg = preset(model)
         return ModelShape(tuple((m, g, tuple(n)) for m, g, n in gpt_units(cfg)), cfg, model)
@@ -85,15 +90,16 @@ def model_shape(model, muon: bool = False) -> ModelShape:
     muon_groups = frozenset({0}) if muon and any(g == 0 for _, g, _ in units) else frozenset()
     if muon and not muon_groups:          # no matrix takes Muon: the Adam half is the only group
         units = tuple((m, 0, n) for m, _, n in units)
+    matrices = tuple(tuple(p.shape) for n, p in model.named_parameters() if p.requires_grad and takes_muon(p, n)) \
+        if muon_groups else ()
     return ModelShape(units, gpt if isinstance(gpt, GPTConfig) else None, type(model).__name__, frozen,
-                      muon_groups)
+                      muon_groups, matrices)
 
 
 def _module_units(model: torch.nn.Module, trainable: bool,
                   muon: bool = False) -> tuple[tuple[str, int, tuple[int, ...]], ...]:
     """Stage 3's unit rule: a parameter belongs to the first module that holds it (tied ones count once); with
     ``muon``, per group (Muon's, then Adam's), as the engine builds them."""
-    from zero_offload.param_groups import takes_muon
     seen: set[int] = set()
     units = []
     for name, module in model.named_modules():

@@ -120,6 +120,23 @@ def host_step_seconds(params: int, moment_bytes: int, grad_bytes: int, param_byt
     return params * (2 * master_bytes + 4 * moment_bytes + grad_bytes + param_bytes) / (host_adam * 28)
 
 
+# Bytes per element of Muon's partition work as it runs (`zero_offload.hoststep.muon`: the gradient widened and
+# scaled, the momentum's and Nesterov's lerps, decay, the update added, the parameters written: torch passes),
+# besides the d of the gradient read and of the parameters written; the host's bandwidth is host_adam x 28 B.
+MUON_PASS_BYTES = 56
+
+
+def muon_step_seconds(part: int, matrices, gpus: int, d: int, a: "Assumptions") -> float:
+    """Seconds of the Muon groups' step on one rank (`zero_offload.hoststep.muon.PartitionedMuon`): its partition
+    work over ``part`` elements on the host, the owners' Newton-Schulz of ``matrices`` (shapes) on the device at
+    ``gpu_flops`` (spread evenly over ``gpus`` owners), and the update up (4 B) and the result down (``d`` B) over
+    the device link per element; run one after the other, on the training thread."""
+    from zero_offload.optim.muon import ns_flops
+    host = part * (MUON_PASS_BYTES + 2 * d) / (a.host_adam * 28)
+    ns = sum(ns_flops(m) for m in matrices) / gpus / a.gpu_flops
+    return host + ns + part * (4 + d) / a.pcie
+
+
 def host_add_seconds(params: int, piece_bytes: int, host_adam: float, sum_bytes: int = 4) -> float:
     """Seconds of one micro-step's host accumulation into a gradient partition of ``params`` elements: the staged
     piece (``piece_bytes`` per element) read, the partition (fp32, or bf16 with bf16 masters: ``sum_bytes``) read

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from zero_offload.muon_heads import attention_heads
 from zero_offload.zero import ParamGroup
 
 __all__ = ["param_groups", "takes_muon"]
@@ -51,8 +52,11 @@ def param_groups(module: torch.nn.Module, model_parameters, opt) -> list[ParamGr
             [(use, [p for p in params if takes_muon(p, where[id(p)][1]) is use]) for use in (True, False)]
         for use_muon, half in halves:
             if half:
+                hparams = opt.group_hyperparameters(g, use_muon)
+                if use_muon and opt.muon.per_head_muon:      # DeepSpeed's per-head Newton-Schulz
+                    hparams["muon_heads"] = attention_heads(module, [(where[id(p)][1], p) for p in half])
                 groups.append(ParamGroup(half, [where[id(p)][1] for p in half], [where[id(p)][0] for p in half],
-                                         opt.group_hyperparameters(g, use_muon)))
+                                         hparams))
     if not groups:
         raise ValueError(f"{type(module).__name__} has no trainable parameters (none with "
                          f"requires_grad=True): there is nothing to optimize")

@@ -15,8 +15,8 @@ import torch
 from zero_offload.config.schema import ConfigError, from_dict, option
 
 __all__ = ["AdamParams", "LambParams", "MuonParams", "check_muon", "OptimizerConfig", "SchedulerConfig",
-           "WarmupLRParams", "WarmupDecayLRParams", "WarmupCosineLRParams", "OneCycleParams", "LRRangeTestParams", "SCHEDULER_PARAMS",
-           "REFUSED_OPTIMIZERS"]
+           "WarmupLRParams", "WarmupDecayLRParams", "WarmupCosineLRParams", "OneCycleParams", "LRRangeTestParams",
+           "SCHEDULER_PARAMS", "REFUSED_OPTIMIZERS"]
 
 
 @dataclass
@@ -133,8 +133,8 @@ def check_muon(config) -> None:
     """Optimizer type Muon with a setting it is not built with: refused, naming the key and why.
 
     Raises:
-        ConfigError: the NVMe states or parameters, ``ratio`` < 1, the delayed update, ``super_offload``, bf16
-            masters or ``per_head_muon`` with type Muon.
+        ConfigError: the NVMe states or parameters, ``ratio`` < 1, the delayed update, ``super_offload`` or bf16
+            masters with type Muon.
     """
     opt = config.optimizer
     if opt is None or opt.muon is None:
@@ -156,9 +156,6 @@ def check_muon(config) -> None:
          "while backward runs"),
         (config.bf16.bf16_master_weights_and_grads, "bf16.bf16_master_weights_and_grads", "true",
          "Muon steps fp32 masters"),
-        (opt.muon.per_head_muon, "optimizer.params.per_head_muon", "true",
-         "per-head Newton-Schulz is not wired to the model's attention geometry here; each matrix is "
-         "orthogonalized whole"),
     )
     for on, key, value, why in refusals:
         if on:

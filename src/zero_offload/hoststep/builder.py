@@ -180,7 +180,8 @@ def _muon(config: Config, parts, hparams, copies, offload, host_params, layouts,
     zc = config.zero_optimization
     if layouts is None or ctx is None:
         raise ValueError("optimizer type Muon needs the partitions' layouts and the data-parallel group")
-    owners = MuonOwners(layouts, [muon_rule(h) for h in hparams], [{} for _ in hparams], ctx.rank, ctx.world_size,
+    owners = MuonOwners(layouts, [muon_rule(h) for h in hparams], [h.get("muon_heads", {}) for h in hparams],
+                        ctx.rank, ctx.world_size,
                         replicated=zc.stage == 0 and ctx.world_size > 1, all_to_all=ctx.all_to_all,
                         device=ctx.device)
     return PartitionedMuon(parts, hparams, offload, copies, owners, host_params=host_params)

@@ -14,8 +14,9 @@ and in fp32; seconds per matrix, and GFLOP/s against `ns_flops`.
 Part 3, the step on 2 ranks. A GPT (``--n-layer`` x ``--n-embd``, vocabulary 4096) trained by the engine, type Muon,
 ZeRO stage 2 with ``offload_optimizer.device`` "cpu", on 2 gloo ranks of one thread each; beside it, in the same run,
 DeepSpeed's ``MuonWithAuxAdam`` (torch AdamW for the Adam half) on one process of 2 threads over the same model and
-global batch. Timed: the optimizer step alone (the engine's boundary ``step``, which includes the owners' exchanges;
-the reference's ``optimizer.step``), median of ``--steps`` after one warm-up step, rounds interleaved.
+global batch. Timed: the optimizer step alone (the engine's boundary ``step``, which includes the owners' exchanges
+and ZeRO-2's norm and all-gather, and inside it the partition optimizer's own ``step``, the Muon step proper; the
+reference's ``optimizer.step``), median of ``--steps`` after one warm-up step (slowest rank), rounds interleaved.
 
     python benchmarks/bench_muon.py --json runs/bench_muon.json
 """
@@ -123,6 +124,14 @@ def _engine_steps(n_layer, n_embd, steps, micro):
     config = {"train_micro_batch_size_per_gpu": micro, "optimizer": {"type": "Muon", "params": PARAMS},
               "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
     engine = zero_offload.initialize(_model(n_layer, n_embd), config)
+    optimizer, inner = engine.zero.adam, []          # the partition optimizer's own step, timed inside engine.step
+    step_of = optimizer.step
+
+    def timed_step(*a, **k):
+        start = time.perf_counter()
+        step_of(*a, **k)
+        inner.append(time.perf_counter() - start)
+    optimizer.step = timed_step
     times = []
     for step in range(steps + 1):
         x, y = _batch(step, micro * ws)
@@ -133,7 +142,7 @@ def _engine_steps(n_layer, n_embd, steps, micro):
         engine.step()
         times.append(time.perf_counter() - start)
     engine.close()
-    return times[1:]
+    return list(zip(times[1:], inner[1:]))
 
 
 def _reference_steps(n_layer, n_embd, steps, micro):
@@ -156,13 +165,16 @@ def _reference_steps(n_layer, n_embd, steps, micro):
 
 def two_ranks(n_layer: int, n_embd: int, steps: int, rounds: int, micro: int) -> dict:
     from dist_utils import run_ranks
-    engine, reference = [], []
+    engine, muon, reference = [], [], []
     for _ in range(rounds):
-        engine += [max(t) for t in zip(*run_ranks(_engine_steps, 2, n_layer, n_embd, steps, micro))]
+        ranks = run_ranks(_engine_steps, 2, n_layer, n_embd, steps, micro)
+        engine += [max(step for step, _ in t) for t in zip(*ranks)]
+        muon += [max(inner for _, inner in t) for t in zip(*ranks)]
         reference += _reference_steps(n_layer, n_embd, steps, micro)
     n = sum(p.numel() for p in _model(n_layer, n_embd).parameters())
-    e, r = statistics.median(engine), statistics.median(reference)
-    return {"params": n, "engine_step_s": e, "reference_step_s": r, "ratio": e / r}
+    e, m, r = statistics.median(engine), statistics.median(muon), statistics.median(reference)
+    return {"params": n, "engine_step_s": e, "partition_optimizer_step_s": m, "reference_step_s": r, "ratio": e / r,
+            "partition_optimizer_ratio": m / r}
 
 
 def main() -> None:

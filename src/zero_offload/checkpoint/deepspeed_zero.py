@@ -39,6 +39,7 @@ class ZeroShards(ModelStates):
                                   f"checkpoint carries no ZeRO partitions to resume")
         self._files = files
         self._ranks: dict[int, dict] = {}
+        self._momentum_offsets: dict[tuple[int, int], dict[str, tuple[int, int]]] = {}   # Muon, on the device
         first = self._rank(min(files))["osd"]
         self.stage = as_int(first["zero_stage"])
         count = first.get("partition_count", 1)
@@ -144,14 +145,18 @@ class ZeroShards(ModelStates):
         """``name``'s whole momentum in DeepSpeed Muon's buffer of whole parameters (optimizer on the device:
         ``_muon_momentum_buffer``, each parameter with a piece in rank ``r``'s partition of group ``g``, in order);
         with the optimizer offloaded the buffer is partition-sized (``_apply_muon_updates_cpu_offload``)."""
-        held = sorted((lo, n) for n, pieces in self.pieces.items() for rr, gg, lo, _, _ in pieces if (rr, gg) == (r, g))
-        offset = 0
-        for _, other in held:
-            size = numel(self.shapes[other])
-            if other == name:
-                return buffer[offset:offset + size]
-            offset += size
-        raise CheckpointError(f"checkpoint file '{self._files[r]}' has no momentum for '{name}'")
+        if (r, g) not in self._momentum_offsets:
+            held = sorted((lo, n) for n, pieces in self.pieces.items()
+                          for rr, gg, lo, _, _ in pieces if (rr, gg) == (r, g))
+            offsets, at = {}, 0
+            for _, n in held:
+                offsets[n] = (at, numel(self.shapes[n]))
+                at += offsets[n][1]
+            self._momentum_offsets[r, g] = offsets
+        if name not in self._momentum_offsets[r, g]:
+            raise CheckpointError(f"checkpoint file '{self._files[r]}' has no momentum for '{name}'")
+        offset, size = self._momentum_offsets[r, g][name]
+        return buffer[offset:offset + size]
 
     def module_state(self) -> dict[str, torch.Tensor]:
         out = super().module_state()

@@ -118,6 +118,7 @@ class MuonParams:
             out["lr"] = override
         out.update({k: group[k] for k in keys if k in group})
         if use_muon:
+            # betas and eps too: the Muon group sits among the Adam kernel's groups, which never step it
             out.update(use_muon=True, flavor=self.flavor, nesterov=self.nesterov, ns_steps=self.ns_steps,
                        ns_coefficients=tuple(self.ns_coefficients), ns_eps=self.ns_eps, adjust_lr_fn=self.adjust_lr_fn,
                        betas=(0.9, 0.95), eps=1e-10)

@@ -46,7 +46,8 @@ class PartitionedMuon(PartitionedAdam):
     Args:
         parts, hparams, offload, copies, host_params: as `PartitionedAdam`; a Muon group's ``hparams`` carry
             ``use_muon`` and its rule's keys (`muon_rule`).
-        owners: who orthogonalizes each Muon matrix, and the exchanges (`MuonOwners`).
+        owners: who orthogonalizes each Muon matrix, and the exchanges (`MuonOwners`); its ``rules`` say which
+            groups Muon steps.
 
     Attributes:
         momenta: per Muon group, its fp32 momentum partition (beside its master).
@@ -55,8 +56,11 @@ class PartitionedMuon(PartitionedAdam):
     def __init__(self, parts: list[torch.Tensor], hparams: list[dict], offload: bool, copies: Copies,
                  owners: MuonOwners, host_params: bool = False):
         super().__init__(parts, hparams, offload, copies, host_params=host_params)
-        self.rules = [muon_rule(h) for h in hparams]
-        self.owners = owners
+        self.rules, self.owners = owners.rules, owners
+        # torch's lr adjusted per matrix: where each of this rank's pieces lies, with its matrix's factor
+        self.lr_factors = {g: [(p.part_offset, p.part_offset + p.length, rule.lr_factor(m.shape))
+                               for m in owners.matrices if m.group == g for p in owners.held(m, owners.rank)]
+                           for g, rule in enumerate(self.rules) if rule is not None and rule.flavor == "torch"}
         self.momenta = {g: torch.zeros(m.numel(), dtype=torch.float32, device=m.device)
                         for g, m in enumerate(self.masters) if self.rules[g] is not None}
         self.muon_steps = [0] * len(parts)
@@ -86,12 +90,9 @@ class PartitionedMuon(PartitionedAdam):
             lr = lrs[g] if lrs is not None else group["lr"]
             master = self.masters[g]
             master.mul_(1 - lr * group["weight_decay"])
-            if self.rules[g].flavor == "torch":         # torch's lr adjusted per matrix
-                for m in self.owners.matrices:
-                    if m.group == g:
-                        for p in self.owners.held(m, self.owners.rank):
-                            lo, hi = p.part_offset, p.part_offset + p.length
-                            master[lo:hi].add_(results[g][lo:hi], alpha=-lr * self.rules[g].lr_factor(m.shape))
+            if g in self.lr_factors:
+                for lo, hi, factor in self.lr_factors[g]:
+                    master[lo:hi].add_(results[g][lo:hi], alpha=-lr * factor)
             else:
                 master.add_(results[g], alpha=-lr)
             self.muon_steps[g] += 1

@@ -67,6 +67,17 @@ def assign_owners(shapes: Sequence[tuple[int, ...]], world: int) -> list[int]:
     return owners
 
 
+@dataclass(frozen=True)
+class _Exchange:
+    """One all-to-all of a round, fixed by the layout: what this rank sends, in order, as (key, offset, length)
+    pieces of its source tensors, how many elements go to and come from each rank, and where the received pieces go
+    (key, offset, length) in order."""
+    send: tuple[tuple, ...]
+    in_splits: list[int]
+    out_splits: list[int]
+    recv: tuple[tuple, ...]
+
+
 class MuonOwners:
     """The owners of a partition optimizer's Muon matrices and the exchanges of one step (module docstring).
 
@@ -81,6 +92,10 @@ class MuonOwners:
         device: where the matrices are assembled and orthogonalized (the compute device).
         round_numel: elements of the matrices exchanged per round (at least one whole matrix), which bounds an
             owner's assembled matrices.
+
+    Attributes:
+        matrices: every Muon matrix with its owner, in group and layout order.
+        rules: per param group, as given.
     """
 
     def __init__(self, layouts: Sequence[GroupLayout], rules: Sequence[MuonRule | None],
@@ -94,23 +109,40 @@ class MuonOwners:
         self.replicated, self.all_to_all, self.device = replicated, all_to_all, device
         dtypes = {ns_dtype(r, device) for r in rules if r is not None}
         self.down_dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
-        self.rounds: list[list[MuonMatrix]] = []
+        rounds: list[list[MuonMatrix]] = []
         for m in self.matrices:
-            if not self.rounds or sum(x.numel for x in self.rounds[-1]) + m.numel > round_numel:
-                self.rounds.append([])
-            self.rounds[-1].append(m)
-
-    def owned(self) -> list[MuonMatrix]:
-        """The matrices this rank orthogonalizes."""
-        return [m for m in self.matrices if m.owner == self.rank]
+            if not rounds or sum(x.numel for x in rounds[-1]) + m.numel > round_numel:
+                rounds.append([])
+            rounds[-1].append(m)
+        # The layout fixes both exchanges of every round: planned once, replayed each step.
+        self.rounds = [(r, self._up(r), self._down(r)) for r in rounds]
 
     def held(self, m: MuonMatrix, rank: int) -> list[Piece]:
         """The pieces of ``m`` in ``rank``'s partition (every piece at stage 0)."""
         return list(m.pieces) if self.replicated else [p for p in m.pieces if p.rank == rank]
 
-    def assembled_numel(self) -> int:
-        """The most elements this rank assembles at once (its largest round): the owner's transient matrices."""
-        return max((sum(m.numel for m in r if m.owner == self.rank) for r in self.rounds), default=0)
+    def _up(self, matrices: list[MuonMatrix]) -> _Exchange:
+        """Step 1's exchange: this rank's pieces of each owner's matrices, keyed by group and partition offset;
+        received pieces keyed by matrix name and offset in it (stage 0: nothing moves, the owner holds them)."""
+        mine = [m for m in matrices if m.owner == self.rank]
+        if self.replicated:
+            return _Exchange((), [0] * self.world, [0] * self.world, ())
+        send = [[(m.group, p.part_offset, p.length)
+                 for m in matrices if m.owner == dst for p in self.held(m, self.rank)] for dst in range(self.world)]
+        recv = [[(m.name, p.param_offset, p.length) for m in mine for p in self.held(m, src)]
+                for src in range(self.world)]
+        return _Exchange(tuple(x for s in send for x in s), [sum(x[2] for x in s) for s in send],
+                         [sum(x[2] for x in r) for r in recv], tuple(x for r in recv for x in r))
+
+    def _down(self, matrices: list[MuonMatrix]) -> _Exchange:
+        """Step 3's exchange: each rank's pieces of this rank's results, keyed by matrix name and offset in it;
+        received pieces keyed by group and partition offset."""
+        send = [[(m.name, p.param_offset, p.length)
+                 for m in matrices if m.owner == self.rank for p in self.held(m, dst)] for dst in range(self.world)]
+        recv = [[(m.group, p.part_offset, p.length)
+                 for m in matrices if m.owner == src for p in self.held(m, self.rank)] for src in range(self.world)]
+        return _Exchange(tuple(x for s in send for x in s), [sum(x[2] for x in s) for s in send],
+                         [sum(x[2] for x in r) for r in recv], tuple(x for r in recv for x in r))
 
     @torch.no_grad()
     def orthogonalize(self, updates: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
@@ -118,14 +150,15 @@ class MuonOwners:
         its size holding the orthogonalized update at every Muon matrix's pieces, zeros elsewhere. A collective:
         every rank calls it at the same step."""
         results = {g: torch.zeros_like(u) for g, u in updates.items()}
-        for matrices in self.rounds:
-            whole = self._gather(matrices, updates)
-            out = {m.name: orthogonalize(whole[m.name].view(m.shape), self.rules[m.group], m.num_heads)
+        for matrices, up, down in self.rounds:
+            whole = self._gather(matrices, up, updates)
+            out = {m.name: orthogonalize(whole[m.name].view(m.shape), self.rules[m.group], m.num_heads).reshape(-1)
                    for m in matrices if m.owner == self.rank}
-            self._scatter(matrices, out, results)
+            self._exchange(down, out, results, self.down_dtype)
         return results
 
-    def _gather(self, matrices: list[MuonMatrix], updates: dict[int, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _gather(self, matrices: list[MuonMatrix], up: _Exchange,
+                updates: dict[int, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Step 1: every matrix this rank owns, whole, flat on the device."""
         whole = {m.name: torch.empty(m.numel, dtype=torch.float32, device=self.device)
                  for m in matrices if m.owner == self.rank}
@@ -136,43 +169,17 @@ class MuonOwners:
                         whole[m.name][p.param_offset:p.param_offset + p.length] = \
                             updates[m.group][p.part_offset:p.part_offset + p.length]
             return whole
-        sends, in_splits, out_splits = [], [], []
-        for dst in range(self.world):
-            pieces = [updates[m.group][p.part_offset:p.part_offset + p.length]
-                      for m in matrices if m.owner == dst for p in self.held(m, self.rank)]
-            sends += pieces
-            in_splits.append(sum(t.numel() for t in pieces))
-            out_splits.append(sum(p.length for m in matrices if m.owner == self.rank for p in self.held(m, dst)))
-        send = (torch.cat(sends) if sends else torch.empty(0)).to(self.device)
-        recv = torch.empty(sum(out_splits), dtype=torch.float32, device=self.device)
-        self.all_to_all(recv, send, out_splits, in_splits)
-        at = 0
-        for src in range(self.world):
-            for m in matrices:
-                if m.owner == self.rank:
-                    for p in self.held(m, src):
-                        whole[m.name][p.param_offset:p.param_offset + p.length] = recv[at:at + p.length]
-                        at += p.length
+        self._exchange(up, updates, whole, torch.float32)
         return whole
 
-    def _scatter(self, matrices: list[MuonMatrix], out: dict[str, torch.Tensor],
-                 results: dict[int, torch.Tensor]) -> None:
-        """Step 3: each rank's pieces of the orthogonalized matrices, written into its result partitions."""
-        sends, in_splits, out_splits = [], [], []
-        for dst in range(self.world):
-            pieces = [out[m.name].reshape(-1)[p.param_offset:p.param_offset + p.length]
-                      for m in matrices if m.owner == self.rank for p in self.held(m, dst)]
-            sends += pieces
-            in_splits.append(sum(t.numel() for t in pieces))
-            out_splits.append(sum(p.length for m in matrices if m.owner == dst for p in self.held(m, self.rank)))
-        send = torch.cat(sends).to(self.down_dtype) if sends else torch.empty(0, dtype=self.down_dtype,
-                                                                              device=self.device)
-        recv = torch.empty(sum(out_splits), dtype=self.down_dtype, device=self.device)
-        self.all_to_all(recv, send, out_splits, in_splits)
-        at = 0
-        for src in range(self.world):
-            for m in matrices:
-                if m.owner == src:
-                    for p in self.held(m, self.rank):
-                        results[m.group][p.part_offset:p.part_offset + p.length] = recv[at:at + p.length]
-                        at += p.length
+    def _exchange(self, plan: _Exchange, sources: dict, targets: dict, dtype: torch.dtype) -> None:
+        """One all-to-all of ``plan``: its pieces of ``sources`` sent in ``dtype``, the received ones written into
+        ``targets``."""
+        pieces = [sources[key][at:at + n] for key, at, n in plan.send]
+        send = torch.cat(pieces).to(self.device, dtype) if pieces else torch.empty(0, dtype=dtype, device=self.device)
+        recv = torch.empty(sum(plan.out_splits), dtype=dtype, device=self.device)
+        self.all_to_all(recv, send, plan.out_splits, plan.in_splits)
+        done = 0
+        for key, at, n in plan.recv:
+            targets[key][at:at + n] = recv[done:done + n]
+            done += n

@@ -31,6 +31,26 @@ def _config(stage=2, offload="none", gas=1, clip=0.0, params=MUON, **zero):
                                   "reduce_bucket_size": 500, **zero}}
 
 
+def _nvme(config, path, params=False):
+    """``config`` with the optimizer states (and with ``params`` stage 3's parameters) in swap files under
+    ``path``: sub-groups of 3072 elements, read ahead and written behind, so sub-groups cross the rounds'
+    boundaries under `_small_rounds`."""
+    path.mkdir(parents=True, exist_ok=True)
+    zero = config["zero_optimization"]
+    zero["offload_optimizer"] = {"device": "nvme", "nvme_path": str(path), "buffer_count": 3,
+                                 "pipeline_read": True, "pipeline_write": True}
+    zero["sub_group_size"] = 3000
+    if params:
+        zero["offload_param"] = {"device": "nvme", "nvme_path": str(path), "buffer_count": 4}
+    return config
+
+
+def _small_rounds():
+    """Rounds of at most 5000 elements: the toy model's matrices take 7 rounds instead of one."""
+    from zero_offload.hoststep import muon_owners
+    muon_owners.ROUND_NUMEL = 5000
+
+
 def _run(config, mutation=None, fp32=True, steps=5):
     """One rank's engine run, in a process of its own (`run_ranks`): mutations and the fp32 patch end with it."""
     if mutation is not None:
@@ -64,6 +84,29 @@ def test_deepspeed_muon_one_rank(stage, offload):
     assert _max_error(full, ref) <= 1e-5
 
 
+# Round by round (several rounds) in memory and in swap files; stage 3 with its parameters on NVMe too.
+ROUND_CASES = [(2, "nvme", 3, False), (1, "cpu", 3, False), (3, "nvme", 1, True), (3, "nvme", 3, False)]
+
+
+@pytest.mark.parametrize("stage,offload,gas,params", ROUND_CASES)
+def test_deepspeed_muon_rounds_and_nvme(stage, offload, gas, params, tmp_path):
+    clip = CLIP if gas == 3 else 0.0
+    config = _config(stage, offload, gas, clip)
+    if offload == "nvme":
+        _nvme(config, tmp_path, params)
+    ref = reference_run(lambda m: deepspeed_muon(MUON, m), ws=2, gas=gas, clip=clip)
+    for full, norms in run_ranks(_run, 2, config, _small_rounds):
+        assert _max_error(full, ref) <= 1e-5
+        if clip:
+            assert min(norms) < clip < max(norms), norms
+
+
+def test_deepspeed_muon_nvme_one_rank(tmp_path):
+    ref = reference_run(lambda m: deepspeed_muon(MUON, m))
+    full, _ = _run(_nvme(_config(2), tmp_path))
+    assert _max_error(full, ref) <= 1e-5
+
+
 @pytest.mark.parametrize("method", ["standard", "gram"])
 def test_sixteen_bit_iteration_first_step(method):
     """The iteration in its own dtype (bf16 for ``standard``; ``gram`` in fp16 where the CPU has it, else fp32),
@@ -80,12 +123,12 @@ TORCH_MUON = dict(lr=0.01, weight_decay=0.05, momentum=0.9, nesterov=False, adju
 TORCH_ADAMW = dict(lr=0.004, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01)
 
 
-def _client_run(stage, offload, fp32=True, steps=5):
+def _client_run(stage, offload, fp32=True, steps=5, nvme_path=None):
     with fp32_iteration() if fp32 else nullcontext():
-        return _client_steps(stage, offload, steps)
+        return _client_steps(stage, offload, steps, nvme_path)
 
 
-def _client_steps(stage, offload, steps):
+def _client_steps(stage, offload, steps, nvme_path):
     import zero_offload.deepspeed as ds
     rank = dist.get_rank() if dist.is_initialized() else 0
     ws = dist.get_world_size() if dist.is_initialized() else 1
@@ -93,6 +136,8 @@ def _client_steps(stage, offload, steps):
     config = {"train_micro_batch_size_per_gpu": MICRO,
               "zero_optimization": {"stage": stage, "offload_optimizer": {"device": offload},
                                     "reduce_bucket_size": 500}}
+    if offload == "nvme":
+        _nvme(config, nvme_path)
     engine, *_ = ds.initialize(model=model, config=config, optimizer=torch_muon(model, TORCH_MUON, TORCH_ADAMW))
     for step in range(steps):
         x, y = batch(step, MICRO * ws)
@@ -102,10 +147,10 @@ def _client_steps(stage, offload, steps):
     return engine.full_state_dict()
 
 
-@pytest.mark.parametrize("stage,offload", [(1, "cpu"), (3, "cpu")])
-def test_torch_muon_client(stage, offload):
+@pytest.mark.parametrize("stage,offload", [(1, "cpu"), (3, "cpu"), (2, "nvme")])
+def test_torch_muon_client(stage, offload, tmp_path):
     ref = reference_run(lambda m: torch_muon(m, TORCH_MUON, TORCH_ADAMW), ws=2)
-    for full in run_ranks(_client_run, 2, stage, offload):
+    for full in run_ranks(_client_run, 2, stage, offload, True, 5, tmp_path):
         assert _max_error(full, ref) <= 1e-5
 
 
@@ -151,29 +196,32 @@ def _shard_only():
     from zero_offload.hoststep import muon_owners
     from zero_offload.optim.muon import orthogonalize
 
-    def local(self, updates):
-        results = {g: torch.zeros_like(u) for g, u in updates.items()}
-        for m in self.matrices:
+    def local(self, i, updates, results, bases=None):
+        for m in self.rounds[i][0]:
+            at = (bases or {}).get(m.group, 0)
             for p in self.held(m, self.rank):
-                lo, hi = p.part_offset, p.part_offset + p.length
+                lo, hi = p.part_offset - at, p.part_offset - at + p.length
                 results[m.group][lo:hi] = orthogonalize(updates[m.group][lo:hi].view(1, -1), self.rules[m.group])
-        return results
-    muon_owners.MuonOwners.orthogonalize = local
+    muon_owners.MuonOwners.orthogonalize_round = local
 
 
 def _wrong_rank():
-    """Each rank receives the next rank's result partition instead of its own."""
+    """Each rank receives the next rank's results (as far as they reach) instead of its own."""
     from zero_offload.hoststep import muon_owners
-    original = muon_owners.MuonOwners.orthogonalize
+    original = muon_owners.MuonOwners.orthogonalize_round
 
-    def rotated(self, updates):
-        results = original(self, updates)
-        for g, r in results.items():
-            every = [torch.empty_like(r) for _ in range(self.world)]
-            dist.all_gather(every, r)
-            results[g] = every[(self.rank + 1) % self.world]
-        return results
-    muon_owners.MuonOwners.orthogonalize = rotated
+    def rotated(self, i, updates, results, bases=None):
+        original(self, i, updates, results, bases)
+        for g in (g for g, rule in enumerate(self.rules) if rule is not None):
+            mine = results.get(g, torch.zeros(0))
+            size = torch.tensor([mine.numel()])
+            dist.all_reduce(size, op=dist.ReduceOp.MAX)
+            padded = torch.zeros(int(size))
+            padded[:mine.numel()] = mine
+            every = [torch.empty_like(padded) for _ in range(self.world)]
+            dist.all_gather(every, padded)
+            mine.copy_(every[(self.rank + 1) % self.world][:mine.numel()])
+    muon_owners.MuonOwners.orthogonalize_round = rotated
 
 
 def _no_nesterov():
@@ -223,9 +271,11 @@ def test_refusals_name_the_key():
                        "delayed_param_update"),
                       ({"offload_optimizer": {"device": "cpu", "super_offload": True}}, "super_offload"),
                       ({"offload_optimizer": {"device": "cpu", "ratio": 0.5}}, "ratio"),
-                      ({"offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}, "offload_optimizer.device")):
+                      ({"offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}, "bf16_optimizer_states")):
         config = _config(2, **{"offload": "cpu"})
         config["zero_optimization"].update(zero)
+        if key == "bf16_optimizer_states":
+            config["bf16"] = {"enabled": True, "bf16_optimizer_states": True}
         with pytest.raises(ConfigError, match=key):
             zero_offload.initialize(make_model(), config)
     with pytest.raises(ConfigError, match="per_head_muon"):
@@ -256,11 +306,35 @@ def test_owners_balance_and_checkpoint(tmp_path):
         zero_offload.initialize(make_model(), adam).load_checkpoint(str(tmp_path), tag="t")
 
 
-@pytest.mark.parametrize("stage,offload", [(1, "cpu"), (2, "cpu"), (2, "none"), (3, "cpu"), (3, "none")])
-def test_breakdown_matches_estimate(stage, offload):
+@fp32_iteration()
+def test_nvme_checkpoint_reshards(tmp_path):
+    """Swap-file states save and resume in memory, and memory's in swap files (stage 3's parameters on NVMe too):
+    the momentum travels in the ``exp_avg`` slot (a resume without it moves the next step far past 1e-6)."""
+    configs = (_nvme(_config(2), tmp_path / "a"), _config(1, "cpu"), _nvme(_config(3), tmp_path / "b", params=True))
+    for saver, loader in zip(configs, configs[1:]):
+        engine = zero_offload.initialize(make_model(), saver)
+        for step in range(2):
+            train_step(engine, step, 0, 1)
+        engine.save_checkpoint(str(tmp_path / "ckpt"), tag="t")
+        resumed = zero_offload.initialize(make_model(), loader)
+        resumed.load_checkpoint(str(tmp_path / "ckpt"), tag="t")
+        train_step(engine, 2, 0, 1)
+        train_step(resumed, 2, 0, 1)
+        a, b = engine.full_state_dict(), resumed.full_state_dict()
+        assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6
+        engine.close()
+        resumed.close()
+
+
+@pytest.mark.parametrize("stage,offload", [(1, "cpu"), (2, "cpu"), (2, "none"), (3, "cpu"), (3, "none"),
+                                           (2, "nvme"), (3, "nvme")])
+def test_breakdown_matches_estimate(stage, offload, tmp_path):
     """``memory_breakdown()`` after a step and ``estimate_memory`` agree to the byte on every model-state kind: the
-    Muon group's momentum (4 B per element, under ``exp_avg``) and no ``exp_avg_sq`` for it."""
+    Muon group's momentum (4 B per element, under ``exp_avg``) and no ``exp_avg_sq`` for it (in memory, or as
+    swap files: stage 3 with its parameters on NVMe too)."""
     config = _config(stage, offload)
+    if offload == "nvme":
+        _nvme(config, tmp_path, params=stage == 3)
     held = one_step_breakdown(config)
     assert_estimated(held, config)
     n_muon = sum(p.numel() for n, p in make_model().named_parameters() if p.dim() >= 2)

@@ -134,8 +134,8 @@ def check_muon(config) -> None:
     """Optimizer type Muon with a setting it is not built with: refused, naming the key and why.
 
     Raises:
-        ConfigError: the NVMe states or parameters, ``ratio`` < 1, the delayed update, ``super_offload`` or bf16
-            masters with type Muon.
+        ConfigError: ``ratio`` < 1, the delayed update, ``super_offload``, bf16 masters, or bf16 optimizer
+            states in swap files with type Muon.
     """
     opt = config.optimizer
     if opt is None or opt.muon is None:
@@ -143,10 +143,8 @@ def check_muon(config) -> None:
     zc = config.zero_optimization
     oo = zc.offload_optimizer
     refusals = (
-        (oo.device == "nvme", "zero_optimization.offload_optimizer.device", "'nvme'",
-         "the momentum is not streamed through swap files yet; use device 'cpu'"),
-        (zc.stage == 3 and zc.offload_param.device == "nvme", "zero_optimization.offload_param.device", "'nvme'",
-         "Muon's masters stay in memory; use offload_param 'cpu' or 'none'"),
+        (oo.device == "nvme" and config.bf16.bf16_optimizer_states, "bf16.bf16_optimizer_states", "true",
+         "with offload_optimizer.device 'nvme' every state file of a Muon run is fp32 (Muon's momentum is)"),
         (oo.ratio < 1.0, "zero_optimization.offload_optimizer.ratio", str(oo.ratio),
          "each Muon matrix is stepped whole by its owner's exchange, not split between device and host"),
         (oo.delayed_param_update, "zero_optimization.offload_optimizer.delayed_param_update", "true",

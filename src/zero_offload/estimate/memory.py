@@ -18,7 +18,7 @@ import torch
 from zero_offload.config import Config
 from zero_offload.flat import padded_numel, partition_numel
 from zero_offload.hoststep.banks import speculated_numel
-from zero_offload.hoststep.muon_owners import ASSEMBLED_FORMULA, assembled_bytes
+from zero_offload.hoststep.muon_owners import ASSEMBLED_FORMULA, WINDOW_FORMULA, assembled_bytes, window_bytes
 from zero_offload.estimate.shape import ModelShape, model_shape
 from zero_offload.offload.copies import host_alloc_bytes
 from zero_offload.offload.grad_staging import STAGING_FORMULA, staging_shape
@@ -360,6 +360,10 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
     if shape.muon_groups:
         est.add("device", "muon_assembled", assembled_bytes(sum(sum(groups[g]) for g in shape.muon_groups)))
         est.formulas["muon_assembled"] = ASSEMBLED_FORMULA
+        # the step's updates and results, one round at a time, where the optimizer state lives
+        est.add("host" if grads_on_host else "device", "muon_window",
+                window_bytes(sum(parts[g] for g in shape.muon_groups)))
+        est.formulas["muon_window"] = WINDOW_FORMULA
     if rounding:
         est.add("host", "pinned_rounding", rounding)
         est.formulas["pinned_rounding"] = ("each pinned host buffer rounded up to a power of two "
@@ -386,8 +390,8 @@ def _nvme_files(est: MemoryEstimate, cfg: Config, shape: ModelShape, parts: list
     if zc.offload_optimizer.device == "nvme":
         sizes = state_files.element_sizes(cfg)            # bf16 masters or moments: 2 bytes per element
         sub = state_files.sub_group_numel(parts, zc.sub_group_size, sizes)
-        for kind, size in zip(("master", "exp_avg", "exp_avg_sq"), sizes):
-            est.add("nvme", kind, sum(state_files.file_bytes(n, sub, size) for n in parts))
+        for kind, nbytes in state_files.kind_bytes(parts, zc.sub_group_size, sizes, shape.muon_groups).items():
+            est.add("nvme", kind, nbytes)
         oo = zc.offload_optimizer
         if oo.super_offload:       # the second bank of state files the speculated sub-groups are written to
             est.add("nvme", "speculative_state", state_files.bytes_needed(parts, zc.sub_group_size, sizes))

@@ -32,6 +32,7 @@ from zero_offload.config import Config, ConfigError
 from zero_offload.hoststep.adam import PartitionedAdam
 from zero_offload.hoststep.muon import PartitionedMuon, muon_rule
 from zero_offload.hoststep.muon_owners import MuonOwners
+from zero_offload.hoststep.nvme_muon import NvmeMuon
 from zero_offload.hoststep.precision import master_rounding
 from zero_offload.hoststep.nvme_adam import NvmeAdam
 from zero_offload.hoststep.policy import StepPolicy
@@ -83,7 +84,7 @@ def build_partition_optimizer(config: Config, parts: list[torch.Tensor], hparams
     """
     opt = config.optimizer
     if opt.type == "Muon":
-        return _muon(config, parts, hparams, copies, offload, host_params, layouts, ctx)
+        return _muon(config, parts, hparams, copies, offload, host_params, layouts, ctx, rank, param_store)
     if opt.type == "Lamb" and segments is None:
         raise ConfigError("config key 'optimizer.type' = 'Lamb' is built at 'zero_optimization.stage' 0-2, not 3: "
                           "LAMB's per-tensor trust ratio needs each parameter's pieces in the partition (DeepSpeed "
@@ -149,9 +150,9 @@ def _in_memory(config: Config, parts: list[torch.Tensor], hparams: list[dict], o
 
 
 def _nvme(parts: list[torch.Tensor], hparams: list[dict], copies: Copies, config: Config,
-         rank: int, param_io=None, host_params: bool = False) -> NvmeAdam:
+         rank: int, param_io=None, host_params: bool = False, owners: MuonOwners | None = None) -> NvmeAdam:
     """The NVMe optimizer for this rank's ``parts`` as ``config`` (offload_optimizer, aio, sub_group_size)
-    asks (``param_io``: see `NvmeAdam`), in a checked swap directory.
+    asks (``param_io``: see `NvmeAdam`), in a checked swap directory; with ``owners`` (type Muon) `NvmeMuon`.
 
     Raises:
         ConfigError: as `check_swap_directory`.
@@ -159,20 +160,27 @@ def _nvme(parts: list[torch.Tensor], hparams: list[dict], copies: Copies, config
     zc = config.zero_optimization
     oo = zc.offload_optimizer
     banks = 2 if oo.super_offload else 1          # super_offload: a second bank of state files
-    need = banks * bytes_needed([p.numel() for p in parts], zc.sub_group_size, element_sizes(config))
+    muon = frozenset(g for g, rule in enumerate(owners.rules) if rule is not None) if owners else frozenset()
+    need = banks * bytes_needed([p.numel() for p in parts], zc.sub_group_size, element_sizes(config), muon)
     directory = check_swap_directory(oo.nvme_path, rank, need, reclaimable=STATE_FILES)
     cores = host_step_cores(oo.cpuadam_cores_perc) if oo.super_offload else None
-    return NvmeAdam(parts, hparams, copies, directory, zc.sub_group_size, oo.buffer_count, oo.pipeline_read,
-                    oo.pipeline_write, block_size=config.aio.block_size, thread_count=config.aio.threads,
-                    queue_depth=config.aio.queue_depth, param_io=param_io, speculative=oo.super_offload,
-                    host_cpus=cores, host_params=host_params, master_dtype=config.bf16.master_dtype,
-                    state_dtype=config.bf16.state_dtype, index_bases=[rank * p.numel() for p in parts],
-                    **master_rounding(config))
+    options = dict(pipeline_read=oo.pipeline_read, pipeline_write=oo.pipeline_write,
+                   block_size=config.aio.block_size, thread_count=config.aio.threads,
+                   queue_depth=config.aio.queue_depth, param_io=param_io, speculative=oo.super_offload,
+                   host_cpus=cores, host_params=host_params, master_dtype=config.bf16.master_dtype,
+                   state_dtype=config.bf16.state_dtype, index_bases=[rank * p.numel() for p in parts],
+                   **master_rounding(config))
+    if owners is not None:
+        return NvmeMuon(parts, hparams, copies, directory, zc.sub_group_size, oo.buffer_count, owners=owners,
+                        **options)
+    return NvmeAdam(parts, hparams, copies, directory, zc.sub_group_size, oo.buffer_count, **options)
 
 
-def _muon(config: Config, parts, hparams, copies, offload, host_params, layouts, ctx) -> PartitionedMuon:
-    """Type Muon: `PartitionedMuon`, its states where the Adam moments would be (the settings it is not built with
-    were refused with the config: `zero_offload.config.optim.check_muon`).
+def _muon(config: Config, parts, hparams, copies, offload, host_params, layouts, ctx, rank: int,
+          param_store: NvmeParamStore | None):
+    """Type Muon: its states where the Adam moments would be -- `PartitionedMuon` in memory, `NvmeMuon` in swap
+    files, and with stage 3's parameters on NVMe the masters read from their files and written back as for Adam
+    (the settings it is not built with were refused with the config: `zero_offload.config.optim.check_muon`).
 
     Raises:
         ValueError: no layouts or data-parallel group given.
@@ -184,4 +192,11 @@ def _muon(config: Config, parts, hparams, copies, offload, host_params, layouts,
                         ctx.rank, ctx.world_size,
                         replicated=zc.stage == 0 and ctx.world_size > 1, all_to_all=ctx.all_to_all,
                         device=ctx.device)
+    if zc.offload_optimizer.device == "nvme":
+        return _nvme(parts, hparams, copies, config, rank, param_io=param_store, host_params=host_params,
+                     owners=owners)
+    if param_store is not None:
+        masters = [param_store.read_range(g, 0, p.numel()).float() for g, p in enumerate(parts)]
+        return WriteBackOptimizer(PartitionedMuon(masters, hparams, True, copies, owners, host_params=True),
+                                  param_store)
     return PartitionedMuon(parts, hparams, offload, copies, owners, host_params=host_params)

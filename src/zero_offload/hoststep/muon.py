@@ -4,7 +4,8 @@ DeepSpeed's ``"type": "Muon"`` (``MuonWithAuxAdam``) and ``torch.optim.Muon`` wi
 engine splits each param group into a Muon half and an Adam half (`zero_offload.param_groups.takes_muon`). The Adam
 groups are `PartitionedAdam`'s: the fused host kernel, or torch's fused AdamW on the device. A Muon group keeps its
 fp32 masters and its momentum partitioned like Adam's moments, where the config puts the optimizer state (host
-memory with ``offload_optimizer.device = cpu``), and steps in three parts:
+memory with ``offload_optimizer.device = cpu``), and steps in three parts, round by round of the owners' exchanges
+(`MuonOwners.spans`), so the step's working memory is one round's, not the partition's:
 
 1. on the partition: the gradient x (clip coefficient / loss scale) folded into the momentum, and the Nesterov
    update (`zero_offload.optim.muon.momentum_step`), elementwise;
@@ -27,7 +28,7 @@ from zero_offload.offload.copies import Copies
 from zero_offload.optim.muon import MuonRule, momentum_step
 from zero_offload.state import fill_from_chunks
 
-__all__ = ["PartitionedMuon", "muon_rule"]
+__all__ = ["PartitionedMuon", "muon_rule", "apply_update", "scaled_grad"]
 
 
 def muon_rule(h: dict) -> MuonRule | None:
@@ -38,6 +39,29 @@ def muon_rule(h: dict) -> MuonRule | None:
     return MuonRule(flavor=h["flavor"], momentum=h["momentum"], nesterov=h["nesterov"], ns_method=h["ns_method"],
                     ns_steps=h["ns_steps"], coefficients=tuple(h["ns_coefficients"]), eps=h["ns_eps"],
                     adjust_lr=h["adjust_lr_fn"])
+
+
+def scaled_grad(grad: torch.Tensor, grad_scale: float, device: torch.device) -> torch.Tensor:
+    """A new fp32 copy of ``grad`` on ``device``, times ``grad_scale`` (clip coefficient / loss scale), for
+    `momentum_step` to fold in and, with Nesterov, write the update over."""
+    out = grad.to(device, torch.float32, copy=True)
+    return out.mul_(grad_scale) if grad_scale != 1.0 else out
+
+
+def apply_update(master: torch.Tensor, result: torch.Tensor, lo: int, lr: float, weight_decay: float,
+                 factors: list[tuple[int, int, float]] | None) -> None:
+    """Muon's update of elements [lo, lo + len(master)) of a group's fp32 master partition, in place: decoupled
+    weight decay, then ``- lr x factor x result`` (``factors``: `MuonOwners.lr_factors`, partition ranges; None:
+    factor 1 everywhere)."""
+    master.mul_(1 - lr * weight_decay)
+    if factors is None:
+        master.add_(result, alpha=-lr)
+        return
+    hi = lo + master.numel()
+    for a, b, factor in factors:
+        a, b = max(a, lo), min(b, hi)
+        if a < b:
+            master[a - lo:b - lo].add_(result[a - lo:b - lo], alpha=-lr * factor)
 
 
 class PartitionedMuon(PartitionedAdam):
@@ -57,10 +81,7 @@ class PartitionedMuon(PartitionedAdam):
                  owners: MuonOwners, host_params: bool = False):
         super().__init__(parts, hparams, offload, copies, host_params=host_params)
         self.rules, self.owners = owners.rules, owners
-        # torch's lr adjusted per matrix: where each of this rank's pieces lies, with its matrix's factor
-        self.lr_factors = {g: [(p.part_offset, p.part_offset + p.length, rule.lr_factor(m.shape))
-                               for m in owners.matrices if m.group == g for p in owners.held(m, owners.rank)]
-                           for g, rule in enumerate(self.rules) if rule is not None and rule.flavor == "torch"}
+        self.lr_factors = [owners.lr_factors(g) for g in range(len(parts))]
         self.momenta = {g: torch.zeros(m.numel(), dtype=torch.float32, device=m.device)
                         for g, m in enumerate(self.masters) if self.rules[g] is not None}
         self.muon_steps = [0] * len(parts)
@@ -78,23 +99,20 @@ class PartitionedMuon(PartitionedAdam):
             RuntimeError: a gradient source with copies still in flight (`GradSource.ready`).
         """
         muon = sorted(self.momenta)
-        updates = {}
+        ready = {g: grads[g].ready() for g in muon}
+        for i in range(len(self.owners.rounds)):       # round by round: the working memory is one round's
+            spans = self.owners.spans(i)
+            updates = {g: momentum_step(self.momenta[g][lo:hi], scaled_grad(ready[g][lo:hi], grad_scale,
+                                                                         self.masters[g].device), self.rules[g])
+                       for g, (lo, hi) in spans.items()}
+            results = {g: torch.zeros_like(u) for g, u in updates.items()}
+            self.owners.orthogonalize_round(i, updates, results, {g: lo for g, (lo, _) in spans.items()})
+            del updates
+            for g, (lo, hi) in spans.items():
+                lr = lrs[g] if lrs is not None else self.optimizer.param_groups[g]["lr"]
+                apply_update(self.masters[g][lo:hi], results[g], lo, lr,
+                             self.optimizer.param_groups[g]["weight_decay"], self.lr_factors[g])
         for g in muon:
-            grad = grads[g].ready().to(self.masters[g].device, torch.float32, copy=True)
-            if grad_scale != 1.0:
-                grad.mul_(grad_scale)
-            updates[g] = momentum_step(self.momenta[g], grad, self.rules[g])
-        results = self.owners.orthogonalize(updates)
-        for g in muon:
-            group = self.optimizer.param_groups[g]
-            lr = lrs[g] if lrs is not None else group["lr"]
-            master = self.masters[g]
-            master.mul_(1 - lr * group["weight_decay"])
-            if g in self.lr_factors:
-                for lo, hi, factor in self.lr_factors[g]:
-                    master[lo:hi].add_(results[g][lo:hi], alpha=-lr * factor)
-            else:
-                master.add_(results[g], alpha=-lr)
             self.muon_steps[g] += 1
         if len(muon) < len(self.parts):
             super().step(grads, grad_scale, lrs, publish)

@@ -119,7 +119,7 @@ class NvmeAdam(FailStop, NvmeState):
         self.banks = 2 if speculative else 1
         self.bank = [0] * len(self.units)            # per sub-group: the bank holding its live state
         for g, p in enumerate(parts):
-            for kind in KINDS:
+            for kind in self.group_kinds(g):
                 for bank in range(self.banks):
                     self.swapper.open(self._name(g, kind, bank), self.file_bytes(p.numel(), kind))
         slots = state_files.pool_slots(buffer_count, pipeline_read, pipeline_write)
@@ -145,6 +145,10 @@ class NvmeAdam(FailStop, NvmeState):
         self._guard(self._write_initial_masters)
 
     # -- layout ----------------------------------------------------------------------------------------
+    def group_kinds(self, g: int) -> tuple[str, ...]:
+        """The states group ``g`` keeps in files: the master and both Adam moments."""
+        return KINDS
+
     def file_bytes(self, numel: int, kind: str = "master") -> int:
         """Bytes of ``kind``'s state file of a partition of ``numel`` elements (whole sub-groups)."""
         return state_files.file_bytes(numel, self.sub, self.sizes[KINDS.index(kind)])
@@ -169,7 +173,7 @@ class NvmeAdam(FailStop, NvmeState):
         buf = self.pool.buffers[slot]
         out = []
         for k, kind in enumerate(KINDS):
-            if kind in kinds:
+            if kind in kinds and kind in self.group_kinds(g):
                 nbytes = align_up((hi - lo) * self.sizes[k], ALIGNMENT)
                 view = buf.raw[self._region(k):self._region(k) + nbytes]
                 op = self.swapper.write if write else self.swapper.read
@@ -226,38 +230,54 @@ class NvmeAdam(FailStop, NvmeState):
     def _step(self, grads: list[torch.Tensor], grad_scale: float, lrs: Sequence[float] | None) -> None:
         for g in range(len(self.parts)):
             self.steps[g] += 1
+        self._adam_pass(range(len(self.units)), grads, grad_scale, lrs)
+        self._drain_timed()
+
+    def _adam_pass(self, units, grads: list[torch.Tensor], grad_scale: float, lrs: Sequence[float] | None) -> None:
+        """The fused Adam step of sub-groups ``units``, streamed (`_stream`)."""
+        def adam(k: int, slot: int, a: int, b: int) -> None:
+            g = self.units[k][0]
+            lr = self.optimizer.param_groups[g]["lr"] if lrs is None else lrs[g]
+            self._kernel(k, slot, a, grads[g][a:b], grad_scale, lr, self.steps[g], land=False)
+        self._stream([(k, self.units[k][2], self.units[k][3]) for k in units], KINDS, adam)
+
+    def _drain_timed(self) -> None:
+        t0 = time.perf_counter()
+        self._drain()
+        self.timings["write_wait_s"] += time.perf_counter() - t0
+
+    def _stream(self, work: list[tuple[int, int, int]], kinds: tuple[str, ...], step) -> None:
+        """One pass over ``work``, (sub-group, a, b) in order: each sub-group's ``kinds`` read into a pool buffer
+        (read ahead with ``pipeline_read``), ``step(k, slot, a, b)`` run on elements [a, b) of it, and the
+        ``kinds`` written back (behind with ``pipeline_write``). Writes may still be in flight when it returns."""
         nslots = len(self.pool)
         reads: dict[int, list[Pending]] = {}
 
-        def issue_read(k: int) -> None:
-            self._free_slot(k % nslots)
-            reads[k] = self._io(k % nslots, k, write=False)
+        def issue_read(j: int) -> None:
+            self._free_slot(j % nslots)
+            reads[j] = self._io(j % nslots, work[j][0], write=False, kinds=kinds)
 
-        issue_read(0)
-        for k, (g, _, lo, hi) in enumerate(self.units):
-            slot = k % nslots
-            if self.pipeline_read and k + 1 < len(self.units):
-                issue_read(k + 1)                      # read-ahead overlaps this sub-group's step
+        if work:
+            issue_read(0)
+        for j, (k, a, b) in enumerate(work):
+            slot = j % nslots
+            if self.pipeline_read and j + 1 < len(work):
+                issue_read(j + 1)                      # read-ahead overlaps this sub-group's step
             t0 = time.perf_counter()
-            self._wait(reads.pop(k))
+            self._wait(reads.pop(j))
             t1 = time.perf_counter()
-            h = self.optimizer.param_groups[g]
-            self._kernel(k, slot, lo, grads[g][lo:hi], grad_scale, h["lr"] if lrs is None else lrs[g],
-                         self.steps[g], land=False)
+            step(k, slot, a, b)
             t2 = time.perf_counter()
-            self._writes[slot] = self._io(slot, k, write=True)
+            self._writes[slot] = self._io(slot, k, write=True, kinds=kinds)
             if not self.pipeline_write:
                 self._wait(self._writes[slot])
                 self._writes[slot] = None
             t3 = time.perf_counter()
-            if not self.pipeline_read and k + 1 < len(self.units):
-                issue_read(k + 1)
+            if not self.pipeline_read and j + 1 < len(work):
+                issue_read(j + 1)
             self.timings["read_wait_s"] += t1 - t0
             self.timings["adam_s"] += t2 - t1
             self.timings["write_wait_s"] += t3 - t2
-        t0 = time.perf_counter()
-        self._drain()
-        self.timings["write_wait_s"] += time.perf_counter() - t0
 
     def _kernel(self, k: int, slot: int, a: int, grad: torch.Tensor, grad_scale: float, lr: float, step: int,
                 land: bool) -> None:
@@ -268,25 +288,40 @@ class NvmeAdam(FailStop, NvmeState):
         b = a + grad.numel()
         master, exp_avg, exp_avg_sq = (v[a - lo:b - lo] for v in self._views(slot, hi - lo))
         h = self.optimizer.param_groups[g]
-        part = self.parts[g][a:b]
-        target = self.landing[g][a:b] if land else part
-        rounded = part.dtype != master.dtype          # 16-bit parameters of fp32 masters: the kernel writes them
-        out = None
-        if self.param_io is not None:
-            out = self._staging(slot, part.dtype)[a - lo:b - lo] if rounded else None
-        elif rounded:
-            out = target if target.device.type == "cpu" else self._staging(slot, part.dtype)[a - lo:b - lo]
+        target, out = self._param_outputs(k, slot, a, b, land)
         fused_adam_step(master, grad, exp_avg, exp_avg_sq, step=step, lr=lr,
                         beta1=h["betas"][0], beta2=h["betas"][1], eps=h["eps"],
                         weight_decay=h["weight_decay"], adamw_mode=h["adamw_mode"],
                         bias_correction=h["bias_correction"], grad_scale=grad_scale, out=out,
                         num_threads=self.host_threads, rounding=self.rounding, seed=step_seed(self.seed, step),
                         index_base=self.index_bases[g] + a)
-        if self.param_io is not None:       # the updated parameters go to their swap file, behind
-            self.param_io.write_behind(g, a, out if rounded else master)
-        elif target.device.type != "cpu":   # up while the next one steps (a landing buffer: once publish read it)
-            self.copies.to_device(target, out if rounded else master, after=self.landing_free if land else None)
-        elif not rounded:
+        self._send_params(g, a, target, out, master, land)
+
+    def _param_outputs(self, k: int, slot: int, a: int, b: int,
+                       land: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Where the updated parameters of elements [a, b) of sub-group ``k`` go: the ``target`` (the
+        parameters, or with ``land`` the landing buffer), and ``out``, the host tensor the step writes them into
+        where they are 16-bit of fp32 masters (the target itself on the host, else a staging slot), else None."""
+        g, _, lo, hi = self.units[k]
+        part = self.parts[g][a:b]
+        target = self.landing[g][a:b] if land else part
+        if part.dtype == self.dtypes[0]:
+            return target, None
+        if self.param_io is None and target.device.type == "cpu":
+            return target, target
+        return target, self._staging(slot, part.dtype)[a - lo:b - lo]
+
+    def _send_params(self, g: int, a: int, target: torch.Tensor, out: torch.Tensor | None, master: torch.Tensor,
+                     land: bool) -> None:
+        """Send the updated parameters at element ``a`` on from ``out`` (or the ``master`` itself where None):
+        to their swap file (behind), up to the device (while the next sub-group steps; into a landing buffer
+        once publish read it), or into host parameters."""
+        if self.param_io is not None:
+            self.param_io.write_behind(g, a, master if out is None else out)
+        elif target.device.type != "cpu":
+            self.copies.to_device(target, master if out is None else out,
+                                  after=self.landing_free if land else None)
+        elif out is None:
             target.copy_(master)
 
     # -- super_offload: the speculative step (zero_offload.hoststep.speculation) ------------------------------------

@@ -40,6 +40,8 @@ class NvmeState(WholeGroupState):
         return self._guard(self._read_state, g, kind)
 
     def _read_state(self, g: int, kind: str) -> torch.Tensor:
+        if kind not in self.group_kinds(g):             # a state this group does not keep: zeros
+            return torch.zeros(self.parts[g].numel(), dtype=torch.float32)
         out = torch.empty(self.parts[g].numel(), dtype=torch.float32)
         k = KINDS.index(kind)
         for u, (_g, _i, lo, hi) in enumerate(self.units):
@@ -58,7 +60,8 @@ class NvmeState(WholeGroupState):
     def swapped_bytes(self) -> dict[str, int]:
         """Bytes of swap files by state kind (whole sub-groups; the moments' files fill on the first step), and
         with super_offload the second bank's as ``speculative_state``."""
-        out = {kind: sum(self.file_bytes(p.numel(), kind) for p in self.parts) for kind in KINDS}
+        out = {kind: sum(self.file_bytes(p.numel(), kind) for g, p in enumerate(self.parts)
+                         if kind in self.group_kinds(g)) for kind in KINDS}
         if self.banks == 2:
             out["speculative_state"] = sum(out.values())
         return out
@@ -104,10 +107,12 @@ class NvmeState(WholeGroupState):
                 yield lo, self._guard(self._read_sub_group, u)
 
     def _read_sub_group(self, u: int) -> dict[str, torch.Tensor]:
-        _, _, lo, hi = self.units[u]
+        g, _, lo, hi = self.units[u]
         self._free_slot(0)
         self._wait(self._io(0, u, write=False))
-        return {kind: view.float() for kind, view in zip(KINDS, self._views(0, hi - lo))}
+        kept = self.group_kinds(g)
+        return {kind: view.float() if kind in kept else torch.zeros(hi - lo)
+                for kind, view in zip(KINDS, self._views(0, hi - lo))}
 
     @torch.no_grad()
     def load_state_chunks(self, g: int, step: int, chunks) -> None:

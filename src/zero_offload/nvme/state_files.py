@@ -10,7 +10,7 @@ from __future__ import annotations
 from zero_offload.nvme.buffers import align_up
 from zero_offload.state import STATE_KINDS
 
-__all__ = ["STATE_FILES", "FP32", "FP32_SIZES", "sub_group_numel", "pool_slots", "pool_bytes", "bytes_needed",
+__all__ = ["STATE_FILES", "FP32", "FP32_SIZES", "sub_group_numel", "pool_slots", "pool_bytes", "bytes_needed", "kind_bytes",
            "file_bytes", "element_sizes"]
 
 FP32 = 4
@@ -54,8 +54,18 @@ def file_bytes(numel: int, sub: int, size: int = FP32) -> int:
     return -(-numel // sub) * sub * size
 
 
-def bytes_needed(numels: list[int], sub_group_size: int, sizes: tuple[int, ...] = FP32_SIZES) -> int:
-    """Bytes of swap files for partitions of ``numels`` elements: 3 states (``sizes`` bytes per element), whole
-    sub-groups."""
+def kind_bytes(numels: list[int], sub_group_size: int, sizes: tuple[int, ...] = FP32_SIZES,
+               muon_groups: frozenset[int] = frozenset()) -> dict[str, int]:
+    """Bytes of swap files per state kind for partitions of ``numels`` elements (``sizes`` bytes per element),
+    whole sub-groups; a group of ``muon_groups`` (optimizer type Muon) keeps a master and a momentum (under
+    ``exp_avg``), no ``exp_avg_sq``."""
     sub = sub_group_numel(numels, sub_group_size, sizes)
-    return sum(file_bytes(n, sub, size) for n in numels for size in sizes)
+    return {kind: sum(file_bytes(n, sub, size) for g, n in enumerate(numels)
+                      if not (kind == "exp_avg_sq" and g in muon_groups))
+            for kind, size in zip(STATE_KINDS, sizes)}
+
+
+def bytes_needed(numels: list[int], sub_group_size: int, sizes: tuple[int, ...] = FP32_SIZES,
+                 muon_groups: frozenset[int] = frozenset()) -> int:
+    """Bytes of swap files for partitions of ``numels`` elements: every state kind's (`kind_bytes`)."""
+    return sum(kind_bytes(numels, sub_group_size, sizes, muon_groups).values())

@@ -1,0 +1,98 @@
+"""`NvmeMuon`: optimizer type Muon with the states in swap files (``offload_optimizer.device = nvme``).
+
+`NvmeAdam`'s files, pool and pipeline (ZeRO-Infinity's sub-groups streamed through a few aligned buffers), with the
+Muon groups stepped as `zero_offload.hoststep.muon.PartitionedMuon` steps them, round by round of the owners'
+exchanges (`zero_offload.hoststep.muon_owners.MuonOwners.spans`):
+
+1. the momentum pass: the sub-groups holding the round's pieces stream their momentum (the ``exp_avg`` file) in,
+   fold the gradient into it and write it back; the updates wait in host memory, one round's worth;
+2. the owners orthogonalize the round's matrices (the same exchanges as in memory);
+3. the master pass: the same sub-groups stream their masters in, take weight decay and the orthogonalized update,
+   are written back, and send the updated parameters on as the Adam step does.
+
+A Muon group keeps two files (master and momentum, fp32), an Adam group three. Each file is read and written once
+per step, as Adam's are: 8 B of swap I/O each way per Muon element. Host memory beyond the pool: two fp32 windows
+of one round's pieces (the updates, then the results).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from zero_offload.hoststep.muon import apply_update, scaled_grad
+from zero_offload.hoststep.muon_owners import MuonOwners
+from zero_offload.hoststep.nvme_adam import NvmeAdam
+from zero_offload.hoststep.nvme_state import KINDS
+from zero_offload.optim.muon import momentum_step
+
+__all__ = ["NvmeMuon", "MUON_KINDS"]
+
+CPU = torch.device("cpu")
+MUON_KINDS = ("master", "exp_avg")         # a Muon group's files: its master and its momentum
+
+
+class NvmeMuon(NvmeAdam):
+    """`NvmeAdam` whose Muon groups are stepped by Muon (module docstring).
+
+    Args:
+        parts, hparams, copies, directory, sub_group_size, buffer_count, options: as `NvmeAdam` (the masters and
+            moments fp32: bf16 states with Muon are refused with the config).
+        owners: who orthogonalizes each Muon matrix, and the exchanges (`MuonOwners`); its ``rules`` say which
+            groups Muon steps.
+    """
+
+    def __init__(self, parts: list[torch.Tensor], hparams: list[dict], copies, directory, sub_group_size: int,
+                 buffer_count: int, *, owners: MuonOwners, **options):
+        self.owners, self.rules = owners, owners.rules       # before the files are opened: `group_kinds`
+        super().__init__(parts, hparams, copies, directory, sub_group_size, buffer_count, **options)
+        self.lr_factors = [owners.lr_factors(g) for g in range(len(parts))]
+
+    def group_kinds(self, g: int) -> tuple[str, ...]:
+        """A Muon group's files: its master and momentum (`MUON_KINDS`); an Adam group's all three."""
+        return MUON_KINDS if self.rules[g] is not None else KINDS
+
+    def state_format(self) -> str:
+        """``muon``: a Muon group's ``exp_avg`` slot holds its momentum (`PartitionedMuon.state_format`)."""
+        return "muon"
+
+    def _step(self, grads: list[torch.Tensor], grad_scale: float, lrs: Sequence[float] | None) -> None:
+        for g in range(len(self.parts)):
+            self.steps[g] += 1
+        self._adam_pass([k for k, unit in enumerate(self.units) if self.rules[unit[0]] is None],
+                        grads, grad_scale, lrs)
+        for i in range(len(self.owners.rounds)):
+            self._muon_round(i, grads, grad_scale, lrs)
+        self._drain_timed()
+
+    def _muon_round(self, i: int, grads: list[torch.Tensor], grad_scale: float,
+                    lrs: Sequence[float] | None) -> None:
+        """Round ``i`` of the Muon groups' step: momentum pass, the owners' exchange, master pass."""
+        spans = self.owners.spans(i)
+        work = [(k, max(lo, spans[g][0]), min(hi, spans[g][1])) for k, (g, _, lo, hi) in enumerate(self.units)
+                if g in spans and max(lo, spans[g][0]) < min(hi, spans[g][1])]
+        updates = {g: torch.empty(hi - lo) for g, (lo, hi) in spans.items()}
+
+        def momentum(k: int, slot: int, a: int, b: int) -> None:
+            g, _, lo, hi = self.units[k]
+            base = spans[g][0]
+            updates[g][a - base:b - base] = momentum_step(self._views(slot, hi - lo)[1][a - lo:b - lo],
+                                                          scaled_grad(grads[g][a:b], grad_scale, CPU), self.rules[g])
+        self._stream(work, ("exp_avg",), momentum)     # its writes may fly on: the master pass reads other files
+        results = {g: torch.zeros_like(u) for g, u in updates.items()}
+        self.owners.orthogonalize_round(i, updates, results, {g: lo for g, (lo, _) in spans.items()})
+        del updates
+
+        def update(k: int, slot: int, a: int, b: int) -> None:
+            g, _, lo, hi = self.units[k]
+            master = self._views(slot, hi - lo)[0][a - lo:b - lo]
+            h = self.optimizer.param_groups[g]
+            base = spans[g][0]
+            apply_update(master, results[g][a - base:b - base], a, h["lr"] if lrs is None else lrs[g],
+                         h["weight_decay"], self.lr_factors[g])
+            target, out = self._param_outputs(k, slot, a, b, land=False)
+            if out is not None:
+                out.copy_(master)
+            self._send_params(g, a, target, out, master, land=False)
+        self._stream(work, ("master",), update)
+        self._drain()            # a sub-group the next round touches again is read after its writes

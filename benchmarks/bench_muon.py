@@ -23,7 +23,6 @@ reference's ``optimizer.step``), median of ``--steps`` after one warm-up step (s
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -32,6 +31,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from json_result import emit
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
@@ -195,10 +196,7 @@ def main() -> None:
                          f"{torch.__version__}",
               "host_side": host_side(a.numel, a.rounds), "newton_schulz": newton_schulz(a.ns_repeat, tuple(a.ns_sizes)),
               "two_ranks": two_ranks(a.n_layer, a.n_embd, a.steps, max(1, a.rounds // 2), a.micro)}
-    print(json.dumps(result, indent=1))
-    if a.json:
-        a.json.parent.mkdir(parents=True, exist_ok=True)
-        a.json.write_text(json.dumps(result, indent=1))
+    emit(result, a.json)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import pytest
 from zero_offload import calibrate
 from zero_offload.cli import main
 from zero_offload.estimate import plan
+from zero_offload.estimate.shape import model_shape
 from zero_offload.estimate.throughput import calibrated
 
 
@@ -29,7 +30,7 @@ def test_calibrate_measures_the_host_and_writes_a_file_the_planner_reads(tmp_pat
     assert c["host_adam_threads"] >= 1 and data["measured"]["host_adam"]
     figures = calibrated(out)          # no GPU figures: those stay built-in, and the source says so
     assert figures.host_adam == c["host_adam_params_per_s"] and figures.gpu_flops == 4e14 and figures.pcie == 25e9
-    assert figures.source == f"calibration {out} (built-in gpu_flops, pcie)"
+    assert figures.source == f"calibration {out} (built-in gpu_flops, nvme_duplex, nvme_read, nvme_write, pcie)"
     assert f"wrote {out}" in capsys.readouterr().out
 
 
@@ -52,6 +53,40 @@ def test_the_default_file_is_read_when_it_exists(tmp_path, monkeypatch):
     assert path in plan("gpt2-10b", gpu_memory="80GB", host_memory="128GB").reasons["constants"]
     monkeypatch.setenv(calibrate.ENV, str(tmp_path / "absent.json"))
     assert calibrated().source == "built-in"
+
+
+def test_nvme_rates_are_measured_in_the_swap_directory_and_planned_with(tmp_path):
+    """``calibrate --nvme-path``: the swap directory's read, write and duplex rates, through the engine's swapper
+    (the probe file removed after); the planner's NVMe step then follows them: I/O-bound at 0.1 GB/s, a host step
+    of the states read and written once (12 B per element each way), at the duplex rate when pipelined, one
+    direction after the other when not; stage 3's parameters read twice a micro-step. (The base configs set no batch
+    keys: the plan chooses them.)"""
+    rates = calibrate.measure_nvme(tmp_path, nbytes=8 << 20, request=1 << 20, reps=1)
+    assert set(rates) == {"nvme_read_bytes_per_s", "nvme_write_bytes_per_s", "nvme_duplex_bytes_per_s"}
+    assert all(v > 0 for v in rates.values()) and not list((tmp_path / "zero_offload_calibrate").glob("*.swp"))
+    figures = calibrated(_file(tmp_path, **rates))
+    assert (figures.nvme_read, figures.nvme_write, figures.nvme_duplex) == tuple(
+        rates[f"nvme_{k}_bytes_per_s"] for k in ("read", "write", "duplex"))
+    slow = 0.1e9
+    io = 2 * model_shape("gpt2-xl").n_params * 12 / slow       # every state read and written once, fp32
+    host = {}
+    for pipelined in (True, False):
+        config = {"bf16": {"enabled": True}, "zero_optimization": {"stage": 3, "offload_optimizer": {
+            "device": "nvme", "nvme_path": str(tmp_path), "pipeline_read": pipelined, "pipeline_write": pipelined,
+            "ratio": 1.0}}}
+        chosen = plan("gpt2-xl", gpu_memory="24GB", host_memory="12GB", nvme="500GB", config=config,
+                      nvme_bandwidth=slow)
+        assert chosen.name.endswith("+ nvme opt")
+        host[pipelined] = chosen.batch.timing.host_s
+    assert host[True] == pytest.approx(io, rel=1e-9)               # the kernel hides behind the I/O
+    assert host[False] > io                                         # the kernel after the reads, before the writes
+    config["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": str(tmp_path)}
+    del config["zero_optimization"]["offload_optimizer"]["ratio"]
+    chosen = plan("gpt2-xl", gpu_memory="6GB", host_memory="8GB", nvme="500GB", config=config, nvme_bandwidth=slow)
+    assert chosen.name == "stage 3 + nvme opt+param"           # each unit's shard read before forward and backward
+    assert chosen.batch.timing.micro_s >= 2 * model_shape("gpt2-xl").n_params * 2 / slow
+    with pytest.raises(calibrate.CalibrationError, match="constants.nvme_duplex_bytes_per_s"):
+        calibrated(_file(tmp_path, nvme_duplex_bytes_per_s=0))
 
 
 @pytest.mark.parametrize("content,fault", [

@@ -203,3 +203,23 @@ def test_cli_plans_the_demo_and_says_what_is_exposed(capsys):
 def test_cli_bad_batch_flags_name_the_flag(capsys, argv, message):
     rc, _, err = _cli(capsys, "--model", "gpt2", "--gpu-mem", "80GB", "--host-mem", "64GB", *argv)
     assert rc == 2 and message in err, err
+
+
+def test_with_states_on_nvme_the_plan_keeps_a_share_on_the_device_or_speculates():
+    """The seed's 10B model on an H200 with a 64 GB host: only the states on NVMe fit, and their I/O bounds the host
+    step (every state read and written once at the built-in 2.5 GB/s). At accumulation 1 the plan keeps a share
+    of each partition on the device (ratio < 1: less I/O); free to choose, it hides the step behind accumulation
+    and super_offload's speculation into a second set of swap files."""
+    config = {"bf16": {"enabled": True}, "zero_optimization": {"stage": 2, "offload_optimizer": {
+        "device": "nvme", "nvme_path": "/tmp", "pipeline_read": True, "pipeline_write": True}}}
+    fixed = zero_offload.plan("gpt2-10b", gpu_memory="139GB", host_memory="64GB", nvme="2TB",
+                              config=dict(config, train_micro_batch_size_per_gpu=16, gradient_accumulation_steps=1))
+    assert fixed.name == "stage 2 + nvme opt" and fixed.batch.ratio < 1.0
+    whole = zero_offload.plan("gpt2-10b", gpu_memory="139GB", host_memory="64GB", nvme="2TB", config=dict(
+        config, train_micro_batch_size_per_gpu=16, gradient_accumulation_steps=1,
+        zero_optimization={**config["zero_optimization"], "offload_optimizer": {
+            **config["zero_optimization"]["offload_optimizer"], "ratio": 1.0}}))
+    assert fixed.batch.timing.tokens_per_s > 1.2 * whole.batch.timing.tokens_per_s
+    free = zero_offload.plan("gpt2-10b", gpu_memory="139GB", host_memory="64GB", nvme="2TB", config=config)
+    assert free.batch.speculative and "swap files" in free.reasons["super_offload"]
+    assert free.batch.timing.exposed_share <= 0.10

@@ -1,6 +1,6 @@
 """Measured hardware constants for the step model: ``zero-offload calibrate --out FILE``.
 
-The planner's step model (`zero_offload.estimate.throughput`) needs four rates. Built in, they are assumptions
+The planner's step model (`zero_offload.estimate.throughput`) needs six rates. Built in, they are assumptions
 (docs/estimate.md); this module measures them on the machine at hand and writes them as JSON:
 
 - ``matmul_bf16_flops``: FLOP/s of a square bf16 matmul (8192, 2 x n^3 FLOPs each) on the accelerator, the
@@ -11,7 +11,12 @@ The planner's step model (`zero_offload.estimate.throughput`) needs four rates. 
   the planner's layout (fp32 master and moments, bf16 gradient and bf16 output: 28 bytes per parameter), with
   the thread count a delayed host step gets (``offload_optimizer.cpuadam_cores_perc`` of the cores,
   `zero_offload.offload.host_cores`) and with every core (the synchronous step); the bf16-moment layout
-  (20 bytes per parameter) beside it.
+  (20 bytes per parameter) beside it;
+- ``nvme_read_bytes_per_s``, ``nvme_write_bytes_per_s`` and ``nvme_duplex_bytes_per_s`` (with ``--nvme-path``):
+  bytes/s of sequential writes, of reads, and of both at once (a write and a read in flight together, as a
+  pipelined sub-group pass keeps them), of a 1 GiB swap file in that directory through the engine's own swapper
+  (`zero_offload.nvme.swapper`: O_DIRECT where the filesystem takes it, aio's default 1 MiB pieces, requests of
+  256 MiB each waited for, as a sub-group pass issues them): the rates of one rank's swap-file I/O.
 
 Without an accelerator only the host side is measured; the device figures are ``None``. Each rate is the best of
 a few repetitions after a warm-up (the machine's sustainable rate, not its average under other load). The step
@@ -21,7 +26,8 @@ File format (``version`` 1)::
 
     {"version": 1, "created": "<ISO time>", "machine": {"host_cores": 16, "device": "NVIDIA H100 ..."},
      "constants": {"matmul_bf16_flops": ..., "h2d_bytes_per_s": ..., "d2h_bytes_per_s": ...,
-                   "host_adam_params_per_s": ..., "host_adam_threads": 12},
+                   "host_adam_params_per_s": ..., "host_adam_threads": 12,
+                   "nvme_read_bytes_per_s": ..., "nvme_write_bytes_per_s": ..., "nvme_duplex_bytes_per_s": ...},
      "measured": {...every figure, per thread count and layout...}}
 """
 from __future__ import annotations
@@ -33,7 +39,7 @@ import platform
 import time
 from pathlib import Path
 
-__all__ = ["measure", "write", "load", "default_path", "DEFAULT_PATH", "CalibrationError"]
+__all__ = ["measure", "measure_nvme", "write", "load", "default_path", "DEFAULT_PATH", "CalibrationError"]
 
 VERSION = 1
 ENV = "ZERO_OFFLOAD_CALIBRATION"
@@ -110,12 +116,47 @@ def measure_host_adam(threads: int, moments: str = "fp32", n: int = 1 << 26, rep
     return _best_rate(n, run, reps)
 
 
-def measure(device: str = "auto", cores_perc: float = 0.8, host_elems: int = 1 << 26) -> dict:
+def measure_nvme(path, nbytes: int = 1 << 30, request: int = 256 << 20, reps: int = 3) -> dict:
+    """Bytes/s of sequential writes, of reads, and of both at once (the two halves of the file, a request of
+    each in flight together), of an ``nbytes`` swap file under ``path`` through the engine's swapper, ``request``
+    bytes per request (each waited for, as a sub-group pass does), best of ``reps``; the file is removed after.
+
+    Raises:
+        NvmeIOError: a failed read or write (naming the file).
+    """
+    from zero_offload.nvme.buffers import AlignedBuffer
+    from zero_offload.nvme.swapper import Swapper
+    swapper = Swapper(Path(path) / "zero_offload_calibrate", queue_depth=8)
+    try:
+        buf, other = AlignedBuffer(min(request, nbytes)).raw, AlignedBuffer(min(request, nbytes)).raw
+        swapper.open("probe.swp", nbytes)
+        rates = {}
+        for key, move in (("nvme_write_bytes_per_s", swapper.write), ("nvme_read_bytes_per_s", swapper.read)):
+            def run(move=move):
+                for offset in range(0, nbytes, buf.numel()):
+                    swapper.wait(move("probe.swp", buf[:min(buf.numel(), nbytes - offset)], offset))
+            rates[key] = _best_rate(nbytes, run, reps)
+        half = nbytes // 2 // buf.numel() * buf.numel()
+
+        def both():              # a pipelined pass: a write behind in flight beside a read ahead
+            for offset in range(0, half, buf.numel()):
+                pending = [swapper.write("probe.swp", buf, offset), swapper.read("probe.swp", other, half + offset)]
+                for p in pending:
+                    swapper.wait(p)
+        rates["nvme_duplex_bytes_per_s"] = _best_rate(2 * half, both, reps)
+        return rates
+    finally:
+        swapper.close()
+
+
+def measure(device: str = "auto", cores_perc: float = 0.8, host_elems: int = 1 << 26, nvme_path=None) -> dict:
     """Every constant this machine allows (see the module docstring). ``device``: "auto" (CUDA when present),
-    "cuda" or "cpu" (host side only); ``cores_perc``: the share of cores a delayed host step gets.
+    "cuda" or "cpu" (host side only); ``cores_perc``: the share of cores a delayed host step gets; ``nvme_path``:
+    a swap directory to measure (None: the NVMe rates are not measured).
 
     Raises:
         ValueError: ``device="cuda"`` where no CUDA device is visible.
+        NvmeIOError: a failed read or write under ``nvme_path``.
     """
     import torch
     from zero_offload.offload.host_cores import available_cores, host_step_cores
@@ -132,7 +173,10 @@ def measure(device: str = "auto", cores_perc: float = 0.8, host_elems: int = 1 <
                 threads, moments, host_elems)
     constants = {"host_adam_params_per_s": measured["host_adam"][f"fp32_moments_{step_threads}_threads"],
                  "host_adam_threads": step_threads, "matmul_bf16_flops": None, "h2d_bytes_per_s": None,
-                 "d2h_bytes_per_s": None}
+                 "d2h_bytes_per_s": None, "nvme_read_bytes_per_s": None, "nvme_write_bytes_per_s": None,
+                 "nvme_duplex_bytes_per_s": None}
+    if nvme_path is not None:
+        constants.update(measure_nvme(nvme_path))
     name = platform.processor() or platform.machine()
     if cuda:
         dev = torch.device("cuda", torch.cuda.current_device())
@@ -177,7 +221,8 @@ def load(path) -> dict:
     constants = data.get("constants")
     if not isinstance(constants, dict):
         raise CalibrationError(f"calibration file {path}: no 'constants' object")
-    for key in ("matmul_bf16_flops", "h2d_bytes_per_s", "d2h_bytes_per_s", "host_adam_params_per_s"):
+    for key in ("matmul_bf16_flops", "h2d_bytes_per_s", "d2h_bytes_per_s", "host_adam_params_per_s",
+                "nvme_read_bytes_per_s", "nvme_write_bytes_per_s", "nvme_duplex_bytes_per_s"):
         value = constants.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
             raise CalibrationError(f"calibration file {path}: constants.{key} must be a number > 0 or null, "

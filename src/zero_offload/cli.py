@@ -83,10 +83,14 @@ def _estimate_parser(sub) -> None:
                                                      "(default 4.2e9, a GPU server's; measure yours: zero-offload "
                                                      "calibrate)")
     p.add_argument("--pcie", default=None, help="host <-> GPU copy GB/s each way (default 25)")
+    p.add_argument("--nvme-gbps", default=None, help="swap-file GB/s each way of one rank, for plans with NVMe "
+                                                     "(default 2.5; measure yours: zero-offload calibrate "
+                                                     "--nvme-path DIR)")
     p.add_argument("--calibration", default=None, help="rates measured by `zero-offload calibrate` (default: "
                                                        "$ZERO_OFFLOAD_CALIBRATION or ~/.cache/zero_offload/"
                                                        "calibration.json when it exists, else built-in); the "
-                                                       "--gpu-tflops, --host-adam and --pcie flags override it")
+                                                       "--gpu-tflops, --host-adam, --pcie and --nvme-gbps flags "
+                                                       "override it")
     p.add_argument("--config", default=None, help="base config: its precision and optimizer are kept, and its "
                                                   "batch sizes when set; the plan picks stage, offload, and the "
                                                   "batch settings it does not set (default: bf16, AdamW)")
@@ -133,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
                                                                 "$ZERO_OFFLOAD_CALIBRATION)")
     cal.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
                      help="auto (default): CUDA when present; cpu: the host side only")
+    cal.add_argument("--nvme-path", default=None, help="a swap directory (offload_optimizer.nvme_path) to measure "
+                                                       "NVMe read and write GB/s in, with a 1 GiB file")
     cal.add_argument("--cores-perc", type=float, default=0.8,
                      help="share of cores a delayed host step gets (offload_optimizer.cpuadam_cores_perc, 0.8)")
     cons = sub.add_parser("consolidate", help="a sharded checkpoint to one safetensors file",
@@ -173,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
             return run_estimate(ns)
         if ns.command == "calibrate":
             from zero_offload.calibrate import measure, write
-            result = measure(ns.device, ns.cores_perc)
+            result = measure(ns.device, ns.cores_perc, nvme_path=ns.nvme_path)
             path = write(result, ns.out)
             print(json.dumps(result["constants"], indent=1))
             print(f"wrote {path}")

@@ -21,7 +21,7 @@ import re
 
 from zero_offload.config.schema import ConfigError
 
-__all__ = ["read_config_file", "decode_config_string", "check_finite"]
+__all__ = ["read_config_file", "decode_config_string", "check_finite", "raw_config"]
 
 _NON_FINITE = re.compile(r'"?([A-Za-z_][\w.]*)"?\s*:\s*([+-]?(?:NaN|Infinity))\b')
 
@@ -121,3 +121,17 @@ def decode_config_string(text: str) -> dict | None:
     if not decoded.lstrip().startswith("{"):
         return None
     return _parse(decoded, "(base64 string)")
+
+
+def raw_config(source: str | os.PathLike) -> dict:
+    """The keys a config path (or base64 string, as `zero_offload.Config.load` takes them) sets, as written, for a
+    caller that tells set keys from defaults (the planner keeps what the user set).
+
+    Raises:
+        ConfigError: as `read_config_file`.
+    """
+    if isinstance(source, str) and not os.path.exists(source):
+        decoded = decode_config_string(source)
+        if decoded is not None:
+            return decoded
+    return read_config_file(source)

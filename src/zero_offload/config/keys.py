@@ -32,8 +32,8 @@ _REFUSED_BY_VALUE = {
     "optimizer.params.max_grad_norm": "not an optimizer parameter (DeepSpeed refuses it too); use the "
                                      "top-level gradient_clipping",
     "zero_optimization.offload_optimizer.aio.use_gds = true": "GPUDirect Storage needs CUDA and cuFile",
-    "optimizer.type Muon with offload_optimizer.device nvme, offload_param.device nvme, ratio < 1, "
-    "delayed_param_update, super_offload or bf16_master_weights_and_grads":
+    "optimizer.type Muon with ratio < 1, delayed_param_update, super_offload, bf16_master_weights_and_grads, "
+    "or bf16_optimizer_states on NVMe":
         "not built for Muon yet; each refusal names the key and why (docs/muon.md)",
 }
 

@@ -27,7 +27,8 @@ from zero_offload.estimate.step_graph import Phases, Structure, predict_step
 from zero_offload.estimate.throughput import (EXPOSED_FRACTION, MAX_GRADIENT_ACCUMULATION, STAGE3_UNIT_SECONDS,
                                               Assumptions, StepTiming, accumulation_to_hide, host_add_seconds,
                                               SPECULATIVE_KERNEL_COST, UNDO_COPY_COST, device_step_seconds,
-                                              host_step_seconds, micro_step_seconds, muon_step_seconds, step_timing)
+                                              host_step_seconds, micro_step_seconds, muon_step_seconds,
+                                              nvme_io_seconds, step_timing)
 from zero_offload.flat import partition_numel
 
 __all__ = ["Knobs", "BatchChoice", "choose_batch", "MICRO_BATCHES", "TIE"]
@@ -175,6 +176,15 @@ def _host_step(shape: ModelShape, cfg: Config, gpus: int, gas: int, a: Assumptio
                                2 if bf16_masters else 4)
     if muon:
         step_s += muon_step_seconds(muon, shape.muon_matrices, gpus, d, a)
+    oo = zc.offload_optimizer
+    param_nvme = offload_param and zc.offload_param.device == "nvme"
+    if oo.device == "nvme" or param_nvme:
+        # Swap files: every state read and written once (a Muon group's master and momentum), and stage 3's
+        # parameters written behind the step; streamed beside the kernel when read ahead and written behind.
+        states = (part - muon) * ((2 if bf16_masters else 4) + 2 * moments) + muon * 8 if oo.device == "nvme" else 0
+        overlapped = oo.device != "nvme" or (oo.pipeline_read and oo.pipeline_write)
+        io_s = nvme_io_seconds(states, states + (part * d if param_nvme else 0), a, together=overlapped)
+        step_s = max(step_s, io_s) if overlapped else step_s + io_s
     return step_s, part * d, add_s
 
 
@@ -192,9 +202,9 @@ def choose_batch(shape: ModelShape, raw: dict, gpus: int, seq: int | None, knobs
     micros = list(MICRO_BATCHES) if knobs.micro_batch is None else [knobs.micro_batch]
     zc = base.zero_optimization
     dpu_possible = (zc.offload_optimizer.device == "cpu" and not (zc.stage == 3 and zc.offload_param.device != "none"))
-    # Chosen for states in host memory only: the step model has no NVMe I/O term, so under nvme the config's
-    # super_offload and ratio are kept as given (both run there).
-    spec_possible = zc.offload_optimizer.device == "cpu" and zc.stage >= 2 and zc.offload_param.device != "nvme"
+    spec_possible = (zc.offload_optimizer.device in ("cpu", "nvme") and zc.stage >= 2
+                     and zc.offload_param.device != "nvme")
+    sized = zc.offload_optimizer.device == "cpu"         # a share of super_offload's bank: host memory only
     ratio_possible = (spec_possible and zc.offload_param.device == "none"
                       and not base.bf16.bf16_master_weights_and_grads)       # not built with bf16 masters
     policies = _policies(knobs, dpu_possible, spec_possible, ratio_possible)
@@ -206,7 +216,7 @@ def choose_batch(shape: ModelShape, raw: dict, gpus: int, seq: int | None, knobs
         given = fraction if fraction is not None else knobs.super_offload_fraction     # else the default, 1
         c = BatchChoice(cfg_raw, micro, gas, ckpt, bool(policy[0]), bool(policy[1]),
                         1.0 if policy[2] is None else policy[2], est, short, fraction=given or 1.0)
-        if c.fits or not policy[1] or fraction is not None or knobs.super_offload_fraction is not None:
+        if c.fits or not policy[1] or fraction is not None or knobs.super_offload_fraction is not None or not sized:
             return c
         # The full second bank does not fit: speculate the largest share whose undo bank does.
         share = _sized_fraction(est, short)
@@ -234,7 +244,7 @@ def choose_batch(shape: ModelShape, raw: dict, gpus: int, seq: int | None, knobs
                     gases.add(min(MAX_GRADIENT_ACCUMULATION, need))
                 for gas in sorted(gases):
                     shares = [] if policy == default and gas == gas0 else [None]      # that one is `first`
-                    if policy[1] and knobs.super_offload_fraction is None:
+                    if policy[1] and knobs.super_offload_fraction is None and sized:
                         shares.append(_hiding_fraction(first.timing, bool(ckpt)))
                     for share in shares:
                         c = make(micro, gas, ckpt, policy, share)
@@ -266,14 +276,16 @@ def _timed(c: BatchChoice, shape: ModelShape, gpus: int, seq: int, a: Assumption
     tokens = c.micro * seq
     ckpt = c.checkpointing if c.checkpointing is not None else bool(shape.gpt and shape.gpt.activation_checkpointing)
     units = len(shape.units) if zc.stage == 3 else 0
-    micro_s = micro_step_seconds(shape.n_params, tokens, ckpt, a, down, stage3_units=units)
-    later_s = micro_step_seconds(shape.n_params, tokens, ckpt, a, down, add_s, units)   # adds beside backward
+    # Stage 3's parameters on NVMe: each unit's shard read before its gather, forward and backward, prefetched
+    read_s = nvme_io_seconds(down, 0, a) if zc.stage == 3 and zc.offload_param.device == "nvme" else 0.0
+    micro_s = micro_step_seconds(shape.n_params, tokens, ckpt, a, down, stage3_units=units, param_read_s=2 * read_s)
+    later_s = micro_step_seconds(shape.n_params, tokens, ckpt, a, down, add_s, units, 2 * read_s)  # adds beside bwd
     if not host_s:
         c.timing = step_timing(micro_s, c.gas, 0.0, False, tokens * c.gas, later_s)
         return c
     flops = a.gpu_flops * min(1.0, tokens / a.saturation_tokens)
-    forward = 2 * shape.n_params * tokens / flops + units * STAGE3_UNIT_SECONDS
-    backward = (6 if ckpt else 4) * shape.n_params * tokens / flops + units * STAGE3_UNIT_SECONDS
+    forward = max(2 * shape.n_params * tokens / flops + units * STAGE3_UNIT_SECONDS, read_s)
+    backward = max((6 if ckpt else 4) * shape.n_params * tokens / flops + units * STAGE3_UNIT_SECONDS, read_s)
     offload_param = zc.stage == 3 and zc.offload_param.device in ("cpu", "nvme")
     structure = Structure(zc.stage, offload_param, c.delayed, c.gas > 1, cfg.precision == "fp32", c.speculative,
                           c.fraction if c.speculative else 1.0)
@@ -290,6 +302,9 @@ def _timed(c: BatchChoice, shape: ModelShape, gpus: int, seq: int, a: Assumption
 def _explain(c: BatchChoice, options: list[BatchChoice], seq: int, free_ckpt: bool, knobs: Knobs,
              dpu_possible: bool, spec_possible: bool, ratio_possible: bool, a: Assumptions) -> dict[str, str]:
     t = c.timing
+    zc = Config.load(c.raw).zero_optimization
+    states_on_nvme = zc.offload_optimizer.device == "nvme"
+    on_nvme = states_on_nvme or (zc.stage == 3 and zc.offload_param.device == "nvme")
     notes = {"batch": (f"micro-batch {c.micro} x {seq} tokens, gradient accumulation {c.gas}: {t.tokens:,} tokens "
                        f"per optimizer step and rank ({'chosen' if knobs.micro_batch is None else 'given'} "
                        f"micro-batch, {'chosen' if knobs.gradient_accumulation is None else 'given'} "
@@ -338,8 +353,9 @@ def _explain(c: BatchChoice, options: list[BatchChoice], seq: int, free_ckpt: bo
             bank = ("its second bank of master weights and moments" if c.fraction >= 1.0 else
                      f"{c.fraction:g} of each partition, the first to land, stepped in place after an undo copy: as "
                      "much as the host steps during backward, or as fits; that copy")
+            where = "a second set of swap files" if states_on_nvme else "host memory"
             notes["super_offload"] = ("on: the boundary's host step starts during its backward, kept exactly or "
-                                      f"redone where clipping fires ({bank} counted in host memory, its landing "
+                                      f"redone where clipping fires ({bank} counted in {where}, its landing "
                                       "buffers in device memory)")
         elif knobs.super_offload is None:
             spec = [o for o in options if o.speculative]
@@ -359,6 +375,9 @@ def _explain(c: BatchChoice, options: list[BatchChoice], seq: int, free_ckpt: bo
                         if t.later_micro_s is not None and t.later_micro_s > t.micro_s else "") + ")"
                      + (f", host step {t.host_s:.2f} s at {a.host_adam / 1e9:.2f} Gparam/s (fp32 moments)"
                         if t.host_s else "")
+                     + (f" with every state read and written once on NVMe at {a.nvme_read / 1e9:.1f} / "
+                        f"{a.nvme_write / 1e9:.1f} GB/s (read / write; {a.nvme_duplex / 1e9:.1f} GB/s together)"
+                        if t.host_s and on_nvme else "")
                      + (f"; the host step and the copies leave {share} of the step exposed, the device idle "
                         "(the engine's recorded step replayed with these times)" if t.host_s else
                         "; no host step (the optimizer steps on the device)")

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 import re
 from dataclasses import dataclass, field
 
 from zero_offload.config import Config, ConfigError
+from zero_offload.config.io import raw_config
 from zero_offload.estimate.batching import BatchChoice, Knobs, choose_batch
 from zero_offload.estimate.throughput import Assumptions, calibrated
 from zero_offload.estimate.memory import MemoryEstimate, ModelShape, default_plan_config, estimate_memory, model_shape
@@ -111,6 +113,9 @@ def candidates() -> list[Candidate]:
                   "stage 3 with the optimizer states and step on the host"),
         Candidate("stage 3 + offload opt+param", {"stage": 3, "offload_optimizer": cpu, "offload_param": cpu},
                   "stage 3 with parameter shards on the host too: the device holds only live units"),
+        Candidate("stage 2 + nvme opt", {"stage": 2, "offload_optimizer": {"device": "nvme"}},
+                  "ZeRO-Offload with the optimizer states on NVMe (ZeRO-Infinity): host memory holds the gradient "
+                  "partition and the sub-group pool; a share of the states may stay on the device (ratio)"),
         Candidate("stage 3 + nvme opt", {"stage": 3, "offload_optimizer": {"device": "nvme"},
                                          "offload_param": cpu},
                   "optimizer states on NVMe: host memory holds parameters and staging only"),
@@ -185,6 +190,10 @@ class Plan:
         return ", ".join(parts)
 
 
+# Elements per NVMe sub-group the planner gives a config that does not set one: 3 pool buffers of 1.2 GB.
+NVME_SUB_GROUP = 100_000_000
+
+
 def _zero_section(base: dict, zero: dict) -> dict:
     out = {k: v for k, v in base.get("zero_optimization", {}).items()
            if k not in ("stage", "offload_optimizer", "offload_param")}
@@ -194,6 +203,9 @@ def _zero_section(base: dict, zero: dict) -> dict:
         given = base.get("zero_optimization", {}).get(key)
         if key in out and isinstance(given, dict):
             out[key] = {**given, **out[key]}
+    if out.get("offload_optimizer", {}).get("device") == "nvme":
+        # DeepSpeed's default sub-group (1e9 elements) makes the pool 12 GB a buffer; a smaller one streams as fast
+        out.setdefault("sub_group_size", NVME_SUB_GROUP)
     if out["stage"] == 2:
         out.setdefault("contiguous_gradients", True)
         out.setdefault("overlap_comm", True)
@@ -204,14 +216,16 @@ def _knobs(base: dict, user_config: bool, gpus: int, accelerator: bool, shape: M
            gradient_accumulation, activation_checkpointing, allow_stale_step: bool = False) -> Knobs:
     """What the plan chooses and what is fixed: a value given as an argument or in the user's config is kept;
     without an accelerator nothing is chosen (the host computes: no step model, the config's batch)."""
-    sizes = Config.load(base).batch_sizes(gpus)
+    # A base config without batch keys leaves them to the plan (without an accelerator: 1 and 1)
+    batched = any(k in base for k in ("train_micro_batch_size_per_gpu", "train_batch_size"))
+    sizes = Config.load(base).batch_sizes(gpus) if batched else None
     given = lambda *keys: user_config and any(k in base for k in keys)          # noqa: E731
+    fixed = (lambda *keys: given(*keys) or not accelerator) if sizes else (lambda *keys: False)   # noqa: E731
+    unset = None if accelerator else 1
     micro = micro_batch if micro_batch is not None else (
-        sizes.micro_batch_per_gpu if given("train_micro_batch_size_per_gpu", "train_batch_size") or not accelerator
-        else None)
+        sizes.micro_batch_per_gpu if fixed("train_micro_batch_size_per_gpu", "train_batch_size") else unset)
     gas = gradient_accumulation if gradient_accumulation is not None else (
-        sizes.gradient_accumulation_steps if given("gradient_accumulation_steps", "train_batch_size")
-        or not accelerator else None)
+        sizes.gradient_accumulation_steps if fixed("gradient_accumulation_steps", "train_batch_size") else unset)
     offload = base.get("zero_optimization", {}).get("offload_optimizer", {})
     dpu, spec, ratio = ((offload.get("delayed_param_update"), offload.get("super_offload"), offload.get("ratio"))
                         if isinstance(offload, dict) else (None, None, None))
@@ -234,7 +248,8 @@ def plan(model, gpus: int = 1, gpu_memory=None, host_memory=None, nvme=None, mic
          seq_len: int | None = None, config: "dict | str | Config | None" = None,
          headroom: float = HEADROOM, *, gradient_accumulation: int | None = None,
          activation_checkpointing: bool | None = None, gpu_flops: float | None = None,
-         host_adam: float | None = None, pcie: float | None = None, calibration=None,
+         host_adam: float | None = None, pcie: float | None = None, nvme_bandwidth: float | None = None,
+         calibration=None,
          allow_stale_step: bool = False, locked_memory: int | None = None, timed: bool = True,
          allow_bf16_masters: bool = False) -> Plan:
     """The fastest config for ``model`` on ``gpus`` ranks of one machine that fits with ``headroom`` free.
@@ -259,6 +274,8 @@ def plan(model, gpus: int = 1, gpu_memory=None, host_memory=None, nvme=None, mic
         activation_checkpointing: fix it (default: chosen for a GPT shape on an accelerator, else the model's).
         gpu_flops, host_adam, pcie: the step model's figures: sustained FLOP/s per accelerator, host Adam
             parameters/s (fp32 moments), host <-> device bytes/s; each overrides ``calibration``'s.
+        nvme_bandwidth: bytes/s of one rank's swap-file reads, of its writes, and of both together (the step
+            model's ``nvme_read``, ``nvme_write`` and ``nvme_duplex``), overriding ``calibration``'s.
         allow_stale_step: the plan may turn the delayed parameter update on (default: never unless ``config``
             sets it: it trains each step on parameters one step old; the reasons say what it would gain).
         allow_bf16_masters: the plan may choose bf16 master weights (DeepSpeed's ``bf16_master_weights_and_grads``:
@@ -288,7 +305,9 @@ def plan(model, gpus: int = 1, gpu_memory=None, host_memory=None, nvme=None, mic
     _positive_int(micro_batch, "micro_batch")
     _positive_int(gradient_accumulation, "gradient_accumulation")
     measured = calibrated(calibration)
-    given = {k: v for k, v in (("gpu_flops", gpu_flops), ("host_adam", host_adam), ("pcie", pcie)) if v is not None}
+    given = {k: v for k, v in (("gpu_flops", gpu_flops), ("host_adam", host_adam), ("pcie", pcie),
+                               ("nvme_read", nvme_bandwidth), ("nvme_write", nvme_bandwidth),
+                               ("nvme_duplex", nvme_bandwidth)) if v is not None}
     figures = dataclasses.replace(measured, **given,
                                   source=measured.source + (f"; given: {', '.join(given)}" if given else ""))
     gpu_bytes = parse_bytes(gpu_memory, "gpu_memory") if gpu_memory is not None else 0
@@ -297,6 +316,8 @@ def plan(model, gpus: int = 1, gpu_memory=None, host_memory=None, nvme=None, mic
     host_bytes = parse_bytes(host_memory, "host_memory")
     nvme_bytes = parse_bytes(nvme, "nvme") if nvme is not None else 0
     accelerator = gpu_bytes > 0
+    if isinstance(config, (str, os.PathLike)):
+        config = raw_config(config)               # the keys as the file sets them: the rest is the plan's
     if isinstance(config, dict):
         Config.load(config)                       # a bad base config fails here, naming the key
         base = copy.deepcopy(config)

@@ -227,6 +227,7 @@ def run_estimate(ns) -> int:
                   activation_checkpointing=ckpt, gpu_flops=parse_rate_flag(ns.gpu_tflops, "--gpu-tflops", 1e12),
                   host_adam=parse_rate_flag(ns.host_adam, "--host-adam"),
                   pcie=parse_rate_flag(ns.pcie, "--pcie", 1e9), calibration=getattr(ns, "calibration", None),
+                  nvme_bandwidth=parse_rate_flag(getattr(ns, "nvme_gbps", None), "--nvme-gbps", 1e9),
                   locked_memory=machine["locked_memory"] if ns.host_mem is None else None,
                   allow_stale_step=getattr(ns, "allow_stale_step", False),
                   allow_bf16_masters=getattr(ns, "allow_bf16_masters", False))
@@ -250,7 +251,9 @@ def _run_largest(ns) -> int:
     nvme = parse_size_flag(ns.nvme, "--nvme") if ns.nvme is not None else None
     rates = {k: v for k, v in (("gpu_flops", parse_rate_flag(ns.gpu_tflops, "--gpu-tflops", 1e12)),
                                ("host_adam", parse_rate_flag(ns.host_adam, "--host-adam")),
-                               ("pcie", parse_rate_flag(ns.pcie, "--pcie", 1e9))) if v is not None}
+                               ("pcie", parse_rate_flag(ns.pcie, "--pcie", 1e9)),
+                               ("nvme_bandwidth", parse_rate_flag(getattr(ns, "nvme_gbps", None), "--nvme-gbps",
+                                                                  1e9))) if v is not None}
     found = largest(gpus, gpu_mem, host_mem, nvme, seq_len=ns.seq_len or 1024, config=ns.config,
                     allow_stale_step=getattr(ns, "allow_stale_step", False),
                     allow_bf16_masters=getattr(ns, "allow_bf16_masters", False),

@@ -22,6 +22,13 @@ Per rank and optimizer step of ``gas`` micro-steps of ``t`` tokens each:
   gradients; with bf16 masters ``4 + 4 x moment bytes + 2``, 14 B with bf16 moments), at ``host_adam x 28``
   bytes/s (``host_adam``: the kernel's parameters/s with fp32 moments);
 - **copies up**: the updated 16-bit partition, ``P x d`` bytes at ``pcie`` (none for stage 3's host shards).
+- **swap-file I/O** (``offload_optimizer.device = nvme``): the host step reads and writes every state of the
+  partition once (``S`` = master + moments bytes per element: 12, 8 with bf16 moments, 6 with bf16 masters too;
+  a Muon group's 8); read ahead and written behind (``pipeline_read`` and ``pipeline_write``), a read and a write
+  are in flight together and the step takes the longer of ``2 x P x S / nvme_duplex`` and its kernel; else the
+  sum of the kernel, ``P x S / nvme_read`` and ``P x S / nvme_write``. Stage 3's parameters on
+  NVMe add their write behind the step (``P x d``) and a read of each unit's shard before each of its gathers,
+  forward and backward (``2 x P x d`` per micro-step, prefetched beside compute: each pass takes the longer).
 - **the step**: these pieces overlap as the engine's own recorded step overlaps them: the planner replays it
   with their durations (`zero_offload.estimate.step_graph`), and ``exposed`` is the device's idle time in it.
   `step_timing` is the closed form of the same for a step without host work (``compute = first micro-step +
@@ -42,7 +49,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Assumptions", "calibrated", "TRAINING_SHARE_OF_MATMUL", "StepTiming", "EXPOSED_FRACTION",
            "MAX_GRADIENT_ACCUMULATION", "host_step_seconds",
-           "host_add_seconds", "micro_step_seconds", "step_timing", "accumulation_to_hide"]
+           "host_add_seconds", "micro_step_seconds", "step_timing", "accumulation_to_hide", "nvme_io_seconds"]
 
 # The share of a step the host step may leave exposed in a plan.
 EXPOSED_FRACTION = 0.10
@@ -59,6 +66,8 @@ class Assumptions:
         host_adam: parameters/s of the host Adam step with fp32 moments and a bf16 gradient (28 bytes/param);
             other layouts scale by their bytes per parameter.
         pcie: bytes/s of host <-> device copies, each direction, per accelerator.
+        nvme_read, nvme_write: bytes/s of one rank's swap-file reads and writes (O_DIRECT, sequential).
+        nvme_duplex: bytes/s of its reads and writes together, a read and a write in flight at once.
         saturation_tokens: tokens per micro-batch from which the device reaches ``gpu_flops``.
         source: where the figures come from ("built-in", or the calibration file: `zero_offload.calibrate`).
 
@@ -69,10 +78,14 @@ class Assumptions:
     host_adam: float = 4.2e9
     pcie: float = 25e9
     saturation_tokens: int = 8192
+    nvme_read: float = 2.5e9
+    nvme_write: float = 2.5e9
+    nvme_duplex: float = 2.5e9
     source: str = "built-in"
 
     def __post_init__(self) -> None:
-        for name in ("gpu_flops", "host_adam", "pcie", "saturation_tokens"):
+        for name in ("gpu_flops", "host_adam", "pcie", "saturation_tokens", "nvme_read", "nvme_write",
+                     "nvme_duplex"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
                 raise ValueError(f"{name} must be a number > 0, got {value!r}")
@@ -88,7 +101,9 @@ def calibrated(calibration=None) -> Assumptions:
     """The step model's figures and where they came from: the file ``calibration`` (written by ``zero-offload
     calibrate``, `zero_offload.calibrate`) when given, else the file at its default path when it exists, else the
     built-in `Assumptions`. A measured rate replaces its built-in one: ``gpu_flops`` = `TRAINING_SHARE_OF_MATMUL`
-    x the matmul FLOP/s, ``pcie`` = the slower copy direction, ``host_adam`` = the kernel's parameters/s; a rate
+    x the matmul FLOP/s, ``pcie`` = the slower copy direction, ``host_adam`` = the kernel's parameters/s,
+    ``nvme_read`` / ``nvme_write`` / ``nvme_duplex`` = the swap directory's measured rates (``calibrate
+    --nvme-path``); a rate
     the file lacks (a host without a GPU) keeps the built-in one. ``source`` names the file or says "built-in".
 
     Raises:
@@ -106,7 +121,9 @@ def calibrated(calibration=None) -> Assumptions:
     measured = {"gpu_flops": c["matmul_bf16_flops"] and c["matmul_bf16_flops"] * TRAINING_SHARE_OF_MATMUL,
                 "host_adam": c["host_adam_params_per_s"],
                 "pcie": min(c["h2d_bytes_per_s"], c["d2h_bytes_per_s"])
-                if c["h2d_bytes_per_s"] and c["d2h_bytes_per_s"] else None}
+                if c["h2d_bytes_per_s"] and c["d2h_bytes_per_s"] else None,
+                "nvme_read": c.get("nvme_read_bytes_per_s"), "nvme_write": c.get("nvme_write_bytes_per_s"),
+                "nvme_duplex": c.get("nvme_duplex_bytes_per_s")}
     kept = sorted(k for k, v in measured.items() if not v)
     return Assumptions(**{k: v for k, v in measured.items() if v},
                        source=f"calibration {path}" + (f" (built-in {', '.join(kept)})" if kept else ""))
@@ -118,6 +135,17 @@ def host_step_seconds(params: int, moment_bytes: int, grad_bytes: int, param_byt
     bandwidth, ``host_adam`` params/s x 28 bytes (the measured layout). ``param_bytes``: the 16-bit output (0 with
     bf16 masters, ``master_bytes`` 2: the master is the parameter)."""
     return params * (2 * master_bytes + 4 * moment_bytes + grad_bytes + param_bytes) / (host_adam * 28)
+
+
+def nvme_io_seconds(read_bytes: int, write_bytes: int, a: Assumptions, together: bool = False) -> float:
+    """Seconds of ``read_bytes`` read from and ``write_bytes`` written to one rank's swap files: one direction
+    after the other, or ``together`` (a read ahead in flight beside a write behind) at the drive's duplex rate
+    while both run and at one direction's alone for the rest."""
+    if not together:
+        return read_bytes / a.nvme_read + write_bytes / a.nvme_write
+    both = min(read_bytes, write_bytes)
+    rest = read_bytes - both if read_bytes > both else write_bytes - both
+    return 2 * both / a.nvme_duplex + rest / (a.nvme_read if read_bytes > both else a.nvme_write)
 
 
 # Bytes per element of Muon's partition work as it runs (`zero_offload.hoststep.muon`: the gradient widened and
@@ -151,14 +179,16 @@ STAGE3_UNIT_SECONDS = 2.2e-4
 
 
 def micro_step_seconds(n_params: int, tokens: int, checkpointing: bool, a: Assumptions,
-                       grad_down_bytes: int = 0, host_add_s: float = 0.0, stage3_units: int = 0) -> float:
+                       grad_down_bytes: int = 0, host_add_s: float = 0.0, stage3_units: int = 0,
+                       param_read_s: float = 0.0) -> float:
     """Seconds of one micro-step of ``tokens`` tokens: device compute (with the saturation rule) plus stage 3's
     gathers and releases of ``stage3_units`` units (twice each: `STAGE3_UNIT_SECONDS`), or the copy of
     ``grad_down_bytes`` of gradients to the host, or the ``host_add_s`` seconds of its host accumulation
-    (`host_add_seconds`; 0 for the first micro-step of a step), whichever is longest: all three overlap."""
+    (`host_add_seconds`; 0 for the first micro-step of a step), or the ``param_read_s`` seconds of stage 3's
+    parameters read from NVMe, whichever is longest: all of them overlap."""
     rate = a.gpu_flops * min(1.0, tokens / a.saturation_tokens)
     compute = (8 if checkpointing else 6) * n_params * tokens / rate + 2 * stage3_units * STAGE3_UNIT_SECONDS
-    return max(compute, grad_down_bytes / a.pcie, host_add_s)
+    return max(compute, grad_down_bytes / a.pcie, host_add_s, param_read_s)
 
 
 @dataclass(frozen=True)

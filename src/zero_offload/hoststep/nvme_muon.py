@@ -81,7 +81,7 @@ class NvmeMuon(NvmeAdam):
         self._stream(work, ("exp_avg",), momentum)     # its writes may fly on: the master pass reads other files
         results = {g: torch.zeros_like(u) for g, u in updates.items()}
         self.owners.orthogonalize_round(i, updates, results, {g: lo for g, (lo, _) in spans.items()})
-        del updates
+        updates.clear()          # one round's updates freed before the master pass
 
         def update(k: int, slot: int, a: int, b: int) -> None:
             g, _, lo, hi = self.units[k]

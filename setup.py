@@ -37,7 +37,8 @@ setup(
     ext_modules=[
         Extension(
             "zero_offload.optim._native._fused_adam",
-            sources=["src/zero_offload/optim/_native/fused_adam.c", "src/zero_offload/optim/_native/accumulate.c"],
+            sources=["src/zero_offload/optim/_native/fused_adam.c", "src/zero_offload/optim/_native/accumulate.c",
+                     "src/zero_offload/optim/_native/muon.c"],
             depends=["src/zero_offload/optim/_native/zo_common.h"],
             libraries=["m"],
             optional=True,

@@ -2,10 +2,11 @@
 the engine's Muon step at stage 2 + offload on 2 ranks against the unpartitioned reference step.
 
 Part 1, host side per parameter. On one partition of ``--numel`` fp32 elements (a 16-bit gradient in): the
-partition's Muon work (the gradient widened and scaled, momentum and Nesterov, `zero_offload.optim.muon.momentum_step`;
-then decay and the update added to the masters) against one step of the fused host Adam (`zero_offload.optim.
-cpu_adam.CPUAdam`) and torch's ``AdamW(foreach=True)``; ``--rounds`` rounds, the three interleaved in each round,
-medians in parameters/s.
+partition's Muon work (the gradient widened and scaled, momentum and Nesterov; then decay and the update added to the
+masters) as torch's ops (`zero_offload.optim.muon.momentum_step`, ``mul_``, ``add_``) and as the native passes
+(`zero_offload.optim.muon_pass`), against one step of the fused host Adam (`zero_offload.optim.cpu_adam.CPUAdam`)
+and torch's ``AdamW(foreach=True)``; ``--rounds`` rounds, the four interleaved in each round, medians in
+parameters/s.
 
 Part 2, Newton-Schulz on the CPU: `zero_offload.optim.muon.orthogonalize` of n x n and 4n x n matrices (``--ns-sizes``;
 768 is GPT-2 124M's attention projection and MLP), ``gram`` and ``standard`` in the dtype the CPU gets (`ns_dtype`)
@@ -41,6 +42,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 def host_side(numel: int, rounds: int) -> dict:
     from zero_offload.optim.cpu_adam import CPUAdam
     from zero_offload.optim.muon import MuonRule, momentum_step
+    from zero_offload.optim.muon_pass import momentum_pass, update_pass
     torch.manual_seed(0)
     grad16 = torch.randn(numel).bfloat16()
     master = torch.randn(numel)
@@ -53,10 +55,16 @@ def host_side(numel: int, rounds: int) -> dict:
     torch_adam = torch.optim.AdamW([torch_master], lr=1e-3, foreach=True)
     orthogonal = torch.randn(numel)
 
-    def muon_partition():
+    def muon_partition_torch():
         update = momentum_step(momentum, grad16.float().mul_(0.5), rule)
         del update
         master.mul_(1 - 1e-3 * 0.01).add_(orthogonal, alpha=-1e-3)
+
+    window = torch.empty(numel)          # the engine's round window, reused (`RoundWindows`)
+
+    def muon_partition_native():
+        momentum_pass(momentum, grad16, 0.5, rule, out=window)
+        update_pass(master, orthogonal, 1e-3, 0.01)
 
     def fused_adam():
         adam.step(grads=[[grad16]], grad_scale=0.5)
@@ -65,7 +73,8 @@ def host_side(numel: int, rounds: int) -> dict:
         torch_master.grad = grad16.float().mul_(0.5)
         torch_adam.step()
 
-    paths = {"muon_partition": muon_partition, "fused_host_adam": fused_adam, "torch_adamw_foreach": torch_adamw}
+    paths = {"muon_partition_torch": muon_partition_torch, "muon_partition_native": muon_partition_native,
+             "fused_host_adam": fused_adam, "torch_adamw_foreach": torch_adamw}
     times: dict[str, list[float]] = {k: [] for k in paths}
     for _ in range(rounds):
         for name, fn in paths.items():

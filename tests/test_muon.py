@@ -225,12 +225,14 @@ def _wrong_rank():
 
 
 def _no_nesterov():
+    """The update is the momentum itself, not Nesterov's lerp of the gradient towards it."""
+    import dataclasses
     from zero_offload.hoststep import muon
+    original = muon.momentum_pass
 
-    def plain(momentum, grad, rule):
-        momentum.lerp_(grad, 1 - rule.momentum)
-        return momentum.clone()
-    muon.momentum_step = plain
+    def plain(momentum, grad, grad_scale, rule, out):
+        return original(momentum, grad, grad_scale, dataclasses.replace(rule, nesterov=False), out=out)
+    muon.momentum_pass = plain
 
 
 @pytest.mark.parametrize("mutation", [_shard_only, _wrong_rank, _no_nesterov])

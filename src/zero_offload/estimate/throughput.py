@@ -148,10 +148,12 @@ def nvme_io_seconds(read_bytes: int, write_bytes: int, a: Assumptions, together:
     return 2 * both / a.nvme_duplex + rest / (a.nvme_read if read_bytes > both else a.nvme_write)
 
 
-# Bytes per element of Muon's partition work as it runs (`zero_offload.hoststep.muon`: the gradient widened and
-# scaled, the momentum's and Nesterov's lerps, decay, the update added, the parameters written: torch passes),
-# besides the d of the gradient read and of the parameters written; the host's bandwidth is host_adam x 28 B.
-MUON_PASS_BYTES = 56
+# Bytes per element of Muon's partition work on the host (`zero_offload.hoststep.muon`), besides the d of the gradient
+# read and of the parameters written: the native momentum pass (momentum read and written, the update written: 12),
+# the results zeroed (4), the update's pieces gathered for the owners (8) and the results written back (4), the
+# native update pass (master and result read, master written: 12), the masters read for the parameters (4); the
+# host's bandwidth is host_adam x 28 B.
+MUON_PASS_BYTES = 44
 
 
 def muon_step_seconds(part: int, matrices, gpus: int, d: int, a: "Assumptions") -> float:

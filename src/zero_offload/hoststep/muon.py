@@ -8,7 +8,7 @@ memory with ``offload_optimizer.device = cpu``), and steps in three parts, round
 (`MuonOwners.spans`), so the step's working memory is one round's, not the partition's:
 
 1. on the partition: the gradient x (clip coefficient / loss scale) folded into the momentum, and the Nesterov
-   update (`zero_offload.optim.muon.momentum_step`), elementwise;
+   update (`zero_offload.optim.muon_pass.momentum_pass`: one native pass on the host), elementwise;
 2. each whole matrix orthogonalized once, by its owner rank (`zero_offload.hoststep.muon_owners.MuonOwners`);
 3. on the partition: decoupled weight decay and the update, ``p <- p (1 - lr wd) - lr' O`` (lr' = lr, or torch's
    shape-adjusted lr), then the 16-bit parameters written from the masters.
@@ -22,13 +22,14 @@ from typing import Iterable, Iterator, Sequence
 import torch
 
 from zero_offload.hoststep.adam import PartitionedAdam
-from zero_offload.hoststep.muon_owners import MuonOwners
+from zero_offload.hoststep.muon_owners import MuonOwners, RoundWindows
 from zero_offload.hoststep.role import GradSource
 from zero_offload.offload.copies import Copies
-from zero_offload.optim.muon import MuonRule, momentum_step
+from zero_offload.optim.muon import MuonRule
+from zero_offload.optim.muon_pass import momentum_pass, update_pass
 from zero_offload.state import fill_from_chunks
 
-__all__ = ["PartitionedMuon", "muon_rule", "apply_update", "scaled_grad"]
+__all__ = ["PartitionedMuon", "muon_rule", "apply_update"]
 
 
 def muon_rule(h: dict) -> MuonRule | None:
@@ -41,27 +42,19 @@ def muon_rule(h: dict) -> MuonRule | None:
                     adjust_lr=h["adjust_lr_fn"])
 
 
-def scaled_grad(grad: torch.Tensor, grad_scale: float, device: torch.device) -> torch.Tensor:
-    """A new fp32 copy of ``grad`` on ``device``, times ``grad_scale`` (clip coefficient / loss scale), for
-    `momentum_step` to fold in and, with Nesterov, write the update over."""
-    out = grad.to(device, torch.float32, copy=True)
-    return out.mul_(grad_scale) if grad_scale != 1.0 else out
-
-
 def apply_update(master: torch.Tensor, result: torch.Tensor, lo: int, lr: float, weight_decay: float,
                  factors: list[tuple[int, int, float]] | None) -> None:
     """Muon's update of elements [lo, lo + len(master)) of a group's fp32 master partition, in place: decoupled
-    weight decay, then ``- lr x factor x result`` (``factors``: `MuonOwners.lr_factors`, partition ranges; None:
-    factor 1 everywhere)."""
-    master.mul_(1 - lr * weight_decay)
+    weight decay, then ``- lr x factor x result`` (`zero_offload.optim.muon_pass.update_pass`; ``factors``:
+    `MuonOwners.lr_factors`, partition ranges, each piece with its own; None: factor 1 everywhere)."""
     if factors is None:
-        master.add_(result, alpha=-lr)
+        update_pass(master, result, lr, weight_decay)
         return
     hi = lo + master.numel()
     for a, b, factor in factors:
         a, b = max(a, lo), min(b, hi)
         if a < b:
-            master[a - lo:b - lo].add_(result[a - lo:b - lo], alpha=-lr * factor)
+            update_pass(master[a - lo:b - lo], result[a - lo:b - lo], lr, weight_decay, factor)
 
 
 class PartitionedMuon(PartitionedAdam):
@@ -85,6 +78,8 @@ class PartitionedMuon(PartitionedAdam):
         self.momenta = {g: torch.zeros(m.numel(), dtype=torch.float32, device=m.device)
                         for g, m in enumerate(self.masters) if self.rules[g] is not None}
         self.muon_steps = [0] * len(parts)
+        device = next((m.device for g, m in enumerate(self.masters) if self.rules[g] is not None), torch.device("cpu"))
+        self.windows = RoundWindows(owners, device)
 
     def adam_steps(self, g: int) -> bool:
         return self.rules[g] is None
@@ -102,12 +97,10 @@ class PartitionedMuon(PartitionedAdam):
         ready = {g: grads[g].ready() for g in muon}
         for i in range(len(self.owners.rounds)):       # round by round: the working memory is one round's
             spans = self.owners.spans(i)
-            updates = {g: momentum_step(self.momenta[g][lo:hi], scaled_grad(ready[g][lo:hi], grad_scale,
-                                                                         self.masters[g].device), self.rules[g])
-                       for g, (lo, hi) in spans.items()}
-            results = {g: torch.zeros_like(u) for g, u in updates.items()}
+            updates, results = self.windows.views(spans)
+            for g, (lo, hi) in spans.items():
+                momentum_pass(self.momenta[g][lo:hi], ready[g][lo:hi], grad_scale, self.rules[g], out=updates[g])
             self.owners.orthogonalize_round(i, updates, results, {g: lo for g, (lo, _) in spans.items()})
-            del updates
             for g, (lo, hi) in spans.items():
                 lr = lrs[g] if lrs is not None else self.optimizer.param_groups[g]["lr"]
                 apply_update(self.masters[g][lo:hi], results[g], lo, lr,

@@ -32,15 +32,16 @@ import torch
 from zero_offload.optim.muon import MuonRule, ns_dtype, ns_flops, orthogonalize
 from zero_offload.zero.layout import GroupLayout, Piece
 
-__all__ = ["MuonMatrix", "MuonOwners", "assign_owners", "assembled_bytes", "window_bytes", "ROUND_NUMEL",
-           "ASSEMBLED_FORMULA", "WINDOW_FORMULA"]
+__all__ = ["MuonMatrix", "MuonOwners", "RoundWindows", "assign_owners", "assembled_bytes", "window_bytes",
+           "ROUND_NUMEL", "ASSEMBLED_FORMULA", "WINDOW_FORMULA"]
 
 ROUND_NUMEL = 1 << 27       # elements of the matrices exchanged per round
 ASSEMBLED_FORMULA = ("Muon: min(round = 2^27, Muon elements) x 20 B on the device (pieces received and assembled in "
                      "fp32, up to three iteration temporaries), an upper bound of an owner's working memory")
 
-WINDOW_FORMULA = ("Muon: min(round = 2^27, this rank's Muon elements) x 8 B where the optimizer state lives (one "
-                  "round's updates and orthogonalized results, fp32), an upper bound of the step's working memory")
+WINDOW_FORMULA = ("Muon: min(round = 2^27, this rank's Muon elements) x 8 B where the optimizer state lives (the "
+                  "largest round's updates and orthogonalized results, fp32, held from initialize: RoundWindows), "
+                  "an upper bound")
 
 AllToAll = Callable[[torch.Tensor, torch.Tensor, list, list], None]   # (out, inp, out_splits, in_splits)
 
@@ -93,6 +94,28 @@ def assign_owners(shapes: Sequence[tuple[int, ...]], world: int,
         owners[i] = rank
         load[rank] += costs[i]
     return owners
+
+
+class RoundWindows:
+    """A Muon step's working memory: per round, each Muon group's updates and orthogonalized results as views of two
+    fp32 buffers sized once for the largest round's `MuonOwners.spans` and reused every round and step (buffers
+    allocated afresh cost more than the passes over them: their pages are faulted in each time). At most
+    `window_bytes`."""
+
+    def __init__(self, owners: "MuonOwners", device: torch.device):
+        largest = max((sum(hi - lo for lo, hi in owners.spans(i).values()) for i in range(len(owners.rounds))),
+                      default=0)
+        self.updates = torch.empty(largest, dtype=torch.float32, device=device)
+        self.results = torch.empty(largest, dtype=torch.float32, device=device)
+
+    def views(self, spans: dict[int, tuple[int, int]]) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+        """For one round's ``spans``: per group, its updates (to be written) and its results (zeros)."""
+        updates, results, at = {}, {}, 0
+        for g, (lo, hi) in spans.items():
+            updates[g] = self.updates[at:at + hi - lo]
+            results[g] = self.results[at:at + hi - lo].zero_()
+            at += hi - lo
+        return updates, results
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ exchanges (`zero_offload.hoststep.muon_owners.MuonOwners.spans`):
 
 A Muon group keeps two files (master and momentum, fp32), an Adam group three. Each file is read and written once
 per step, as Adam's are: 8 B of swap I/O each way per Muon element. Host memory beyond the pool: two fp32 windows
-of one round's pieces (the updates, then the results).
+of the largest round's pieces (the updates and the results: `RoundWindows`).
 """
 from __future__ import annotations
 
@@ -20,15 +20,14 @@ from typing import Sequence
 
 import torch
 
-from zero_offload.hoststep.muon import apply_update, scaled_grad
-from zero_offload.hoststep.muon_owners import MuonOwners
+from zero_offload.hoststep.muon import apply_update
+from zero_offload.hoststep.muon_owners import MuonOwners, RoundWindows
 from zero_offload.hoststep.nvme_adam import NvmeAdam
 from zero_offload.hoststep.nvme_state import KINDS
-from zero_offload.optim.muon import momentum_step
+from zero_offload.optim.muon_pass import momentum_pass
 
 __all__ = ["NvmeMuon", "MUON_KINDS"]
 
-CPU = torch.device("cpu")
 MUON_KINDS = ("master", "exp_avg")         # a Muon group's files: its master and its momentum
 
 
@@ -47,6 +46,7 @@ class NvmeMuon(NvmeAdam):
         self.owners, self.rules = owners, owners.rules       # before the files are opened: `group_kinds`
         super().__init__(parts, hparams, copies, directory, sub_group_size, buffer_count, **options)
         self.lr_factors = [owners.lr_factors(g) for g in range(len(parts))]
+        self.windows = RoundWindows(owners, torch.device("cpu"))
 
     def group_kinds(self, g: int) -> tuple[str, ...]:
         """A Muon group's files: its master and momentum (`MUON_KINDS`); an Adam group's all three."""
@@ -71,17 +71,15 @@ class NvmeMuon(NvmeAdam):
         spans = self.owners.spans(i)
         work = [(k, max(lo, spans[g][0]), min(hi, spans[g][1])) for k, (g, _, lo, hi) in enumerate(self.units)
                 if g in spans and max(lo, spans[g][0]) < min(hi, spans[g][1])]
-        updates = {g: torch.empty(hi - lo) for g, (lo, hi) in spans.items()}
+        updates, results = self.windows.views(spans)
 
         def momentum(k: int, slot: int, a: int, b: int) -> None:
             g, _, lo, hi = self.units[k]
             base = spans[g][0]
-            updates[g][a - base:b - base] = momentum_step(self._views(slot, hi - lo)[1][a - lo:b - lo],
-                                                          scaled_grad(grads[g][a:b], grad_scale, CPU), self.rules[g])
+            momentum_pass(self._views(slot, hi - lo)[1][a - lo:b - lo], grads[g][a:b], grad_scale, self.rules[g],
+                          out=updates[g][a - base:b - base])
         self._stream(work, ("exp_avg",), momentum)     # its writes may fly on: the master pass reads other files
-        results = {g: torch.zeros_like(u) for g, u in updates.items()}
         self.owners.orthogonalize_round(i, updates, results, {g: lo for g, (lo, _) in spans.items()})
-        updates.clear()          # one round's updates freed before the master pass
 
         def update(k: int, slot: int, a: int, b: int) -> None:
             g, _, lo, hi = self.units[k]

@@ -1,4 +1,5 @@
-"""Loader for the native host Adam kernel (`fused_adam.c`, built by setup.py as ``_fused_adam``).
+"""Loader for the native host kernels (`fused_adam.c`, `accumulate.c`, `muon.c`, built by setup.py as one library,
+``_fused_adam``).
 
 The shared library is compiled at install time (``pip install .`` or ``pip install -e .``) and loaded here
 with ctypes; nothing is compiled at run time. `load()` returns None when the library is missing or
@@ -73,6 +74,13 @@ def load(reload: bool = False) -> ctypes.CDLL | None:
     lib.zo_accumulate.restype = ctypes.c_int
     lib.zo_accumulate.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int,
                                   ctypes.c_int, ctypes.POINTER(ctypes.c_double)]
+    lib.zo_muon_momentum.restype = ctypes.c_int
+    lib.zo_muon_momentum.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64,
+                                     ctypes.c_float, ctypes.c_float, ctypes.c_float, ctypes.c_int, ctypes.c_int,
+                                     ctypes.c_int]
+    lib.zo_muon_update.restype = ctypes.c_int
+    lib.zo_muon_update.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_float,
+                                   ctypes.c_int, ctypes.c_int]
     want = os.environ.get("ZERO_OFFLOAD_ISA", "")
     lib.zo_set_isa(ISA_NAMES.index(want) if want in ISA_NAMES else -1)
     _lib = lib

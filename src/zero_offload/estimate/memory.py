@@ -25,6 +25,7 @@ from zero_offload.offload.grad_staging import STAGING_FORMULA, staging_shape
 from zero_offload.offload.staging_ring import ring_shape
 from zero_offload.precision import training_dtype
 from zero_offload.estimate.activations import activation_bytes, activation_formula
+from zero_offload.estimate.nvme_files import add_nvme_files
 from zero_offload.zero.bucket_pool import bucket_pool_size
 from zero_offload.zero.collectives import MAX_IN_FLIGHT, scattered_dtype
 from zero_offload.zero.buckets import bucket_spans, largest_bucket
@@ -169,7 +170,7 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
     offload_opt = zc.offload_optimizer.device in ("cpu", "nvme")
     offload_param = zc.stage == 3 and zc.offload_param.device in ("cpu", "nvme")
     # NVMe: master weights and moments (and parameter shards) live in files, sized with the NVMe layer's own
-    # arithmetic in `_nvme_files`; the host keeps gradients, the I/O pools and staging.
+    # arithmetic in `zero_offload.estimate.nvme_files`; the host keeps gradients, the I/O pools and staging.
     state_nvme = zc.offload_optimizer.device == "nvme"
     param_nvme = offload_param and zc.offload_param.device == "nvme"
     # bf16.bf16_optimizer_states: the host kernel keeps both moments in bf16 (`BF16Config.state_dtype`).
@@ -184,7 +185,7 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
         nonlocal rounding
         nbytes = numel * torch.empty((), dtype=dtype_).element_size()
         if (state_nvme and kind == "master") or (param_nvme and kind == "params"):
-            return                                 # in swap files: `_nvme_files`
+            return                                 # in swap files: `zero_offload.estimate.nvme_files`
         est.add("host", kind, nbytes)
         locked = pin if pinned is None else pinned
         rounding += host_alloc_bytes(numel, dtype_, locked, accelerator) - nbytes
@@ -197,7 +198,7 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
         # Both Adam moments of a partition: on the device, or where the host step keeps them (memory or NVMe).
         # A Muon group keeps one fp32 momentum, counted as exp_avg.
         if on_host and state_nvme:
-            return                                 # in swap files: `_nvme_files`
+            return                                 # in swap files: `zero_offload.estimate.nvme_files`
         side = "host" if on_host else "device"
         muon = g in shape.muon_groups
         est.add(side, "exp_avg", numel * (4 if muon else moment_bytes))
@@ -299,7 +300,7 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
     parts = [p - device_numel(p, ratio) for p in parts]       # the host parts (all of each, at ratio 1)
     if speculative and state_nvme:
         # super_offload over swap files steps each sub-group into a second bank of files (`zero_offload.nvme.
-        # speculation`, counted in `_nvme_files`); the parameters wait in a landing buffer like the parameters.
+        # speculation`, counted in `estimate.nvme_files`); the parameters wait in a landing buffer like the parameters.
         if offload_param:
             for p in parts:
                 host("param_staging", p, dtype)
@@ -356,7 +357,7 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
         host("param_staging", slots * slot_numel, dtype)
         est.formulas["param_staging"] = "min(4, ceil(P / 2^21)) slots x min(2^21, P) elements x d"
     if state_nvme or param_nvme:
-        _nvme_files(est, cfg, shape, parts, world_size, dtype, accelerator)
+        add_nvme_files(est, cfg, shape, parts, world_size, dtype, accelerator)
     if shape.muon_groups:
         est.add("device", "muon_assembled", assembled_bytes(sum(sum(groups[g]) for g in shape.muon_groups)))
         est.formulas["muon_assembled"] = ASSEMBLED_FORMULA
@@ -375,44 +376,6 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
         est.add("device", "activations", activation_bytes(shape.gpt, b, s, d, ckpt))
         est.formulas["activations"] = activation_formula(ckpt) + f" with b={b}, s={s}, d={d}"
     return est
-
-
-def _nvme_files(est: MemoryEstimate, cfg: Config, shape: ModelShape, parts: list[int], world_size: int,
-                dtype: torch.dtype, accelerator: bool) -> None:
-    """The NVMe side of a rank (`zero_offload.nvme`): optimizer-state files in whole sub-groups and their host
-    pool (``nvme_buffers``) and 16-bit staging; parameter files, their read pool (``param_pool``) and the ring
-    their writes behind the step go out from (``param_write_ring``)."""
-    from zero_offload.nvme import state_files                 # imported here: the NVMe layer is optional
-    from zero_offload.nvme.param_store import NvmeParamStore
-    zc = cfg.zero_optimization
-    d = torch.empty((), dtype=dtype).element_size()
-    param_nvme = zc.stage == 3 and zc.offload_param.device == "nvme"
-    if zc.offload_optimizer.device == "nvme":
-        sizes = state_files.element_sizes(cfg)            # bf16 masters or moments: 2 bytes per element
-        sub = state_files.sub_group_numel(parts, zc.sub_group_size, sizes)
-        for kind, nbytes in state_files.kind_bytes(parts, zc.sub_group_size, sizes, shape.muon_groups).items():
-            est.add("nvme", kind, nbytes)
-        oo = zc.offload_optimizer
-        if oo.super_offload:       # the second bank of state files the speculated sub-groups are written to
-            est.add("nvme", "speculative_state", state_files.bytes_needed(parts, zc.sub_group_size, sizes))
-        est.add("host", "nvme_buffers", state_files.pool_bytes(parts, zc.sub_group_size, oo.buffer_count,
-                                                               oo.pipeline_read, oo.pipeline_write, sizes))
-        # 16-bit outputs of fp32 masters leave through one staging slot per buffer (bf16 masters: from the pool)
-        if d < 4 and not cfg.bf16.bf16_master_weights_and_grads and (accelerator or param_nvme):
-            sub_groups = sum(-(-n // sub) for n in parts)
-            slots = state_files.pool_slots(oo.buffer_count, oo.pipeline_read, oo.pipeline_write)
-            est.add("host", "param_staging", min(slots, sub_groups) * sub * d)
-    if param_nvme:
-        est.add("nvme", "params", NvmeParamStore.bytes_needed(parts, dtype))
-        largest = max(partition_numel(n, world_size) for _, _, n in shape.units)
-        est.add("host", "param_pool", NvmeParamStore.pool_bytes(largest, dtype, zc.offload_param.buffer_count))
-        est.add("host", "param_write_ring", NvmeParamStore.write_ring_bytes())
-    est.formulas["nvme"] = ("states: 3 files of whole sub-groups (sub_group_size, aligned to 4 KiB) x 4 B (2 B: bf16 "
-                            "masters or moments); pool: min(buffer_count, 1 + pipeline_read + pipeline_write) x 12 B "
-                            "(less with bf16) x sub-group (super_offload: "
-                            "the state files twice); params: one file per group, d B per element, read "
-                            "through buffer_count buffers of the largest shard, written behind the step through a "
-                            f"ring of {NvmeParamStore.write_ring_bytes() >> 20} MiB")
 
 
 def default_plan_config() -> dict:

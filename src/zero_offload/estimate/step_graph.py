@@ -19,8 +19,9 @@ streams are simulated: on a machine with CUDA, and inside a distributed job (``t
 
 Not modelled: collectives between ranks (the recording is one rank's), stage 3's gathers (the proxy's device is
 the host; their cost is `throughput.STAGE3_UNIT_SECONDS` per unit in the compute), NVMe reads and writes as ops of
-their own (the optimizer on NVMe is recorded as the host step, whose duration holds the swap I/O: `throughput`). The proxy's pipeline ends are coarser than a large model's (the
-last bucket's copy down is 1/16 of a micro-step's, the last chunk's copy up 1/64 of a step's).
+their own (the optimizer on NVMe is recorded as the host step, whose duration holds the swap I/O: `throughput`).
+The proxy's pipeline ends are coarser than a large model's (the last bucket's copy down is 1/16 of a micro-step's,
+the last chunk's copy up 1/64 of a step's).
 """
 from __future__ import annotations
 

@@ -172,6 +172,7 @@ class MuonOwners:
             rounds[-1].append(m)
         # The layout fixes both exchanges of every round: planned once, replayed each step.
         self.rounds = [(r, self._up(r), self._down(r)) for r in rounds]
+        self._spans = [self._held_ranges(r) for r in rounds]
 
     def _crossing(self, matrices: list[MuonMatrix]) -> bool:
         """Whether any piece of ``matrices`` lies outside its owner's partition (the same answer on every rank)."""
@@ -208,9 +209,12 @@ class MuonOwners:
 
     def spans(self, i: int) -> dict[int, tuple[int, int]]:
         """Round ``i``: per Muon group, the elements [lo, hi) of this rank's partition holding its pieces of the
-        round's matrices (one range: a group's matrices lie in layout order)."""
+        round's matrices (one range: a group's matrices lie in layout order). Fixed by the layout."""
+        return self._spans[i]
+
+    def _held_ranges(self, matrices: list[MuonMatrix]) -> dict[int, tuple[int, int]]:
         out: dict[int, tuple[int, int]] = {}
-        for m in self.rounds[i][0]:
+        for m in matrices:
             for p in self.held(m, self.rank):
                 lo, hi = out.get(m.group, (p.part_offset, p.part_offset + p.length))
                 out[m.group] = (min(lo, p.part_offset), max(hi, p.part_offset + p.length))

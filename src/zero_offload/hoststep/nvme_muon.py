@@ -47,6 +47,10 @@ class NvmeMuon(NvmeAdam):
         super().__init__(parts, hparams, copies, directory, sub_group_size, buffer_count, **options)
         self.lr_factors = [owners.lr_factors(g) for g in range(len(parts))]
         self.windows = RoundWindows(owners, torch.device("cpu"))
+        # per round, the (sub-group, a, b) pieces of the sub-groups that hold its elements: fixed by the layout
+        self.round_work = [[(k, max(lo, spans[g][0]), min(hi, spans[g][1])) for k, (g, _, lo, hi)
+                            in enumerate(self.units) if g in spans and max(lo, spans[g][0]) < min(hi, spans[g][1])]
+                           for spans in map(owners.spans, range(len(owners.rounds)))]
 
     def group_kinds(self, g: int) -> tuple[str, ...]:
         """A Muon group's files: its master and momentum (`MUON_KINDS`); an Adam group's all three."""
@@ -68,9 +72,7 @@ class NvmeMuon(NvmeAdam):
     def _muon_round(self, i: int, grads: list[torch.Tensor], grad_scale: float,
                     lrs: Sequence[float] | None) -> None:
         """Round ``i`` of the Muon groups' step: momentum pass, the owners' exchange, master pass."""
-        spans = self.owners.spans(i)
-        work = [(k, max(lo, spans[g][0]), min(hi, spans[g][1])) for k, (g, _, lo, hi) in enumerate(self.units)
-                if g in spans and max(lo, spans[g][0]) < min(hi, spans[g][1])]
+        spans, work = self.owners.spans(i), self.round_work[i]
         updates, results = self.windows.views(spans)
 
         def momentum(k: int, slot: int, a: int, b: int) -> None:

@@ -9,6 +9,8 @@ torch's ops run (`zero_offload.optim.muon.momentum_step`).
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from zero_offload.optim import _native
@@ -19,6 +21,7 @@ __all__ = ["momentum_pass", "update_pass"]
 _CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
+@functools.cache
 def _fused() -> bool:
     """Whether torch's CPU kernels fuse multiply-adds (fmadd in its AVX2 and AVX-512 kernels)."""
     return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")

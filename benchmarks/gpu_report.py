@@ -6,7 +6,7 @@ import json
 __all__ = ["markdown"]
 
 SECTIONS = ("calibrate", "cuda_tests", "sanitizer", "gpt2", "gpt2_xl", "gpt2_compiled", "gpt2_10b", "gpt2_10b_dpu",
-            "largest", "largest_planned", "two_gpus")
+            "largest", "largest_planned", "two_gpus", "llama_trainer")
 
 
 def _gib(n) -> str:
@@ -162,6 +162,17 @@ def markdown(report: dict) -> str:
                   f"{_num(e.get('predicted_step_s'), '.1f')}), peak device {_gib(m['peak_device_bytes'])} GiB "
                   f"(/ estimate {_num(planned.get('device_over_estimate'))}), peak host RSS "
                   f"{_gib(m['peak_rss_bytes'])} GiB (/ estimate {_num(planned.get('rss_over_estimate'))})"]
+    llama = sections.get("llama_trainer", {})
+    if llama.get("ok"):
+        m, e, p = llama["measured"], llama["estimate"], llama["predicted"]
+        lines += ["", f"## (d'') Llama 8B shape through the Trainer ({llama['plan']}, micro-batch "
+                      f"{llama['micro_batch']} x {llama['seq_len']}, accumulation {llama['gradient_accumulation']})",
+                  "", f"{m['tokens_per_s']:.0f} tokens/s (predicted {_num(p.get('tokens_per_s'), '.0f')}), MFU "
+                      f"{_num(llama['mfu'])}, {m['step_s']:.2f} s per step (predicted {_num(p.get('step_s'))}), "
+                      f"peak device {_gib(m['peak_device_bytes_steps'])} GiB (/ estimate "
+                      f"{_num(llama.get('device_over_estimate'))} of {_gib(e['device_bytes'])} GiB), peak host RSS "
+                      f"{_gib(m['peak_rss_bytes'])} GiB (/ estimate {_num(llama.get('rss_over_estimate'))}); "
+                      f"targets {llama['targets']}"]
     for name in ("gpt2_10b", "gpt2_10b_dpu"):
         if sections.get(name, {}).get("ok"):
             lines += _ten_b(name, sections[name])

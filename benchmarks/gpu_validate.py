@@ -36,6 +36,9 @@ subprocess with its own time limit (`LIMITS`), so a crash or an out-of-memory in
 (d') ``largest_planned`` (issue 42): the largest model ``zero-offload estimate --largest --allow-bf16-masters``
     names for this GPU and host, trained with its plan for a few steps: MFU, peak device memory and host RSS
     against the estimate (`gpu_planned`).
+(d'') ``llama_trainer`` (issue 41, item 5): Llama 3 8B's shape (random init, bf16) through `zero_offload.hf.Trainer`
+    with the planner's exact plan: tokens/s, MFU, peak device memory and host RSS against the estimate, the
+    predicted step beside the measured one (`gpu_trainer`).
 (e) ``gpt2_10b`` and ``gpt2_10b_dpu``: the seed's 10B GPT-2 in a pinned config (stage 2, optimizer offloaded with
     bf16 moments, activation checkpointing, micro-batch 16, accumulation 1), without and with the delayed update,
     for 8 timed steps on distinct batches (every step's loss reported), beside the step the planner's model
@@ -73,17 +76,18 @@ import gpu_measure as gm  # noqa: E402
 from gpu_native import ensure_native, native_report  # noqa: E402,F401 (ensure_native: tests call it here)
 from gpu_planned import section_largest_planned  # noqa: E402
 from gpu_muon import section_muon  # noqa: E402
+from gpu_trainer import section_llama_trainer  # noqa: E402
 from gpu_report import markdown  # noqa: E402
 
 SECTIONS = ("calibrate", "cuda_tests", "sanitizer", "gpt2", "gpt2_xl", "gpt2_compiled", "gpt2_10b", "gpt2_10b_dpu",
-            "largest", "largest_planned", "two_gpus", "muon")
+            "largest", "largest_planned", "two_gpus", "muon", "llama_trainer")
 # The default run: what matters most, inside one 9-minute call with the native build (issue 27, item 8).
 DEFAULT_SECTIONS = ("calibrate", "cuda_tests", "sanitizer", "gpt2", "gpt2_10b", "gpt2_10b_dpu")
 # Seconds per section on one H100 (the default sections sum to 520 s; the build takes ~20 s).
 LIMITS = {"calibrate": 45, "cuda_tests": 80, "sanitizer": 40, "gpt2": 110, "gpt2_xl": 200, "gpt2_compiled": 240,
           "gpt2_10b": 150,
           "gpt2_10b_dpu": 150,
-          "largest": 300, "largest_planned": 420, "two_gpus": 150, "muon": 300}
+          "largest": 300, "largest_planned": 420, "two_gpus": 150, "muon": 300, "llama_trainer": 420}
 # The 10B model's pinned config (the same every run, so runs compare): stage 2, optimizer offloaded with bf16
 # moments, activation checkpointing, micro-batch 16 x 1024 tokens, no accumulation.
 TEN_B_MICRO = 16
@@ -430,7 +434,8 @@ BODIES = {"calibrate": section_calibrate, "cuda_tests": section_cuda_tests, "san
           "largest": section_largest, "gpt2_10b": section_gpt2_10b,
           "gpt2_10b_dpu": section_gpt2_10b_dpu, "two_gpus": section_two_gpus, "gpt2_xl": section_gpt2_xl,
           "largest_planned": lambda args: section_largest_planned(args, measure_matmul_peak),
-          "muon": lambda args: section_muon(args, gpt_config, _device(args))}
+          "muon": lambda args: section_muon(args, gpt_config, _device(args)),
+          "llama_trainer": lambda args: section_llama_trainer(args, measure_matmul_peak)}
 
 
 # -- the driver -----------------------------------------------------------------------------------------------

@@ -28,8 +28,11 @@ def test_calibrate_measures_the_host_and_writes_a_file_the_planner_reads(tmp_pat
     c = data["constants"]
     assert c["host_adam_params_per_s"] > 1e6 and c["matmul_bf16_flops"] is None and c["h2d_bytes_per_s"] is None
     assert c["host_adam_threads"] >= 1 and data["measured"]["host_adam"]
+    assert 0 < c["host_load_share"] <= 1 and set(data["measured"]["host_adam"]) >= {
+        f"fp32_moments_{c['host_adam_threads']}_threads_beside_training"}
     figures = calibrated(out)          # no GPU figures: those stay built-in, and the source says so
     assert figures.host_adam == c["host_adam_params_per_s"] and figures.gpu_flops == 4e14 and figures.pcie == 25e9
+    assert figures.host_load_share == c["host_load_share"]
     assert figures.source == f"calibration {out} (built-in gpu_flops, nvme_duplex, nvme_read, nvme_write, pcie)"
     assert f"wrote {out}" in capsys.readouterr().out
 
@@ -96,6 +99,7 @@ def test_nvme_rates_are_measured_in_the_swap_directory_and_planned_with(tmp_path
     (json.dumps({"version": 1}), "no 'constants'"),
     (json.dumps({"version": 1, "constants": {"host_adam_params_per_s": -1}}), "constants.host_adam_params_per_s"),
     (json.dumps({"version": 1, "constants": {"h2d_bytes_per_s": "fast"}}), "constants.h2d_bytes_per_s"),
+    (json.dumps({"version": 1, "constants": {"host_load_share": 1.5}}), "constants.host_load_share must be at most"),
 ])
 def test_a_bad_calibration_file_is_refused_by_name(tmp_path, capsys, content, fault):
     path = tmp_path / "cal.json"
@@ -108,6 +112,31 @@ def test_a_bad_calibration_file_is_refused_by_name(tmp_path, capsys, content, fa
                  "--calibration", str(path)])
     err = capsys.readouterr().err
     assert code == 2 and str(path) in err and fault.split()[0] in err
+
+
+def test_the_host_step_is_charged_at_its_rate_beside_training(tmp_path):
+    """The host step runs beside the staging thread and the copies each way, which take memory bandwidth from it
+    (on an H200 it ran 20-40 % slower than alone): the step model charges it at ``host_adam x host_load_share``,
+    the share `calibrate` measures under `training_load`."""
+    fixed = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "super_offload": False,
+                                                                     "ratio": 1.0}}}
+    host = [plan("gpt2-xl", gpu_memory="24GB", host_memory="128GB", micro_batch=4, seq_len=1024, config=fixed,
+                 gradient_accumulation=1, calibration=_file(tmp_path, host_load_share=share)).batch.timing.host_s
+            for share in (1.0, 0.5)]
+    assert abs(host[1] - 2 * host[0]) < 1e-9 * host[1]
+
+
+def test_the_training_load_runs_only_inside_its_block():
+    """`training_load` is what the kernel is timed beside: its worker runs while the block does, and stops with it
+    (a load left running would slow every later measurement)."""
+    import threading
+
+    def loads() -> list[str]:
+        return [t.name for t in threading.enumerate() if t.name.startswith("calibrate-load")]
+    assert loads() == []
+    with calibrate.training_load(elems=1 << 16):
+        assert loads() == ["calibrate-load-convert"]
+    assert loads() == []
 
 
 # A slow host step (the 2-core VM's rate) makes the configs' speeds differ with the host size; with the default, a

@@ -39,7 +39,7 @@ def test_gpu_validate_tiny_cpu_smoke(tmp_path):
     root = _checkout_without_libraries(tmp_path / "checkout")
     out = tmp_path / "out"
     sections = ("calibrate,cuda_tests,sanitizer,gpt2,gpt2_xl,gpt2_compiled,gpt2_10b,gpt2_10b_dpu,largest,"
-                "largest_planned,two_gpus")
+                "largest_planned,two_gpus,llama_trainer")
     proc = subprocess.run([sys.executable, str(root / "benchmarks" / "gpu_validate.py"), "--device", "cpu",
                            "--tiny", "--out", str(out), "--sections", sections], capture_output=True, text=True,
                           timeout=600)
@@ -77,6 +77,11 @@ def test_gpu_validate_tiny_cpu_smoke(tmp_path):
     assert constants["host_adam_params_per_s"] > 0 and constants["h2d_bytes_per_s"] is None
     assert all(r["timings"]["host_step_threads"] >= 1 for k, r in runs.items() if k != "plain-adamw")
     assert report["sections"]["two_gpus"]["skipped"].startswith("needs 2 GPUs")
+    llama = report["sections"]["llama_trainer"]          # issue 41, item 5: the Trainer with the plan's config
+    assert llama["measured"]["tokens_per_s"] > 0 and len(llama["measured"]["losses"]) == 2
+    assert llama["estimate"]["device"]["activations"] > 0 and llama["estimate"]["device_bytes"] > 0
+    assert llama["config"]["train_micro_batch_size_per_gpu"] == llama["micro_batch"] == 2 and llama["mfu"] > 0
+    assert set(llama["targets"]) == {"mfu_at_least_0.45", "device_memory_within_5pct"}
     compiled = report["sections"]["gpt2_compiled"]["runs"]          # issue 29, item 5
     assert set(compiled) == {"plain-adamw", "plain-adamw-compiled", "stage2-offload-dpu-compiled",
                              "stage3-offload-both-compiled"} and all(r["tokens_per_s"] > 0 for r in compiled.values())

@@ -60,10 +60,11 @@ def test_the_seeds_10b_model_fits_a_128gb_host_with_bf16_moments():
 
 
 def test_delayed_update_when_the_host_step_would_be_exposed_and_a_stale_step_is_allowed():
-    from zero_offload.estimate.throughput import host_step_seconds
+    from zero_offload.estimate.throughput import Assumptions, host_step_seconds
     kw = dict(gpus=1, gpu_memory="80GB", host_memory="384GB", seq_len=1024, gpu_flops=4e14, allow_stale_step=True)
-    # 10B with fp32 moments on a 384 GB host: ~5.4 s of host step at 1.9 Gparam/s; DPU hides it.
-    p = zero_offload.plan("gpt2-10b", host_adam=1.9e9, **kw)
+    # 10B with fp32 moments on a 384 GB host: ~5.4 s of host step at 1.9 Gparam/s beside training; DPU hides it.
+    host_adam = 1.9e9 / Assumptions().host_load_share
+    p = zero_offload.plan("gpt2-10b", host_adam=host_adam, **kw)
     assert p.config["zero_optimization"]["offload_optimizer"]["delayed_param_update"] is True
     assert p.reasons["delayed_param_update"].startswith("on:")
     zero_offload.Config.load(p.config)        # the engine accepts the planned DPU config
@@ -255,3 +256,19 @@ def test_sharded_build_initialises_like_gpt():
     x, y = (torch.randint(0, cfg.vocab_size, (2, cfg.block_size), generator=g) for _ in range(2))
     _, loss = engine(x, y)
     assert abs(loss.item() - math.log(cfg.vocab_size)) < 0.5     # an untrained GPT-2 starts near ln(V)
+
+
+def test_nvme_without_a_path_is_planned_and_the_placeholder_named():
+    """`plan(..., nvme="1TB")` with no ``nvme_path`` in the base config (as ``zero-offload estimate --nvme 1TB``
+    asks): the NVMe rows were refused as configs ("nvme_path is required") and reported as not accepted by this
+    build, so a 10B model on a 64 GB host did not fit. They are planned with DeepSpeed's example path, and the plan
+    says it is a placeholder."""
+    from zero_offload.estimate.planner import NVME_PATH_UNSET
+    p = zero_offload.plan("gpt2-10b", 1, "139GB", "64GB", "1TB", timed=False)
+    assert p.fits and "nvme" in p.name, p.message()
+    assert p.config["zero_optimization"]["offload_optimizer"]["nvme_path"] == NVME_PATH_UNSET
+    assert "placeholder" in p.reasons["nvme_path"] and "offload_optimizer.nvme_path" in p.reasons["nvme_path"]
+    given = zero_offload.plan("gpt2-10b", 1, "139GB", "64GB", "1TB", timed=False, config={
+        "zero_optimization": {"offload_optimizer": {"nvme_path": "/mnt/nvme0"}}})
+    assert given.config["zero_optimization"]["offload_optimizer"]["nvme_path"] == "/mnt/nvme0"
+    assert "nvme_path" not in given.reasons

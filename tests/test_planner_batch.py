@@ -188,7 +188,8 @@ def test_cli_plans_the_demo_and_says_what_is_exposed(capsys):
                       "--grad-accum", "3", "--activation-checkpointing", "off", "--gpu-tflops", "200",
                       "--host-adam", "4e9", "--pcie", "50")
     assert rc == 0 and "micro-batch 2 x 1024 tokens, gradient accumulation 3" in out
-    assert "at 200 TFLOP/s" in out and "at 4.00 Gparam/s" in out and "at 50 GB/s" in out
+    assert "at 200 TFLOP/s" in out and "host Adam 4.00 Gparam/s (x0.77 beside training)" in out and "at 50 GB/s" in out
+    assert "at 3.08 Gparam/s beside training" in out            # the host step's rate: 4.00 x 0.77
 
 
 @pytest.mark.parametrize("argv,message", [

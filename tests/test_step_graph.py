@@ -153,3 +153,44 @@ def test_recording_leaves_the_callers_random_state_and_warnings_alone():
     finally:
         step_graph.recording.cache_clear()
     assert torch.equal(torch.rand(3), expected) and not caught, [str(w.message) for w in caught]
+
+
+def _bytes_down_after_backward(s: Structure) -> float:
+    """The share of the boundary micro-step's gradient bytes copied down after its last backward op (the tail
+    the host step of an exact step waits for)."""
+    tl, marks = step_graph.recording(s)
+    start, end = marks[1][0], marks[2][0]            # the second recorded step (its only micro-step)
+    ops = [o for o in tl.ops if start <= o.id < end]
+    last_backward = max(o.id for o in ops if o.kind == "backward")
+    down = [o for o in ops if o.lane == "d2h" and o.kind == "copy"]
+    return sum(o.work for o in down if o.id > last_backward) / sum(o.work for o in down)
+
+
+def test_the_first_unit_lands_last_as_gpt2s_tied_embedding_does():
+    """GPT-2's embedding (tied to its head: 31 % of GPT-2 124M) is the last gradient backward completes, so its
+    copy down and host step cannot start before backward ends. The proxy holds that share in a tied first unit:
+    that share of the gradient comes down after backward, where the bare proxy's equal layers leave 1/16;
+    and super_offload's speculated step, which waits for it, leaves more of the step exposed."""
+    assert [step_graph.first_unit_share(zero_offload.estimate.model_shape(m)) for m in ("gpt2", "gpt2-xl",
+                                                                                       "gpt2-10b")] == [10 / 32,
+                                                                                                        2 / 32, 1 / 32]
+    tied = Structure(stage=2, offload_param=False, delayed=False, accumulates=False, fp32=False, first_unit=10 / 32)
+    # the embedding's share, and the first block's (its copy down follows its backward, the last compute op)
+    assert abs(_bytes_down_after_backward(tied) - (10 / 32 + 22 / 32 / 16)) < 0.005
+    assert abs(_bytes_down_after_backward(PLAIN) - 1 / 16) < 0.005
+    phases = Phases(**TEN_B, host_s=1.79)
+    spec = dict(stage=2, offload_param=False, delayed=False, accumulates=False, fp32=False, speculative=True)
+    bare, embedded = (predict_step(Structure(**spec, first_unit=f), phases) for f in (0.0, 10 / 32))
+    assert embedded.idle_s > bare.idle_s + 0.2 * 1.79, (bare.lines(), embedded.lines())
+
+
+def test_the_planner_records_the_models_first_unit(monkeypatch):
+    """The planner's step for GPT-2 124M comes from a proxy with its embedding's share, not the bare one."""
+    from zero_offload.estimate import batching
+    seen = []
+    monkeypatch.setattr(batching, "predict_step", lambda s, p: seen.append(s) or predict_step(s, p))
+    p = zero_offload.plan("gpt2", gpus=1, gpu_memory="8GB", host_memory="64GB", micro_batch=4, seq_len=1024,
+                          gradient_accumulation=1, config={"zero_optimization": {"stage": 2, "offload_optimizer":
+                                                                                 {"device": "cpu"}}})
+    assert p.batch.timing is not None and seen
+    assert {s.first_unit for s in seen} == {10 / 32}

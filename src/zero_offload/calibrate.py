@@ -12,6 +12,10 @@ The planner's step model (`zero_offload.estimate.throughput`) needs six rates. B
   the thread count a delayed host step gets (``offload_optimizer.cpuadam_cores_perc`` of the cores,
   `zero_offload.offload.host_cores`) and with every core (the synchronous step); the bf16-moment layout
   (20 bytes per parameter) beside it;
+- ``host_load_share``: the share of that rate the kernel keeps beside training (at most 1): timed in alternation
+  alone and under `training_load` (a thread converting 16-bit pieces to fp32, as the staging thread does, and on a
+  GPU pinned copies each way at once, the gradients down and the parameters up). Inside a GPU step the host step
+  ran 20-40 % slower than its rate alone; the step model charges the host step at ``host_adam x host_load_share``;
 - ``nvme_read_bytes_per_s``, ``nvme_write_bytes_per_s`` and ``nvme_duplex_bytes_per_s`` (with ``--nvme-path``):
   bytes/s of sequential writes, of reads, and of both at once (a write and a read in flight together, as a
   pipelined sub-group pass keeps them), of a 1 GiB swap file in that directory through the engine's own swapper
@@ -26,20 +30,23 @@ File format (``version`` 1)::
 
     {"version": 1, "created": "<ISO time>", "machine": {"host_cores": 16, "device": "NVIDIA H100 ..."},
      "constants": {"matmul_bf16_flops": ..., "h2d_bytes_per_s": ..., "d2h_bytes_per_s": ...,
-                   "host_adam_params_per_s": ..., "host_adam_threads": 12,
+                   "host_adam_params_per_s": ..., "host_adam_threads": 12, "host_load_share": 0.8,
                    "nvme_read_bytes_per_s": ..., "nvme_write_bytes_per_s": ..., "nvme_duplex_bytes_per_s": ...},
      "measured": {...every figure, per thread count and layout...}}
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
 import platform
+import threading
 import time
 from pathlib import Path
 
-__all__ = ["measure", "measure_nvme", "write", "load", "default_path", "DEFAULT_PATH", "CalibrationError"]
+__all__ = ["measure", "measure_nvme", "write", "load", "default_path", "DEFAULT_PATH", "CalibrationError",
+           "training_load", "measure_host_adam", "measure_host_adam_beside_training"]
 
 VERSION = 1
 ENV = "ZERO_OFFLOAD_CALIBRATION"
@@ -98,9 +105,8 @@ def measure_copies(device, nbytes: int = 512 << 20, reps: int = 8) -> dict:
             "d2h_bytes_per_s": _best_rate(nbytes, copy(host, dev), reps)}
 
 
-def measure_host_adam(threads: int, moments: str = "fp32", n: int = 1 << 26, reps: int = 5) -> float:
-    """Parameters/s of the fused host Adam kernel over ``n`` elements (bf16 gradient and output) at ``threads``
-    OpenMP threads, with fp32 or bf16 moments."""
+def _host_adam_run(threads: int, moments: str, n: int):
+    """One fused host Adam step over ``n`` elements per call (bf16 gradient and output, fp32 master)."""
     import torch
     from zero_offload.optim.fused_adam import fused_adam_step
     state = torch.float32 if moments == "fp32" else torch.bfloat16
@@ -113,7 +119,94 @@ def measure_host_adam(threads: int, moments: str = "fp32", n: int = 1 << 26, rep
     def run():
         fused_adam_step(master, grad, m, v, step=next(step), lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8,
                         weight_decay=0.01, out=out, num_threads=threads)
-    return _best_rate(n, run, reps)
+    return run
+
+
+def measure_host_adam(threads: int, moments: str = "fp32", n: int = 1 << 26, reps: int = 5) -> float:
+    """Parameters/s of the fused host Adam kernel over ``n`` elements (bf16 gradient and output) at ``threads``
+    OpenMP threads, with fp32 or bf16 moments."""
+    return _best_rate(n, _host_adam_run(threads, moments, n), reps)
+
+
+@contextlib.contextmanager
+def training_load(cuda_device=None, elems: int = 1 << 24):
+    """What runs beside the host step in training, on threads of its own until the block ends: the staging
+    thread's conversions of 16-bit gradient pieces into fp32 (``elems`` fp16 -> fp32 per pass, one core, numpy
+    so that no torch intra-op pool competes for the step's cores) and, with ``cuda_device``, pinned copies of
+    ``4 x elems`` bytes each way at once on two side streams (the gradients coming down, the parameters going
+    up: the memory traffic that DMA adds).
+
+    Raises:
+        Whatever a worker raised while it set up (a pinned allocation refused, say), once all have started.
+    """
+    import numpy as np
+    stop = threading.Event()
+    started = threading.Semaphore(0)          # released by each worker once its buffers exist: the load is on
+
+    def convert():
+        src, dst = np.ones(elems, np.float16), np.empty(elems, np.float32)
+        started.release()
+        while not stop.is_set():
+            np.copyto(dst, src)
+
+    def copy():
+        import torch
+        host_in = torch.empty(4 * elems, dtype=torch.uint8, pin_memory=True)
+        host_out = torch.empty_like(host_in, pin_memory=True)
+        dev_in, dev_out = (torch.empty(4 * elems, dtype=torch.uint8, device=cuda_device) for _ in range(2))
+        up, down = torch.cuda.Stream(cuda_device), torch.cuda.Stream(cuda_device)
+        started.release()
+        while not stop.is_set():
+            with torch.cuda.stream(up):
+                dev_in.copy_(host_in, non_blocking=True)
+            with torch.cuda.stream(down):
+                host_out.copy_(dev_out, non_blocking=True)
+            up.synchronize()
+            down.synchronize()
+    errors: list[BaseException] = []
+
+    def guarded(body):
+        def run():
+            try:
+                body()
+            except BaseException as e:       # handed to the caller: a load that never ran must not pass for one
+                errors.append(e)
+                started.release()
+        return run
+    workers = [threading.Thread(target=guarded(f), daemon=True, name=f"calibrate-load-{f.__name__}")
+               for f in ([convert, copy] if cuda_device is not None else [convert])]
+    for w in workers:
+        w.start()
+    for _ in workers:
+        started.acquire()
+    try:
+        if errors:
+            raise errors[0]
+        yield
+    finally:
+        stop.set()
+        for w in workers:
+            w.join()
+
+
+def measure_host_adam_beside_training(threads: int, n: int = 1 << 26, reps: int = 5,
+                                      cuda_device=None) -> tuple[float, float]:
+    """(alone, beside training): parameters/s of the fused host Adam kernel (fp32 moments) at ``threads``
+    threads, by itself and under `training_load`, timed in alternation (each the best of ``reps``) so that a
+    drift of the machine's memory bandwidth touches both alike."""
+    run = _host_adam_run(threads, "fp32", n)
+    run()
+    alone = loaded = float("inf")
+
+    def timed() -> float:
+        start = time.perf_counter()
+        run()
+        return time.perf_counter() - start
+    for _ in range(reps):
+        alone = min(alone, timed())
+        with training_load(cuda_device):
+            loaded = min(loaded, timed())
+    return n / alone, n / loaded
 
 
 def measure_nvme(path, nbytes: int = 1 << 30, request: int = 256 << 20, reps: int = 3) -> dict:
@@ -171,15 +264,19 @@ def measure(device: str = "auto", cores_perc: float = 0.8, host_elems: int = 1 <
         for moments in ("fp32", "bf16"):
             measured["host_adam"][f"{moments}_moments_{threads}_threads"] = measure_host_adam(
                 threads, moments, host_elems)
+    dev = torch.device("cuda", torch.cuda.current_device()) if cuda else None
+    alone, loaded = measure_host_adam_beside_training(step_threads, host_elems, cuda_device=dev)
+    measured["host_adam"][f"fp32_moments_{step_threads}_threads_alone_interleaved"] = alone
+    measured["host_adam"][f"fp32_moments_{step_threads}_threads_beside_training"] = loaded
     constants = {"host_adam_params_per_s": measured["host_adam"][f"fp32_moments_{step_threads}_threads"],
-                 "host_adam_threads": step_threads, "matmul_bf16_flops": None, "h2d_bytes_per_s": None,
+                 "host_adam_threads": step_threads, "host_load_share": min(1.0, loaded / alone),
+                 "matmul_bf16_flops": None, "h2d_bytes_per_s": None,
                  "d2h_bytes_per_s": None, "nvme_read_bytes_per_s": None, "nvme_write_bytes_per_s": None,
                  "nvme_duplex_bytes_per_s": None}
     if nvme_path is not None:
         constants.update(measure_nvme(nvme_path))
     name = platform.processor() or platform.machine()
     if cuda:
-        dev = torch.device("cuda", torch.cuda.current_device())
         name = torch.cuda.get_device_name(dev)
         constants["matmul_bf16_flops"] = measure_matmul(dev)
         constants.update(measure_copies(dev))
@@ -205,7 +302,7 @@ def load(path) -> dict:
 
     Raises:
         CalibrationError: the file is missing, not JSON, of another version, or has a rate that is not a
-            positive number (the message names the file and the key).
+            positive number, or a ``host_load_share`` above 1 (the message names the file and the key).
     """
     path = Path(path)
     try:
@@ -222,10 +319,14 @@ def load(path) -> dict:
     if not isinstance(constants, dict):
         raise CalibrationError(f"calibration file {path}: no 'constants' object")
     for key in ("matmul_bf16_flops", "h2d_bytes_per_s", "d2h_bytes_per_s", "host_adam_params_per_s",
-                "nvme_read_bytes_per_s", "nvme_write_bytes_per_s", "nvme_duplex_bytes_per_s"):
+                "host_load_share", "nvme_read_bytes_per_s", "nvme_write_bytes_per_s", "nvme_duplex_bytes_per_s"):
         value = constants.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
             raise CalibrationError(f"calibration file {path}: constants.{key} must be a number > 0 or null, "
                                    f"got {value!r}")
+    share = constants.get("host_load_share")
+    if share is not None and share > 1:
+        raise CalibrationError(f"calibration file {path}: constants.host_load_share must be at most 1 (a share of "
+                               f"the kernel's rate alone), got {share!r}")
     return dict(constants, source=str(path))
 

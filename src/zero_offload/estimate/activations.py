@@ -1,10 +1,11 @@
-"""Activation memory of a GPT's forward and backward (Korthikanti et al. 2022, Sec. 4.1), for the memory model
-(`zero_offload.estimate.memory`)."""
+"""Activation memory of a GPT's forward and backward (Korthikanti et al. 2022, Sec. 4.1), and of a Llama-family
+decoder (`zero_offload.estimate.decoder_activations`), for the memory model (`zero_offload.estimate.memory`)."""
 from __future__ import annotations
 
+from zero_offload.estimate.decoder_activations import DecoderShape, decoder_activation_bytes, decoder_formula
 from zero_offload.presets import GPTConfig
 
-__all__ = ["activation_bytes", "activation_formula"]
+__all__ = ["activation_bytes", "activation_formula", "add_decoder_activations"]
 
 
 def activation_formula(checkpointing: bool) -> str:
@@ -27,3 +28,19 @@ def activation_bytes(gpt: GPTConfig, micro_batch: int, seq_len: int, dtype_bytes
     block = int(s * b * h * (34 + 5 * a * s / h) * dtype_bytes / 2)
     logits = b * s * v * (dtype_bytes + 8)
     return (n * s * b * h * dtype_bytes + block if ckpt else n * block) + logits
+
+
+def add_decoder_activations(est, decoder: DecoderShape, micro_batch: int, seq_len: int | None, dtype_bytes: int,
+                            checkpointing: bool | None) -> None:
+    """Add a Llama-family decoder's ``activations`` (device bytes, `decoder_activation_bytes`) and its formula to
+    the `MemoryEstimate` ``est``; without ``seq_len`` only a formula line saying they are not counted (a decoder's
+    context length is no training length)."""
+    if seq_len is None:
+        est.formulas["activations"] = (f"not counted: a {decoder.name} decoder's activations need seq_len "
+                                       f"(estimate_memory(..., seq_len=), plan(..., seq_len=))")
+        return
+    ckpt = decoder.activation_checkpointing if checkpointing is None else checkpointing
+    est.add("device", "activations", decoder_activation_bytes(decoder, micro_batch, seq_len, dtype_bytes, ckpt))
+    est.formulas["activations"] = (decoder_formula(ckpt) + f" with b={micro_batch}, s={seq_len}, d={dtype_bytes} "
+                                   f"({decoder.name}: q={decoder.heads * decoder.head_dim}, "
+                                   f"kv={decoder.kv_heads * decoder.head_dim}, I={decoder.intermediate})")

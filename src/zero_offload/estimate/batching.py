@@ -23,7 +23,7 @@ from typing import Callable
 
 from zero_offload.config import Config
 from zero_offload.estimate.memory import MemoryEstimate, ModelShape
-from zero_offload.estimate.step_graph import Phases, Structure, predict_step
+from zero_offload.estimate.step_graph import Phases, Structure, first_unit_share, predict_step
 from zero_offload.estimate.throughput import (EXPOSED_FRACTION, MAX_GRADIENT_ACCUMULATION, STAGE3_UNIT_SECONDS,
                                               Assumptions, StepTiming, accumulation_to_hide, host_add_seconds,
                                               SPECULATIVE_KERNEL_COST, UNDO_COPY_COST, device_step_seconds,
@@ -171,8 +171,8 @@ def _host_step(shape: ModelShape, cfg: Config, gpus: int, gas: int, a: Assumptio
     bf16_masters = cfg.bf16.bf16_master_weights_and_grads      # the master is the 16-bit parameter: no output
     accumulates = gas > 1 and zc.stage >= 2          # partitions added into on the host: fp32, or bf16
     grad = 4 if accumulates and not bf16_masters else d
-    add_s = host_add_seconds(part, d, a.host_adam, grad) if accumulates else 0.0
-    step_s = host_step_seconds(part - muon, moments, grad, 0 if bf16_masters else d, a.host_adam,
+    add_s = host_add_seconds(part, d, a.host_rate, grad) if accumulates else 0.0
+    step_s = host_step_seconds(part - muon, moments, grad, 0 if bf16_masters else d, a.host_rate,
                                2 if bf16_masters else 4)
     if muon:
         step_s += muon_step_seconds(muon, shape.muon_matrices, gpus, d, a)
@@ -288,7 +288,7 @@ def _timed(c: BatchChoice, shape: ModelShape, gpus: int, seq: int, a: Assumption
     backward = max((6 if ckpt else 4) * shape.n_params * tokens / flops + units * STAGE3_UNIT_SECONDS, read_s)
     offload_param = zc.stage == 3 and zc.offload_param.device in ("cpu", "nvme")
     structure = Structure(zc.stage, offload_param, c.delayed, c.gas > 1, cfg.precision == "fp32", c.speculative,
-                          c.fraction if c.speculative else 1.0)
+                          c.fraction if c.speculative else 1.0, first_unit_share(shape))
     up = 0.0 if offload_param else down / a.pcie          # host shards are written in place, gathered later
     graph = predict_step(structure, Phases(forward, backward, down / a.pcie, up, add_s, host_s, c.gas, save_s))
     # ratio < 1: the device part's step is queued at the boundary before the host steps its part (counted in
@@ -373,8 +373,8 @@ def _explain(c: BatchChoice, options: list[BatchChoice], seq: int, free_ckpt: bo
                      + (f", gradients down at {a.pcie / 1e9:.0f} GB/s" if t.host_s else "")
                      + (f"; {t.later_micro_s:.3f} s for each later one, the host accumulation"
                         if t.later_micro_s is not None and t.later_micro_s > t.micro_s else "") + ")"
-                     + (f", host step {t.host_s:.2f} s at {a.host_adam / 1e9:.2f} Gparam/s (fp32 moments)"
-                        if t.host_s else "")
+                     + (f", host step {t.host_s:.2f} s at {a.host_rate / 1e9:.2f} Gparam/s beside training "
+                        "(fp32 moments)" if t.host_s else "")
                      + (f" with every state read and written once on NVMe at {a.nvme_read / 1e9:.1f} / "
                         f"{a.nvme_write / 1e9:.1f} GB/s (read / write; {a.nvme_duplex / 1e9:.1f} GB/s together)"
                         if t.host_s and on_nvme else "")

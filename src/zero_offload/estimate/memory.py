@@ -7,7 +7,9 @@ Every model-state figure is computed with the engine's own sizing functions -- `
 estimate to `Engine.memory_breakdown()` (2 %) and to the process's anonymous RSS growth (10 %).
 
 Activations are a formula, not a measurement (Korthikanti et al. 2022, "Reducing Activation Recomputation
-in Large Transformer Models", Sec. 4.1), stated in `zero_offload.estimate.activations.activation_formula`.
+in Large Transformer Models", Sec. 4.1), stated in `zero_offload.estimate.activations.activation_formula`; for a
+Llama-family Hugging Face decoder in `zero_offload.estimate.decoder_activations.decoder_formula` (measured from
+autograd's saved tensors).
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from zero_offload.offload.copies import host_alloc_bytes
 from zero_offload.offload.grad_staging import STAGING_FORMULA, staging_shape
 from zero_offload.offload.staging_ring import ring_shape
 from zero_offload.precision import training_dtype
-from zero_offload.estimate.activations import activation_bytes, activation_formula
+from zero_offload.estimate.activations import activation_bytes, activation_formula, add_decoder_activations
 from zero_offload.estimate.nvme_files import add_nvme_files
 from zero_offload.zero.bucket_pool import bucket_pool_size
 from zero_offload.zero.collectives import MAX_IN_FLIGHT, scattered_dtype
@@ -123,9 +125,12 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
             parameter count.
         config: a DeepSpeed-style config (dict, JSON path or `Config`); default: the seed's stage 2 with
             the optimizer offloaded, bf16.
-        micro_batch, seq_len: size the activations (GPT shapes only; default: the config's micro-batch and
-            the model's context). Skipped for a bare parameter count.
-        activation_checkpointing: override the model's own setting for the activation figure.
+        micro_batch, seq_len: size the activations (default: the config's micro-batch and a GPT's context).
+            A Llama-family decoder (transformers' Llama, Qwen2, Mistral) needs ``seq_len``: without it its
+            activations are not counted (its ``max_position_embeddings``, 131072 for Llama 3.1, is no training
+            length) and ``formulas["activations"]`` says so. Skipped for a bare parameter count or other models.
+        activation_checkpointing: override the model's own setting (a GPT's config, a transformers model's
+            ``is_activation_checkpointing``) for the activation figure.
         accelerator: whether the compute device is an accelerator (default: ``torch.cuda.is_available()``).
             Pinned host buffers round up to a power of two only then.
         generation: the run calls ``generate`` inside training (TRL's GRPO, RLOO): at stage 3 every unit is
@@ -375,6 +380,8 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
         ckpt = shape.gpt.activation_checkpointing if activation_checkpointing is None else activation_checkpointing
         est.add("device", "activations", activation_bytes(shape.gpt, b, s, d, ckpt))
         est.formulas["activations"] = activation_formula(ckpt) + f" with b={b}, s={s}, d={d}"
+    elif shape.decoder is not None:
+        add_decoder_activations(est, shape.decoder, micro_batch or micro, seq_len, d, activation_checkpointing)
     return est
 
 

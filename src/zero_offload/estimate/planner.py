@@ -190,6 +190,8 @@ class Plan:
         return ", ".join(parts)
 
 
+# The swap directory a plan with NVMe names where the base config gives none (DeepSpeed's documentation's example).
+NVME_PATH_UNSET = "/local_nvme"
 # Elements per NVMe sub-group the planner gives a config that does not set one: 3 pool buffers of 1.2 GB.
 NVME_SUB_GROUP = 100_000_000
 
@@ -203,6 +205,10 @@ def _zero_section(base: dict, zero: dict) -> dict:
         given = base.get("zero_optimization", {}).get(key)
         if key in out and isinstance(given, dict):
             out[key] = {**given, **out[key]}
+    for key in ("offload_optimizer", "offload_param"):
+        if out.get(key, {}).get("device") == "nvme":
+            # a plan for a machine named by its sizes: the user's mount goes here (`Plan.reasons["nvme_path"]`)
+            out[key].setdefault("nvme_path", NVME_PATH_UNSET)
     if out.get("offload_optimizer", {}).get("device") == "nvme":
         # DeepSpeed's default sub-group (1e9 elements) makes the pool 12 GB a buffer; a smaller one streams as fast
         out.setdefault("sub_group_size", NVME_SUB_GROUP)
@@ -267,11 +273,13 @@ def plan(model, gpus: int = 1, gpu_memory=None, host_memory=None, nvme=None, mic
         host_memory: host bytes for all ranks together (required).
         nvme: NVMe bytes available (None: no NVMe).
         micro_batch: sequences per micro-batch (default: the config's when it sets one, else chosen).
-        seq_len: tokens per sequence (default: the model's context).
+        seq_len: tokens per sequence (default: a GPT's context; a transformers decoder needs it for its
+            activations and the predicted step, see `estimate_memory`).
         config: the base config whose precision and optimizer the plan keeps (default: the seed's, bf16); its
             batch keys and ``delayed_param_update``, when set, are kept too.
         gradient_accumulation: micro-steps per optimizer step (default: the config's when set, else chosen).
-        activation_checkpointing: fix it (default: chosen for a GPT shape on an accelerator, else the model's).
+        activation_checkpointing: fix it (default: chosen for a GPT shape on an accelerator, else the model's;
+            a transformers decoder's ``is_activation_checkpointing``).
         gpu_flops, host_adam, pcie: the step model's figures: sustained FLOP/s per accelerator, host Adam
             parameters/s (fp32 moments), host <-> device bytes/s; each overrides ``calibration``'s.
         nvme_bandwidth: bytes/s of one rank's swap-file reads, of its writes, and of both together (the step
@@ -326,6 +334,9 @@ def plan(model, gpus: int = 1, gpu_memory=None, host_memory=None, nvme=None, mic
         base = {k: v for k, v in base.items() if v is not None}
     muon = str((base.get("optimizer") or {}).get("type", "")).lower() == "muon"
     shape = model if isinstance(model, ModelShape) else model_shape(model, muon=muon)
+    if activation_checkpointing is None and shape.decoder is not None:
+        # A transformers decoder's own setting, so that the step model times the recompute it will do
+        activation_checkpointing = shape.decoder.activation_checkpointing
     knobs = _knobs(base, config is not None, gpus, accelerator, shape, micro_batch, gradient_accumulation,
                    activation_checkpointing, allow_stale_step)
     seq = seq_len or (shape.gpt.block_size if shape.gpt is not None else None)
@@ -398,8 +409,14 @@ def plan(model, gpus: int = 1, gpu_memory=None, host_memory=None, nvme=None, mic
     reasons.update(chosen.batch.notes)
     if locked_note is not None:
         reasons["pin_memory"] = locked_note
+    unset = [k for k in ("offload_optimizer", "offload_param")
+             if chosen.batch.raw["zero_optimization"].get(k, {}).get("nvme_path") == NVME_PATH_UNSET]
+    if unset:
+        reasons["nvme_path"] = (f"{NVME_PATH_UNSET} is a placeholder: set {' and '.join(unset)}.nvme_path to a "
+                                "directory on the NVMe drive (the base config gave none)")
     if chosen.batch.timing is not None:
         reasons["constants"] = (f"{figures.gpu_flops / 1e12:.0f} TFLOP/s sustained, host Adam "
-                                f"{figures.host_adam / 1e9:.2f} Gparam/s, {figures.pcie / 1e9:.0f} GB/s each way "
+                                f"{figures.host_adam / 1e9:.2f} Gparam/s (x{figures.host_load_share:.2f} beside "
+                                f"training), {figures.pcie / 1e9:.0f} GB/s each way "
                                 f"({figures.source})")
     return Plan(chosen.batch.raw, chosen.name, reasons, rows, {}, gpus, capacity, chosen.batch)

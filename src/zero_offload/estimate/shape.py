@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from zero_offload.estimate.decoder_activations import DecoderShape, decoder_shape
 from zero_offload.presets import GPTConfig, gpt_units, preset
 
 from zero_offload.param_groups import takes_muon
@@ -26,6 +27,8 @@ class ModelShape:
         muon_groups: the param groups optimizer type Muon steps with Muon (group 0: the matrices; group 1 the
             rest, as `zero_offload.param_groups` splits them).
         muon_matrices: the shapes of the matrices Muon orthogonalizes (the step model's Newton-Schulz FLOPs).
+        decoder: a Llama-family Hugging Face decoder's sizes when the model is one (sizes its activations:
+            `zero_offload.estimate.decoder_activations`), else None.
     """
     units: tuple[tuple[str, int, tuple[int, ...]], ...]
     gpt: GPTConfig | None = None
@@ -33,6 +36,7 @@ class ModelShape:
     frozen: tuple[tuple[str, int, tuple[int, ...]], ...] = ()
     muon_groups: frozenset[int] = frozenset()
     muon_matrices: tuple[tuple[int, ...], ...] = ()
+    decoder: DecoderShape | None = None
 
     @property
     def n_params(self) -> int:
@@ -93,7 +97,19 @@ def model_shape(model, muon: bool = False) -> ModelShape:
     matrices = tuple(tuple(p.shape) for n, p in model.named_parameters() if p.requires_grad and takes_muon(p, n)) \
         if muon_groups else ()
     return ModelShape(units, gpt if isinstance(gpt, GPTConfig) else None, type(model).__name__, frozen,
-                      muon_groups, matrices)
+                      muon_groups, matrices, _decoder(model))
+
+
+def _decoder(model: torch.nn.Module) -> DecoderShape | None:
+    """A transformers decoder's `DecoderShape`, with its own checkpointing setting (``is_activation_checkpointing``
+    in transformers 5, ``is_gradient_checkpointing`` before it)."""
+    config = getattr(model, "config", None)
+    if config is None or isinstance(config, GPTConfig) or getattr(config, "model_type", None) is None:
+        return None
+    ckpt = getattr(model, "is_activation_checkpointing", None)
+    if ckpt is None:
+        ckpt = getattr(model, "is_gradient_checkpointing", False)
+    return decoder_shape(config, bool(ckpt))
 
 
 def _module_units(model: torch.nn.Module, trainable: bool,

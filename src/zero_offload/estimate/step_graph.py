@@ -40,11 +40,15 @@ import torch
 from zero_offload.offload import simulated, timeline
 from zero_offload.offload.timeline import Op, Timeline
 
-__all__ = ["Structure", "Phases", "StepGraph", "recording", "predict_step", "PROXY_LAYERS", "CHUNKS_PER_LAYER"]
+__all__ = ["Structure", "Phases", "StepGraph", "recording", "predict_step", "first_unit_share", "PROXY_LAYERS",
+           "CHUNKS_PER_LAYER", "FIRST_UNIT_STEPS"]
 
 # 16 layers, one bucket each: the last copy down after backward is 1/16 of a micro-step's copies down.
 PROXY_LAYERS = 16
 PROXY_WIDTH = 96
+# The first unit's share is rounded to 1/32: GPT-2 124M's tied embedding is 31 % of it (10/32), GPT-2 XL's 5.2 %
+# (2/32), the 10B's 2.0 % (1/32); one recording per rounded share.
+FIRST_UNIT_STEPS = 32
 # 4 chunks per layer: the 10B GPT-2 has ~12 (613 chunks of 16M elements over 50 blocks); the copy up of the last
 # chunk after the host step is then 1/32 of the copies up, not 1/613 (a slight overestimate without the delayed
 # update).
@@ -72,6 +76,9 @@ class Structure:
         speculative: super_offload's speculative host step during the boundary backward.
         speculated: the share of each partition it speculates (``super_offload_fraction``; below 1 in place
             after undo copies, `zero_offload.hoststep.banks`).
+        first_unit: the share of the parameters in the model's first unit (a language model's input embedding,
+            tied to its head in GPT-2), whose gradient is the last that backward completes; a multiple of
+            1/`FIRST_UNIT_STEPS` (`first_unit_share`), 0 for the bare proxy of equal layers.
     """
     stage: int
     offload_param: bool
@@ -80,6 +87,7 @@ class Structure:
     fp32: bool
     speculative: bool = False
     speculated: float = 1.0
+    first_unit: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -174,12 +182,55 @@ def _record_here(s: Structure) -> dict:
         return _record_proxy(s)
 
 
+def first_unit_share(shape) -> float:
+    """`Structure.first_unit` for a `zero_offload.estimate.shape.ModelShape`: its first unit's share of the
+    parameters, rounded to a multiple of 1/`FIRST_UNIT_STEPS` and at most one half."""
+    share = sum(shape.units[0][2]) / shape.n_params if shape.units else 0.0
+    return min(0.5, round(share * FIRST_UNIT_STEPS) / FIRST_UNIT_STEPS)
+
+
+class _Lookup(torch.nn.Module):
+    """The proxy's input embedding: rows of the weight mixed by the input (no compute op recorded: a lookup)."""
+
+    def __init__(self, weight: torch.nn.Parameter):
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight
+
+
+class _Head(torch.nn.Module):
+    """The proxy's output layer, tied to the input embedding's weight as GPT-2's is."""
+
+    def __init__(self, weight: torch.nn.Parameter):
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h @ self.weight.t()
+
+
+def _proxy(s: Structure, layer: int) -> tuple[torch.nn.Module, dict[str, int], int]:
+    """(model, {module name: parameters} for the timeline, input width): `PROXY_LAYERS` equal layers, behind a
+    tied embedding holding ``s.first_unit`` of the parameters where that is above 0."""
+    blocks = torch.nn.Sequential(*(torch.nn.Linear(PROXY_WIDTH, PROXY_WIDTH) for _ in range(PROXY_LAYERS)))
+    if not s.first_unit:
+        return blocks, {str(i): layer for i in range(PROXY_LAYERS)}, PROXY_WIDTH
+    rows = round(s.first_unit / (1 - s.first_unit) * PROXY_LAYERS * layer / PROXY_WIDTH)
+    weight = torch.nn.Parameter(torch.randn(rows, PROXY_WIDTH) / rows ** 0.5)
+    model = torch.nn.Sequential()
+    model.add_module("embed", _Lookup(weight))
+    model.add_module("blocks", blocks)
+    model.add_module("head", _Head(weight))
+    return model, {**{f"blocks.{i}": layer for i in range(PROXY_LAYERS)}, "head": rows * PROXY_WIDTH}, rows
+
+
 def _record_proxy(s: Structure) -> dict:
     import zero_offload
     layer = PROXY_WIDTH * PROXY_WIDTH + PROXY_WIDTH
     gen = torch.Generator().manual_seed(0)
-    model = torch.nn.Sequential(*(torch.nn.Linear(PROXY_WIDTH, PROXY_WIDTH) for _ in range(PROXY_LAYERS)))
-    sizes = {str(i): layer for i in range(PROXY_LAYERS)}
+    model, sizes, width = _proxy(s, layer)
     dtype = torch.float32 if s.fp32 else torch.bfloat16
     marks: list[list[int]] = []
     with simulated.forced():
@@ -189,7 +240,7 @@ def _record_proxy(s: Structure) -> dict:
                 for j in range(2 if s.accumulates else 1):
                     if tl is not None:
                         marks.append([len(tl.ops), k, j])
-                    x = torch.randn(2, PROXY_WIDTH, generator=gen).to(dtype)
+                    x = torch.randn(2, width, generator=gen).to(dtype)
                     engine.backward(engine(x).float().square().mean())
                     engine.step()
             for k in range(WARMUP_STEPS):

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from zero_offload.estimate.decoder_activations import decoder_shape
 from zero_offload.estimate.memory import ModelShape, model_shape
 from zero_offload.estimate.planner import Plan, fmt_bytes, parse_bytes, plan
 from zero_offload.offload.host_limits import memlock_limit, usable_host_memory
@@ -28,7 +29,8 @@ def this_machine() -> dict:
 
 
 def hf_config_shape(path: str) -> ModelShape:
-    """A parameter count from a Hugging Face ``config.json`` (a decoder: vocab, hidden, layers, intermediate).
+    """A parameter count from a Hugging Face ``config.json`` (a decoder: vocab, hidden, layers, intermediate), and
+    for a Llama-family ``model_type`` its `DecoderShape` (activations).
 
     Raises:
         ValueError: the file is missing, not JSON, or lacks the sizes (the message names the file and key).
@@ -53,7 +55,8 @@ def hf_config_shape(path: str) -> ModelShape:
     embed = vocab * h * (1 if cfg.get("tie_word_embeddings", True) else 2)
     units = [("embed", 0, (embed,))]
     units += [(f"layers.{i}", 0, (attn, gated * h * inter, 2 * h)) for i in range(layers)]
-    return ModelShape(tuple(units), None, Path(path).parent.name or Path(path).name)
+    # a Llama-family decoder's activations are counted too (with --seq-len): `estimate.decoder_activations`
+    return ModelShape(tuple(units), None, Path(path).parent.name or Path(path).name, decoder=decoder_shape(cfg))
 
 
 def deepspeed_estimates(shape: ModelShape, gpus: int) -> dict[str, tuple[int, int]] | None:

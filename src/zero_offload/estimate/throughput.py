@@ -13,14 +13,16 @@ Per rank and optimizer step of ``gas`` micro-steps of ``t`` tokens each:
   the two;
 - **host accumulation** (gradients on the host, ``gas`` > 1, stage >= 2): each micro-step after the first adds
   the partition on the host, ``P x (d + 8)`` bytes (the staged piece, the fp32 partition read and written: 10 B
-  per element in bf16) at ``host_adam x 28`` bytes/s, the host step's bandwidth. The adds run on a worker
+  per element in bf16) at ``host_rate x 28`` bytes/s, the host step's bandwidth. The adds run on a worker
   thread as the pieces land (`zero_offload.offload.grad_staging`, DeepSpeed's CPU accumulation), beside
   backward: such a micro-step takes ``max(compute, copy down, host add)``; the first converts its pieces on the
   same thread, no more bytes than its copy, and is not charged;
 - **host step**: the fused Adam kernel streams ``8 + 4 x moment bytes + gradient bytes + d`` bytes per parameter
   of the partition (28 B for bf16 with fp32 moments, 20 B with bf16 moments, 30 B with fp32 accumulated
-  gradients; with bf16 masters ``4 + 4 x moment bytes + 2``, 14 B with bf16 moments), at ``host_adam x 28``
-  bytes/s (``host_adam``: the kernel's parameters/s with fp32 moments);
+  gradients; with bf16 masters ``4 + 4 x moment bytes + 2``, 14 B with bf16 moments), at ``host_rate x 28``
+  bytes/s (``host_rate``: the kernel's parameters/s with fp32 moments, ``host_adam``, times the share of it
+  the kernel keeps beside training, ``host_load_share``: the staging thread's conversions and the copies each
+  way take memory bandwidth from it, `zero_offload.calibrate.training_load`);
 - **copies up**: the updated 16-bit partition, ``P x d`` bytes at ``pcie`` (none for stage 3's host shards).
 - **swap-file I/O** (``offload_optimizer.device = nvme``): the host step reads and writes every state of the
   partition once (``S`` = master + moments bytes per element: 12, 8 with bf16 moments, 6 with bf16 masters too;
@@ -68,6 +70,9 @@ class Assumptions:
         pcie: bytes/s of host <-> device copies, each direction, per accelerator.
         nvme_read, nvme_write: bytes/s of one rank's swap-file reads and writes (O_DIRECT, sequential).
         nvme_duplex: bytes/s of its reads and writes together, a read and a write in flight at once.
+        host_load_share: the share of ``host_adam`` the host step keeps beside training (the staging thread's
+            conversions and the copies each way share the host's memory bandwidth with it): the step is
+            charged at `host_rate`, ``host_adam x host_load_share``.
         saturation_tokens: tokens per micro-batch from which the device reaches ``gpu_flops``.
         source: where the figures come from ("built-in", or the calibration file: `zero_offload.calibrate`).
 
@@ -81,6 +86,7 @@ class Assumptions:
     nvme_read: float = 2.5e9
     nvme_write: float = 2.5e9
     nvme_duplex: float = 2.5e9
+    host_load_share: float = 0.77
     source: str = "built-in"
 
     def __post_init__(self) -> None:
@@ -89,6 +95,13 @@ class Assumptions:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
                 raise ValueError(f"{name} must be a number > 0, got {value!r}")
+        if not 0 < self.host_load_share <= 1:
+            raise ValueError(f"host_load_share must be in (0, 1], got {self.host_load_share!r}")
+
+    @property
+    def host_rate(self) -> float:
+        """Parameters/s of the host step beside training (fp32 moments): ``host_adam x host_load_share``."""
+        return self.host_adam * self.host_load_share
 
 
 # A training step's sustained FLOP/s as a share of the square bf16 matmul's (the step model's ``gpu_flops``): the
@@ -102,6 +115,7 @@ def calibrated(calibration=None) -> Assumptions:
     calibrate``, `zero_offload.calibrate`) when given, else the file at its default path when it exists, else the
     built-in `Assumptions`. A measured rate replaces its built-in one: ``gpu_flops`` = `TRAINING_SHARE_OF_MATMUL`
     x the matmul FLOP/s, ``pcie`` = the slower copy direction, ``host_adam`` = the kernel's parameters/s,
+    ``host_load_share`` = its share kept beside training,
     ``nvme_read`` / ``nvme_write`` / ``nvme_duplex`` = the swap directory's measured rates (``calibrate
     --nvme-path``); a rate
     the file lacks (a host without a GPU) keeps the built-in one. ``source`` names the file or says "built-in".
@@ -119,7 +133,7 @@ def calibrated(calibration=None) -> Assumptions:
         return Assumptions()
     c = load(path)
     measured = {"gpu_flops": c["matmul_bf16_flops"] and c["matmul_bf16_flops"] * TRAINING_SHARE_OF_MATMUL,
-                "host_adam": c["host_adam_params_per_s"],
+                "host_adam": c["host_adam_params_per_s"], "host_load_share": c.get("host_load_share"),
                 "pcie": min(c["h2d_bytes_per_s"], c["d2h_bytes_per_s"])
                 if c["h2d_bytes_per_s"] and c["d2h_bytes_per_s"] else None,
                 "nvme_read": c.get("nvme_read_bytes_per_s"), "nvme_write": c.get("nvme_write_bytes_per_s"),
@@ -152,7 +166,7 @@ def nvme_io_seconds(read_bytes: int, write_bytes: int, a: Assumptions, together:
 # read and of the parameters written: the native momentum pass (momentum read and written, the update written: 12),
 # the results zeroed (4), the update's pieces gathered for the owners (8) and the results written back (4), the
 # native update pass (master and result read, master written: 12), the masters read for the parameters (4); the
-# host's bandwidth is host_adam x 28 B.
+# host's bandwidth is host_rate x 28 B.
 MUON_PASS_BYTES = 44
 
 
@@ -162,7 +176,7 @@ def muon_step_seconds(part: int, matrices, gpus: int, d: int, a: "Assumptions") 
     ``gpu_flops`` (spread evenly over ``gpus`` owners), and the update up (4 B) and the result down (``d`` B) over
     the device link per element; run one after the other, on the training thread."""
     from zero_offload.optim.muon import ns_flops
-    host = part * (MUON_PASS_BYTES + 2 * d) / (a.host_adam * 28)
+    host = part * (MUON_PASS_BYTES + 2 * d) / (a.host_rate * 28)
     ns = sum(ns_flops(m) for m in matrices) / gpus / a.gpu_flops
     return host + ns + part * (4 + d) / a.pcie
 

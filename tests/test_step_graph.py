@@ -171,16 +171,16 @@ def test_the_first_unit_lands_last_as_gpt2s_tied_embedding_does():
     copy down and host step cannot start before backward ends. The proxy holds that share in a tied first unit:
     that share of the gradient comes down after backward, where the bare proxy's equal layers leave 1/16;
     and super_offload's speculated step, which waits for it, leaves more of the step exposed."""
-    assert [step_graph.first_unit_share(zero_offload.estimate.model_shape(m)) for m in ("gpt2", "gpt2-xl",
-                                                                                       "gpt2-10b")] == [10 / 32,
-                                                                                                        2 / 32, 1 / 32]
-    tied = Structure(stage=2, offload_param=False, delayed=False, accumulates=False, fp32=False, first_unit=10 / 32)
+    shares = [step_graph.first_unit_share(zero_offload.estimate.model_shape(m)) for m in ("gpt2", "gpt2-xl",
+                                                                                         "gpt2-10b")]
+    assert shares == [5 / 16, 0.0, 0.0]          # XL's 5.2 % and the 10B's 2 %: the bare proxy's 1/16 stands for them
+    tied = Structure(stage=2, offload_param=False, delayed=False, accumulates=False, fp32=False, first_unit=5 / 16)
     # the embedding's share, and the first block's (its copy down follows its backward, the last compute op)
-    assert abs(_bytes_down_after_backward(tied) - (10 / 32 + 22 / 32 / 16)) < 0.005
+    assert abs(_bytes_down_after_backward(tied) - (5 / 16 + 11 / 16 / 16)) < 0.005
     assert abs(_bytes_down_after_backward(PLAIN) - 1 / 16) < 0.005
     phases = Phases(**TEN_B, host_s=1.79)
     spec = dict(stage=2, offload_param=False, delayed=False, accumulates=False, fp32=False, speculative=True)
-    bare, embedded = (predict_step(Structure(**spec, first_unit=f), phases) for f in (0.0, 10 / 32))
+    bare, embedded = (predict_step(Structure(**spec, first_unit=f), phases) for f in (0.0, 5 / 16))
     assert embedded.idle_s > bare.idle_s + 0.2 * 1.79, (bare.lines(), embedded.lines())
 
 
@@ -193,4 +193,4 @@ def test_the_planner_records_the_models_first_unit(monkeypatch):
                           gradient_accumulation=1, config={"zero_optimization": {"stage": 2, "offload_optimizer":
                                                                                  {"device": "cpu"}}})
     assert p.batch.timing is not None and seen
-    assert {s.first_unit for s in seen} == {10 / 32}
+    assert {s.first_unit for s in seen} == {5 / 16}

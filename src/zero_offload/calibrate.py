@@ -12,10 +12,11 @@ The planner's step model (`zero_offload.estimate.throughput`) needs six rates. B
   the thread count a delayed host step gets (``offload_optimizer.cpuadam_cores_perc`` of the cores,
   `zero_offload.offload.host_cores`) and with every core (the synchronous step); the bf16-moment layout
   (20 bytes per parameter) beside it;
-- ``host_load_share``: the share of that rate the kernel keeps beside training (at most 1): timed in alternation
-  alone and under `training_load` (a thread converting 16-bit pieces to fp32, as the staging thread does, and on a
-  GPU pinned copies each way at once, the gradients down and the parameters up). Inside a GPU step the host step
-  ran 20-40 % slower than its rate alone; the step model charges the host step at ``host_adam x host_load_share``;
+- ``host_load_share``: the share of that rate the kernel keeps beside training (at most 1): the median over pairs
+  of runs timed back to back, alone and under `training_load` (a thread converting 16-bit pieces to fp32, as the
+  staging thread does, and on a GPU pinned copies each way at once, the gradients down and the parameters up).
+  Inside a GPU step the host step ran 20-40 % slower than its rate alone; the step model charges the host step at
+  ``host_adam x host_load_share``;
 - ``nvme_read_bytes_per_s``, ``nvme_write_bytes_per_s`` and ``nvme_duplex_bytes_per_s`` (with ``--nvme-path``):
   bytes/s of sequential writes, of reads, and of both at once (a write and a read in flight together, as a
   pipelined sub-group pass keeps them), of a 1 GiB swap file in that directory through the engine's own swapper
@@ -189,24 +190,27 @@ def training_load(cuda_device=None, elems: int = 1 << 24):
             w.join()
 
 
-def measure_host_adam_beside_training(threads: int, n: int = 1 << 26, reps: int = 5,
-                                      cuda_device=None) -> tuple[float, float]:
-    """(alone, beside training): parameters/s of the fused host Adam kernel (fp32 moments) at ``threads``
-    threads, by itself and under `training_load`, timed in alternation (each the best of ``reps``) so that a
-    drift of the machine's memory bandwidth touches both alike."""
+def measure_host_adam_beside_training(threads: int, n: int = 1 << 26, reps: int = 7,
+                                      cuda_device=None) -> tuple[float, float, float]:
+    """(alone, beside training, share): parameters/s of the fused host Adam kernel (fp32 moments) at ``threads``
+    threads, by itself and under `training_load` (each the best of ``reps``), and the median over the ``reps``
+    pairs of the two timed back to back of the loaded rate over the one alone: a pair sees one state of the
+    machine, whose memory bandwidth drifts between pairs."""
+    import statistics
     run = _host_adam_run(threads, "fp32", n)
     run()
-    alone = loaded = float("inf")
 
     def timed() -> float:
         start = time.perf_counter()
         run()
         return time.perf_counter() - start
+    pairs = []
     for _ in range(reps):
-        alone = min(alone, timed())
+        alone = timed()
         with training_load(cuda_device):
-            loaded = min(loaded, timed())
-    return n / alone, n / loaded
+            pairs.append((alone, timed()))
+    return (n / min(a for a, _ in pairs), n / min(b for _, b in pairs),
+            statistics.median(a / b for a, b in pairs))
 
 
 def measure_nvme(path, nbytes: int = 1 << 30, request: int = 256 << 20, reps: int = 3) -> dict:
@@ -265,11 +269,11 @@ def measure(device: str = "auto", cores_perc: float = 0.8, host_elems: int = 1 <
             measured["host_adam"][f"{moments}_moments_{threads}_threads"] = measure_host_adam(
                 threads, moments, host_elems)
     dev = torch.device("cuda", torch.cuda.current_device()) if cuda else None
-    alone, loaded = measure_host_adam_beside_training(step_threads, host_elems, cuda_device=dev)
+    alone, loaded, share = measure_host_adam_beside_training(step_threads, host_elems, cuda_device=dev)
     measured["host_adam"][f"fp32_moments_{step_threads}_threads_alone_interleaved"] = alone
     measured["host_adam"][f"fp32_moments_{step_threads}_threads_beside_training"] = loaded
     constants = {"host_adam_params_per_s": measured["host_adam"][f"fp32_moments_{step_threads}_threads"],
-                 "host_adam_threads": step_threads, "host_load_share": min(1.0, loaded / alone),
+                 "host_adam_threads": step_threads, "host_load_share": min(1.0, share),
                  "matmul_bf16_flops": None, "h2d_bytes_per_s": None,
                  "d2h_bytes_per_s": None, "nvme_read_bytes_per_s": None, "nvme_write_bytes_per_s": None,
                  "nvme_duplex_bytes_per_s": None}

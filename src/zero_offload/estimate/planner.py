@@ -205,9 +205,8 @@ def _zero_section(base: dict, zero: dict) -> dict:
         given = base.get("zero_optimization", {}).get(key)
         if key in out and isinstance(given, dict):
             out[key] = {**given, **out[key]}
-    for key in ("offload_optimizer", "offload_param"):
+    for key in ("offload_optimizer", "offload_param"):     # no mount given: a placeholder, named in the reasons
         if out.get(key, {}).get("device") == "nvme":
-            # a plan for a machine named by its sizes: the user's mount goes here (`Plan.reasons["nvme_path"]`)
             out[key].setdefault("nvme_path", NVME_PATH_UNSET)
     if out.get("offload_optimizer", {}).get("device") == "nvme":
         # DeepSpeed's default sub-group (1e9 elements) makes the pool 12 GB a buffer; a smaller one streams as fast
@@ -409,11 +408,10 @@ def plan(model, gpus: int = 1, gpu_memory=None, host_memory=None, nvme=None, mic
     reasons.update(chosen.batch.notes)
     if locked_note is not None:
         reasons["pin_memory"] = locked_note
-    unset = [k for k in ("offload_optimizer", "offload_param")
-             if chosen.batch.raw["zero_optimization"].get(k, {}).get("nvme_path") == NVME_PATH_UNSET]
-    if unset:
-        reasons["nvme_path"] = (f"{NVME_PATH_UNSET} is a placeholder: set {' and '.join(unset)}.nvme_path to a "
-                                "directory on the NVMe drive (the base config gave none)")
+    if unset := [k for k, v in chosen.batch.raw["zero_optimization"].items() if k.startswith("offload_")
+                 and v.get("nvme_path") == NVME_PATH_UNSET]:
+        reasons["nvme_path"] = f"{NVME_PATH_UNSET} is a placeholder: set {' and '.join(unset)}.nvme_path to a " \
+                               "directory on the NVMe drive (the base config gave none)"
     if chosen.batch.timing is not None:
         reasons["constants"] = (f"{figures.gpu_flops / 1e12:.0f} TFLOP/s sustained, host Adam "
                                 f"{figures.host_adam / 1e9:.2f} Gparam/s (x{figures.host_load_share:.2f} beside "

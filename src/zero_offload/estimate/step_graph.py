@@ -46,9 +46,10 @@ __all__ = ["Structure", "Phases", "StepGraph", "recording", "predict_step", "fir
 # 16 layers, one bucket each: the last copy down after backward is 1/16 of a micro-step's copies down.
 PROXY_LAYERS = 16
 PROXY_WIDTH = 96
-# The first unit's share is rounded to 1/32: GPT-2 124M's tied embedding is 31 % of it (10/32), GPT-2 XL's 5.2 %
-# (2/32), the 10B's 2.0 % (1/32); one recording per rounded share.
-FIRST_UNIT_STEPS = 32
+# The first unit's share is rounded to 1/16, and below 3/32 the bare proxy stands for it (its own first layer, 1/16,
+# lands last): GPT-2 124M's tied embedding (31 %) is recorded as 5/16, GPT-2 XL's (5.2 %) and the 10B's (2.0 %) by
+# the bare proxy. One recording per rounded share and structure: few shares, few recordings.
+FIRST_UNIT_STEPS = 16
 # 4 chunks per layer: the 10B GPT-2 has ~12 (613 chunks of 16M elements over 50 blocks); the copy up of the last
 # chunk after the host step is then 1/32 of the copies up, not 1/613 (a slight overestimate without the delayed
 # update).
@@ -78,7 +79,8 @@ class Structure:
             after undo copies, `zero_offload.hoststep.banks`).
         first_unit: the share of the parameters in the model's first unit (a language model's input embedding,
             tied to its head in GPT-2), whose gradient is the last that backward completes; a multiple of
-            1/`FIRST_UNIT_STEPS` (`first_unit_share`), 0 for the bare proxy of equal layers.
+            1/`FIRST_UNIT_STEPS` (`first_unit_share`), 0 for the bare proxy of equal layers (its first, 1/16,
+            lands last).
     """
     stage: int
     offload_param: bool
@@ -184,8 +186,11 @@ def _record_here(s: Structure) -> dict:
 
 def first_unit_share(shape) -> float:
     """`Structure.first_unit` for a `zero_offload.estimate.shape.ModelShape`: its first unit's share of the
-    parameters, rounded to a multiple of 1/`FIRST_UNIT_STEPS` and at most one half."""
+    parameters, rounded to a multiple of 1/`FIRST_UNIT_STEPS` and at most one half; 0 (the bare proxy) below
+    1.5/`FIRST_UNIT_STEPS`."""
     share = sum(shape.units[0][2]) / shape.n_params if shape.units else 0.0
+    if share < 1.5 / FIRST_UNIT_STEPS:
+        return 0.0
     return min(0.5, round(share * FIRST_UNIT_STEPS) / FIRST_UNIT_STEPS)
 
 

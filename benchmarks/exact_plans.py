@@ -39,7 +39,7 @@ def row(model: str, gpu_mem: str, host_mem: str, nvme, calibration) -> str:
     from zero_offload.estimate import model_shape, plan
     from zero_offload.estimate.throughput import TRAINING_SHARE_OF_MATMUL, calibrated
     exact = plan(model, 1, gpu_mem, host_mem, nvme, calibration=calibration)
-    where = f"{model} | {gpu_mem} | {host_mem}"
+    where = f"{model} | {gpu_mem} | {host_mem}" + (f" + {nvme} NVMe" if nvme else "")
     if not exact.fits:
         return f"| {where} | does not fit | | | | | | |"
     stale = plan(model, 1, gpu_mem, host_mem, nvme, calibration=calibration, allow_stale_step=True)

@@ -145,6 +145,8 @@ def section_llama_trainer(args, matmul_peak) -> dict:
     try:
         model = _build(args.tiny, device)
         rss_model = rss.peak
+        # counted before training: at stage 3 a released parameter has no elements
+        params, flops = sum(p.numel() for p in model.parameters()), _flops_per_token(model, seq)
         # The tiny box: a fixed batch and no step model, whose recorded steps (one per structure the rows reach)
         # would take most of the smoke run's time; the GPU run predicts its step.
         fixed = {"micro_batch": 2, "gradient_accumulation": 1, "timed": False} if args.tiny else {}
@@ -168,7 +170,6 @@ def section_llama_trainer(args, matmul_peak) -> dict:
         timings = dict(trainer.engine.timings)
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
         peak_steps = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
-        params, flops = sum(p.numel() for p in model.parameters()), _flops_per_token(model, seq)
         del trainer, model
     finally:
         peak_rss = rss.stop()

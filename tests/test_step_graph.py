@@ -174,6 +174,7 @@ def test_the_first_unit_lands_last_as_gpt2s_tied_embedding_does():
     shares = [step_graph.first_unit_share(zero_offload.estimate.model_shape(m)) for m in ("gpt2", "gpt2-xl",
                                                                                          "gpt2-10b")]
     assert shares == [5 / 16, 0.0, 0.0]          # XL's 5.2 % and the 10B's 2 %: the bare proxy's 1/16 stands for them
+    assert step_graph.first_unit_share(zero_offload.estimate.model_shape(10 ** 9)) == 0.0     # a bare count
     tied = Structure(stage=2, offload_param=False, delayed=False, accumulates=False, fp32=False, first_unit=5 / 16)
     # the embedding's share, and the first block's (its copy down follows its backward, the last compute op)
     assert abs(_bytes_down_after_backward(tied) - (5 / 16 + 11 / 16 / 16)) < 0.005
@@ -194,3 +195,18 @@ def test_the_planner_records_the_models_first_unit(monkeypatch):
                                                                                  {"device": "cpu"}}})
     assert p.batch.timing is not None and seen
     assert {s.first_unit for s in seen} == {5 / 16}
+
+
+def test_an_untied_head_is_its_own_last_unit_in_a_config_file_shape(tmp_path):
+    """``--hf-config``: an untied head is the last unit, as the module order puts it (its gradient lands first), not
+    part of the first: Llama 3 8B's first unit is its embedding alone (6.5 %: the bare proxy), as for the module."""
+    import json
+
+    from zero_offload.estimate.table import hf_config_shape
+    cfg = {"model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
+           "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "hidden_act": "silu",
+           "tie_word_embeddings": False}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    shape = hf_config_shape(str(tmp_path / "config.json"))
+    assert shape.units[0] == ("embed", 0, (128256 * 4096,)) and shape.units[-1] == ("lm_head", 0, (128256 * 4096,))
+    assert step_graph.first_unit_share(shape) == 0.0

@@ -16,7 +16,8 @@ The planner's step model (`zero_offload.estimate.throughput`) needs six rates. B
   of runs timed back to back, alone and under `training_load` (a thread converting 16-bit pieces to fp32, as the
   staging thread does, and on a GPU pinned copies each way at once, the gradients down and the parameters up).
   Inside a GPU step the host step ran 20-40 % slower than its rate alone; the step model charges the host step at
-  ``host_adam x host_load_share``;
+  ``host_adam x host_load_share``. Without a GPU the copies cannot run, and the share measured without them (in
+  ``measured``) is not written as the constant: the step model keeps its built-in one;
 - ``nvme_read_bytes_per_s``, ``nvme_write_bytes_per_s`` and ``nvme_duplex_bytes_per_s`` (with ``--nvme-path``):
   bytes/s of sequential writes, of reads, and of both at once (a write and a read in flight together, as a
   pipelined sub-group pass keeps them), of a 1 GiB swap file in that directory through the engine's own swapper
@@ -50,6 +51,8 @@ __all__ = ["measure", "measure_nvme", "write", "load", "default_path", "DEFAULT_
            "training_load", "measure_host_adam", "measure_host_adam_beside_training"]
 
 VERSION = 1
+# Seconds a `training_load` worker may take to allocate its buffers and do its first pass.
+LOAD_START_S = 120
 ENV = "ZERO_OFFLOAD_CALIBRATION"
 # Where `zero_offload.plan` and `zero-offload estimate` look when no file is named (docs/estimate.md).
 DEFAULT_PATH = Path.home() / ".cache" / "zero_offload" / "calibration.json"
@@ -135,17 +138,21 @@ def training_load(cuda_device=None, elems: int = 1 << 24):
     thread's conversions of 16-bit gradient pieces into fp32 (``elems`` fp16 -> fp32 per pass, one core, numpy
     so that no torch intra-op pool competes for the step's cores) and, with ``cuda_device``, pinned copies of
     ``4 x elems`` bytes each way at once on two side streams (the gradients coming down, the parameters going
-    up: the memory traffic that DMA adds).
+    up: the memory traffic that DMA adds). The block starts once every worker has done one pass (its buffers
+    touched, its streams warm), so what it times runs under the load, not its start.
 
     Raises:
-        Whatever a worker raised while it set up (a pinned allocation refused, say), once all have started.
+        Whatever a worker raised (a pinned allocation refused, a CUDA error): at the start when it set up, or
+        at the end of the block when it failed while the block ran (a load that stopped must not pass for one).
+        RuntimeError: a worker not started within `LOAD_START_S` seconds.
     """
     import numpy as np
     stop = threading.Event()
-    started = threading.Semaphore(0)          # released by each worker once its buffers exist: the load is on
+    started = threading.Semaphore(0)          # released by each worker after its first pass: the load is on
 
     def convert():
         src, dst = np.ones(elems, np.float16), np.empty(elems, np.float32)
+        np.copyto(dst, src)
         started.release()
         while not stop.is_set():
             np.copyto(dst, src)
@@ -156,21 +163,25 @@ def training_load(cuda_device=None, elems: int = 1 << 24):
         host_out = torch.empty_like(host_in, pin_memory=True)
         dev_in, dev_out = (torch.empty(4 * elems, dtype=torch.uint8, device=cuda_device) for _ in range(2))
         up, down = torch.cuda.Stream(cuda_device), torch.cuda.Stream(cuda_device)
-        started.release()
-        while not stop.is_set():
+
+        def both_ways():
             with torch.cuda.stream(up):
                 dev_in.copy_(host_in, non_blocking=True)
             with torch.cuda.stream(down):
                 host_out.copy_(dev_out, non_blocking=True)
             up.synchronize()
             down.synchronize()
+        both_ways()
+        started.release()
+        while not stop.is_set():
+            both_ways()
     errors: list[BaseException] = []
 
     def guarded(body):
         def run():
             try:
                 body()
-            except BaseException as e:       # handed to the caller: a load that never ran must not pass for one
+            except BaseException as e:       # handed to the caller, who may be waiting for this worker's start
                 errors.append(e)
                 started.release()
         return run
@@ -178,9 +189,10 @@ def training_load(cuda_device=None, elems: int = 1 << 24):
                for f in ([convert, copy] if cuda_device is not None else [convert])]
     for w in workers:
         w.start()
-    for _ in workers:
-        started.acquire()
     try:
+        for _ in workers:
+            if not started.acquire(timeout=LOAD_START_S):
+                raise RuntimeError(f"calibrate: the training load did not start within {LOAD_START_S} s")
         if errors:
             raise errors[0]
         yield
@@ -188,6 +200,8 @@ def training_load(cuda_device=None, elems: int = 1 << 24):
         stop.set()
         for w in workers:
             w.join()
+    if errors:
+        raise errors[0]
 
 
 def measure_host_adam_beside_training(threads: int, n: int = 1 << 26, reps: int = 7,
@@ -272,8 +286,10 @@ def measure(device: str = "auto", cores_perc: float = 0.8, host_elems: int = 1 <
     alone, loaded, share = measure_host_adam_beside_training(step_threads, host_elems, cuda_device=dev)
     measured["host_adam"][f"fp32_moments_{step_threads}_threads_alone_interleaved"] = alone
     measured["host_adam"][f"fp32_moments_{step_threads}_threads_beside_training"] = loaded
+    measured["host_load_share"] = share
+    # without the copies (no GPU) the measured share is not the one in training: the built-in stays
     constants = {"host_adam_params_per_s": measured["host_adam"][f"fp32_moments_{step_threads}_threads"],
-                 "host_adam_threads": step_threads, "host_load_share": min(1.0, share),
+                 "host_adam_threads": step_threads, "host_load_share": min(1.0, share) if cuda else None,
                  "matmul_bf16_flops": None, "h2d_bytes_per_s": None,
                  "d2h_bytes_per_s": None, "nvme_read_bytes_per_s": None, "nvme_write_bytes_per_s": None,
                  "nvme_duplex_bytes_per_s": None}

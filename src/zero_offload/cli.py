@@ -79,8 +79,9 @@ def _estimate_parser(sub) -> None:
                    help="recompute activations in backward (default auto: chosen for a GPT preset)")
     p.add_argument("--gpu-tflops", default=None, help="sustained TFLOP/s of one GPU in training, for the step "
                                                       "model (default 400)")
-    p.add_argument("--host-adam", default=None, help="host Adam parameters/s with fp32 moments, e.g. 4.2e9 "
-                                                     "(default 4.2e9, a GPU server's; measure yours: zero-offload "
+    p.add_argument("--host-adam", default=None, help="host Adam parameters/s with fp32 moments, the kernel alone, "
+                                                     "e.g. 4.2e9 (default 4.2e9, a GPU server's; the step is charged "
+                                                     "at 0.77 of it beside training; measure yours: zero-offload "
                                                      "calibrate)")
     p.add_argument("--pcie", default=None, help="host <-> GPU copy GB/s each way (default 25)")
     p.add_argument("--nvme-gbps", default=None, help="swap-file GB/s each way of one rank, for plans with NVMe "

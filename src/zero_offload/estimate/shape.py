@@ -106,6 +106,8 @@ def _decoder(model: torch.nn.Module) -> DecoderShape | None:
     config = getattr(model, "config", None)
     if config is None or isinstance(config, GPTConfig) or getattr(config, "model_type", None) is None:
         return None
+    if not callable(getattr(model, "get_output_embeddings", None)) or model.get_output_embeddings() is None:
+        return None                      # no LM head (a base model, a classifier): the head's term would be wrong
     ckpt = getattr(model, "is_activation_checkpointing", None)
     if ckpt is None:
         ckpt = getattr(model, "is_gradient_checkpointing", False)

@@ -187,33 +187,25 @@ def _record_here(s: Structure) -> dict:
 def first_unit_share(shape) -> float:
     """`Structure.first_unit` for a `zero_offload.estimate.shape.ModelShape`: its first unit's share of the
     parameters, rounded to a multiple of 1/`FIRST_UNIT_STEPS` and at most one half; 0 (the bare proxy) below
-    1.5/`FIRST_UNIT_STEPS`."""
-    share = sum(shape.units[0][2]) / shape.n_params if shape.units else 0.0
+    1.5/`FIRST_UNIT_STEPS` and for a shape of one unit (a bare parameter count)."""
+    if len(shape.units) < 2:           # a bare parameter count: nothing is known of its order
+        return 0.0
+    share = sum(shape.units[0][2]) / shape.n_params
     if share < 1.5 / FIRST_UNIT_STEPS:
         return 0.0
     return min(0.5, round(share * FIRST_UNIT_STEPS) / FIRST_UNIT_STEPS)
 
 
-class _Lookup(torch.nn.Module):
-    """The proxy's input embedding: rows of the weight mixed by the input (no compute op recorded: a lookup)."""
+class _Tied(torch.nn.Module):
+    """One use of the proxy's tied weight: the input embedding (``x @ weight``, rows mixed by the input; no
+    compute op recorded, as for a lookup) or the output layer (``h @ weight.t()``), as GPT-2 ties them."""
 
-    def __init__(self, weight: torch.nn.Parameter):
+    def __init__(self, weight: torch.nn.Parameter, transpose: bool):
         super().__init__()
-        self.weight = weight
+        self.weight, self.transpose = weight, transpose
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x @ self.weight
-
-
-class _Head(torch.nn.Module):
-    """The proxy's output layer, tied to the input embedding's weight as GPT-2's is."""
-
-    def __init__(self, weight: torch.nn.Parameter):
-        super().__init__()
-        self.weight = weight
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return h @ self.weight.t()
+        return x @ (self.weight.t() if self.transpose else self.weight)
 
 
 def _proxy(s: Structure, layer: int) -> tuple[torch.nn.Module, dict[str, int], int]:
@@ -225,9 +217,9 @@ def _proxy(s: Structure, layer: int) -> tuple[torch.nn.Module, dict[str, int], i
     rows = round(s.first_unit / (1 - s.first_unit) * PROXY_LAYERS * layer / PROXY_WIDTH)
     weight = torch.nn.Parameter(torch.randn(rows, PROXY_WIDTH) / rows ** 0.5)
     model = torch.nn.Sequential()
-    model.add_module("embed", _Lookup(weight))
+    model.add_module("embed", _Tied(weight, transpose=False))
     model.add_module("blocks", blocks)
-    model.add_module("head", _Head(weight))
+    model.add_module("head", _Tied(weight, transpose=True))
     return model, {**{f"blocks.{i}": layer for i in range(PROXY_LAYERS)}, "head": rows * PROXY_WIDTH}, rows
 
 

@@ -52,9 +52,10 @@ def hf_config_shape(path: str) -> ModelShape:
     heads = cfg.get("num_attention_heads") or cfg.get("n_head") or 1
     kv = cfg.get("num_key_value_heads") or heads
     attn = h * h * 2 + 2 * h * (h * kv // heads)
-    embed = vocab * h * (1 if cfg.get("tie_word_embeddings", True) else 2)
-    units = [("embed", 0, (embed,))]
+    units = [("embed", 0, (vocab * h,))]
     units += [(f"layers.{i}", 0, (attn, gated * h * inter, 2 * h)) for i in range(layers)]
+    if not cfg.get("tie_word_embeddings", True):       # the head last, where the module order puts it
+        units.append(("lm_head", 0, (vocab * h,)))
     # a Llama-family decoder's activations are counted too (with --seq-len): `estimate.decoder_activations`
     return ModelShape(tuple(units), None, Path(path).parent.name or Path(path).name, decoder=decoder_shape(cfg))
 

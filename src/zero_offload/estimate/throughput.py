@@ -72,7 +72,8 @@ class Assumptions:
         nvme_duplex: bytes/s of its reads and writes together, a read and a write in flight at once.
         host_load_share: the share of ``host_adam`` the host step keeps beside training (the staging thread's
             conversions and the copies each way share the host's memory bandwidth with it): the step is
-            charged at `host_rate`, ``host_adam x host_load_share``.
+            charged at `host_rate`, ``host_adam x host_load_share``, under every policy (measured under the
+            delayed update, the heaviest load; a synchronous step overlaps only its copies up: an assumption).
         saturation_tokens: tokens per micro-batch from which the device reaches ``gpu_flops``.
         source: where the figures come from ("built-in", or the calibration file: `zero_offload.calibrate`).
 
@@ -95,7 +96,8 @@ class Assumptions:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
                 raise ValueError(f"{name} must be a number > 0, got {value!r}")
-        if not 0 < self.host_load_share <= 1:
+        share = self.host_load_share
+        if not isinstance(share, (int, float)) or isinstance(share, bool) or not 0 < share <= 1:
             raise ValueError(f"host_load_share must be in (0, 1], got {self.host_load_share!r}")
 
     @property

@@ -22,11 +22,13 @@ Mode 2 (``--rss``), host memory per parameter. For each variant, in its own subp
 with the optimizer offloaded to the CPU and bf16 on, and trained for 2 steps on random tokens (micro-batch 1;
 default 8 tokens: activations are negligible, and torch's bf16 matmul on a CPU without AVX-512 runs at ~0.2 GFLOP/s
 for some layouts, so a 1B step costs ~1 minute per 8 tokens).
-Variants: ``moments`` (bf16_optimizer_states only: fp32 masters) and ``masters`` (bf16_master_weights_and_grads
-and bf16_optimizer_states). Reported: resident memory (VmRSS) after imports, after the model is built, after
+Variants: ``moments`` (bf16_optimizer_states only: fp32 masters), ``masters`` (bf16_master_weights_and_grads
+and bf16_optimizer_states) and ``masters-grads-on-device`` (the same with ``offload_optimizer.gradients_on_device``:
+the gradient partition kept on the device). Reported: resident memory (VmRSS) after imports, after the model is built, after
 ``initialize`` and after each step; the peak (``ru_maxrss``); ``engine.memory_breakdown()`` by kind and side; and
 these per parameter. Without an accelerator the "device" kinds (16-bit parameters, stage-2 buckets) are host
-memory too, so RSS counts them; the "host" kinds are what the issue's host bytes/param counts. Before each run
+memory too, so RSS counts them; the "host" kinds are what the issue's host bytes/param counts, and RSS less
+imports less the device kinds' bytes is its measured counterpart. Before each run
 the child compares `zero_offload.estimate.estimate_memory`'s prediction with the memory available now and stops
 rather than start a run that would not fit within ``--max-gib``.
 
@@ -61,7 +63,10 @@ VAL_VARIANTS = {
 RSS_VARIANTS = {
     "moments": {"enabled": True, "bf16_optimizer_states": True},
     "masters": {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True},
+    "masters-grads-on-device": {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True},
 }
+# Variants that also keep the gradient partition on the device (``offload_optimizer.gradients_on_device``).
+GRADS_ON_DEVICE = {"masters-grads-on-device"}
 GiB = 2 ** 30
 
 
@@ -163,11 +168,13 @@ def peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024      # KiB on Linux
 
 
-def rss_config(bf16: dict) -> dict:
-    """configs/tiny_cpu.json (stage 2, optimizer offloaded to the CPU) at micro-batch 1 + the variant's bf16."""
+def rss_config(name: str) -> dict:
+    """configs/tiny_cpu.json (stage 2, optimizer offloaded to the CPU) at micro-batch 1 + variant ``name``'s bf16
+    (and gradients on the device)."""
     cfg = json.loads((ROOT / "configs" / "tiny_cpu.json").read_text())
     cfg["train_micro_batch_size_per_gpu"] = 1
-    cfg["bf16"] = dict(bf16)
+    cfg["bf16"] = dict(RSS_VARIANTS[name])
+    cfg["zero_optimization"]["offload_optimizer"]["gradients_on_device"] = name in GRADS_ON_DEVICE
     return cfg
 
 
@@ -183,7 +190,7 @@ def rss_child(args) -> dict:
     points = {"imports": vm_rss()}
     mcfg = GPTConfig(vocab_size=50304, block_size=args.rss_seq_len, n_layer=args.n_layer, n_head=args.n_head,
                      n_embd=args.n_embd)
-    cfg = rss_config(RSS_VARIANTS[args.rss_child])
+    cfg = rss_config(args.rss_child)
     est = estimate_memory(mcfg, cfg, 1, micro_batch=1, seq_len=args.rss_seq_len, accelerator=False)
     predicted = {k: est.device.get(k, 0) + est.host.get(k, 0) for k in {*est.device, *est.host}}
     need = sum(predicted.values()) + points["imports"]
@@ -231,6 +238,10 @@ def rss_child(args) -> dict:
             "breakdown": {k: {"bytes": v["bytes"], "side": v["side"], "per_param": round(v["bytes"] / n, 3)}
                           for k, v in breakdown.items() if v["bytes"]},
             "breakdown_per_side": {k: round(v / n, 3) for k, v in sides.items()},
+            # The host bytes a GPU box would hold: RSS less what the breakdown puts on the device side (on this
+            # machine the device is host memory too).
+            "rss_minus_imports_and_device_per_param": round((points["step2"] - points["imports"]
+                                                             - sides.get("device", 0)) / n, 2),
             "predicted_per_param": {k: round(v / n, 3) for k, v in predicted.items() if v}}
 
 
@@ -252,7 +263,8 @@ def run_rss(args) -> dict:
         per = r["rss_per_param"]
         print(f"[{name}] {r['params'] / 1e9:.3f}B parameters: RSS/param imports {per['imports']}, built "
               f"{per['model_built']}, initialized {per['initialized']}, step 2 {per['step2']}, peak {per['peak']}; "
-              f"(RSS - imports)/param after step 2 {r['rss_minus_imports_per_param']['step2']}", flush=True)
+              f"(RSS - imports)/param after step 2 {r['rss_minus_imports_per_param']['step2']}, less the device kinds "
+              f"{r['rss_minus_imports_and_device_per_param']}", flush=True)
         print(f"[{name}] memory_breakdown per param by side: {r['breakdown_per_side']}; by kind: "
               + ", ".join(f"{k} {v['per_param']} ({v['side']})" for k, v in r["breakdown"].items()), flush=True)
     return {"mode": "rss", "runs": results}

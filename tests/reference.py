@@ -1,6 +1,7 @@
 """Plain-PyTorch reference runs and the matching engine runs, shared by the numerical tests."""
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -91,6 +92,30 @@ def train_step(engine, step: int, rank: int, ws: int) -> float:
 
 def engine_runs(configs: list[dict], steps=STEPS, with_norms=False) -> list:
     return [engine_run(c, steps, with_norms) for c in configs]
+
+
+def paired_runs(cases: list[tuple], pair) -> dict:
+    """Each case's two configs (``pair(case)``) trained at 1 and at 2 ranks: {(world size, *case): (the first's
+    run, the second's)}, each as `engine_run` returns it (rank 0's view at 2 ranks)."""
+    from dist_utils import run_ranks
+    out = {}
+    for ws in (1, 2):
+        configs = [c for case in cases for c in pair(case)]
+        runs = engine_runs(configs) if ws == 1 else run_ranks(engine_runs, 2, configs)[0]
+        out.update({(ws, *case): (runs[2 * i], runs[2 * i + 1]) for i, case in enumerate(cases)})
+    return out
+
+
+def assert_matches_adamw(run, ref: dict, ref_losses: list[float], atol: float, bitwise: dict | None = None) -> None:
+    """``run`` (`engine_run`'s masters, parameters, losses) within ``atol`` of the AdamW reference, and with
+    ``bitwise`` (another run's masters) equal to it bit for bit."""
+    masters, params, losses = run[:3]
+    for name, value in ref.items():
+        assert (masters[name] - value).abs().max().item() <= atol, name
+        assert (params[name] - value).abs().max().item() <= atol, name
+        if bitwise is not None:
+            assert torch.equal(masters[name], bitwise[name]), f"{name}: not bitwise the run it is paired with"
+    assert losses == pytest.approx(ref_losses, abs=atol)
 
 
 def assert_norms_match(norms: list[float], ref_norms: list[float], rel: float = 1e-5) -> None:

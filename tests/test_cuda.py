@@ -1,7 +1,8 @@
 """CUDA-only checks (skipped without a GPU; run by benchmarks/gpu_validate.py section (a)).
 
 Exactness against plain AdamW at stages 0-3 with and without offload, accumulation 1 and 3, and with the
-delayed parameter update, with super_offload and with ratio 0.5 (both also over NVMe states); host bytes of pinned
+delayed parameter update, with super_offload and with ratio 0.5 (both also over NVMe states), with the gradient
+partition kept on the device; host bytes of pinned
 partitions against the arithmetic; export peak memory (torch.cuda.max_memory_allocated) within 2x the largest
 parameter; copies overlapping compute; stage-3 gather memory reused in stream order while the host runs ahead."""
 import itertools
@@ -67,6 +68,20 @@ def test_cuda_ratio_matches_adamw(stage, gas, spec):
     torch.backends.cuda.matmul.allow_tf32 = False
     ref, ref_losses = reference_run(gas=gas, clip=1.0)
     masters, _, losses = engine_run(ratio_config(stage, gas, 1.0, 0.5, spec))
+    for name, value in ref.items():
+        assert (masters[name] - value).abs().max().item() <= ATOL, name
+    assert losses == pytest.approx(ref_losses, abs=1e-3)
+
+
+@pytest.mark.parametrize("stage,gas,clip", [(1, 3, 1.0), (2, 1, 0.0), (2, 3, 1.0), (3, 3, 0.0)])
+def test_cuda_gradients_on_device_match_adamw(stage, gas, clip):
+    """offload_optimizer.gradients_on_device on CUDA: the partition accumulated on the device and pulled down chunk
+    by chunk on the copy stream while the host kernel steps the chunk before (700-element chunks: the slots reused)."""
+    from reference import engine_run, reference_run
+    from test_gradients_on_device import on_device_config
+    torch.backends.cuda.matmul.allow_tf32 = False
+    ref, ref_losses = reference_run(gas=gas, clip=clip)
+    masters, _, losses = engine_run(on_device_config(stage, gas, clip))
     for name, value in ref.items():
         assert (masters[name] - value).abs().max().item() <= ATOL, name
     assert losses == pytest.approx(ref_losses, abs=1e-3)

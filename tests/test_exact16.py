@@ -12,7 +12,7 @@ The matrix covers stages 0-3, offload none/cpu/nvme (at stage 3 the parameters t
 use), the delayed parameter update, ``super_offload`` (the speculated step kept without clipping and redone under
 it: the same bound, since the masters are the plain kernel's result on the same inputs either way),
 ``offload_optimizer.ratio`` 0.5 (the device part's masters within the same bound), both also with the states on
-NVMe, accumulation 1 and 3, clipping on and off, at 1 and 2 ranks, for bf16 and fp16 (a static loss scale of 2**8),
+NVMe, the gradient partition kept on the device (``gradients_on_device``), accumulation 1 and 3, clipping on and off, at 1 and 2 ranks, for bf16 and fp16 (a static loss scale of 2**8),
 plus communication_data_type cases. AdamW's eps is 1e-4, of the order of the gradients' root mean square: with eps
 far below it Adam is invariant to the gradient's scale, and a gradient stepped 256 times too large (no unscale)
 would change nothing visible. Weight decay is 0.1 so that dropping it moves a master by
@@ -45,12 +45,13 @@ class Case(NamedTuple):
     comm: str | None = None
     spec: bool = False           # offload_optimizer.super_offload
     ratio: float = 1.0           # offload_optimizer.ratio: the share offloaded
-
+    on_device: bool = False      # offload_optimizer.gradients_on_device
 
     def __str__(self) -> str:
         return (f"{self.precision}-stage{self.stage}-{self.offload}-gas{self.gas}" + ("-clip" if self.clip else "")
                 + ("-dpu" if self.dpu else "") + (f"-comm_{self.comm}" if self.comm else "")
-                + ("-super_offload" if self.spec else "") + (f"-ratio{self.ratio}" if self.ratio < 1 else ""))
+                + ("-super_offload" if self.spec else "") + (f"-ratio{self.ratio}" if self.ratio < 1 else "")
+                + ("-grads_on_device" if self.on_device else ""))
 
 
 SHAPES = [(0, "none", 1, False, False), (0, "none", 3, True, False), (1, "none", 3, False, False),
@@ -72,6 +73,10 @@ CASES += [Case(p, stage, "cpu", gas, clip, ratio=0.5, spec=spec) for p in ("bf16
 # ... and with the host part's states in NVMe swap files.
 CASES += [Case(p, stage, "nvme", gas, clip, ratio=0.5) for p in ("bf16", "fp16")
           for stage, gas, clip in ((2, 3, True), (3, 1, False))]
+# gradients kept on the device, pulled down chunk by chunk by the host step (at stage 3 with the parameters on
+# the host: the kernel writes them in place).
+CASES += [Case(p, stage, "cpu", gas, clip, on_device=True) for p in ("bf16", "fp16")
+          for stage, gas, clip in ((1, 3, True), (2, 1, False), (2, 3, True), (3, 3, False))]
 # communication_data_type shows only where a sum is not rounded back to the training dtype anyway: bf16
 # reductions of fp32 training, and fp32 reductions into stage 3's fp32 accumulation.
 COMM_CASES = [Case("fp32", 2, "cpu", 1, False, comm="bf16"), Case("bf16", 3, "cpu", 3, True, comm="fp32"),
@@ -103,6 +108,8 @@ def case_config(case: Case, ws: int, nvme_path: str) -> dict:
         zero["offload_optimizer"]["super_offload"] = True
     if case.ratio < 1:
         zero["offload_optimizer"]["ratio"] = case.ratio
+    if case.on_device:     # chunks of 700 elements: several per step, so the stream's slots are reused
+        zero["offload_optimizer"].update(gradients_on_device=True, copy_chunk=700)
     return cfg
 
 

@@ -13,12 +13,11 @@ from __future__ import annotations
 import itertools
 
 import pytest
-import torch
 
 import zero_offload
 from dist_utils import run_ranks
-from reference import (MICRO, assert_estimated, engine_config, engine_runs, one_step_breakdown, reference_run,
-                       train_step)
+from reference import (MICRO, assert_estimated, assert_matches_adamw, engine_config, one_step_breakdown, paired_runs,
+                       reference_run, train_step)
 from toy_model import batch, make_model
 from zero_offload.config import ConfigError
 from zero_offload.estimate import estimate_memory
@@ -38,25 +37,16 @@ def ratio_config(stage: int, gas: int, clip: float, ratio: float, spec: bool = F
 
 @pytest.fixture(scope="module")
 def results():
-    out = {}
-    for ws in (1, 2):
-        configs = [c for case in CASES for c in (ratio_config(*case), ratio_config(*case[:3], 1.0))]
-        runs = engine_runs(configs) if ws == 1 else run_ranks(engine_runs, 2, configs)[0]
-        out.update({(ws, *case): (runs[2 * i], runs[2 * i + 1]) for i, case in enumerate(CASES)})
-    return out
+    return paired_runs(CASES, lambda case: [ratio_config(*case), ratio_config(*case[:3], 1.0)])
 
 
 @pytest.mark.parametrize("ws", (1, 2))
 @pytest.mark.parametrize("stage,gas,clip,ratio,spec", CASES)
 def test_matches_adamw_and_the_whole_offload(results, ws, stage, gas, clip, ratio, spec):
     ref, ref_losses = reference_run(gas=gas, clip=clip, ws=ws)
-    (masters, params, losses), (whole, _, whole_losses) = results[(ws, stage, gas, clip, ratio, spec)]
-    for name, value in ref.items():
-        assert (masters[name] - value).abs().max().item() <= ATOL, name
-        assert (params[name] - value).abs().max().item() <= ATOL, name
-        if native_available() and clip == 0.0:    # clipped, the norm's sums are grouped otherwise: last bits
-            assert torch.equal(masters[name], whole[name]), f"{name}: not bitwise the fully offloaded run"
-    assert losses == pytest.approx(ref_losses, abs=1e-5)
+    run, whole = results[(ws, stage, gas, clip, ratio, spec)]
+    # clipped, the norm's sums are grouped otherwise: last bits
+    assert_matches_adamw(run, ref, ref_losses, ATOL, whole[0] if native_available() and clip == 0.0 else None)
 
 
 # -- the host part on NVMe ---------------------------------------------------------------------------------
@@ -75,25 +65,15 @@ def nvme_ratio_config(path, stage: int, gas: int, clip: float, ratio: float = 0.
 @pytest.fixture(scope="module")
 def nvme_results(tmp_path_factory):
     path = tmp_path_factory.mktemp("ratio-nvme")
-    out = {}
-    for ws in (1, 2):
-        configs = [c for case in NVME_CASES for c in (nvme_ratio_config(path, *case), ratio_config(*case, 1.0))]
-        runs = engine_runs(configs) if ws == 1 else run_ranks(engine_runs, 2, configs)[0]
-        out.update({(ws, *case): (runs[2 * i], runs[2 * i + 1]) for i, case in enumerate(NVME_CASES)})
-    return out
+    return paired_runs(NVME_CASES, lambda case: [nvme_ratio_config(path, *case), ratio_config(*case, 1.0)])
 
 
 @pytest.mark.parametrize("ws", (1, 2))
 @pytest.mark.parametrize("stage,gas,clip", NVME_CASES)
 def test_the_host_part_on_nvme_matches_adamw(nvme_results, ws, stage, gas, clip):
     ref, ref_losses = reference_run(gas=gas, clip=clip, ws=ws)
-    (masters, params, losses), (whole, _, _) = nvme_results[(ws, stage, gas, clip)]
-    for name, value in ref.items():
-        assert (masters[name] - value).abs().max().item() <= ATOL, name
-        assert (params[name] - value).abs().max().item() <= ATOL, name
-        if native_available() and clip == 0.0:
-            assert torch.equal(masters[name], whole[name]), f"{name}: not bitwise the fully offloaded run"
-    assert losses == pytest.approx(ref_losses, abs=1e-5)
+    run, whole = nvme_results[(ws, stage, gas, clip)]
+    assert_matches_adamw(run, ref, ref_losses, ATOL, whole[0] if native_available() and clip == 0.0 else None)
 
 
 @pytest.mark.parametrize("stage", (2, 3))

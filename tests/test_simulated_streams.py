@@ -8,6 +8,7 @@ asynchronous copy, collective and NVMe request lands later, on a worker thread (
   simulation: masters, 16-bit weights, every step's loss and gradient norm;
 - the same runs with every wait skipped (``ZERO_OFFLOAD_SIMULATE_STREAMS_SKIP_WAITS=1``) differ: the simulation
   sees a missing wait (without this the first check would prove nothing);
+- one wait taken out at a time (a copy's event, a slot's reuse, a collective, an NVMe request) is seen too;
 - the exactness matrix of `test_exact16` (its cases with copies in flight: every offloaded case, and stage 3 at
   two ranks) holds under the simulation against the 16-bit reference.
 """
@@ -43,7 +44,9 @@ RUNS = [("zero2-offload", Case("bf16", 2, "cpu", 2, True), 1),
         ("zero3-offload-ratio-2ranks", Case("bf16", 3, "cpu", 2, True, ratio=0.5), 2),
         ("zero2-nvme-ratio", Case("bf16", 2, "nvme", 2, True, ratio=0.5), 1),
         ("zero2-nvme-super", Case("bf16", 2, "nvme", 1, False, spec=True), 1),
-        ("zero3-nvme-super-gas2", Case("bf16", 3, "nvme", 2, False, spec=True), 1)]
+        ("zero3-nvme-super-gas2", Case("bf16", 3, "nvme", 2, False, spec=True), 1),
+        ("zero2-offload-grads-on-device", Case("bf16", 2, "cpu", 1, True, on_device=True), 1),
+        ("zero2-offload-grads-on-device-gas2", Case("bf16", 2, "cpu", 2, False, on_device=True), 1)]
 
 
 def in_mode(mode: str, fn, *args):
@@ -224,13 +227,44 @@ def nvme_request_not_waited(mp):
     mp.setattr(Swapper, "wait", wait)
 
 
+def streamed_chunk_read_before_its_copy(mp):
+    """The host step reads a gradient chunk kept on the device before its copy down has landed."""
+    from zero_offload.hoststep import grad_stream
+
+    def fetch(self, g, _param, lo, hi):          # GradStream.fetch without its wait on the chunk's copy
+        k = self.position[g, lo]
+        self._issue_through(k + grad_stream.AHEAD)
+        slot = self.slots[k % grad_stream.SLOTS][:hi - lo]
+        return slot, (slot if self.over_slot[g] else None)
+    mp.setattr(grad_stream.GradStream, "fetch", fetch)
+
+
+def streamed_slot_refilled_before_its_copy_up(mp):
+    """A gradient chunk is copied down into a slot whose parameters are still being copied up."""
+    from zero_offload.hoststep.grad_stream import GradStream
+    mp.setattr(GradStream, "copy_up", lambda self, dst, g, lo, after: _copy_up_unordered(self, dst, g, lo, after))
+
+
+def _copy_up_unordered(stream, dst, g, lo, after):
+    """`GradStream.copy_up` that tells the next copy down into the slot nothing to wait for."""
+    from zero_offload.hoststep.grad_stream import SLOTS
+    from zero_offload.offload.copies import DONE
+    k = stream.position[g, lo]
+    handle = stream.copies.to_device(dst, stream.slots[k % SLOTS][:dst.numel()], after)
+    stream.reader_handles[k] = DONE
+    stream.readers[k].set()
+    return handle
+
+
 # One rank's reductions complete at launch, as on a GPU: under accumulation the staging slots then hold the backward
 # back until each bucket's copy has landed, and a bucket reused early is seen only where buckets go down straight.
 FAULTS = [(bucket_reused_before_its_copy, "zero2-offload-gas1"), (partition_read_before_its_copies, "zero2-offload"),
           (staged_piece_added_before_its_copy, "zero2-offload"),
           (compute_does_not_wait_for_copies_up, "zero2-offload-dpu"), (ring_slot_rewritten_in_flight, "zero2-offload"),
           (collective_not_waited, "zero3-offload-params-2ranks"), (nvme_request_not_waited, "zero2-nvme"),
-          (speculation_before_its_copy, "zero2-offload-super")]
+          (speculation_before_its_copy, "zero2-offload-super"),
+          (streamed_chunk_read_before_its_copy, "zero2-offload-grads-on-device"),
+          (streamed_slot_refilled_before_its_copy_up, "zero2-offload-grads-on-device")]
 
 
 @pytest.mark.parametrize("fault,name", FAULTS, ids=[f.__name__ for f, _ in FAULTS])

@@ -33,8 +33,11 @@ _REFUSED_BY_VALUE = {
                                      "top-level gradient_clipping",
     "zero_optimization.offload_optimizer.aio.use_gds = true": "GPUDirect Storage needs CUDA and cuFile",
     "optimizer.type Muon with ratio < 1, delayed_param_update, super_offload, bf16_master_weights_and_grads, "
-    "or bf16_optimizer_states on NVMe":
+    "gradients_on_device, or bf16_optimizer_states on NVMe":
         "not built for Muon yet; each refusal names the key and why (docs/muon.md)",
+    "zero_optimization.offload_optimizer.gradients_on_device with delayed_param_update, super_offload, ratio < 1, "
+    "device nvme, parameters on NVMe or an optimizer other than Adam/AdamW":
+        "not built: the synchronous host step of the fused kernel only; each refusal names the keys",
 }
 
 

@@ -134,8 +134,8 @@ def check_muon(config) -> None:
     """Optimizer type Muon with a setting it is not built with: refused, naming the key and why.
 
     Raises:
-        ConfigError: ``ratio`` < 1, the delayed update, ``super_offload``, bf16 masters, or bf16 optimizer
-            states in swap files with type Muon.
+        ConfigError: ``ratio`` < 1, the delayed update, ``super_offload``, bf16 masters, gradients on the
+            device, or bf16 optimizer states in swap files with type Muon.
     """
     opt = config.optimizer
     if opt is None or opt.muon is None:
@@ -155,6 +155,8 @@ def check_muon(config) -> None:
          "while backward runs"),
         (config.bf16.bf16_master_weights_and_grads, "bf16.bf16_master_weights_and_grads", "true",
          "Muon steps fp32 masters"),
+        (oo.gradients_on_device, "zero_optimization.offload_optimizer.gradients_on_device", "true",
+         "Muon orthogonalizes whole matrices from gradients in host memory"),
     )
     for on, key, value, why in refusals:
         if on:

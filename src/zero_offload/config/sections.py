@@ -80,6 +80,14 @@ class OffloadOptimizerConfig(OffloadConfig):
                                "moments and gradient on the device and is stepped there at the boundary, while the "
                                "host steps its part; one global norm and clip coefficient for both.",
                           min=0.0, max=1.0)
+    gradients_on_device: bool = option(False, "Not a DeepSpeed key: with device 'cpu', keep this rank's reduced "
+                                              "gradient partition on the accelerator (accumulated there over "
+                                              "micro-steps) and pull it down chunk by chunk while the host step "
+                                              "runs, through a few pinned chunks. Host memory less by the "
+                                              "partition (2 bytes/param in 16 bits, 4 under fp32 accumulation), "
+                                              "device memory more by as much at stages 2 and 3 (at stage 1 it is "
+                                              "the full gradient the device holds anyway). Same update, bit for "
+                                              "bit; the synchronous host step only.")
     copy_chunk: int = option(1 << 24, "Not a DeepSpeed key: elements per chunk of the host step and per copy up of "
                                       "the updated parameters it starts (16M: 32 MB in 16 bits). Each finished "
                                       "chunk's copy starts at once, overlapping the rest of the step; smaller chunks "
@@ -179,6 +187,8 @@ class ZeroConfig:
             self._check_ratio(path)
         if self.offload_optimizer.super_offload_fraction < 1.0:
             self._check_super_offload_fraction(path)
+        if self.offload_optimizer.gradients_on_device:
+            self._check_gradients_on_device(path)
         if self.offload_optimizer.device != "none" and self.stage < 1:
             raise ConfigError(f"config key '{path}.offload_optimizer.device' = "
                               f"{self.offload_optimizer.device!r} needs '{path}.stage' >= 1 (got 0)")
@@ -213,6 +223,24 @@ class ZeroConfig:
         if self.offload_param.device != "none":
             raise ConfigError(f"{key} needs the parameters on the device; '{path}.offload_param.device' is "
                               f"{self.offload_param.device!r} (the device part steps device parameters)")
+
+    def _check_gradients_on_device(self, path: str) -> None:
+        """``offload_optimizer.gradients_on_device`` needs the synchronous host step over states in host memory."""
+        oo = self.offload_optimizer
+        key = f"config key '{path}.offload_optimizer.gradients_on_device' = true"
+        if oo.device != "cpu":
+            raise ConfigError(f"{key} needs '{path}.offload_optimizer.device' = 'cpu' (got {oo.device!r}): without "
+                              "offload the gradient partition is on the device already; on NVMe the states stream "
+                              "by sub-group and read the gradient from host memory")
+        others = (("delayed_param_update", oo.delayed_param_update, "its step reads the gradients while the next "
+                   "backward rewrites them"),
+                  ("super_offload", oo.super_offload, "it steps each piece as it lands in host memory"),
+                  ("ratio", oo.ratio < 1.0, "its device part already keeps its gradient on the device"))
+        for other, on, why in others:
+            if on:
+                raise ConfigError(f"{key} and '{path}.offload_optimizer.{other}' do not combine: {why}")
+        if self.offload_param.device == "nvme":
+            raise ConfigError(f"{key} needs the parameters in memory; '{path}.offload_param.device' is 'nvme'")
 
     def _check_super_offload_fraction(self, path: str) -> None:
         """``offload_optimizer.super_offload_fraction`` < 1 sizes the speculation of states in host memory."""

@@ -169,9 +169,10 @@ def _host_step(shape: ModelShape, cfg: Config, gpus: int, gas: int, a: Assumptio
     muon = sum(parts[g] for g in shape.muon_groups)         # type Muon: its groups' step (`muon_step_seconds`)
     moments = 2 if cfg.bf16.bf16_optimizer_states else 4
     bf16_masters = cfg.bf16.bf16_master_weights_and_grads      # the master is the 16-bit parameter: no output
-    accumulates = gas > 1 and zc.stage >= 2          # partitions added into on the host: fp32, or bf16
+    accumulates = gas > 1 and zc.stage >= 2          # partitions added into: fp32, or bf16
     grad = 4 if accumulates and not bf16_masters else d
-    add_s = host_add_seconds(part, d, a.host_rate, grad) if accumulates else 0.0
+    on_device = zc.offload_optimizer.gradients_on_device      # added into on the device, pulled down by the step
+    add_s = host_add_seconds(part, d, a.host_rate, grad) if accumulates and not on_device else 0.0
     step_s = host_step_seconds(part - muon, moments, grad, 0 if bf16_masters else d, a.host_rate,
                                2 if bf16_masters else 4)
     if muon:
@@ -201,9 +202,11 @@ def choose_batch(shape: ModelShape, raw: dict, gpus: int, seq: int | None, knobs
     ckpts = [False, True] if free_ckpt else [knobs.checkpointing]
     micros = list(MICRO_BATCHES) if knobs.micro_batch is None else [knobs.micro_batch]
     zc = base.zero_optimization
-    dpu_possible = (zc.offload_optimizer.device == "cpu" and not (zc.stage == 3 and zc.offload_param.device != "none"))
+    streamed = zc.offload_optimizer.gradients_on_device      # the synchronous host step only
+    dpu_possible = (zc.offload_optimizer.device == "cpu" and not (zc.stage == 3 and zc.offload_param.device != "none")
+                    and not streamed)
     spec_possible = (zc.offload_optimizer.device in ("cpu", "nvme") and zc.stage >= 2
-                     and zc.offload_param.device != "nvme")
+                     and zc.offload_param.device != "nvme" and not streamed)
     sized = zc.offload_optimizer.device == "cpu"         # a share of super_offload's bank: host memory only
     ratio_possible = (spec_possible and zc.offload_param.device == "none"
                       and not base.bf16.bf16_master_weights_and_grads)       # not built with bf16 masters
@@ -278,8 +281,14 @@ def _timed(c: BatchChoice, shape: ModelShape, gpus: int, seq: int, a: Assumption
     units = len(shape.units) if zc.stage == 3 else 0
     # Stage 3's parameters on NVMe: each unit's shard read before its gather, forward and backward, prefetched
     read_s = nvme_io_seconds(down, 0, a) if zc.stage == 3 and zc.offload_param.device == "nvme" else 0.0
-    micro_s = micro_step_seconds(shape.n_params, tokens, ckpt, a, down, stage3_units=units, param_read_s=2 * read_s)
-    later_s = micro_step_seconds(shape.n_params, tokens, ckpt, a, down, add_s, units, 2 * read_s)  # adds beside bwd
+    # Gradients kept on the device: nothing goes down in a micro-step; the host step pulls the partition down
+    on_device = zc.offload_optimizer.gradients_on_device
+    per_micro = 0 if on_device else down
+    d = 4 if cfg.precision == "fp32" else 2
+    pulled = down * (4 // d if c.gas > 1 and zc.stage >= 2 and not cfg.bf16.bf16_master_weights_and_grads else 1)
+    micro_s = micro_step_seconds(shape.n_params, tokens, ckpt, a, per_micro, stage3_units=units,
+                                 param_read_s=2 * read_s)
+    later_s = micro_step_seconds(shape.n_params, tokens, ckpt, a, per_micro, add_s, units, 2 * read_s)  # adds beside
     if not host_s:
         c.timing = step_timing(micro_s, c.gas, 0.0, False, tokens * c.gas, later_s)
         return c
@@ -288,9 +297,11 @@ def _timed(c: BatchChoice, shape: ModelShape, gpus: int, seq: int, a: Assumption
     backward = max((6 if ckpt else 4) * shape.n_params * tokens / flops + units * STAGE3_UNIT_SECONDS, read_s)
     offload_param = zc.stage == 3 and zc.offload_param.device in ("cpu", "nvme")
     structure = Structure(zc.stage, offload_param, c.delayed, c.gas > 1, cfg.precision == "fp32", c.speculative,
-                          c.fraction if c.speculative else 1.0, first_unit_share(shape))
+                          c.fraction if c.speculative else 1.0, first_unit_share(shape),
+                          zc.offload_optimizer.gradients_on_device)
     up = 0.0 if offload_param else down / a.pcie          # host shards are written in place, gathered later
-    graph = predict_step(structure, Phases(forward, backward, down / a.pcie, up, add_s, host_s, c.gas, save_s))
+    graph = predict_step(structure, Phases(forward, backward, (pulled if on_device else down) / a.pcie, up, add_s,
+                                           host_s, c.gas, save_s))
     # ratio < 1: the device part's step is queued at the boundary before the host steps its part (counted in
     # full: the recorded proxy has no device step to overlap it with).
     device_s = device_step_seconds(int(shape.n_params / gpus * (1.0 - c.ratio)))

@@ -24,6 +24,7 @@ from zero_offload.hoststep.muon_owners import ASSEMBLED_FORMULA, WINDOW_FORMULA,
 from zero_offload.estimate.shape import ModelShape, model_shape
 from zero_offload.offload.copies import host_alloc_bytes
 from zero_offload.offload.grad_staging import STAGING_FORMULA, staging_shape
+from zero_offload.hoststep.grad_stream import SLOTS
 from zero_offload.offload.staging_ring import ring_shape
 from zero_offload.precision import training_dtype
 from zero_offload.estimate.activations import activation_bytes, activation_formula, add_decoder_activations
@@ -184,6 +185,8 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
     speculative = zc.offload_optimizer.super_offload
     # offload_optimizer.ratio < 1: each partition's first `device_numel` elements stay on the device
     ratio = zc.offload_optimizer.ratio if offload_opt and not offload_param else 1.0
+    # offload_optimizer.gradients_on_device: the partition stays on the device; the host step pulls it down
+    streamed = offload_opt and zc.offload_optimizer.gradients_on_device
     rounding = 0
 
     def host(kind: str, numel: int, dtype_: torch.dtype, pinned: bool | None = None) -> None:
@@ -215,6 +218,18 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
         host("grad_staging", slots * slot_bytes, torch.uint8)
         est.formulas["grad_staging"] = STAGING_FORMULA
 
+    def gradient_partition(numel: int, dtype_: torch.dtype, staging_piece: int, piece_bytes: int) -> None:
+        # An offloaded step's gradient partition: in host memory, with the staging its pieces come down through
+        # under accumulation; or kept on the device, pulled down by the host step through a few pinned chunks
+        # (`zero_offload.hoststep.grad_stream`; at stage 1 a view of the full gradient, nothing more).
+        if not streamed:
+            host("grad_partition", numel, dtype_)
+            if staging_piece:
+                grad_staging(staging_piece, piece_bytes)
+            return
+        if zc.stage >= 2:
+            est.add("device", "grad_partition", numel * dtype_.itemsize)
+
     def device_part(cut: int) -> None:
         # The part of a split partition the device keeps: its gradient, fp32 master (unless fp32 training, where
         # the parameters are their own masters) and torch's fp32 moments.
@@ -245,9 +260,9 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
             if offload_opt:
                 cut = device_numel(p, ratio)
                 device_part(cut)
-                host("grad_partition", p - cut, grad_dtype if zc.stage == 2 else dtype)
-                if zc.stage == 2 and gas > 1:       # pieces: this rank's buckets
-                    grad_staging(min(largest_bucket(p, zc.reduce_bucket_size), p - cut), d)
+                pieces = zc.stage == 2 and gas > 1       # pieces: this rank's buckets
+                gradient_partition(p - cut, grad_dtype if zc.stage == 2 else dtype,
+                                   pieces and min(largest_bucket(p, zc.reduce_bucket_size), p - cut), d)
                 host("master", p - cut, master_dtype)
                 moments(p - cut, on_host=True, g=g)
             else:
@@ -287,9 +302,7 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
             if host_step:
                 cut = device_numel(p, ratio)
                 device_part(cut)
-                host("grad_partition", p - cut, grad_dtype)
-                if gas > 1:
-                    grad_staging(min(shard, p - cut), shard_bytes)
+                gradient_partition(p - cut, grad_dtype, gas > 1 and min(shard, p - cut), shard_bytes)
                 # Shards in memory of the masters' dtype are their masters (not under super_offload, whose banks
                 # swap, nor the delayed update, whose step writes them at publish only)
                 own = offload_param and not param_nvme and (d == 4 or bf16_masters)
@@ -303,6 +316,11 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
                 moments(p, on_host=False, g=g)
     grads_on_host = offload_opt or offload_param
     parts = [p - device_numel(p, ratio) for p in parts]       # the host parts (all of each, at ratio 1)
+    if streamed and parts:      # one set of slots for every group, a chunk of the largest partition each
+        for _ in range(SLOTS):
+            host("param_staging", min(zc.offload_optimizer.copy_chunk, max(parts)), grad_dtype if zc.stage >= 2
+                 else dtype)
+        est.formulas["param_staging"] = f"gradients on the device: {SLOTS} pinned chunks of min(copy_chunk, P)"
     if speculative and state_nvme:
         # super_offload over swap files steps each sub-group into a second bank of files (`zero_offload.nvme.
         # speculation`, counted in `estimate.nvme_files`); the parameters wait in a landing buffer like the parameters.

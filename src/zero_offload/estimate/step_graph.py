@@ -81,6 +81,9 @@ class Structure:
             tied to its head in GPT-2), whose gradient is the last that backward completes; a multiple of
             1/`FIRST_UNIT_STEPS` (`first_unit_share`), 0 for the bare proxy of equal layers (its first, 1/16,
             lands last).
+        grads_on_device: the gradient partition stays on the device and the host step pulls it down chunk by
+            chunk (``offload_optimizer.gradients_on_device``): the copies down belong to the step, not to each
+            micro-step.
     """
     stage: int
     offload_param: bool
@@ -90,6 +93,7 @@ class Structure:
     speculative: bool = False
     speculated: float = 1.0
     first_unit: float = 0.0
+    grads_on_device: bool = False
 
 
 @dataclass(frozen=True)
@@ -98,7 +102,8 @@ class Phases:
 
     Attributes:
         forward_s, backward_s: device compute of one micro-step (backward with any recompute).
-        down_s: gradient copies down of one micro-step; up_s: parameter copies up of one step.
+        down_s: gradient copies down of one micro-step (with the gradients on the device: of one step);
+            up_s: parameter copies up of one step.
         add_s: host accumulation of one micro-step; host_s: the host Adam step.
         gas: micro-steps per optimizer step.
         save_s: super_offload below fraction 1: the undo copies of the whole partition's state (those of the
@@ -161,6 +166,7 @@ def _config(s: Structure, layer: int) -> dict:
             "offload_optimizer": {"device": "cpu", "delayed_param_update": s.delayed, "dpu_warmup_steps": 1,
                                   "super_offload": s.speculative,
                                   **({"super_offload_fraction": s.speculated} if s.speculated < 1 else {}),
+                                  **({"gradients_on_device": True} if s.grads_on_device else {}),
                                   # as many chunks per layer as a large model's step has
                                   "copy_chunk": -(-layer // CHUNKS_PER_LAYER)}}
     if s.offload_param:
@@ -302,18 +308,22 @@ def _micro_steps(ops: list[Op], marks) -> dict[int, int]:
     return index
 
 
-def _durations(tl: Timeline, marks, p: Phases, fp32: bool):
+def _durations(tl: Timeline, marks, p: Phases, s: Structure):
     """Each op's seconds for ``p``: its share of the proxy's work of its kind per micro-step (forward, backward,
-    copies down, host accumulation) or per step (host step, copies up) times the plan's seconds for it; a later
-    micro-step stands for the ``gas - 1`` of the plan. Shares are of the proxy's parameters (in bytes for copies),
-    not of the recorded totals: a delayed step launched before the recording may add a step's host work."""
+    copies down, host accumulation) or per step (host step, copies up; copies down of gradients kept on the device)
+    times the plan's seconds for it; a later micro-step stands for the ``gas - 1`` of the plan. Shares are of the
+    proxy's parameters (in bytes for copies), not of the recorded totals: a delayed step launched before the
+    recording may add a step's host work."""
     micro = _micro_steps(tl.ops, marks)
     params = sum(o.work for o in tl.ops if o.kind == "forward" and o.id < (marks[1][0] if len(marks) > 1 else
                                                                              len(tl.ops)))
+    # The partition the host step pulls down is fp32 under accumulation (the proxy has fp32 masters)
+    down_bytes = 4 if s.fp32 or (s.grads_on_device and s.accumulates) else 2
     size = {"forward": params, "backward": params, "host_step": params, "host_add": params, "host_save": params,
-            "h2d": params * (4 if fp32 else 2), "d2h": params * (4 if fp32 else 2)}
-    per_micro = {"forward": p.forward_s, "backward": p.backward_s, "d2h": p.down_s, "host_add": p.add_s}
+            "h2d": params * (4 if s.fp32 else 2), "d2h": params * down_bytes}
+    per_micro = {"forward": p.forward_s, "backward": p.backward_s, "host_add": p.add_s}
     per_step = {"host_step": p.host_s, "host_save": p.save_s, "h2d": p.up_s}
+    (per_step if s.grads_on_device else per_micro)["d2h"] = p.down_s
 
     def kind(op: Op) -> str | None:
         if op.kind in ("forward", "backward", "host_step", "host_add", "host_save"):
@@ -344,12 +354,12 @@ def predict_step(s: Structure, p: Phases) -> StepGraph:
         memo = _PREDICTED[id(tl)] = {}
         weakref.finalize(tl, _PREDICTED.pop, id(tl), None)
     if p not in memo:
-        memo[p] = _replay(tl, marks, p, s.fp32)
+        memo[p] = _replay(tl, marks, p, s)
     return copy.deepcopy(memo[p])
 
 
-def _replay(tl: Timeline, marks, p: Phases, fp32: bool) -> StepGraph:
-    seconds, kind = _durations(tl, marks, p, fp32)
+def _replay(tl: Timeline, marks, p: Phases, s: Structure) -> StepGraph:
+    seconds, kind = _durations(tl, marks, p, s)
     pred = timeline.predict(tl, seconds)
     firsts = [m[0] for m in marks if m[2] == 0]
     computes = [o for o in tl.ops if o.lane == "compute"]

@@ -20,6 +20,7 @@ from zero_offload.offload.staging_ring import StagingRing
 from zero_offload.optim.cpu_adam import CPUAdam
 from zero_offload.hoststep.adam_state import AdamState
 from zero_offload.hoststep.copies_up import CopiesUp, storage_of
+from zero_offload.hoststep.grad_stream import GradStream
 from zero_offload.hoststep.policy import StepPolicy
 from zero_offload.hoststep.precision import check_bf16_masters
 from zero_offload.hoststep.role import GradSource
@@ -27,20 +28,6 @@ from zero_offload.hoststep.banks import SwapBank, UndoBank, speculated_numel
 from zero_offload.hoststep.speculation import FinalRanges, PieceSpeculation
 
 __all__ = ["PartitionedAdam"]
-
-
-def _recorded(on_chunk):
-    """``on_chunk`` with each finished chunk recorded as host work first, while a timeline is being recorded
-    (`zero_offload.offload.timeline`); else ``on_chunk`` itself."""
-    tl = timeline.current()
-    if tl is None:
-        return on_chunk
-
-    def chunk(g, param, lo, hi):
-        tl.host_work("host_step", hi - lo)
-        if on_chunk is not None:
-            on_chunk(g, param, lo, hi)
-    return chunk
 
 
 class PartitionedAdam(AdamState):
@@ -78,6 +65,8 @@ class PartitionedAdam(AdamState):
             that the copies up read -- updated in fp32 and rounded back as ``rounding`` says.
         rounding, seed, index_bases: the bf16 masters' rounding ("nearest" or "stochastic"), the run's key and,
             per group, the partition's first element in the group's numbering (`CPUAdam`).
+        grads_on_device: offloaded, synchronous: the gradients stay on the device and the host step pulls them
+            down chunk by chunk (``offload_optimizer.gradients_on_device``, `zero_offload.hoststep.grad_stream`).
 
     Attributes:
         optimizer: the inner ``torch.optim.Optimizer`` whose param groups carry the live learning rates
@@ -104,7 +93,8 @@ class PartitionedAdam(AdamState):
                  host_params: bool = False, policy: StepPolicy = StepPolicy.SYNCHRONOUS,
                  state_dtype: torch.dtype = torch.float32, host_cpus: tuple[int, ...] | None = None,
                  chunk: int = 1 << 24, speculated: float = 1.0, master_dtype: torch.dtype = torch.float32,
-                 rounding: str = "nearest", seed: int = 0, index_bases: Sequence[int] | None = None):
+                 rounding: str = "nearest", seed: int = 0, index_bases: Sequence[int] | None = None,
+                 grads_on_device: bool = False):
         self.parts, self.offload, self.copies = parts, offload, copies
         host_threads = len(host_cpus) if host_cpus else None
         self.host_threads = host_threads or torch.get_num_threads()
@@ -123,6 +113,9 @@ class PartitionedAdam(AdamState):
         self.published_from: list[torch.Tensor | None] = [None] * len(parts)
         self.publish_copies: list[CopyHandle | None] = [None] * len(parts)
         self.sources: list[GradSource] = []      # the gradient sources of the step in progress (or the last)
+        if grads_on_device and (not offload or policy is not StepPolicy.SYNCHRONOUS):
+            raise ValueError("gradients kept on the device need the synchronous step over offloaded states")
+        self.stream = GradStream(copies, chunk) if grads_on_device else None
         if master_dtype != torch.float32:
             check_bf16_masters(parts, self.on_host, master_dtype)
         for part in parts:
@@ -289,7 +282,9 @@ class PartitionedAdam(AdamState):
         bits (over the gradient), else rounded from the masters through the ring, else the fp32 masters."""
         source, part = self.published_from[g], self.parts[g]
         after = self.params_free
-        if source is not None:
+        if self.stream is not None and self.stream.over_slot[g]:     # written over the gradient's slot
+            handle, reads = self.stream.copy_up(part[lo:hi], g, lo, after), 0
+        elif source is not None:
             self.publish_copies[g] = handle = self.copies.to_device(part[lo:hi], source[lo:hi], after)
             reads = storage_of(source)
         elif part.dtype != torch.float32:
@@ -343,13 +338,20 @@ class PartitionedAdam(AdamState):
             on_chunk = lambda g, _param, lo, hi: self.up.issue(self._copy_up, g, lo, hi)  # noqa: E731
             outs = [self._out_over_grad(g, grad) for g, grad in enumerate(grads)]
         self.up.wait_reads({storage_of(t) for t in (*self.masters, *outs) if t is not None})
-        on_chunk = _recorded(on_chunk)
-        with record_function("zero_offload.optimizer.host_step"):
-            order = None if on_chunk is None else [(g, 0, lo, hi) for g, lo, hi in self._chunk_order()
-                                                   if self.adam_steps(g)]
-            self.optimizer.step(grads=[[g] if self.adam_steps(i) else [None] for i, g in enumerate(grads)],
-                                grad_scale=grad_scale, outputs=[[o] for o in outs], on_chunk=on_chunk, lrs=lrs,
-                                order=order)
+        on_chunk = timeline.with_chunks_recorded(on_chunk, "host_step")
+        chunks = [(g, lo, hi) for g, lo, hi in self._chunk_order() if self.adam_steps(g)]
+        if self.stream is not None:
+            outs = self.stream.begin(grads, outs, chunks)
+        try:
+            with record_function("zero_offload.optimizer.host_step"):
+                self.optimizer.step(grads=[[g] if self.adam_steps(i) else [None] for i, g in enumerate(grads)],
+                                    grad_scale=grad_scale, outputs=[[o] for o in outs], on_chunk=on_chunk,
+                                    lrs=lrs, order=None if on_chunk is None and self.stream is None else
+                                    [(g, 0, lo, hi) for g, lo, hi in chunks],
+                                    fetch=None if self.stream is None else self.stream.fetch)
+        finally:
+            if self.stream is not None:
+                self.stream.finish()
         self.up.join()                   # every chunk's copy is queued (and its handle known) before the step ends
         self.up.release()
         self.host_step_s = time.perf_counter() - start

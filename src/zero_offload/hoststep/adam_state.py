@@ -105,8 +105,10 @@ class AdamState(WholeGroupState):
 
     def staging_tensors(self) -> list[torch.Tensor]:
         """Host buffers that only carry updated parameters towards the device: the ring's slots, or with the
-        delayed update the pinned 16-bit copies of the device partitions (2 bytes per element)."""
+        delayed update the pinned 16-bit copies of the device partitions (2 bytes per element); and the slots
+        gradients kept on the device come down through (`zero_offload.hoststep.grad_stream`)."""
         held = self.ring.tensors() if self.ring is not None else []
+        held += self.stream.tensors() if self.stream is not None else []
         if self.deferred and not self.host_params:
             held += [o for o in self.outs if o is not None]
         if self.speculation is not None:

@@ -29,7 +29,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["Op", "Timeline", "Rates", "Prediction", "record", "current", "predict"]
+__all__ = ["Op", "Timeline", "Rates", "Prediction", "record", "current", "predict", "with_chunks_recorded"]
 
 _active: "Timeline | None" = None
 
@@ -37,6 +37,20 @@ _active: "Timeline | None" = None
 def current() -> "Timeline | None":
     """The timeline being recorded, or None (every recording hook is then a no-op)."""
     return _active
+
+
+def with_chunks_recorded(on_chunk, kind: str):
+    """A kernel's ``on_chunk(group, param, lo, hi)`` with each finished chunk first recorded as ``kind`` host work
+    while a timeline is being recorded; else ``on_chunk`` itself (None stays None)."""
+    tl = current()
+    if tl is None:
+        return on_chunk
+
+    def chunk(g, param, lo, hi):
+        tl.host_work(kind, hi - lo)
+        if on_chunk is not None:
+            on_chunk(g, param, lo, hi)
+    return chunk
 
 
 @dataclass

@@ -82,6 +82,7 @@ class CPUAdam(torch.optim.Optimizer):
         on_chunk: Callable[[int, int, int, int], None] | None = None,
         lrs: Sequence[float] | None = None,
         order: Sequence[tuple[int, int, int, int]] | None = None,
+        fetch: Callable[[int, int, int, int], tuple[torch.Tensor, torch.Tensor | None]] | None = None,
     ):
         """One optimizer step over every parameter that has a gradient.
 
@@ -100,6 +101,10 @@ class CPUAdam(torch.optim.Optimizer):
                 engine's: the order the next forward reads the parameters, so the copies up that ``on_chunk``
                 starts land in that order); they must cover every parameter that has a gradient exactly once.
                 Default: every parameter whole, group by group.
+            fetch: called as ``fetch(group_index, param_index, start, end)`` before each work item is stepped:
+                its gradient (``end - start`` elements, read instead of the slice of ``grads``) and, unless None,
+                the tensor its updated parameters are written to instead of the slice of ``outputs`` (the engine
+                pulls a gradient kept on the device down chunk by chunk: `zero_offload.hoststep.grad_stream`).
 
         Raises:
             ValueError: ``order`` does not cover some parameter with a gradient exactly once.
@@ -121,15 +126,20 @@ class CPUAdam(torch.optim.Optimizer):
             group, grad = self.param_groups[gi], stepped[gi, pi]
             p = group["params"][pi]
             state, out = self.state[p], outputs[gi][pi] if outputs is not None else None
+            out = None if out is None else out.view(-1)[lo:hi]
+            grad = grad.reshape(-1)[lo:hi]
+            if fetch is not None:
+                grad, fetched_out = fetch(gi, pi, lo, hi)
+                out = fetched_out if fetched_out is not None else out
             beta1, beta2 = group["betas"]
             fused_adam_step(
-                p.view(-1)[lo:hi], grad.reshape(-1)[lo:hi], state["exp_avg"].view(-1)[lo:hi],
+                p.view(-1)[lo:hi], grad, state["exp_avg"].view(-1)[lo:hi],
                 state["exp_avg_sq"].view(-1)[lo:hi],
                 step=state["step"], lr=group["lr"] if lrs is None else lrs[gi], beta1=beta1, beta2=beta2,
                 eps=group["eps"],
                 weight_decay=group["weight_decay"], adamw_mode=group["adamw_mode"],
                 bias_correction=group["bias_correction"], grad_scale=grad_scale,
-                out=None if out is None else out.view(-1)[lo:hi],
+                out=out,
                 on_chunk=None if on_chunk is None else (
                     lambda a, b, gi=gi, pi=pi, lo=lo: on_chunk(gi, pi, lo + a, lo + b)),
                 num_threads=self.num_threads, chunk_size=self.chunk_size if on_chunk is not None else None,

@@ -68,6 +68,7 @@ class ZeroOptimizerBase:
     ctx: DistContext
     stage: int
     offload: bool
+    grads_on_host: bool
     partitions: list[GradPartition]
     adam: PartitionOptimizer
     copies: Copies
@@ -213,7 +214,8 @@ class ZeroOptimizerBase:
         kinds = {kind: ("device" if kind.startswith("device_") else side, tensors)
                  for kind, tensors in self.adam.state_tensors().items()}
         device_grads = [t for p in self.partitions for t in p.device_state_tensors()]
-        return {"grad_partition": (side, [t for p in self.partitions for t in p.state_tensors()]),
+        grad_side = "host" if self.grads_on_host else "device"
+        return {"grad_partition": (grad_side, [t for p in self.partitions for t in p.state_tensors()]),
                 **({"device_grad_partition": ("device", device_grads)} if device_grads else {}),
                 "grad_staging": ("host", [t for p in self.partitions for t in p.staging_tensors()]),
                 **kinds,

@@ -73,10 +73,12 @@ class ZeroOptimizer(ZeroOptimizerBase):
         rank = ctx.rank if self.stage >= 1 else 0
         ratio = zc.offload_optimizer.ratio                       # < 1: part of each partition stays on the device
         fp32_sum = accumulates_fp32(config, gradient_accumulation)
+        # gradients_on_device: the partition stays where it is reduced; the host step pulls it down
+        self.grads_on_host = self.offload and not zc.offload_optimizer.gradients_on_device
         self.partitions = [split_for_flat(f, rank, self.stage, fp32_sum, self.copies, zc.reduce_bucket_size, ratio)
                            if ratio < 1.0 else
                            GradPartition.for_flat(f, rank, self.stage, self.flat_grads[i] if self.flat_grads else None,
-                                                  self.offload, fp32_sum, self.copies,
+                                                  self.grads_on_host, fp32_sum, self.copies,
                                                   bucket_numel=zc.reduce_bucket_size)
                            for i, f in enumerate(self.flats)]
         self.reducer = GradientReducer(ctx, self.flats, self.partitions, self.flat_grads, self.stage,

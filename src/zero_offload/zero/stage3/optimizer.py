@@ -118,11 +118,13 @@ class Stage3Optimizer(ZeroOptimizerBase):
         if groups and build_step is None:
             raise ValueError("Stage3Optimizer: trainable param groups need build_step (the partition optimizer's "
                              "builder, zero_offload.hoststep.builder.build_partition_optimizer)")
+        # The step runs where the states are; with parameters on the host it runs there too.
+        host_step = self.offload or self.offload_param
+        # gradients_on_device: the partition stays where it is reduced; the host step pulls it down
+        self.grads_on_host = host_step and not config.zero_optimization.offload_optimizer.gradients_on_device
         if not groups:           # a frozen model (forward only): shards, no gradients, no optimizer state
             self.partitions, self.adam = [], NoStep()
             return
-        # The step runs where the states are; with parameters on the host it runs there too.
-        host_step = self.offload or self.offload_param
         # Pieces arrive as reduce-scattered unit shards.
         piece_dtype = scattered_dtype(self.ctx.world_size, communication_dtype(config), dtype)
         ratio = config.zero_optimization.offload_optimizer.ratio     # < 1: part of it stays on the device
@@ -130,7 +132,8 @@ class Stage3Optimizer(ZeroOptimizerBase):
         self.partitions = [split_partition(p.numel(), ratio, dtype, self.ctx.device, 3, fp32_sum, self.copies,
                                            piece_numel=max((u.shard_numel for u in units), default=0),
                                            piece_dtype=piece_dtype) if ratio < 1.0 else
-                           GradPartition(p.numel(), dtype, self.ctx.device, 3, host_step, fp32_sum, self.copies,
+                           GradPartition(p.numel(), dtype, self.ctx.device, 3, self.grads_on_host, fp32_sum,
+                                         self.copies,
                                          piece_numel=max((u.shard_numel for u in units), default=0),
                                          piece_dtype=piece_dtype)
                            for p, units in zip(self.parts, self.group_units)]

@@ -6,6 +6,8 @@ pulls it down chunk by chunk (`zero_offload.hoststep.grad_stream`).
   (with clipping the global norm sums its squares in another grouping: last bits). Chunks of 700 elements, so a
   step walks several and reuses the stream's slots (bf16 and fp16 in `test_exact16`, stream ordering in
   `test_simulated_streams`);
+- two param groups of different sizes share one stream, bf16 with one micro-step (parameters written over the
+  gradient's slot) and under accumulation (rounded through the ring): bitwise the host partition's run;
 - the partition is counted on the device, host memory holds only the stream's slots in its place, and the memory
   model predicts every kind to the byte;
 - what it does not combine with is refused, naming the keys.
@@ -13,6 +15,7 @@ pulls it down chunk by chunk (`zero_offload.hoststep.grad_stream`).
 from __future__ import annotations
 
 import pytest
+import torch
 
 import zero_offload
 from reference import (assert_estimated, assert_matches_adamw, engine_config, paired_runs, reference_run,
@@ -104,3 +107,29 @@ def test_an_optimizer_without_the_chunked_kernel_is_refused(optimizer, name):
     with pytest.raises(ConfigError) as err:
         zero_offload.initialize(make_model(), cfg)
     assert "gradients_on_device" in str(err.value) and name in str(err.value)
+
+
+def two_group_run(config: dict) -> tuple[dict, list[float]]:
+    """bf16 training of the toy model with two param groups of different sizes (matrices with weight decay, the rest
+    without): its masters and losses after `STEPS` steps."""
+    from reference import STEPS
+    model = make_model().to(torch.bfloat16)
+    matrices = [p for p in model.parameters() if p.dim() == 2]
+    rest = [p for p in model.parameters() if p.dim() != 2]
+    engine = zero_offload.initialize(model, config, model_parameters=[{"params": matrices},
+                                                                      {"params": rest, "weight_decay": 0.0}])
+    losses = [train_step(engine, step, 0, 1) for step in range(STEPS)]
+    masters = engine.full_state_dict()
+    engine.close()
+    return masters, losses
+
+
+@pytest.mark.parametrize("stage,gas", [(2, 1), (2, 3), (3, 1)])
+def test_several_groups_share_one_stream(stage, gas):
+    """Two groups through one stream, bf16: the parameters written over the gradient's slot (one micro-step) or
+    rounded through the ring (fp32 accumulation), bitwise the run with the partitions on the host."""
+    configs = [on_device_config(stage, gas, 0.0, on_device=flag) | {"bf16": {"enabled": True}} for flag in (True, False)]
+    (on_device, device_losses), (on_host, host_losses) = (two_group_run(c) for c in configs)
+    assert device_losses == host_losses
+    for name, value in on_host.items():
+        assert torch.equal(on_device[name], value), name

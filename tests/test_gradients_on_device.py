@@ -10,7 +10,9 @@ pulls it down chunk by chunk (`zero_offload.hoststep.grad_stream`).
   gradient's slot) and under accumulation (rounded through the ring): bitwise the host partition's run;
 - the partition is counted on the device, host memory holds only the stream's slots in its place, and the memory
   model predicts every kind to the byte;
-- what it does not combine with is refused, naming the keys.
+- a step whose kernel fails midway leaves no copy up pending for a later step;
+- what it does not combine with is refused, naming the keys (an optimizer the fused kernel does not run when the
+  config loads).
 """
 from __future__ import annotations
 
@@ -100,12 +102,15 @@ def test_what_does_not_combine_is_refused(change, keys):
 
 
 @pytest.mark.parametrize("optimizer,name", [({"type": "AdamW", "params": {"lr": 1e-3, "amsgrad": True}}, "amsgrad"),
+                                            ({"type": "SGD", "params": {"lr": 1e-3}}, "SGD"),
+                                            ({"type": "Lamb", "params": {"lr": 1e-3}}, "Lamb"),
                                             ({"type": "Muon", "params": {"lr": 1e-3}}, "Muon")])
-def test_an_optimizer_without_the_chunked_kernel_is_refused(optimizer, name):
+def test_an_optimizer_without_the_chunked_kernel_is_refused_when_the_config_loads(optimizer, name):
+    """Refused by the config itself, so the planner never offers it."""
     cfg = on_device_config(2, 1, 0.0)
     cfg["optimizer"] = optimizer
     with pytest.raises(ConfigError) as err:
-        zero_offload.initialize(make_model(), cfg)
+        zero_offload.Config.load(cfg)
     assert "gradients_on_device" in str(err.value) and name in str(err.value)
 
 
@@ -133,3 +138,27 @@ def test_several_groups_share_one_stream(stage, gas):
     assert device_losses == host_losses
     for name, value in on_host.items():
         assert torch.equal(on_device[name], value), name
+
+
+def test_a_step_that_fails_midway_leaves_no_copy_behind(monkeypatch):
+    """The kernel fails at its third chunk, with copies up in flight on the issuing thread (simulated streams): the
+    step raises, every copy up it started is queued and the compute stream waits for them before it returns (none
+    is left pending for a later step to meet), and the engine closes without hanging."""
+    from zero_offload.hoststep.grad_stream import GradStream
+    from zero_offload.offload import simulated
+    fetch, calls = GradStream.fetch, []
+
+    def failing(self, g, param, lo, hi):
+        calls.append(lo)
+        if len(calls) == 3:
+            raise RuntimeError("kernel failed")
+        return fetch(self, g, param, lo, hi)
+    cfg = on_device_config(2, 1, 0.0) | {"bf16": {"enabled": True}}
+    with simulated.forced():
+        engine = zero_offload.initialize(make_model().to(torch.bfloat16), cfg)
+        monkeypatch.setattr(GradStream, "fetch", failing)
+        with pytest.raises(RuntimeError, match="kernel failed"):
+            train_step(engine, 0, 0, 1)
+        monkeypatch.setattr(GradStream, "fetch", fetch)
+        assert engine.optimizer_state.adam.up.pending == []      # `CopiesUp.pending`: released
+        engine.close()

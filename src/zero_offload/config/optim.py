@@ -14,8 +14,8 @@ import torch
 
 from zero_offload.config.schema import ConfigError, from_dict, option
 
-__all__ = ["AdamParams", "LambParams", "MuonParams", "check_muon", "OptimizerConfig", "SchedulerConfig",
-           "WarmupLRParams", "WarmupDecayLRParams", "WarmupCosineLRParams", "OneCycleParams", "LRRangeTestParams",
+__all__ = ["AdamParams", "LambParams", "MuonParams", "check_muon", "check_fused_kernel_keys", "OptimizerConfig",
+           "SchedulerConfig", "WarmupLRParams", "WarmupDecayLRParams", "WarmupCosineLRParams", "OneCycleParams", "LRRangeTestParams",
            "SCHEDULER_PARAMS", "REFUSED_OPTIMIZERS"]
 
 
@@ -161,6 +161,22 @@ def check_muon(config) -> None:
     for on, key, value, why in refusals:
         if on:
             raise ConfigError(f"config key '{key}' = {value} with optimizer type 'Muon' is not built: {why}")
+
+
+def check_fused_kernel_keys(config) -> None:
+    """``offload_optimizer.gradients_on_device`` with an optimizer the fused host kernel does not run (amsgrad, Lamb,
+    a torch.optim type): refused when the config loads, so the planner never offers it (Muon: `check_muon`).
+
+    Raises:
+        ConfigError: naming the key and the optimizer type.
+    """
+    opt = config.optimizer
+    amsgrad = opt is not None and getattr(opt.params, "amsgrad", False)
+    if (config.zero_optimization.offload_optimizer.gradients_on_device and opt is not None and opt.muon is None
+            and (opt.torch_kwargs is not None or amsgrad)):
+        raise ConfigError("config key 'zero_optimization.offload_optimizer.gradients_on_device' = true needs the "
+                          "optimizer Adam/AdamW on the fused host kernel, which reads the gradient chunk by chunk; "
+                          f"got optimizer.type {opt.type!r}{' with amsgrad' if amsgrad else ''}")
 
 
 # DeepSpeed optimizer types with no counterpart here, and what to use instead.

@@ -18,7 +18,7 @@ from zero_offload.config.io import check_finite, decode_config_string, read_conf
 from zero_offload.config.precision import BF16Config, FP16Config, bf16_moments_from_optimizer, check_master_weights
 from zero_offload.config.optim import (SCHEDULER_PARAMS, AdamParams, check_muon, LRRangeTestParams, OneCycleParams,
                                        OptimizerConfig, SchedulerConfig, WarmupCosineLRParams,
-                                       WarmupDecayLRParams, WarmupLRParams)
+                                       WarmupDecayLRParams, WarmupLRParams, check_fused_kernel_keys)
 from zero_offload.config.schema import ConfigError, from_dict, option, to_dict
 
 __all__ = ["Config", "ConfigError", "BatchSizes", "FP16Config", "BF16Config", "OptimizerConfig",
@@ -311,6 +311,7 @@ class Config:
         bf16_moments_from_optimizer(self)
         check_master_weights(self)
         check_muon(self)
+        check_fused_kernel_keys(self)
 
     @classmethod
     def load(cls, source: "Config | dict | str | os.PathLike", auto: "AutoContext | None" = None) -> "Config":

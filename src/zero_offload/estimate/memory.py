@@ -378,7 +378,8 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
         # gradient partition is fp32 (accumulation); a 16-bit one takes them in place (`PartitionedAdam`).
         slots, slot_numel = ring_shape(max(parts))
         host("param_staging", slots * slot_numel, dtype)
-        est.formulas["param_staging"] = "min(4, ceil(P / 2^21)) slots x min(2^21, P) elements x d"
+        est.formulas["param_staging"] = " + ".join(f for f in (est.formulas.get("param_staging"),
+                                                               "min(4, ceil(P / 2^21)) slots x min(2^21, P) x d") if f)
     if state_nvme or param_nvme:
         add_nvme_files(est, cfg, shape, parts, world_size, dtype, accelerator)
     if shape.muon_groups:

@@ -317,8 +317,8 @@ def _durations(tl: Timeline, marks, p: Phases, s: Structure):
     micro = _micro_steps(tl.ops, marks)
     params = sum(o.work for o in tl.ops if o.kind == "forward" and o.id < (marks[1][0] if len(marks) > 1 else
                                                                              len(tl.ops)))
-    # The partition the host step pulls down is fp32 under accumulation (the proxy has fp32 masters)
-    down_bytes = 4 if s.fp32 or (s.grads_on_device and s.accumulates) else 2
+    # The partition the host step pulls down is fp32 under accumulation at stage >= 2 (the proxy has fp32 masters)
+    down_bytes = 4 if s.fp32 or (s.grads_on_device and s.accumulates and s.stage >= 2) else 2
     size = {"forward": params, "backward": params, "host_step": params, "host_add": params, "host_save": params,
             "h2d": params * (4 if s.fp32 else 2), "d2h": params * down_bytes}
     per_micro = {"forward": p.forward_s, "backward": p.backward_s, "host_add": p.add_s}

@@ -349,11 +349,11 @@ class PartitionedAdam(AdamState):
                                     lrs=lrs, order=None if on_chunk is None and self.stream is None else
                                     [(g, 0, lo, hi) for g, lo, hi in chunks],
                                     fetch=None if self.stream is None else self.stream.fetch)
-        finally:
+        finally:             # also where the kernel failed: no copy of this step is left to a later one
+            self.up.join()               # every chunk's copy is queued (and its handle known) before the step ends
+            self.up.release()
             if self.stream is not None:
                 self.stream.finish()
-        self.up.join()                   # every chunk's copy is queued (and its handle known) before the step ends
-        self.up.release()
         self.host_step_s = time.perf_counter() - start
 
     def _chunk_order(self) -> list[tuple[int, int, int]]:

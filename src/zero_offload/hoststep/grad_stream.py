@@ -85,13 +85,15 @@ class GradStream:
     def copy_up(self, dst: torch.Tensor, g: int, lo: int, after: CopyHandle | None) -> CopyHandle:
         """Queue the copy of the parameters the kernel wrote over the slot of the chunk at [lo, ...) of group ``g``
         into device ``dst`` (`Copies.to_device`'s ``after``); the slot's next copy down waits for it."""
-        k = self.position[g, lo]
-        handle = DONE
+        handle, k = DONE, None
         try:
+            k = self.position[g, lo]
             handle = self.copies.to_device(dst, self.slots[k % SLOTS][:dst.numel()], after)
-        finally:              # set even when queuing failed: the copies down never wait forever
-            self.reader_handles[k] = handle
-            self.readers[k].set()
+        finally:              # set even when this failed: the copies down never wait for it forever
+            for i in ([k] if k is not None else range(len(self.readers))):
+                if i == k or self.reader_handles[i] is None:
+                    self.reader_handles[i] = handle
+                self.readers[i].set()
         return handle
 
     def _issue_through(self, last: int) -> None:

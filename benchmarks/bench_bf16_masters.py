@@ -24,9 +24,9 @@ default 8 tokens: activations are negligible, and torch's bf16 matmul on a CPU w
 for some layouts, so a 1B step costs ~1 minute per 8 tokens).
 Variants: ``moments`` (bf16_optimizer_states only: fp32 masters), ``masters`` (bf16_master_weights_and_grads
 and bf16_optimizer_states) and ``masters-grads-on-device`` (the same with ``offload_optimizer.gradients_on_device``:
-the gradient partition kept on the device). Reported: resident memory (VmRSS) after imports, after the model is built, after
-``initialize`` and after each step; the peak (``ru_maxrss``); ``engine.memory_breakdown()`` by kind and side; and
-these per parameter. Without an accelerator the "device" kinds (16-bit parameters, stage-2 buckets) are host
+the gradient partition kept on the device). Reported: resident memory (VmRSS) after imports, after the model is
+built, after ``initialize`` and after each step; the peak (``ru_maxrss``); ``engine.memory_breakdown()`` by kind and
+side; and these per parameter. Without an accelerator the "device" kinds (16-bit parameters, stage-2 buckets) are host
 memory too, so RSS counts them; the "host" kinds are what the issue's host bytes/param counts, and RSS less
 imports less the device kinds' bytes is its measured counterpart. Before each run
 the child compares `zero_offload.estimate.estimate_memory`'s prediction with the memory available now and stops

@@ -12,10 +12,10 @@ The matrix covers stages 0-3, offload none/cpu/nvme (at stage 3 the parameters t
 use), the delayed parameter update, ``super_offload`` (the speculated step kept without clipping and redone under
 it: the same bound, since the masters are the plain kernel's result on the same inputs either way),
 ``offload_optimizer.ratio`` 0.5 (the device part's masters within the same bound), both also with the states on
-NVMe, the gradient partition kept on the device (``gradients_on_device``), accumulation 1 and 3, clipping on and off, at 1 and 2 ranks, for bf16 and fp16 (a static loss scale of 2**8),
-plus communication_data_type cases. AdamW's eps is 1e-4, of the order of the gradients' root mean square: with eps
-far below it Adam is invariant to the gradient's scale, and a gradient stepped 256 times too large (no unscale)
-would change nothing visible. Weight decay is 0.1 so that dropping it moves a master by
+NVMe, the gradient partition kept on the device (``gradients_on_device``), accumulation 1 and 3, clipping on and
+off, at 1 and 2 ranks, for bf16 and fp16 (a static loss scale of 2**8), plus communication_data_type cases.
+AdamW's eps is 1e-4, of the order of the gradients' root mean square: with eps far below it Adam is invariant to
+the gradient's scale, and a gradient stepped 256 times too large (no unscale) would change nothing visible. Weight decay is 0.1 so that dropping it moves a master by
 lr x 0.1 x |w| per step, hundreds of ulp.
 """
 from __future__ import annotations

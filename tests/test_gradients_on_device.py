@@ -133,7 +133,8 @@ def two_group_run(config: dict) -> tuple[dict, list[float]]:
 def test_several_groups_share_one_stream(stage, gas):
     """Two groups through one stream, bf16: the parameters written over the gradient's slot (one micro-step) or
     rounded through the ring (fp32 accumulation), bitwise the run with the partitions on the host."""
-    configs = [on_device_config(stage, gas, 0.0, on_device=flag) | {"bf16": {"enabled": True}} for flag in (True, False)]
+    configs = [on_device_config(stage, gas, 0.0, on_device=flag) | {"bf16": {"enabled": True}}
+               for flag in (True, False)]
     (on_device, device_losses), (on_host, host_losses) = (two_group_run(c) for c in configs)
     assert device_losses == host_losses
     for name, value in on_host.items():

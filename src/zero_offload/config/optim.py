@@ -15,8 +15,8 @@ import torch
 from zero_offload.config.schema import ConfigError, from_dict, option
 
 __all__ = ["AdamParams", "LambParams", "MuonParams", "check_muon", "check_fused_kernel_keys", "OptimizerConfig",
-           "SchedulerConfig", "WarmupLRParams", "WarmupDecayLRParams", "WarmupCosineLRParams", "OneCycleParams", "LRRangeTestParams",
-           "SCHEDULER_PARAMS", "REFUSED_OPTIMIZERS"]
+           "SchedulerConfig", "WarmupLRParams", "WarmupDecayLRParams", "WarmupCosineLRParams", "OneCycleParams",
+           "LRRangeTestParams", "SCHEDULER_PARAMS", "REFUSED_OPTIMIZERS"]
 
 
 @dataclass

@@ -15,8 +15,8 @@ it: the same bound, since the masters are the plain kernel's result on the same 
 NVMe, the gradient partition kept on the device (``gradients_on_device``), accumulation 1 and 3, clipping on and
 off, at 1 and 2 ranks, for bf16 and fp16 (a static loss scale of 2**8), plus communication_data_type cases.
 AdamW's eps is 1e-4, of the order of the gradients' root mean square: with eps far below it Adam is invariant to
-the gradient's scale, and a gradient stepped 256 times too large (no unscale) would change nothing visible. Weight decay is 0.1 so that dropping it moves a master by
-lr x 0.1 x |w| per step, hundreds of ulp.
+the gradient's scale, and a gradient stepped 256 times too large (no unscale) would change nothing visible.
+Weight decay is 0.1 so that dropping it moves a master by lr x 0.1 x |w| per step, hundreds of ulp.
 """
 from __future__ import annotations
 

@@ -8,8 +8,8 @@ pulls it down chunk by chunk (`zero_offload.hoststep.grad_stream`).
   `test_simulated_streams`);
 - two param groups of different sizes share one stream, bf16 with one micro-step (parameters written over the
   gradient's slot) and under accumulation (rounded through the ring): bitwise the host partition's run;
-- the partition is counted on the device, host memory holds only the stream's slots in its place, and the memory
-  model predicts every kind to the byte;
+- the partition is counted on the device, host memory holds only the stream's slots in its place (with bf16 masters
+  and moments 6 bytes per parameter and the slots, against 8), and the memory model predicts every kind to the byte;
 - a step whose kernel fails midway leaves no copy up pending for a later step;
 - what it does not combine with is refused, naming the keys (an optimizer the fused kernel does not run when the
   config loads).
@@ -163,3 +163,13 @@ def test_a_step_that_fails_midway_leaves_no_copy_behind(monkeypatch):
         monkeypatch.setattr(GradStream, "fetch", fetch)
         assert engine.optimizer_state.adam.up.pending == []      # `CopiesUp.pending`: released
         engine.close()
+
+
+def test_bf16_masters_and_moments_leave_six_host_bytes_per_parameter():
+    """bf16 masters and moments with the partition on the device: the host holds 2 + 2 + 2 bytes per parameter of
+    this rank's partition and the stream's three chunks, nothing more (8 with the partition on the host)."""
+    bf16 = {"bf16": {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}}
+    held = {flag: breakdown_after_a_step(on_device_config(2, 1, 0.0, on_device=flag) | bf16) for flag in (True, False)}
+    n = held[True]["master"]["numel"]
+    host = {flag: sum(v["bytes"] for v in h.values() if v["side"] == "host") for flag, h in held.items()}
+    assert host[True] == 6 * n + 3 * CHUNK * 2 and host[False] == 8 * n

@@ -115,7 +115,7 @@ class PartitionedAdam(AdamState):
         self.sources: list[GradSource] = []      # the gradient sources of the step in progress (or the last)
         if grads_on_device and (not offload or policy is not StepPolicy.SYNCHRONOUS):
             raise ValueError("gradients kept on the device need the synchronous step over offloaded states")
-        self.stream = GradStream(copies, chunk) if grads_on_device else None
+        self.stream = GradStream(copies) if grads_on_device else None
         if master_dtype != torch.float32:
             check_bf16_masters(parts, self.on_host, master_dtype)
         for part in parts:

@@ -31,12 +31,12 @@ class GradStream:
 
     Args:
         copies: the copy engine (``host_empty`` pins the slots; ``to_host`` queues the copies down).
-        chunk: elements per chunk, the host step's (``offload_optimizer.copy_chunk``).
     """
 
-    def __init__(self, copies: Copies, chunk: int):
-        self.copies, self.chunk = copies, chunk
-        self.slots: list[torch.Tensor] = []            # made at the first step, of the gradient's dtype
+    def __init__(self, copies: Copies):
+        self.copies = copies
+        # Made at the first step: the gradient's dtype, the largest chunk (``offload_optimizer.copy_chunk`` at most)
+        self.slots: list[torch.Tensor] = []
         self.order: list[tuple[int, int, int]] = []
         self.grads: Sequence[torch.Tensor] = ()
         self.handles: list[CopyHandle | None] = []

@@ -30,6 +30,7 @@ from zero_offload.estimate.throughput import (EXPOSED_FRACTION, MAX_GRADIENT_ACC
                                               host_step_seconds, micro_step_seconds, muon_step_seconds,
                                               nvme_io_seconds, step_timing)
 from zero_offload.flat import partition_numel
+from zero_offload.zero.grad_partition import accumulates_fp32
 
 __all__ = ["Knobs", "BatchChoice", "choose_batch", "MICRO_BATCHES", "TIE"]
 
@@ -285,7 +286,7 @@ def _timed(c: BatchChoice, shape: ModelShape, gpus: int, seq: int, a: Assumption
     on_device = zc.offload_optimizer.gradients_on_device
     per_micro = 0 if on_device else down
     d = 4 if cfg.precision == "fp32" else 2
-    pulled = down * (4 // d if c.gas > 1 and zc.stage >= 2 and not cfg.bf16.bf16_master_weights_and_grads else 1)
+    pulled = down * (4 // d if zc.stage >= 2 and accumulates_fp32(cfg, c.gas) else 1)    # the partition's bytes
     micro_s = micro_step_seconds(shape.n_params, tokens, ckpt, a, per_micro, stage3_units=units,
                                  param_read_s=2 * read_s)
     later_s = micro_step_seconds(shape.n_params, tokens, ckpt, a, per_micro, add_s, units, 2 * read_s)  # adds beside

@@ -76,9 +76,9 @@ def build_partition_optimizer(config: Config, parts: list[torch.Tensor], hparams
             the matrices' owners (`zero_offload.hoststep.muon_owners.MuonOwners`).
 
     Raises:
-        ConfigError: ``offload_optimizer.delayed_param_update``, ``gradients_on_device`` or
-            ``offload_optimizer.device = nvme`` with an optimizer the fused kernel does not run (amsgrad, a
-            torch.optim type, Lamb), naming the key; the
+        ConfigError: ``offload_optimizer.delayed_param_update`` or ``offload_optimizer.device = nvme`` with an
+            optimizer the fused kernel does not run (amsgrad, a torch.optim type, Lamb), naming the key (with
+            ``gradients_on_device`` the config refuses it: `zero_offload.config.optim.check_fused_kernel_keys`); the
             swap directory's checks (`zero_offload.nvme.setup.check_swap_directory`); ``optimizer.type``
             ``Lamb`` without ``segments`` (stage 3: its units are not told apart in the partition yet).
         ValueError: ``bias_correction = false`` with the states on an accelerator.
@@ -136,10 +136,6 @@ def _in_memory(config: Config, parts: list[torch.Tensor], hparams: list[dict], o
                                speculated=offload_opt.super_offload_fraction, master_dtype=config.bf16.master_dtype,
                                index_bases=[rank * p.numel() for p in parts],
                                grads_on_device=offload and offload_opt.gradients_on_device, **master_rounding(config))
-    if offload_opt.gradients_on_device:
-        raise ConfigError("config key 'zero_optimization.offload_optimizer.gradients_on_device' = true needs the "
-                          "optimizer Adam/AdamW on the fused host kernel, which reads the gradient chunk by chunk; "
-                          f"got {opt.type!r}{' with amsgrad' if opt.params.amsgrad else ''}")
     if config.bf16.master_dtype != torch.float32:
         raise ConfigError("config key 'bf16.bf16_master_weights_and_grads' = true needs the optimizer Adam/AdamW on "
                           "the fused host kernel (DeepSpeed: DeepSpeedCPUAdam); a client optimizer, amsgrad or "

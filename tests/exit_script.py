@@ -36,7 +36,8 @@ def config(case: dict, nvme_dir: str) -> dict:
     if offload == "nvme":
         zero["offload_optimizer"].update(nvme_path=nvme_dir, buffer_count=3)
         zero["sub_group_size"] = 3000
-    policy = case.get("dpu")          # True: the delayed update; "super": super_offload; "ratio": ratio 0.5
+    # True: the delayed update; "super": super_offload; "ratio": ratio 0.5; "grads": the gradients on the device
+    policy = case.get("dpu")
     if case["stage"] == 3:
         zero.update(stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=3000)
         if offload != "none" and policy != "ratio":
@@ -45,8 +46,9 @@ def config(case: dict, nvme_dir: str) -> dict:
                                                            "buffer_size": 10_000} if params == "nvme" else {})}
     if policy is True:
         zero["offload_optimizer"].update(delayed_param_update=True, dpu_warmup_steps=1)
-    elif policy in ("super", "ratio"):
-        zero["offload_optimizer"].update({"super": {"super_offload": True}, "ratio": {"ratio": 0.5}}[policy])
+    elif policy in ("super", "ratio", "grads"):
+        zero["offload_optimizer"].update({"super": {"super_offload": True}, "ratio": {"ratio": 0.5},
+                                          "grads": {"gradients_on_device": True, "copy_chunk": 700}}[policy])
     return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": case["gas"],
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": zero,
             **({"aio": {"block_size": 8192}} if offload == "nvme" else {})}

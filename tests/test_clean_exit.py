@@ -36,7 +36,8 @@ VALID = [(0, "none", False), (1, "none", False), (1, "cpu", False), (1, "cpu", T
          (2, "cpu", False), (2, "cpu", True), (2, "nvme", False), (3, "none", False), (3, "cpu", False),
          (3, "cpu", True), (3, "nvme", False),       # the delayed update needs offload_optimizer.device = cpu
          (2, "cpu", "super"), (3, "cpu", "super"), (2, "cpu", "ratio"), (3, "cpu", "ratio"),   # the other policies
-         (2, "nvme", "super"), (3, "nvme", "super"), (2, "nvme", "ratio")]
+         (2, "nvme", "super"), (3, "nvme", "super"), (2, "nvme", "ratio"),
+         (1, "cpu", "grads"), (2, "cpu", "grads"), (3, "cpu", "grads")]     # gradients_on_device
 MATRIX = [dict(stage=s, offload=o, dpu=d, gas=g, ranks=r, sim=m, steps=4, ending="return")
           for (s, o, d), g, r, m in itertools.product(VALID, (1, 3), (1, 2), (False, True))]
 # Every CI run: the aborting cases of the issue (accumulation 3, offloaded, simulated, 1 and 2 ranks) and a run

@@ -1,18 +1,12 @@
 """`ZeroOptimizerBase`: what the stage 0-2 `ZeroOptimizer` and the stage 3 `Stage3Optimizer` share.
 
-Both keep this rank's reduced gradients in `GradPartition`s (``partitions``, one per param group) and step them
-with one partition optimizer (``adam``, the `PartitionOptimizer` role built by `build_partition_optimizer`).
-Around that pair the two classes do the same things, which live here once:
+Both keep this rank's reduced gradients in `GradPartition`s (``partitions``, one per param group) and step them with
+one partition optimizer (``adam``, the `PartitionOptimizer` role). What they do alike around that pair lives here:
+the boundary (`finalize_backward`, `grad_sq_norm`), what the host-step pipeline drives, the state face checkpoints
+use, the memory accounting, the export of the fp32 masters and the running counters.
 
-- the boundary: `finalize_backward` makes the gradients ready, then `grad_sq_norm` and the step read them;
-- what the host-step pipeline drives (`zero_offload.hoststep.pipeline`): the final ranges reported to a
-  speculation, the gradients handed over to a delayed step, and who still reads a gradient buffer;
-- the state face checkpoints use (`zero_offload.state.PartitionedOptimizerState`);
-- the memory accounting (`memory_breakdown`), the export of the fp32 masters (`full_master_state`) and the
-  running counters behind ``engine.stats`` (`counters`).
-
-A subclass sets ``ctx``, ``stage``, ``offload``, ``partitions``, ``adam`` and ``copies`` in its ``__init__`` and
-defines ``layout()``, ``partitions_count``, ``after_load()``, ``publish()``, ``memory_kinds()``,
+A subclass sets ``ctx``, ``stage``, ``offload``, ``grads_on_host``, ``partitions``, ``adam`` and ``copies`` in its
+``__init__`` and defines ``layout()``, ``partitions_count``, ``after_load()``, ``publish()``, ``memory_kinds()``,
 ``gather_count()`` and ``reduction_count()``.
 """
 from __future__ import annotations
@@ -41,10 +35,9 @@ MemoryKind = Union[tuple[str, list[torch.Tensor]], dict]
 
 
 def tally(kinds: dict[str, MemoryKind]) -> dict[str, dict]:
-    """{kind: {"bytes": int, "numel": int, "side": str}} from ``kinds`` in order. For (side, tensors): bytes
-    are numel x element size of each tensor whose storage no earlier tensor had (a view of another kind's
-    storage, such as fp32 masters that are the parameters themselves, counts zero bytes); numel counts every
-    tensor. An entry already measured is kept as it is."""
+    """{kind: {"bytes": int, "numel": int, "side": str}} from ``kinds`` in order. For (side, tensors): bytes are
+    numel x element size of each tensor whose storage no earlier tensor had (fp32 masters that are the parameters
+    themselves count zero bytes); numel counts every tensor. An entry already measured is kept as it is."""
     seen: set[int] = set()
     out = {}
     for kind, held in kinds.items():
@@ -90,16 +83,12 @@ class ZeroOptimizerBase:
         """Units gathered again by backward (stage 3 only; 0 at stages 0-2)."""
         return 0
 
-    # -- the boundary ----------------------------------------------------------------------------------
     def finalize_backward(self) -> None:
         """Backward is over for this boundary: block until every reduced gradient copied into this rank's
         partitions has landed. The engine calls it once per boundary, before the norm; `grad_sq_norm`, `step`
-        and `take_grads` then read the partitions without waiting (and raise if it was skipped).
-
-        DeepSpeed waits at the same moment, in the epilogue of the boundary backward
-        (``independent_gradient_partition_epilogue`` of stage_1_and_2.py and stage3.py); FSDP2 names it
-        ``FSDPParamGroup.finalize_backward``.
-        """
+        and `take_grads` then read the partitions without waiting (and raise if it was skipped). DeepSpeed waits
+        at the same moment (``independent_gradient_partition_epilogue`` of stage_1_and_2.py and stage3.py);
+        FSDP2 names it ``FSDPParamGroup.finalize_backward``."""
         with record_function("zero_offload.finalize_backward"):
             for p in self.partitions:
                 p.finalize()
@@ -114,9 +103,9 @@ class ZeroOptimizerBase:
         return global_grad_sq_norm(self.ctx, self.partitions, partitioned=self.stage >= 1)
 
     def close(self) -> None:
-        """Let every copy, staged add and I/O in flight finish and end the threads the parts started (the
-        staging threads, the simulated streams, the NVMe I/O pools, whose swap files are deleted); from
-        `Engine.close`. The partitions stay readable."""
+        """Let every copy, staged add and I/O in flight finish and end the threads the parts started (staging,
+        simulated streams, NVMe I/O, whose swap files are deleted); from `Engine.close`. The partitions stay
+        readable."""
         for p in self.partitions:
             p.close()
         self.adam.close()
@@ -173,9 +162,8 @@ class ZeroOptimizerBase:
         return self.adam.state_format()
 
     def state_dict(self) -> dict:
-        """{"partitions": int, "layout": [GroupLayout JSON], "groups": the partition optimizer's
-        ``state_dict()`` groups}: this rank's partitions, loadable by an optimizer of the same layout
-        (checkpoints reshard others)."""
+        """{"partitions": int, "layout": [GroupLayout JSON], "groups": the partition optimizer's ``state_dict()``
+        groups}: this rank's partitions, loadable by an optimizer of the same layout (checkpoints reshard others)."""
         return {"partitions": self.partitions_count, "layout": [g.to_json() for g in self.layout()],
                 **self.adam.state_dict()}
 
@@ -191,24 +179,21 @@ class ZeroOptimizerBase:
         self.adam.load_state_dict(state)
         self.after_load()
 
-    # -- introspection -----------------------------------------------------------------------------------
     def full_master_state(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
         """{name: fp32 CPU tensor of the parameter's shape} for every trainable parameter, gathered from all
-        ranks' master partitions along `layout` (a collective when ``partitions_count`` > 1). Afterwards
-        ``export_stats["peak_device_bytes"]`` holds the most device bytes it held at once (see
-        `zero_offload.zero.gather.gather_masters`, which gathers piece by piece as DeepSpeed's
-        ``_zero3_consolidated_16bit_state_dict`` does)."""
+        ranks' master partitions along `layout` (`zero_offload.zero.gather.gather_masters`: a collective when
+        ``partitions_count`` > 1). Afterwards ``export_stats["peak_device_bytes"]`` holds the most device bytes
+        it held at once."""
         self.export_stats: dict = {}
         return gather_masters(self.ctx, self.layout(), self.adam.masters, self.partitions_count,
                               self.export_stats)
 
     def partition_kinds(self) -> dict[str, MemoryKind]:
-        """The memory of the step's side, by kind: ``grad_partition`` (the reduced gradient partitions and
-        their spares), ``grad_staging`` (the pinned slots later micro-steps' gradients come down through), the
-        partition optimizer's ``master``, ``exp_avg``, ``exp_avg_sq`` (and ``nvme_buffers``, the pool NVMe
-        states stream through), on the host when offloaded, ``param_staging`` (host copies of updated
-        parameters headed to the device) and ``param_incoming`` (the delayed update's device buffers its step
-        lands updated parameters in)."""
+        """The memory of the step's side, by kind: ``grad_partition`` (the reduced gradient partitions and their
+        spares), ``grad_staging`` (the pinned slots later micro-steps' gradients come down through), the partition
+        optimizer's ``master``, ``exp_avg``, ``exp_avg_sq`` (and ``nvme_buffers``, the pool NVMe states stream
+        through), on the host when offloaded, ``param_staging`` (host copies of updated parameters headed to the
+        device) and ``param_incoming`` (the device buffers the delayed update's step lands parameters in)."""
         side = "host" if self.offload else "device"
         # offload_optimizer.ratio < 1: the device part's kinds are named device_<kind>
         kinds = {kind: ("device" if kind.startswith("device_") else side, tensors)
@@ -223,15 +208,11 @@ class ZeroOptimizerBase:
                 "param_incoming": ("device", self.adam.incoming_tensors())}
 
     def memory_breakdown(self) -> dict[str, dict]:
-        """Bytes this rank holds, by kind, measured from the tensors themselves (`tally`).
-
-        Returns {kind: {"bytes": int, "numel": int, "side": "device" | "host" | "nvme"}}: the stage's own kinds
-        (``memory_kinds``: `ZeroOptimizer.memory_kinds`, `Stage3Optimizer.memory_kinds`), then, with
-        ``offload_optimizer.device = nvme``, the states' swap files by kind (side ``nvme``, numel in fp32
-        elements). ``side`` is where the tensor lives logically: on a machine without an accelerator both
-        device and host are host memory. DeepSpeed has no counterpart by kind (its ``see_memory_usage``
-        reports the allocator's totals); `zero_offload.estimate` predicts these same kinds.
-        """
+        """Bytes this rank holds, by kind, measured from the tensors themselves (`tally`): {kind: {"bytes": int,
+        "numel": int, "side": "device" | "host" | "nvme"}}, the stage's ``memory_kinds``, then with
+        ``offload_optimizer.device = nvme`` the states' swap files by kind (side ``nvme``, numel in fp32 elements).
+        ``side`` is where the tensor lives logically (without an accelerator both are host memory).
+        `zero_offload.estimate` predicts these same kinds; DeepSpeed has none by kind (``see_memory_usage``)."""
         out = tally(self.memory_kinds())
         for kind, nbytes in self.adam.swapped_bytes().items():
             out[kind] = {"bytes": nbytes, "numel": nbytes // 4, "side": "nvme"}

@@ -1,10 +1,8 @@
 """Stage-2 bucket buffers: a fixed pool allocated once, each buffer reused only after its last reader's event.
 
-DeepSpeed's stage 2 fills two ``ipg_buffer``s of ``reduce_bucket_size`` in turn; FSDP2 hands reduce-scatter
-outputs back to the caching allocator and orders their reuse by events. This pool does both: a fixed number
-of buffers of the largest bucket, allocated at construction, each handed out again only once the copy that
-last read it has finished (`CopyHandle.wait_stream`: on CUDA the compute stream waits for that copy alone, on
-the CPU the host blocks). Nothing is kept alive by ``record_stream``, so bucket memory is bounded by the pool.
+DeepSpeed's stage 2 fills two ``ipg_buffer``s in turn; FSDP2 orders the reuse of reduce-scatter outputs by events.
+Here a fixed number of buffers of the largest bucket is handed out again only once the copy that last read one has
+finished (`CopyHandle.wait_stream`); nothing is kept alive by ``record_stream``, so bucket memory is the pool's.
 """
 from __future__ import annotations
 
@@ -60,9 +58,9 @@ class BucketPool:
         return buf[:numel]
 
     def grow(self) -> None:
-        """Add one buffer: gradients arrived so far out of the launch order that more buckets fill at once than
-        the pool holds (parameters registered in another order than backward produces them). It stays, as the
-        same order recurs every step; the first growth warns."""
+        """Add one buffer for good (the same order recurs every step; the first growth warns): gradients arrive so
+        far out of launch order (parameters registered in another order than backward produces them) that more
+        buckets fill at once than the pool holds."""
         if self.grown == 0:
             warnings.warn(f"zero_offload: stage-2 gradients arrive out of bucket order; the bucket pool grows "
                           f"beyond {len(self.all)} buffers of {self.numel} elements", stacklevel=4)

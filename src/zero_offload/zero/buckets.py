@@ -30,11 +30,8 @@ class Piece:
 
 @dataclass(eq=False)
 class GradBucket:
-    """Elements [lo, hi) of group ``group``'s flat gradient; ``owner`` is None for an all-reduce (stage 0).
-
-    Life cycle per micro-step: ``reset`` -> pieces filled as their gradients arrive (``fill``) -> ready
-    -> reduction launched (``reduction``) -> waited and handed to the gradient partition -> ``reset``.
-    """
+    """Elements [lo, hi) of group ``group``'s flat gradient; ``owner`` is None for an all-reduce (stage 0). Per
+    micro-step: `reset`, then its pieces filled as their gradients arrive (`fill`) until it is `ready`."""
     group: int
     lo: int
     hi: int
@@ -94,11 +91,10 @@ def plan_buckets(flat: FlatParams, group: int, bucket_numel: int, partitioned: b
              else [(0, flat.padded_numel)])
     buckets = []
     for owner, lo, hi in bucket_spans(spans, bucket_numel):
+        inside = [(i, s) for i, s in enumerate(flat.slots) if s.offset < hi and s.end > lo]
         pieces = [Piece(flat.params[i], max(lo, s.offset) - s.offset, min(hi, s.end) - s.offset,
-                        max(lo, s.offset) - lo)
-                  for i, s in enumerate(flat.slots) if s.offset < hi and s.end > lo]
-        first_param = min((flat.slots[i].index for i, s in enumerate(flat.slots)
-                           if s.offset < hi and s.end > lo), default=1 << 62)
+                        max(lo, s.offset) - lo) for i, s in inside]
+        first_param = min((s.index for _, s in inside), default=1 << 62)
         bucket = GradBucket(group, lo, hi, owner if partitioned else None, pieces,
                             pad_lo=max(0, min(hi, flat.numel) - lo), order_key=(-first_param, -lo))
         bucket.reset()

@@ -1,10 +1,9 @@
-"""The one gradient reduction path of every ZeRO stage: launch a reduce or reduce-scatter with its averaging,
-finish it later, and bound how many are in flight (in the style of FSDP2's ``foreach_reduce``).
+"""The one gradient reduction path of every ZeRO stage: launch a reduce or reduce-scatter with its averaging, finish
+it later, and bound how many are in flight (in the style of FSDP2's ``foreach_reduce``).
 
-Stages 0-2 reduce buckets (`reduce_bucket`: an all-reduce at stage 0, a reduce to the owning rank at stages
-1-2); stage 3 reduce-scatters each unit's flat gradient (`reduce_scatter_grad`). Both cast to
-``communication_data_type`` first, average where `GradAveraging` says (NCCL's ReduceOp.AVG when it can do it in
-the collective), and hand back a `PendingReduction` that `finish` completes.
+Stages 0-2 reduce buckets (`reduce_bucket`), stage 3 reduce-scatters each unit's flat gradient
+(`reduce_scatter_grad`). Both cast to ``communication_data_type``, average where `GradAveraging` says (NCCL's
+ReduceOp.AVG where it can) and hand back a `PendingReduction` that `finish` completes.
 """
 from __future__ import annotations
 
@@ -28,22 +27,13 @@ MAX_IN_FLIGHT = 2
 
 @dataclass
 class PendingReduction:
-    """A reduction in flight.
-
-    Attributes:
-        out: where the result lands, in the communication dtype (1-D).
-        source: the collective's input, kept alive until it finishes (may be ``out``).
-        work: the collective's handle (None: nothing was launched).
-        after: the averaging left to do on the result (None: the collective averaged, or nothing to do).
-        divide_first: the averaging divided before the sum (`GradAveraging`'s argument).
-        receives: this rank receives the result (a reduce's owner, every rank otherwise).
-    """
-    out: torch.Tensor
-    source: torch.Tensor
-    work: object
-    after: GradAveraging | None
-    divide_first: bool
-    receives: bool
+    """A reduction in flight."""
+    out: torch.Tensor               # where the result lands, in the communication dtype (1-D)
+    source: torch.Tensor            # the collective's input, kept alive until it finishes (may be ``out``)
+    work: object                    # the collective's handle (None: nothing was launched)
+    after: GradAveraging | None     # the averaging left to do on the result (None: the collective averaged, or none)
+    divide_first: bool              # the averaging divided before the sum (`GradAveraging`'s argument)
+    receives: bool                  # this rank receives the result (a reduce's owner, every rank otherwise)
 
 
 def _prepare(ctx: DistContext, grad: torch.Tensor, averaging: GradAveraging, comm_dtype: torch.dtype | None,
@@ -94,8 +84,7 @@ def reduce_scatter_grad(ctx: DistContext, flat: torch.Tensor, averaging: GradAve
 
 
 def completed(p: PendingReduction) -> bool:
-    """True when the reduction's collective has finished (never blocks): nothing was launched (one rank), or
-    its work handle says so."""
+    """True when the reduction's collective has finished (never blocks; True when nothing was launched)."""
     return p.work is None or p.work.is_completed()
 
 
@@ -117,8 +106,7 @@ class InFlight(Generic[T]):
     """Reductions launched but not yet finished, oldest first, at most ``limit`` of them: pushing one more
     finishes the oldest (``on_finish``), which bounds the memory of buckets or gradients in flight. Oldest
     reductions already complete (``is_done``; at one rank every one is) are finished at once, so their copy down
-    starts as soon as they are reduced rather than ``limit`` buckets later (else, at one rank, the last two
-    buckets would go down only after backward)."""
+    starts as soon as they are reduced, not ``limit`` buckets later (at one rank: after backward)."""
 
     def __init__(self, limit: int, on_finish: Callable[[T], None], is_done: Callable[[T], bool] | None = None):
         self.limit, self.on_finish, self.is_done = limit, on_finish, is_done

@@ -11,12 +11,10 @@ __all__ = ["global_grad_sq_norm", "gather_masters"]
 
 
 def global_grad_sq_norm(ctx: DistContext, partitions: list[GradPartition], partitioned: bool) -> torch.Tensor:
-    """Squared L2 norm of the whole (loss-scaled) gradient, a 0-dim fp32 CPU tensor: the sum of this
-    rank's partitions, all-reduced when the ranks hold different partitions.
-
-    The host pieces are added on the host and the device pieces on the device; one device read brings the total
-    to the host (the clip coefficient is needed there), and with several ranks the host sum goes up without a
-    sync (``non_blocking``) to join the one all-reduce -- no host sync before the boundary needs the norm.
+    """Squared L2 norm of the whole (loss-scaled) gradient, a 0-dim fp32 CPU tensor: the sum of this rank's
+    partitions, all-reduced when the ranks hold different partitions. Host pieces are added on the host, device
+    pieces on the device; one device read brings the total to the host (the clip coefficient is needed there), and
+    with several ranks the host sum goes up without a sync to join the one all-reduce.
 
     Raises:
         RuntimeError: a partition with copies still in flight (read before ``finalize_backward``).
@@ -35,15 +33,12 @@ def global_grad_sq_norm(ctx: DistContext, partitions: list[GradPartition], parti
 
 def gather_masters(ctx: DistContext, layouts: list[GroupLayout], masters: list[torch.Tensor],
                    partitions: int, stats: dict | None = None) -> dict[str, torch.Tensor]:
-    """{name: fp32 CPU tensor} of every parameter, assembled from all ranks' master partitions (a collective
-    when ``partitions`` > 1: every rank calls it and every rank gets the whole dict).
-
-    Gathered piece by piece: the owner of each piece of a parameter puts it on the device, one broadcast
-    brings it to every rank, and it goes to host memory before the next piece. So the device holds at most
-    one piece -- at most the largest parameter, in fp32 -- never the whole model (DeepSpeed's
-    ``_zero3_consolidated_16bit_state_dict`` gathers whole parameters the same way). ``stats``, when
-    given, receives ``peak_device_bytes``: the most bytes of device buffers held at once, counted from the
-    tensors this function allocated.
+    """{name: fp32 CPU tensor} of every parameter, assembled from all ranks' master partitions (a collective when
+    ``partitions`` > 1: every rank calls it and every rank gets the whole dict). Piece by piece: the owner of each
+    piece puts it on the device, one broadcast brings it to every rank, and it goes to host memory before the next,
+    so the device holds at most one piece (at most the largest parameter, in fp32), as DeepSpeed's
+    ``_zero3_consolidated_16bit_state_dict`` gathers whole parameters. ``stats``, when given, receives
+    ``peak_device_bytes``: the most bytes of device buffers this function held at once.
     """
     out, peak = {}, 0
     for layout, master in zip(layouts, masters):

@@ -44,40 +44,27 @@ class ReadyGrad:
             self.lease.release_all()
 
 
-
 def accumulates_fp32(config, gradient_accumulation: int) -> bool:
     """Whether a stage 2/3 gradient partition accumulates micro-steps in fp32: under accumulation, unless the config
     keeps bf16 gradient partitions (``bf16.bf16_master_weights_and_grads``: DeepSpeed adds them in bf16)."""
     return gradient_accumulation > 1 and not config.bf16.bf16_master_weights_and_grads
+
 
 class GradPartition:
     """Where reduced gradients of one group end up, ready for the optimizer step.
 
     - stage 0/1 on the device: a view of the full flat gradient (reduced in place, nothing to copy);
     - stage 1 offloaded: a host copy of the partition, filled bucket by bucket at the boundary;
-    - stage 2/3: a separate partition-sized buffer (device, or host when offloaded) that each micro-step's
-      reduced buckets are copied into (first micro-step) or added to (the rest). Its dtype is the training
-      dtype when there is one micro-step per step (fewest bytes for the host kernel) and fp32 under gradient
-      accumulation, so accumulated 16-bit rounding does not build up (DeepSpeed's offload also accumulates
-      in fp32).
+    - stage 2/3: a partition-sized buffer (device, or host when offloaded) that each micro-step's reduced pieces
+      are copied into (first micro-step) or added to (the rest): in the training dtype at one micro-step per step,
+      in fp32 under accumulation so 16-bit rounding does not build up (as DeepSpeed's offload).
 
-    Offloaded, every copy down is asynchronous and carries its own event. With one micro-step per step a piece
-    is copied straight into the partition (same dtype). Under accumulation each piece goes down whole, in its
-    reduced dtype, into one of two pinned staging slots (`offload.grad_staging.staging_shape`: each the
-    largest piece this partition receives, ``piece_numel`` elements of ``piece_dtype``), and a host thread
-    (a `host_thread.HostThread`) waits for that copy's event and converts (first micro-step) or adds
-    (the rest) it into the fp32 partition. The backward hook only issues the copy: it waits only when the slot's
-    previous piece -- two pieces behind -- has not been added yet, so the device keeps being fed while the host
-    adds (DeepSpeed's offloaded stage 2 accumulates on the CPU from fixed pinned buffers the same way). A piece
-    of the same dtype as the partition on the first micro-step (fp32 training) is copied straight in. The pool
-    is allocated once, at construction when the partition accumulates, and never grows: a piece larger than a
-    slot (not expected) goes down in slot-sized parts.
-
-    Offloaded, the partition also keeps the sum of squares of what each micro-step wrote, piece by piece as
-    the buckets land (DeepSpeed's offload computes its norm on the device as buckets are reduced): a bucket
-    copied straight over the partition is summed on the device before it goes down, a staged one is summed on
-    the worker right after its add. So `sq_norm_pieces` at the boundary are two scalars, not a read of the
-    partition.
+    Offloaded, every copy down is asynchronous with its own event. Under accumulation the pieces go down through
+    two pinned staging slots (`offload.grad_staging.staging_shape`, allocated once) and a `host_thread.HostThread`
+    converts or adds each into the fp32 partition once its copy landed, so the backward hook only issues copies
+    (DeepSpeed's offloaded stage 2 accumulates on the CPU from fixed pinned buffers alike). The squares of what each
+    micro-step wrote are summed as the pieces land, as DeepSpeed's offload computes its norm as buckets are reduced
+    (ARCHITECTURE.md, "One step", 3).
 
     Shape (numel,) where numel is ``partition_numel`` (stage >= 1) or ``padded_numel`` (stage 0).
 
@@ -101,12 +88,10 @@ class GradPartition:
         self.staging: list[torch.Tensor] = []          # uint8 slots, viewed as the dtype of what they carry
         self.slot_free: list[threading.Event] = []     # set by the worker once a slot's piece has been added
         self.staging_next = 0
-        self.staging_allocations = 0                   # slots ever allocated (a test holds it fixed)
         self.worker = HostThread(f"grad-staging-{lo}", device)
         self.add_threads = min(STAGED_ADD_THREADS, len(available_cores()))   # fixed: the adds run beside training
         self.spare: torch.Tensor | None = None
-        # The delayed update shares one buffer between its host step and the next backward where the buffer is
-        # filled straight from the copies down (no fp32 accumulation through the staging worker): `take` lends it.
+        # `take` lends the one buffer to the delayed update where the copies down fill it straight (no fp32 staging).
         self.shares_buffer = offload and in_place is None and not (stage >= 2 and accumulate_fp32)
         self.lease: BufferLease | None = None
         self.lease_reader: CopyHandle | None = None    # the lease's reader the copies down were last ordered after
@@ -137,7 +122,6 @@ class GradPartition:
         self.slot_free = [threading.Event() for _ in range(slots)]
         for free in self.slot_free:
             free.set()
-        self.staging_allocations += slots
 
     @classmethod
     def for_flat(cls, flat: FlatParams, rank: int, stage: int, flat_grad: torch.Tensor | None, offload: bool,
@@ -247,10 +231,9 @@ class GradPartition:
     def _host_side(self, handle: CopyHandle, i: int, staged: torch.Tensor, at: int, dst: torch.Tensor,
                    overwrite: bool) -> Callable[[], None]:
         """The worker's share of one staged piece: wait for its copy down, convert it into (``overwrite``) or add
-        it to ``dst`` (fp32, partition elements from ``at``, bound now: the delayed update may swap the buffer
-        before it runs) and sum the squares of the result in the same pass (`zero_offload.optim.host_add`, on a
-        fixed thread count), free slot ``i``, report the range final (boundary micro-step, ``super_offload``),
-        then add the squares into this micro-step's norm piece."""
+        it to ``dst`` (fp32, from partition element ``at``; bound now, as the delayed update may swap the buffer
+        before it runs) summing the squares in the same pass, free slot ``i``, report the range final, then add
+        the squares into this micro-step's norm piece."""
         micro_step, sink = self.micro_step, self._final_sink()
 
         def run() -> None:
@@ -272,9 +255,8 @@ class GradPartition:
         return run
 
     def finalize(self) -> None:
-        """Block until every gradient copied into the partition has landed and been added (offloaded copies
-        down), so that the host may read it: once per boundary, from the ZeRO optimizer's
-        ``finalize_backward`` (and before a second boundary backward sets the partition aside).
+        """Block until every gradient copied into the partition has landed and been added, so that the host may
+        read it (from ``finalize_backward``, and before a second boundary backward sets the partition aside).
 
         Raises:
             HostThreadError: the staging worker failed (chained to its exception).
@@ -308,12 +290,11 @@ class GradPartition:
         return self.buffer
 
     def take(self) -> ReadyGrad:
-        """Hand the finished partition over whole (the delayed parameter update: the host step reads this step's
-        gradients while the next backward runs). Where the copies down fill the buffer straight, it is lent
-        (`zero_offload.offload.buffer_lease`): the next backward writes each part once the step released it. Else
-        (fp32 accumulation through the staging worker) the next backward fills a second buffer.
-        The buffer handed out at the previous call is reused, so the caller must be done with it (a copy up
-        still reading it was named by `read_by`).
+        """Hand the finished partition over whole (the delayed parameter update reads it while the next backward
+        runs). Where the copies down fill the buffer straight, it is lent (`zero_offload.offload.buffer_lease`):
+        the next backward writes each part once the step released it; else (fp32 accumulation through the staging
+        worker) the next backward fills a second buffer, and the one handed out at the previous call is reused:
+        the caller must be done with it (a copy up still reading it was named by `read_by`).
 
         Raises:
             RuntimeError: the partition is a view of the flat gradient (stage 0/1 without offload), or (as
@@ -337,8 +318,7 @@ class GradPartition:
         return ReadyGrad(done)
 
     def released(self, lo: int, hi: int, reader: CopyHandle) -> None:
-        """A synchronous step read the partition in place: nothing is lent (the
-        `zero_offload.hoststep.role.GradSource` role)."""
+        """A synchronous step read the partition in place: nothing is lent (the `GradSource` role)."""
 
     def read_by(self, handle: CopyHandle, tensor: torch.Tensor) -> None:
         """A copy up reads ``tensor``, one of this partition's buffers (the delayed update publishes the
@@ -350,13 +330,8 @@ class GradPartition:
 
     def sq_norm_pieces(self) -> list[torch.Tensor]:
         """Sums of squares whose total is the partition's: 0-dim fp32 tensors, each on the device it was summed
-        on (a bucket summed on the device before it went down; slices summed on the host after their add), or
-        one sum over the whole partition where the pieces do not cover it. The caller adds them where it needs
-        the total, so no piece crosses between host and device on its own (one device read in all).
-
-        Computed in chunks of NORM_CHUNK elements: on the CPU a 16-bit norm with an fp32 accumulator first
-        converts its whole input, and a chunk's conversion stays in cache (29.9 ms -> 3.7 ms for 21M bf16
-        elements on 2 cores).
+        on (a bucket on the device before it went down; slices on the host after their add), or one sum over the
+        whole partition where the pieces do not cover it (the caller adds them: `gather.global_grad_sq_norm`).
 
         Raises:
             RuntimeError: as `ready` (copies into the partition still in flight).
@@ -373,8 +348,7 @@ class GradPartition:
         return [self.buffer] + ([self.spare] if self.spare is not None else [])
 
     def device_state_tensors(self) -> list[torch.Tensor]:
-        """Buffers kept on the device beside an offloaded partition: none (``offload_optimizer.ratio`` < 1 splits a
-        partition: `zero_offload.zero.split_partition.SplitGradPartition`)."""
+        """Buffers kept on the device beside an offloaded partition: none (`SplitGradPartition` has some)."""
         return []
 
     def staging_tensors(self) -> list[torch.Tensor]:
@@ -383,8 +357,8 @@ class GradPartition:
 
 
 def _add_sq(total: torch.Tensor | None, values: torch.Tensor) -> torch.Tensor:
-    """``total`` (None: 0) plus the sum of squares of ``values`` in fp32, on ``values``' device; in chunks of
-    NORM_CHUNK on the CPU (see `GradPartition.sq_norm_pieces`)."""
+    """``total`` (None: 0) plus the sum of squares of ``values`` in fp32, on ``values``' device. On the CPU a 16-bit
+    input goes in chunks of NORM_CHUNK: the norm converts its whole input to fp32 first, and a chunk stays in cache."""
     chunks = values.split(NORM_CHUNK) if values.device.type == "cpu" and values.dtype != torch.float32 else (values,)
     for chunk in chunks:
         sq = torch.linalg.vector_norm(chunk, dtype=torch.float32).square()

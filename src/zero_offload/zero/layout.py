@@ -8,11 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
-import torch
-
 from zero_offload.flat import FlatParams
 
-__all__ = ["Piece", "ParamPlacement", "GroupLayout", "place_slots", "contiguous_layout", "assemble"]
+__all__ = ["Piece", "ParamPlacement", "GroupLayout", "place_slots", "contiguous_layout"]
 
 
 @dataclass(frozen=True)
@@ -57,9 +55,8 @@ def place_slots(slots: Iterable, size: int, base: int = 0) -> list[ParamPlacemen
     of ``size`` elements, piece r to rank r: element e of the run lands in rank ``e // size``'s partition at
     ``base + e % size``.
 
-    ``slots``: objects with ``name``, ``shape``, ``numel`` and ``offset``/``end`` (element range in the run),
-    as `FlatParams` slots (a flat buffer cut into partitions, ``base`` 0) and stage-3 unit slots (a unit cut
-    into shards of ``size`` elements, stored from ``base`` in the group partition) are.
+    ``slots``: objects with ``name``, ``shape``, ``numel`` and ``offset``/``end`` (element range in the run), as
+    `FlatParams` slots (``base`` 0) and stage-3 unit slots (shards stored from ``base`` in the group partition) are.
     """
     placements = []
     for s in slots:
@@ -75,15 +72,3 @@ def contiguous_layout(flat: FlatParams, partitions: int) -> GroupLayout:
     """The layout of a flat buffer cut into ``partitions`` equal contiguous partitions (stages 0-2)."""
     size = flat.padded_numel // partitions
     return GroupLayout(size, tuple(place_slots(flat.slots, size)))
-
-
-def assemble(group: GroupLayout, partitions: torch.Tensor) -> dict[str, torch.Tensor]:
-    """{name: tensor of the parameter's shape} from every rank's partition, ``partitions`` of shape
-    (ranks, partition_numel)."""
-    out = {}
-    for p in group.params:
-        flat = torch.empty(p.numel, dtype=partitions.dtype, device=partitions.device)
-        for c in p.pieces:
-            flat[c.param_offset:c.param_offset + c.length] = partitions[c.rank, c.part_offset:c.part_offset + c.length]
-        out[p.name] = flat.view(p.shape)
-    return out

@@ -1,8 +1,5 @@
-"""`NoStep`: the partition optimizer of a model with nothing to train (a frozen reference model at stage 3).
-
-A null object in the `PartitionOptimizer` role: it holds no masters and no optimizer state, so the memory
-accounting and `close` of the ZeRO optimizer that holds it work unchanged. Stepping it is a programming error.
-"""
+"""`NoStep`: the partition optimizer of a model with nothing to train (a frozen reference model at stage 3), a
+null object in the `PartitionOptimizer` role, so the memory accounting and `close` of its holder work unchanged."""
 from __future__ import annotations
 
 import torch

@@ -1,13 +1,11 @@
 """Gradient reduction during backward: per-parameter hooks fill buckets, full buckets are reduced async.
 
-Each trainable parameter gets a post-accumulate-grad hook. When a micro-step reduces (every micro-step at
-stage 2, the boundary micro-step at stages 0 and 1), the hook marks the parameter's pieces as filled (stage
-2 first copies its gradient into the bucket and frees ``p.grad``); a bucket whose pieces are all filled is
-reduced asynchronously while backward goes on. Buckets are launched in one fixed order on every rank, as
-DDP does, so collectives always match across ranks even when hooks fire in a different order.
+When a micro-step reduces (every one at stage 2, the boundary's at stages 0 and 1), each parameter's
+post-accumulate-grad hook marks its pieces filled (stage 2 first copies its gradient into the bucket and frees
+``p.grad``). Buckets are launched in one fixed order on every rank, as DDP does, so collectives always match across
+ranks even when hooks fire in a different order.
 """
 from __future__ import annotations
-
 
 import torch
 
@@ -28,8 +26,6 @@ class GradientReducer:
     """Owns the gradient buckets of all param groups and drives their reduction.
 
     Args:
-        flats: the flat parameter buffers, one per group.
-        partitions: where reduced gradients go, one per group.
         flat_grads: stage 0/1 only: full flat gradient buffers whose views are the parameters' ``.grad``.
         max_in_flight: buckets reduced concurrently before the oldest is waited for (bounds bucket memory).
     """
@@ -41,7 +37,7 @@ class GradientReducer:
         self.ctx, self.flats, self.partitions = ctx, flats, partitions
         self.averaging = averaging or GradAveraging(ctx.world_size)
         self.flat_grads = flat_grads
-        self.stage, self.overlap, self.max_in_flight = stage, overlap, max_in_flight
+        self.stage, self.overlap = stage, overlap
         self.comm_dtype = comm_dtype                       # communication_data_type (None: the training dtype)
         buckets = [b for g, f in enumerate(flats) for b in plan_buckets(f, g, bucket_numel, stage >= 1)]
         self.buckets = sorted(buckets, key=lambda b: b.order_key)
@@ -64,7 +60,6 @@ class GradientReducer:
         self.hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
                       for f in flats for p in f.params]
 
-    # -- micro-step life cycle -------------------------------------------------------------------------
     def begin_micro_step(self, reduce: bool, first_micro_step: bool) -> None:
         """Arm the hooks for one backward; ``reduce`` says whether this micro-step's buckets are reduced."""
         self.reducing, self.first_micro_step = reduce, first_micro_step
@@ -93,7 +88,6 @@ class GradientReducer:
         self.in_flight.drain()
         self.reducing = False
 
-    # -- hooks -----------------------------------------------------------------------------------------
     def _attach_grad_views(self) -> None:
         # Stage 0/1 gradients accumulate in place in the flat buffer; re-attach if the user reset .grad.
         for f, g in zip(self.flats, self.flat_grads):
@@ -115,7 +109,6 @@ class GradientReducer:
         if self.stage == 2:
             param.grad = None   # its gradient now lives in buckets only: stage 2 keeps no full gradient
 
-    # -- buckets ---------------------------------------------------------------------------------------
     def _buffer(self, b: GradBucket) -> torch.Tensor:
         """The bucket's gradient storage: a view of the flat gradient (stage 0/1) or a pooled buffer."""
         buffer = self.buffer_of.get(b)

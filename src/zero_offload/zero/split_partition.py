@@ -1,14 +1,9 @@
 """``offload_optimizer.ratio``: part of each partition keeps its gradient and optimizer state on the device.
 
-DeepSpeed's ZeRO-Offload++ "Twin-Flow" (``ratio``, the share offloaded; "Deep Optimizer States", arXiv 2410.21316,
-and Megatron's HybridDeviceOptimizer split the same way): the host steps its part while the device steps the rest
-at the same boundary, under one global norm and one clip coefficient. Here each group's partition is cut once:
-its first `device_numel` elements -- the start of the flat buffer, the first layers and the embeddings, whose
-gradients backward produces last -- stay on the device; the rest, whose gradients come down first, is offloaded.
-
-`SplitGradPartition` is the gradient side (the `GradPartition` face over a device and a host `GradPartition`);
-`zero_offload.hoststep.split.SplitAdam` the optimizer side. Checkpoints see one flat partition per group, so a
-checkpoint of any ratio loads into any other ratio, stage and world size.
+DeepSpeed's ZeRO-Offload++ "Twin-Flow" (``ratio``: the share offloaded; "Deep Optimizer States", arXiv 2410.21316,
+and Megatron's HybridDeviceOptimizer split the same way; docs/offload.md). Each group's partition is cut once: its
+first `device_numel` elements (the first layers and the embeddings, whose gradients backward produces last) stay on
+the device. `SplitGradPartition` is the gradient side, `zero_offload.hoststep.split.SplitAdam` the optimizer side.
 """
 from __future__ import annotations
 
@@ -35,14 +30,9 @@ def device_numel(numel: int, ratio: float) -> int:
 
 
 class SplitGradPartition:
-    """One group's gradient partition [lo, hi) cut at ``lo + cut``: [lo, lo + cut) reduced into ``device`` (a
-    `GradPartition` on the device), the rest into ``host`` (an offloaded one). The optimizer reads the two as
-    separate sources (`SplitAdam`); everything else sees the face of one partition.
-
-    Args:
-        device: the device part, elements [lo, lo + cut) of the flat buffer.
-        host: the host part, elements [lo + cut, hi).
-    """
+    """One group's gradient partition [lo, hi) cut at ``lo + cut``: elements [lo, lo + cut) reduced into
+    ``device`` (a `GradPartition` on the device), [lo + cut, hi) into ``host`` (an offloaded one). The optimizer
+    reads the two as separate sources (`SplitAdam`); everything else sees the face of one partition."""
 
     def __init__(self, device: GradPartition, host: GradPartition):
         self.device, self.host = device, host

@@ -1,8 +1,6 @@
 """`ZeroOptimizer`: flat parameters, bucketed gradient reduction and the partitioned optimizer, together.
 
-It knows the partitioning; the engine above it knows precision, clipping and the schedule.
-Data flow of one step (ARCHITECTURE.md): backward fills buckets -> reduced into this rank's gradient partition
--> global norm -> one fused step over the partition (device or host) -> all-gather of the 16-bit partitions.
+It knows the partitioning; the engine above it knows precision, clipping and the schedule (data flow: ARCHITECTURE.md).
 """
 from __future__ import annotations
 
@@ -112,12 +110,9 @@ class ZeroOptimizer(ZeroOptimizerBase):
         return id(p) in self.trainable_ids
 
     def begin_micro_step(self, boundary: bool, first_micro_step: bool) -> None:
-        """Stage 2 reduces every micro-step (it keeps no full gradient); stages 0/1 at the boundary only.
-
-        Stages 0/1 reduce the full gradient in place, so a second boundary backward before the step would
-        reduce already-reduced values again: the reduced partition is set aside, the full gradient cleared,
-        and the new reduction added to it in `end_micro_step`.
-        """
+        """Stage 2 reduces every micro-step (it keeps no full gradient); stages 0/1 at the boundary only, in place
+        in the full gradient: before a second boundary backward the reduced partition is set aside and the full
+        gradient cleared, and `end_micro_step` adds the new reduction to it (else it would be reduced twice)."""
         if self.stage < 2 and boundary and self._reduced:
             for p in self.partitions:
                 p.finalize()

@@ -1,15 +1,10 @@
 """Frozen parameters (``requires_grad=False``) at stage 3: sharded 1/N like trainable ones, never optimized.
 
-As DeepSpeed's ``zero.Init`` partitions every parameter, trainable or not, a frozen parameter here lives in a
-sharded unit too (flagged ``frozen``): it is gathered before its module's forward and again before its
-module's backward (autograd saved views of it), but it gets no gradient hook, no reduce-scatter, no gradient
-partition, no master weight and no optimizer state. So a LoRA-style run on a large frozen base holds 1/N of
-the base per rank. Its shards live in one flat "frozen partition" per rank, beside the trainable groups'.
-
-Release in backward: trainable units are released once their gradient is reduce-scattered; a frozen unit
-has no gradient, so it is released once the gradient of its module's input has been computed (which is
-after the module's backward). A unit released too early is gathered again when backward reads it
-(`saved_params`), so the timing affects memory only, never the values.
+As DeepSpeed's ``zero.Init`` partitions every parameter, a frozen one lives in a sharded unit too (flagged
+``frozen``), gathered for its module's forward and backward, with no gradient hook, reduce-scatter, gradient
+partition, master weight or optimizer state; its shards live in one flat "frozen partition" per rank. With no
+gradient to wait for, a frozen unit is released once its module's input gradient is computed; one released too
+early is gathered again when backward reads it (`saved_params`), so the timing affects memory, never values.
 """
 from __future__ import annotations
 
@@ -18,7 +13,7 @@ from typing import Callable
 import torch
 from torch.utils._pytree import tree_flatten
 
-from zero_offload.zero.stage3.units import ShardedUnit
+from zero_offload.zero.stage3.units import ShardedUnit, modules_owning
 
 __all__ = ["build_frozen_units", "FrozenRelease", "frozen_names"]
 
@@ -28,17 +23,10 @@ def build_frozen_units(model: torch.nn.Module, first_index: int, world_size: int
     """One frozen unit per module that owns (first holds) some ``requires_grad=False`` parameters, in module
     order; indices continue from ``first_index``. A frozen parameter's slot name is its first qualified name."""
     position = {id(p): (i, n) for i, (n, p) in enumerate(model.named_parameters())}
-    seen: set[int] = set()
-    units = []
-    for name, module in model.named_modules():
-        own = [p for p in module.parameters(recurse=False) if not p.requires_grad and id(p) not in seen]
-        if not own:
-            continue
-        seen.update(id(p) for p in own)
-        units.append(ShardedUnit(first_index + len(units), -1, name, own, [position[id(p)][1] for p in own],
-                                 [position[id(p)][0] for p in own], world_size, device, dtype, persistence_threshold,
-                                 frozen=True))
-    return units
+    return [ShardedUnit(first_index + k, -1, name, own, [position[id(p)][1] for p in own],
+                        [position[id(p)][0] for p in own], world_size, device, dtype, persistence_threshold,
+                        frozen=True)
+            for k, (name, own) in enumerate(modules_owning(model, lambda p: not p.requires_grad))]
 
 
 def frozen_names(model: torch.nn.Module, units: list[ShardedUnit]) -> dict[str, tuple[ShardedUnit, int]]:

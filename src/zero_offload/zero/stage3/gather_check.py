@@ -1,17 +1,12 @@
 """`GatherCheck`: every rank runs the same stage-3 module at each module forward, or all of them stop with an error
 that names the modules and ranks, instead of a hang.
 
-Stage 3 needs every rank to run the same modules in the same order in forward: each gather is a collective, and
-ranks that gather different units send buffers of other sizes (gloo aborts the process on the mismatch; NCCL
-waits until the collective deadline) or, with equal sizes, silently mix two units' weights. Before each module's
-forward in the first micro-step (while the fetch order is being recorded), and in every micro-step when
-``ZERO_OFFLOAD_CHECK_GATHERS=1``, the ranks exchange the units the module is about to fetch (one small all-gather
-of a Python object, before any gather or prefetch of that fetch); if they differ, every rank raises
-`GatherMismatch` at the same point, within the collective deadline. Backward needs no check: there the ranks'
-gathers follow one fixed order whatever each one's loss reads (`UnitLifecycle`). A module skipped in forward
-from the first step on is caught at once; one that starts being skipped later is caught with the variable set.
-The check is off after the first micro-step by default because on CUDA each exchange waits for the device.
-FSDP2 and DeepSpeed have no such check.
+Each gather is a collective: ranks that gather different units send buffers of other sizes (gloo aborts, NCCL waits
+until the collective deadline) or, with equal sizes, silently mix two units' weights. Before each module's forward in
+the first micro-step, and in every micro-step with ``ZERO_OFFLOAD_CHECK_GATHERS=1`` (off by default: on CUDA each
+exchange waits for the device), the ranks exchange the units the module is about to fetch (one small all-gather of a
+Python object) and all raise `GatherMismatch` if they differ. Backward needs no check: its gathers follow one fixed
+order (`UnitLifecycle`). FSDP2 and DeepSpeed have no such check.
 """
 from __future__ import annotations
 
@@ -30,17 +25,12 @@ class GatherMismatch(RuntimeError):
 
 
 class GatherCheck:
-    """Compares the unit each rank gathers next (see the module docstring).
-
-    Args:
-        ctx: the ranks that gather together.
-        units: every unit, indexed by ``ShardedUnit.index`` (for the message).
-    """
+    """Compares the units the ranks of ``ctx`` gather next (see the module docstring); ``units``: every unit,
+    indexed by ``ShardedUnit.index`` (named in the message)."""
 
     def __init__(self, ctx: DistContext, units: list[ShardedUnit]):
         self.ctx, self.units = ctx, units
         self.always = os.environ.get(CHECK_ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
-        self.checks = 0                  # exchanges made (running count)
 
     def before_forward(self, units: list[ShardedUnit], recording: bool) -> None:
         """Exchange the ``units`` a module's forward fetches with the other ranks when checking (``recording``:
@@ -51,7 +41,6 @@ class GatherCheck:
         """
         if not self.ctx.distributed or not (recording or self.always):
             return
-        self.checks += 1
         chosen = gather_objects(tuple(u.index for u in units), self.ctx.group)
         if len(set(chosen)) > 1:
             ranks = ", ".join(f"rank {r} runs module '{self._name(i)}' (units {list(i)})"

@@ -1,24 +1,11 @@
-"""`UnitLifecycle`: the one owner of the stage-3 unit life cycle, from gather to reduce-scatter.
+"""`UnitLifecycle`: the one owner of the stage-3 unit life cycle, from gather to reduce-scatter, for every unit of a
+model (FSDP2's ``FSDPParamGroup``: unshard, wait, reshard, the forward and backward hooks, the reduce-scatter).
 
-FSDP2 gives one ``FSDPParamGroup`` the whole life of its parameters (unshard, wait, reshard, the pre/post
-forward and backward hooks, the post-backward reduce-scatter); here one object does the same for every unit
-of a model:
-
-- **gather, wait, release.** Before a module's forward its units are gathered; after it they are released
-  unless persistent or reused soon (``stage3_max_reuse_distance``). In backward, a hook on the module's
-  outputs gathers them again before the module's backward runs. `FetchSchedule` records the order of fetches
-  on the first micro-step; later ones replay it and gather up to ``stage3_prefetch_bucket_size`` elements
-  ahead asynchronously (DeepSpeed's ``PartitionedParameterCoordinator``). Parameters autograd saved are
-  gathered again when backward reads them (`saved_params`); frozen units are released after their module's
-  backward (`frozen`).
-- **gradients.** A post-accumulate-grad hook per trainable parameter counts the unit's gradients; when the
-  last one is in, the unit is reduce-scattered (`zero.collectives`) and released. Reduce-scatters go out in
-  one fixed order on every rank (last unit first, as backward mostly runs), each once its unit is ready and
-  every unit before it has gone, so a module whose output reaches the loss on some ranks only cannot make
-  the ranks' collectives disagree. At most two are in flight; each one finished is added into the rank's
-  `GradPartition`.
-- **stray reads.** A parameter read in forward outside its module's forward is found while an order is recorded
-  and gathered from then on with the root module (`stray_reads`).
+ARCHITECTURE.md ("Stage 3") walks through it: units gathered before each module's forward and again for its backward,
+prefetched along the order `FetchSchedule` recorded (DeepSpeed's ``PartitionedParameterCoordinator``);
+reduce-scatters in one fixed order on every rank (last unit first), so a module whose output reaches the loss on some
+ranks only cannot make the ranks' collectives disagree; saved parameters gathered again (`saved_params`), frozen
+units released after their module's backward (`frozen`), stray reads gathered with the root (`stray_reads`).
 """
 from __future__ import annotations
 
@@ -37,7 +24,7 @@ from zero_offload.zero.stage3.frozen import FrozenRelease
 from zero_offload.zero.stage3.gather_check import GatherCheck
 from zero_offload.zero.stage3.partition_store import PartitionStore
 from zero_offload.zero.stage3.saved_params import SavedParameterGuard
-from zero_offload.zero.stage3.schedule import RECORDING, FetchSchedule
+from zero_offload.zero.stage3.schedule import FetchSchedule
 from zero_offload.zero.stage3.stray_reads import StrayReads
 from zero_offload.zero.stage3.units import ShardedUnit
 
@@ -56,11 +43,9 @@ class UnitLifecycle:
 
     Args:
         units: every unit (trainable, then frozen), indexed by ``ShardedUnit.index``.
-        module_units: for every module that uses parameters directly, the units holding them (a module whose
-            weight is tied to another module's lists that module's unit too).
+        module_units: for every module that uses parameters directly, the units holding them (`units_by_module`).
         schedule: the recorded fetch order and the prefetch and reuse decisions.
-        store: where the shards live between gathers; a store that is not resident (NVMe) is read ahead in the
-            recorded order and its buffer is taken back after each gather.
+        store: where the shards live between gathers (one not resident, NVMe, is read ahead in the recorded order).
         partitions: the rank's gradient partition of each param group; each reduce-scatter lands there.
     """
 
@@ -89,7 +74,6 @@ class UnitLifecycle:
         self.backward_order: list[ShardedUnit] = []         # by last forward use, latest first
         self.backward_position: dict[ShardedUnit, int] = {}
         self.cursor = 0                                      # backward_order[:cursor] was fetched or passed over
-        self.passed_over = 0                                 # units passed over in backward (running count)
         # reduce-scatters in flight, each unit's gradient kept
         self.in_flight = InFlight(MAX_IN_FLIGHT, self._accumulate, lambda item: completed(item[1]))
         self.saved_params = SavedParameterGuard(units, self.gather)
@@ -124,7 +108,6 @@ class UnitLifecycle:
         if u not in self.module_units[module]:
             self.module_units[module].append(u)
 
-    # -- gather / wait / release -----------------------------------------------------------------------
     def gather(self, u: ShardedUnit, async_op: bool = False) -> None:
         """All-gather unit ``u`` into its full buffer now (``async_op``: in flight until `ShardedUnit.wait`),
         out of the recorded order: nothing is traced or prefetched."""
@@ -145,6 +128,14 @@ class UnitLifecycle:
         self.live_bytes += u.nbytes
         self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes)
 
+    def ensure_gathered(self, u: ShardedUnit) -> bool:
+        """Gather ``u`` now unless it is gathered (then wait for its gather in flight); True when gathered here."""
+        if u.gathered:
+            u.wait()
+            return False
+        self.gather(u)
+        return True
+
     def release(self, u: ShardedUnit) -> None:
         """Free ``u``'s full buffer (waiting for its gather in flight first)."""
         u.release()
@@ -156,10 +147,7 @@ class UnitLifecycle:
         training = torch.is_grad_enabled() or _in_backward()
         for u in units:
             self.schedule.follow(u, training)
-            if u.gathered:
-                u.wait()
-            else:
-                self.gather(u)
+            self.ensure_gathered(u)
         upcoming = self.schedule.upcoming(training)
         self._read_ahead(upcoming)
         for pos in self.schedule.to_prefetch(upcoming, self.live_numel):
@@ -191,12 +179,7 @@ class UnitLifecycle:
         """Gather every unit not gathered and keep them all until `let_go`; the module hooks do nothing
         meanwhile (a generation: DeepSpeed's ``GatheredParameters`` over the model with its hooks removed, as TRL
         does). Returns the units gathered here."""
-        opened = [u for u in self.units if not u.gathered]
-        for u in self.units:
-            if u in opened:
-                self.gather(u)
-            else:
-                u.wait()
+        opened = [u for u in self.units if self.ensure_gathered(u)]
         self.held = True
         return opened
 
@@ -207,12 +190,10 @@ class UnitLifecycle:
             if u.gathered:
                 self.release(u)
 
-    # -- module hooks ------------------------------------------------------------------------------------
     def attach_root(self, model: torch.nn.Module) -> None:
         """Hook the root module: its forward restarts the evaluation trace, and is watched for stray reads
         while an order is recorded."""
         self.root = model
-        # Never traced by torch.compile: dynamo breaks the graph here and runs the hooks eagerly (`compiling`).
         self.hooks.append(model.register_forward_pre_hook(torch.compiler.disable(self.root_pre_forward)))
         self.hooks.append(model.register_forward_hook(torch.compiler.disable(self.root_post_forward),
                                                       always_call=True))
@@ -250,42 +231,36 @@ class UnitLifecycle:
     def _pre_forward(self, module, args):
         if self.held:
             return
+        units = self.module_units[module]
         self.busy += 1
         try:
-            self._fetch_for_forward(self.module_units[module])
+            if self.stray_reads.active:
+                self.forward_fetched.update(units)
+            if not _in_backward():
+                self.gather_check.before_forward(units, recording=self.schedule.recording(True))
+            if torch.is_grad_enabled() and not _in_backward():
+                for u in units:
+                    self.last_forward_use[u] = self.forward_fetches
+                    self.forward_fetches += 1
+            self.fetch(units)
         finally:
             self.busy -= 1
-
-    def _fetch_for_forward(self, units: list[ShardedUnit]) -> None:
-        if self.stray_reads.active:
-            self.forward_fetched.update(units)
-        if not _in_backward():
-            self.gather_check.before_forward(units, recording=self.schedule.mode == RECORDING)
-        if torch.is_grad_enabled() and not _in_backward():
-            for u in units:
-                self.last_forward_use[u] = self.forward_fetches
-                self.forward_fetches += 1
-        self.fetch(units)
 
     def _post_forward(self, module, args, output):
-        if self.held:
+        if self.held or _in_backward():     # in backward: a recomputed forward, whose backward follows at once
             return output
+        units = self.module_units[module]
         self.busy += 1
         try:
-            return self._after_forward(self.module_units[module], output)
+            if torch.is_grad_enabled():
+                for t in tree_flatten(output)[0]:
+                    if isinstance(t, torch.Tensor) and t.requires_grad:
+                        t.register_hook(lambda grad, units=units: self._pre_backward(units, grad))
+            for u in units:
+                if not u.persistent and not self.schedule.reused_soon(u, self.live_numel):
+                    self.release(u)
         finally:
             self.busy -= 1
-
-    def _after_forward(self, units: list[ShardedUnit], output):
-        if _in_backward():
-            return output           # a recomputed forward: its backward follows at once, keep the units
-        if torch.is_grad_enabled():
-            for t in tree_flatten(output)[0]:
-                if isinstance(t, torch.Tensor) and t.requires_grad:
-                    t.register_hook(lambda grad, units=units: self._pre_backward(units, grad))
-        for u in units:
-            if not u.persistent and not self.schedule.reused_soon(u, self.live_numel):
-                self.release(u)
         return output
 
     def _pre_backward(self, units: list[ShardedUnit], grad):
@@ -307,13 +282,11 @@ class UnitLifecycle:
         """Fetch ``u`` where the other ranks fetch it, and release it at once unless it is in use (persistent, or
         some of its gradients are in). Its reduce-scatter goes out in the fixed order: with zeros at the end of
         backward if no gradient of it ever arrives."""
-        self.passed_over += 1
         self.fetch([u])
         in_use = u.persistent or (not u.frozen and self.pending[u.index] not in (len(u.params), DONE))
         if u.gathered and not in_use:
             self.release(u)
 
-    # -- micro-steps -------------------------------------------------------------------------------------
     def begin_forward(self) -> None:
         """A training forward starts: the fetch order is recorded (first one) or replayed from here."""
         self.schedule.begin_micro_step()
@@ -351,7 +324,6 @@ class UnitLifecycle:
             if u.gathered and not u.persistent:
                 self.release(u)
 
-    # -- gradients ---------------------------------------------------------------------------------------
     @torch.no_grad()
     def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
         u = self.unit_of[param]
@@ -377,13 +349,3 @@ class UnitLifecycle:
     def _accumulate(self, item) -> None:
         u, reduction = item
         self.partitions[u.group].accumulate(u.partition_offset, finish(reduction), self.first_micro_step)
-
-    @property
-    def reduction_count(self) -> int:
-        """Unit reduce-scatters launched so far."""
-        return self.in_flight.launched
-
-    @property
-    def regathered(self) -> int:
-        """Units gathered again because backward read a parameter autograd saved after its unit's release."""
-        return self.saved_params.regathered

@@ -46,11 +46,9 @@ def _default_init(module: torch.nn.Module) -> None:
 @torch.no_grad()
 def materialize(model: torch.nn.Module, units: list[ShardedUnit], module_units: dict, bind: Callable,
                 device: torch.device, dtype: torch.dtype, param_init_fn: Callable | None) -> int:
-    """Attach every unit's parameters, give it its shard via ``bind(unit)``, and release non-persistent
-    units; also place buffers and frozen parameters on ``device``.
-
-    Returns the most bytes of full (unsharded) unit buffers held at once, measured from their storages.
-    """
+    """Attach every unit's parameters, give it its shard via ``bind(unit)``, and release non-persistent units;
+    also place buffers and frozen parameters on ``device``. Returns the most bytes of full (unsharded) unit
+    buffers held at once, measured from their storages."""
     unit_params = {id(p) for u in units for p in u.params}
     held = lambda: sum(u.full.untyped_storage().nbytes() for u in units)  # noqa: E731
     peak = 0

@@ -1,9 +1,8 @@
 """`Stage3Optimizer`: ZeRO stage 3 -- parameters, gradients and optimizer states all partitioned.
 
-Same face as the stage 0-2 `ZeroOptimizer`, so the engine drives both alike. Each param group's partition
-on a rank is the concatenation of its shards of every unit in the group; the optimizer steps that
-partition in place, and the next forward gathers the updated shards. What happens to a unit between steps
-(gather, release, prefetch, its gradients' reduce-scatter) is `UnitLifecycle`'s alone.
+Same face as the stage 0-2 `ZeroOptimizer`. Each param group's partition on a rank is its shards of every unit in the
+group, back to back; the optimizer steps it in place and the next forward gathers the updated shards. What happens to
+a unit between steps (gather, release, prefetch, reduce-scatter) is `UnitLifecycle`'s alone.
 """
 from __future__ import annotations
 
@@ -28,7 +27,7 @@ from zero_offload.zero.stage3.materialize import materialize
 from zero_offload.zero.stage3.partition_store import ResidentStore
 from zero_offload.zero.stage3.schedule import FetchSchedule
 from zero_offload.zero.stage3 import registry
-from zero_offload.zero.stage3.units import ShardedUnit, units_by_module
+from zero_offload.zero.stage3.units import ShardedUnit, modules_owning, units_by_module
 from zero_offload.zero.zero_optimizer import communication_dtype
 
 __all__ = ["Stage3Optimizer"]
@@ -39,9 +38,8 @@ class Stage3Optimizer(ZeroOptimizerBase):
 
     Args:
         groups: `ParamGroup`s of trainable parameters (on the CPU or meta device, in the training dtype); none
-            for a frozen model run forward only (`zero_offload.inference.InferenceEngine`).
-            The model's frozen parameters (``requires_grad=False``) are sharded too, in frozen units
-            (`zero_offload.zero.stage3.frozen`): gathered for forward and backward, never optimized.
+            for a frozen model run forward only (`zero_offload.inference.InferenceEngine`). The model's frozen
+            parameters are sharded too, in frozen units (`zero_offload.zero.stage3.frozen`).
         param_init_fn: for a model built under `init_sharded`: called as ``param_init_fn(module)`` to
             initialise each module's materialised parameters (default: ``module.reset_parameters()``).
         build_step: builds the partition optimizer (`zero_offload.hoststep.builder.build_partition_optimizer`);
@@ -89,17 +87,15 @@ class Stage3Optimizer(ZeroOptimizerBase):
         """The rank's partition of each group: its shards of every unit, back to back (``parts``), and the
         frozen units' shards likewise (``frozen_part``). With offload_param nvme the partitions live in swap
         files (the store) and ``parts`` only carry their shapes and dtype (meta tensors)."""
-        self.parts = []
-        for units in self.group_units:
+        def place(units) -> int:
             numel = 0
             for u in units:
                 numel = u.place(numel)
-            self.parts.append(torch.empty(numel, dtype=dtype, device="meta") if self.param_nvme
-                              else self._param_storage(numel, dtype))
-        numel = 0
-        for u in self.frozen_units:
-            numel = u.place(numel)
-        self.frozen_part = self._param_storage(numel, dtype)
+            return numel
+        sizes = [place(units) for units in self.group_units]
+        self.parts = [torch.empty(n, dtype=dtype, device="meta") if self.param_nvme else self._param_storage(n, dtype)
+                      for n in sizes]
+        self.frozen_part = self._param_storage(place(self.frozen_units), dtype)
 
     def _attach(self, model, module_units, config: Config) -> None:
         """The unit life cycle (its module and gradient hooks) and the registry of managed parameters."""
@@ -129,14 +125,12 @@ class Stage3Optimizer(ZeroOptimizerBase):
         piece_dtype = scattered_dtype(self.ctx.world_size, communication_dtype(config), dtype)
         ratio = config.zero_optimization.offload_optimizer.ratio     # < 1: part of it stays on the device
         fp32_sum = accumulates_fp32(config, gradient_accumulation)
+        pieces = [max((u.shard_numel for u in units), default=0) for units in self.group_units]
         self.partitions = [split_partition(p.numel(), ratio, dtype, self.ctx.device, 3, fp32_sum, self.copies,
-                                           piece_numel=max((u.shard_numel for u in units), default=0),
-                                           piece_dtype=piece_dtype) if ratio < 1.0 else
+                                           piece_numel=n, piece_dtype=piece_dtype) if ratio < 1.0 else
                            GradPartition(p.numel(), dtype, self.ctx.device, 3, self.grads_on_host, fp32_sum,
-                                         self.copies,
-                                         piece_numel=max((u.shard_numel for u in units), default=0),
-                                         piece_dtype=piece_dtype)
-                           for p, units in zip(self.parts, self.group_units)]
+                                         self.copies, piece_numel=n, piece_dtype=piece_dtype)
+                           for p, n in zip(self.parts, pieces)]
         self.adam = build_step(config, self.parts, [g.hparams for g in groups], self.copies,
                                self.ctx.rank, offload=host_step, host_params=self.offload_param,
                                param_store=self.store if self.param_nvme else None,
@@ -146,17 +140,9 @@ class Stage3Optimizer(ZeroOptimizerBase):
     def _build_units(self, model, g: int, group, dtype, threshold: int) -> list[ShardedUnit]:
         """One unit per module that owns (first holds) some of the group's parameters, in module order."""
         index_of = {id(p): (i, n) for p, i, n in zip(group.params, group.indices, group.names)}
-        seen: set[int] = set()
-        units = []
-        for name, module in model.named_modules():
-            own = [p for p in module.parameters(recurse=False) if id(p) in index_of and id(p) not in seen]
-            if not own:
-                continue
-            seen.update(id(p) for p in own)
-            units.append(ShardedUnit(len(self.units) + len(units), g, name, own,
-                                     [index_of[id(p)][1] for p in own], [index_of[id(p)][0] for p in own],
-                                     self.ctx.world_size, self.ctx.device, dtype, threshold))
-        return units
+        return [ShardedUnit(len(self.units) + k, g, name, own, [index_of[id(p)][1] for p in own],
+                            [index_of[id(p)][0] for p in own], self.ctx.world_size, self.ctx.device, dtype, threshold)
+                for k, (name, own) in enumerate(modules_owning(model, lambda p: id(p) in index_of))]
 
     def _param_storage(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return (self.copies.host_empty(numel, dtype) if self.offload_param
@@ -193,10 +179,11 @@ class Stage3Optimizer(ZeroOptimizerBase):
 
     def reduction_count(self) -> int:
         """Unit reduce-scatters launched so far."""
-        return self.lifecycle.reduction_count
+        return self.lifecycle.in_flight.launched
 
     def regather_count(self) -> int:
-        return self.lifecycle.regathered
+        """Units gathered again because backward read a parameter autograd saved after its unit's release."""
+        return self.lifecycle.saved_params.regathered
 
     # -- parameters used outside their module's forward ---------------------------------------------------
     def manages(self, p: torch.Tensor) -> bool:
@@ -207,18 +194,9 @@ class Stage3Optimizer(ZeroOptimizerBase):
     def gathered(self, params, modifier_rank: int | None):
         """The units holding ``params`` gathered for the body; with ``modifier_rank`` rank's writes kept,
         without it discarded (see `zero_offload.gathered_parameters`)."""
-        units = []
-        for p in params:
-            u = self.lifecycle.unit_of.get(p)
-            if u is not None and u not in units:
-                units.append(u)
-        opened = [u for u in units if not u.gathered]
         life = self.lifecycle
-        for u in units:
-            if u in opened:
-                life.gather(u)
-            else:
-                u.wait()
+        units = list(dict.fromkeys(u for u in map(life.unit_of.get, params) if u is not None))
+        opened = [u for u in units if life.ensure_gathered(u)]
         try:
             yield
             if modifier_rank is not None:
@@ -239,11 +217,10 @@ class Stage3Optimizer(ZeroOptimizerBase):
 
     @contextlib.contextmanager
     def gathered_for_generation(self, free_bytes: int | None = None):
-        """Every unit gathered once for the body and kept, where the units not yet gathered fit in
-        ``free_bytes`` (default: the device's free memory, or the host's available memory on a CPU device);
-        else (on any rank) the body runs with units gathered module by module, as in any forward; a collective.
-        TRL's ``ds3_gather_for_generation`` (``GatheredParameters`` over the model, hooks removed) under DeepSpeed.
-        Yields True when everything was gathered."""
+        """Every unit gathered once for the body and kept (yields True), where the units not yet gathered fit in
+        ``free_bytes`` (default: the device's free memory, or the host's available memory on a CPU device) on
+        every rank; else the body runs with units gathered module by module, as in any forward. A collective;
+        TRL's ``ds3_gather_for_generation`` (``GatheredParameters`` over the model, hooks removed) under DeepSpeed."""
         life = self.lifecycle
         need = sum(u.nbytes for u in self.units if not u.gathered)
         fits = need <= (device_free_bytes(self.ctx.device) if free_bytes is None else free_bytes)
@@ -278,7 +255,6 @@ class Stage3Optimizer(ZeroOptimizerBase):
     def end_micro_step(self) -> None:
         self.lifecycle.end_backward()
 
-    # -- the step --------------------------------------------------------------------------------------
     def step(self, grad_scale: float) -> None:
         # Gathered copies go stale, and the host must not rewrite a host shard a copy up still reads.
         self.lifecycle.invalidate()
@@ -320,11 +296,7 @@ class Stage3Optimizer(ZeroOptimizerBase):
         host = {}
         keep = every_rank or self.ctx.rank == 0
         for u in self.frozen_units:
-            opened = not u.gathered
-            if opened:
-                self.lifecycle.gather(u)
-            else:
-                u.wait()
+            opened = self.lifecycle.ensure_gathered(u)
             if keep:
                 for i, s in enumerate(u.slots):
                     host[u.index, i] = u.full[s.offset:s.end].view(s.shape).to("cpu", copy=True)
@@ -348,7 +320,6 @@ class Stage3Optimizer(ZeroOptimizerBase):
                     flat[s.offset:s.end] = values[s.name].reshape(-1)
             u.shard.copy_(flat[lo_of(u):lo_of(u) + u.shard_numel])
 
-    # -- introspection ---------------------------------------------------------------------------------
     def layout(self) -> list[GroupLayout]:
         """Per group: each unit cut into ``world_size`` shards, rank r's shard stored from the unit's
         ``partition_offset`` in rank r's group partition."""
@@ -357,13 +328,12 @@ class Stage3Optimizer(ZeroOptimizerBase):
                 for units, part in zip(self.group_units, self.parts)]
 
     def memory_kinds(self) -> dict[str, MemoryKind]:
-        """The kinds of `memory_breakdown` at stage 3: ``params`` are this rank's shards, ``gathered`` the full
-        buffers gathered right now and ``peak_gathered`` the most at once, then `partition_kinds` (fp32 masters
-        that are the shards themselves left out), ``frozen_params`` this rank's shards of the frozen
-        (``requires_grad=False``) parameters and ``nvme_buffers`` (empty unless the states are on NVMe).
-        With ``offload_param.device = nvme``, ``params`` are the swap files' bytes (side ``nvme``) and
-        ``param_pool`` the host buffers they are read into, ``param_write_ring`` the staging buffers their
-        writes behind the step go out from (frozen shards stay in host memory)."""
+        """The kinds of `memory_breakdown` at stage 3: ``params`` are this rank's shards, ``gathered`` the full buffers
+        gathered right now and ``peak_gathered`` the most at once, then `partition_kinds` (fp32 masters that are the
+        shards themselves left out), ``frozen_params`` this rank's shards of the frozen parameters and
+        ``nvme_buffers`` (empty unless the states are on NVMe). With ``offload_param.device = nvme``, ``params`` are
+        the swap files' bytes (side ``nvme``), ``param_pool`` the host buffers they are read into and
+        ``param_write_ring`` those their writes behind the step go out from (frozen shards stay in host memory)."""
         param_side = "host" if self.offload_param else "device"
         if self.param_nvme:   # the partitions are swap files; the host holds the store's buffer pool
             params = {"params": {"bytes": self.store.bytes_on_disk, "numel": sum(p.numel() for p in self.parts),

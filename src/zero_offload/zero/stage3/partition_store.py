@@ -17,13 +17,10 @@ __all__ = ["PartitionStore", "ResidentStore"]
 
 @runtime_checkable
 class PartitionStore(Protocol):
-    """Access to units' shards (``unit.shard_numel`` elements of the training dtype each).
+    """Access to units' shards (``unit.shard_numel`` elements of the training dtype each)."""
 
-    Attributes:
-        resident: True when shards are always in memory (`acquire` is free and a gather may stay in flight
-            after it); False when `acquire` hands out a pool buffer that `release` takes back.
-    """
-
+    # True: shards are always in memory (`acquire` is free, a gather may stay in flight after it); False: `acquire`
+    # hands out a pool buffer that `release` takes back.
     resident: bool
 
     def acquire(self, unit) -> torch.Tensor:

@@ -1,18 +1,12 @@
-"""Stage-3 state of the user's parameters and modules, kept beside them, never on them.
+"""Stage-3 state of the user's parameters and modules, kept beside them, never on them (as FSDP2's registry).
 
-FSDP2 maps a module to its state through a registry instead of attributes; so does stage 3 here. Five weak
-maps, keyed by object identity (`torch.utils.weak.WeakIdKeyDictionary`: a tensor's ``==`` is elementwise, so
-a plain ``WeakKeyDictionary`` cannot hold tensors), each entry gone when its object is:
-
-- a parameter -> the stage-3 optimizer whose unit holds it (`owner_of`);
-- a module -> the parameters its forward uses from other modules (`register_external`, DeepSpeed's
-  ``register_external_parameter``);
-- a parameter built under `init_sharded` -> this rank's slice of its constructor values (`slice_of`);
-- a view of such a parameter made under `init_sharded` (``p.data``, ``p[i]``, ``p.view(...)``) -> the
-  parameter and how to take the same view of its full values (`alias_of`), so a write into the view
-  reaches the parameter's slice;
-- a module whose ``__init__`` runs under `init_sharded` -> how deep its constructors are nested
-  (`init_depth`).
+Weak maps keyed by object identity (`torch.utils.weak.WeakIdKeyDictionary`: a tensor's ``==`` is elementwise, so a
+plain ``WeakKeyDictionary`` cannot hold tensors), each entry gone with its object: a parameter -> the stage-3
+optimizer whose unit holds it (`owner_of`); a module -> the parameters its forward uses from other modules
+(`register_external`); a parameter built under `init_sharded` -> this rank's slice of its constructor values
+(`slice_of`); a view of one made under `init_sharded` -> the parameter and how to take the same view of its full
+values (`alias_of`), so a write into the view reaches the slice; a module whose ``__init__`` runs under
+`init_sharded` -> how deep its constructors are nested (`init_depth`).
 """
 from __future__ import annotations
 
@@ -71,8 +65,7 @@ def pop_slice(p: torch.Tensor) -> tuple:
 
 
 def set_alias(view: torch.Tensor, target: tuple) -> None:
-    """Record that the meta tensor ``view`` is ``target = (parameter, fn)``: ``fn(full values)`` (None: the
-    values themselves)."""
+    """Record that the meta tensor ``view`` is ``target = (parameter, fn)``: ``fn(full values)`` (None: them)."""
     _ALIASES[view] = target
 
 

@@ -1,11 +1,10 @@
 """Stage-3 parameters that autograd saved for backward are gathered again when backward reads them.
 
-A parameter can be used outside its module's forward (a tied embedding in a custom loss, a weight read by
-its parent's forward): the module hooks then do not know that backward needs it, the unit is released, and
-backward would read freed storage. While a training micro-step runs, a ``saved_tensors_hooks`` pair marks
-every saved tensor that is a view of a unit's full buffer; unpacking one gathers that unit again if it was
-released (into the same storage, so the saved view is valid). The unit is released with the others at the
-end of the micro-step. This is the detection DeepSpeed leaves to ``register_external_parameter``.
+A parameter used outside its module's forward (a tied embedding in a custom loss, a weight read by its parent's
+forward) escapes the module hooks: its unit is released and backward would read freed storage. While a training
+micro-step runs, a ``saved_tensors_hooks`` pair marks every saved tensor that is a view of a unit's full buffer;
+unpacking one gathers that unit again if it was released (into the same storage, so the saved view is valid), to be
+released with the others at the end of the micro-step. DeepSpeed leaves this to ``register_external_parameter``.
 """
 from __future__ import annotations
 
@@ -19,23 +18,15 @@ __all__ = ["SavedParameterGuard"]
 
 
 class SavedParameterGuard:
-    """Install with `start` before a training forward, remove with `stop` after its backward.
-
-    Args:
-        units: every unit of the model.
-        gather: gathers one released unit now.
-    """
+    """Install with `start` before a training forward, remove with `stop` after its backward; ``gather`` gathers
+    one released unit of ``units`` (every unit of the model) now."""
 
     def __init__(self, units: list[ShardedUnit], gather: Callable[[ShardedUnit], None]):
         self.gather = gather              # the life cycle's gather, outside the recorded order
         # A unit's storage object survives release/gather (only its size changes), so it identifies the unit.
         self.by_storage = {u.full.untyped_storage()._cdata: u for u in units}
         self._hooks = None
-        self.regathered = 0               # units gathered again by backward (for tests)
-
-    @property
-    def active(self) -> bool:
-        return self._hooks is not None
+        self.regathered = 0               # units gathered again by backward (running count)
 
     def _pack(self, t: torch.Tensor):
         unit = self.by_storage.get(t.untyped_storage()._cdata) if t.layout == torch.strided else None

@@ -1,11 +1,10 @@
 """The stage-3 fetch order: recorded on the first micro-step, replayed after, and what to prefetch from it.
 
-A policy with no side effects on the units (DeepSpeed's ``PartitionedParameterCoordinator`` trace, FSDP2's
-implicit forward order): `UnitLifecycle` tells it each fetch and asks it what to gather ahead and whether a
-unit comes back soon enough to stay gathered. The first training micro-step records the order in which units
-are fetched; later ones replay it. If the order changes (data-dependent control flow), replaying stops with
-one warning and every unit is fetched on demand: the results stay exact. Forwards without autograd
-(evaluation, each token of ``generate()``) keep a trace of their own, so that they prefetch too.
+A policy with no side effects on the units (DeepSpeed's ``PartitionedParameterCoordinator`` trace, FSDP2's implicit
+forward order): `UnitLifecycle` tells it each fetch and asks what to gather ahead and whether a unit comes back soon
+enough to stay gathered. If the order changes (data-dependent control flow), replaying stops with one warning and
+every unit is fetched on demand: the results stay exact. Forwards without autograd (evaluation, each token of
+``generate()``) keep a trace of their own, so that they prefetch too.
 """
 from __future__ import annotations
 
@@ -72,18 +71,12 @@ class FetchSchedule:
         self.next_use: list[int] = []             # per trace position: elements fetched until the unit recurs
         self.last_position: dict[int, int] = {}   # unit index -> its latest position in this micro-step's replay
 
-    @property
-    def mode(self) -> str:
-        """The training trace's mode: ``recording``, ``replaying`` or ``on-demand``."""
-        return self.train.mode
-
     def recording(self, training: bool) -> bool:
         """Whether the training (or evaluation) pass now running records its order."""
         return (self.train if training else self.eval).mode == RECORDING
 
     def record_again(self) -> None:
-        """The fetch order changed on purpose (a unit now fetched with the root module): both traces record anew
-        from their next pass."""
+        """The fetch order changed on purpose (a unit joined the root): both traces record anew from the next pass."""
         self.train.stale = self.eval.stale = True
 
     def begin_micro_step(self) -> None:

@@ -1,36 +1,14 @@
 """Building a model already sharded, with the values its constructor sets (DeepSpeed's ``zero.Init``).
 
-Inside `ShardedInit`, every ``nn.Module`` subclass's ``__init__`` is wrapped: when a module's own
-``__init__`` returns (its parameters now hold their constructor values), each of its parameters keeps only
-this rank's 1/N slice of its flattened values, and the parameter itself becomes a meta tensor of the same
-shape (the same Python object, so ties and references survive). So the whole model never exists on one
-rank, and the initial weights are bit-identical to a normal build with the same seed, because the same
-constructors draw the same random numbers. `zero_offload.initialize` (stage 3) then assembles each unit
-from these slices (`fill_view`).
-
-Writes into parameters already sharded (a parent's ``__init__`` that initialises its children after building
-them: ``self.apply(self._init_weights)``, Hugging Face's ``post_init()``, ``nn.init.normal_(self.head.weight)``)
-are kept. DeepSpeed 0.19.8 partitions each module as its ``__init__`` returns, as here, and wraps
-``Module.apply`` to gather each module's own parameters around the applied function, broadcast rank 0's
-values and partition again (``partition_parameters.py``, ``apply_with_gather``;
-``TestZero3InitForParentWeightInitialization``). Here the same gather, write, broadcast of rank 0's values,
-slice, is done per write instead of per ``apply`` call: a torch function mode (`WriteThrough`), active
-inside the context, sees every in-place operation (``normal_``, ``fill_``, ``copy_``, ``zero_``,
-``__setitem__``, ``torch.nn.init.*``, ``p.data = t``) whose tensor is a sharded parameter or a view of one
-(``p.data``, ``p[i]``, ``p.view(...)``, ``p.T``), runs it on the parameter's gathered full values and keeps
-the slice of the result. That also covers what ``apply`` wrapping misses: writes into a child's parameter
-from the parent module the function is applied to (GPT-2's ``c_proj`` scaling from its attention module),
-Hugging Face 5's ``smart_apply`` (not ``Module.apply``) and plain writes in ``__init__``. Random draws happen
-on the full tensor in the same order as in a normal build, so the weights stay bit-identical to it.
-
-Memory: one parameter's full values at a time (the gathered tensor, then its slice), besides one
-module's constructor tensors before they are sliced, so the build never holds the whole model. Partitioning
-only when the outermost ``__init__`` returns would keep parent writes too, but holds the whole model on every
-rank for the whole build, the memory sharded init exists to avoid. Each write to a sharded parameter is a
-collective (gather, then broadcast), so every rank must run the same constructors, as under DeepSpeed.
-Not seen: code that skips meta tensors itself (``torch.nn.init.trunc_normal_`` returns early on them) and
-reads of a sharded parameter's values (they stay meta); set such values under
-``gathered_parameters(params, modifier_rank=0)``.
+Inside `ShardedInit` every ``nn.Module`` subclass's ``__init__`` is wrapped: when a module's own ``__init__``
+returns, each of its parameters keeps only this rank's 1/N slice of its flattened values and becomes a meta tensor of
+the same shape (the same Python object, so ties survive); `zero_offload.initialize` (stage 3) assembles each unit
+from the slices (`fill_view`). Writes into parameters already sharded (a parent's ``self.apply(self._init_weights)``,
+Hugging Face's ``post_init()``) are kept by a torch function mode (`WriteThrough`): each runs on the gathered full
+values and rank 0's result is sliced again, where DeepSpeed 0.19.8's ``apply_with_gather`` does so per
+``Module.apply`` call (docs/library.md). The same constructors draw the same random numbers in the same order, so the
+weights are bit-identical to a normal build with the same seed. Each such write is a collective: every rank must run
+the same constructors, as under DeepSpeed.
 """
 from __future__ import annotations
 
@@ -97,17 +75,21 @@ def _slice(full: torch.Tensor, rank: int, world: int) -> tuple:
     return piece, rank, world
 
 
-def _keep_slice(p: torch.nn.Parameter, full: torch.Tensor, rank: int, world: int) -> None:
-    meta = torch.nn.Parameter(torch.empty(full.shape, dtype=full.dtype, device="meta"),
-                              requires_grad=p.requires_grad)
-    torch.utils.swap_tensors(p, meta)
-    registry.set_slice(p, _slice(full, rank, world))
+def _to_meta(p: torch.nn.Parameter, like: torch.Tensor, state: tuple) -> None:
+    """Swap ``p`` for a meta parameter of ``like``'s shape and dtype whose values are the slice ``state``."""
+    torch.utils.swap_tensors(p, torch.nn.Parameter(torch.empty(like.shape, dtype=like.dtype, device="meta"),
+                                                   requires_grad=p.requires_grad))
+    registry.set_slice(p, state)
 
 
-def _shard_own(module: torch.nn.Module, rank: int, world: int) -> None:
+def _shard_own(module: torch.nn.Module, rank: int, world: int, from_rank0: bool = False) -> None:
     for p in module._parameters.values():
         if p is not None and not p.is_meta and not has_slice(p):
-            _keep_slice(p, p.data, rank, world)
+            full = p.data
+            if from_rank0 and world > 1:
+                full = full.detach().contiguous().cpu()
+                broadcast(full, 0)
+            _to_meta(p, full, _slice(full, rank, world))
 
 
 @torch.no_grad()
@@ -117,13 +99,7 @@ def shard_in_place(model: torch.nn.Module) -> None:
     and each rank keeps its 1/N slice; the parameter becomes meta, so its full memory is freed at once."""
     rank, world = rank_world()
     for module in model.modules():
-        for p in module._parameters.values():
-            if p is not None and not p.is_meta and not has_slice(p):
-                full = p.data
-                if world > 1:
-                    full = full.detach().contiguous().cpu()
-                    broadcast(full, 0)
-                _keep_slice(p, full, rank, world)
+        _shard_own(module, rank, world, from_rank0=True)
 
 
 def _gather(state, shape, numel) -> torch.Tensor:
@@ -150,8 +126,7 @@ def fill_view(state: tuple, view: torch.Tensor) -> None:
 
 @torch.no_grad()
 def open_full(p: torch.nn.Parameter) -> tuple:
-    """Give a parameter built under `ShardedInit` its full values (a collective); returns the state for
-    `close_full`."""
+    """Give a parameter built under `ShardedInit` its full values (a collective); returns `close_full`'s state."""
     state = registry.pop_slice(p)
     full = _gather(state, p.shape, p.numel()).clone()
     torch.utils.swap_tensors(p, torch.nn.Parameter(full, requires_grad=p.requires_grad))
@@ -163,15 +138,13 @@ def close_full(p: torch.nn.Parameter, state: tuple, src_rank: int | None) -> Non
     """Back to a slice: rank ``src_rank``'s values broadcast and kept, or (None) the old slice kept."""
     piece, rank, world = state
     if src_rank is None:
-        meta = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
-                                  requires_grad=p.requires_grad)
-        torch.utils.swap_tensors(p, meta)
-        registry.set_slice(p, state)
+        _to_meta(p, p, state)
         return
     full = p.data.detach().contiguous().cpu()
     if world > 1:
         broadcast(full, src_rank)
-    _keep_slice(p, full, rank, world)
+    _to_meta(p, full, _slice(full, rank, world))
+
 
 _DATA = torch.Tensor.data        # the getset descriptor behind ``p.data`` and ``p.data = t``
 _VIEWS = frozenset({"__getitem__", "view", "view_as", "reshape", "reshape_as", "flatten", "unflatten", "narrow",
@@ -242,8 +215,7 @@ class WriteThrough(TorchFunctionMode):
 
     def _write(self, func, args, kwargs):
         target = args[0] if args else kwargs.get("tensor")
-        hits = [_target(a) for a in (*args, *kwargs.values())]
-        if not any(hits):
+        if not any(_target(a) for a in (*args, *kwargs.values())):
             return func(*args, **kwargs)
         self.busy = True
         try:

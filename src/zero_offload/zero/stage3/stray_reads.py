@@ -1,22 +1,11 @@
 """Stage-3 parameters read in forward outside their own module's forward are found and gathered for that read.
 
-A released parameter has no storage (shape kept, ``numel`` 0 in its data). Code that reads a parameter without
-calling its module (a fused LM-head loss that takes ``lm_head.weight`` straight into a kernel, as TRL's
-``add_fused_lm_head`` does; a parent that reads a child's weight) would see an empty tensor and compute garbage
-without an error. DeepSpeed leaves this to the caller (``GatheredParameters``, ``register_external_parameter``;
-TRL gathers its head itself under DeepSpeed, ``maybe_gather_lm_head_ctx``).
-
-Here, while a fetch order is being recorded (the first training forward, the first forward without autograd,
-and the forward after a stray read was found) a `TorchFunctionMode` watches every torch function of the root
-module's forward. A parameter of this engine among its arguments whose unit no module of this forward has
-fetched is a stray read, whether the unit happens to be gathered now (a persistent unit, still gathered from
-an earlier forward) or not: it is fetched before the function runs and registered as an external parameter
-of the root module, so every later forward gathers it at its start and keeps it until its end (and backward
-fetches it with the root's units); the recorded order is redone from the next forward. Any torch function
-counts, attribute reads such as ``weight.device`` too: a custom autograd function records its inputs' shapes
-before its ``forward`` runs, so the read that precedes it must already gather. Replayed forwards run without the
-mode: it costs nothing once the order is known. A compiled model runs without it (a mode is traced by
-dynamo): there, register such parameters with ``zero_offload.register_external_parameter``.
+A released parameter has no storage: code that reads one without calling its module (TRL's fused LM-head loss; a
+parent reading a child's weight) would compute garbage without an error; DeepSpeed leaves this to the caller
+(``GatheredParameters``, ``register_external_parameter``). While a fetch order is recorded, a `TorchFunctionMode`
+watches every torch function of the root module's forward, attribute reads such as ``weight.device`` too (a custom
+autograd function records its inputs' shapes before its ``forward`` runs): a parameter whose unit no module of this
+forward fetched is gathered before the function runs and, from then on, with the root module (docs/hf.md).
 """
 from __future__ import annotations
 

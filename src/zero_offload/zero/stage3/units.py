@@ -1,12 +1,10 @@
-"""Sharded units: the trainable parameters of one module (in one param group), sharded 1/N across ranks.
+"""Sharded units: one module's parameters of one param group, sharded 1/N across ranks.
 
-ZeRO stage 3 (ZeRO paper, Sec. 5.3, P_os+g+p): every rank keeps only its 1/N shard of each unit's flat,
-padded 16-bit parameters. A unit is all-gathered into a full buffer just before its module runs and
-released after; the parameters are views into that full buffer, whose storage is freed on release and
-re-allocated on gather, so tensors autograd saved in forward see the gathered values again in backward
-(the same trick as FSDP's flat parameters). While released, each parameter's ``.data`` is an empty
-tensor of shape (0,), as in DeepSpeed: reading one outside its module then fails with a shape error
-instead of touching freed memory (use `gathered_parameters`).
+ZeRO stage 3 (ZeRO paper, Sec. 5.3, P_os+g+p): every rank keeps only its 1/N shard of each unit's flat, padded 16-bit
+parameters. A unit is all-gathered into a full buffer just before its module runs and released after; the parameters
+are views into it, whose storage is freed on release and re-allocated on gather, so tensors autograd saved see the
+gathered values again in backward (FSDP's flat parameters). While released, each parameter's ``.data`` is empty,
+shape (0,), as in DeepSpeed: a read outside its module fails with a shape error, not on freed memory.
 """
 from __future__ import annotations
 
@@ -20,15 +18,14 @@ from zero_offload.flat import pack, partition_numel
 from zero_offload.offload.copies import CopyHandle, Copies
 from zero_offload.zero.stage3 import registry
 
-__all__ = ["ShardedUnit", "GatherHandle", "units_by_module"]
+__all__ = ["ShardedUnit", "GatherHandle", "units_by_module", "modules_owning"]
 
 
 @dataclass
 class GatherHandle:
-    """An all-gather in flight: wait() before the unit's parameters are read.
-
-    On CUDA the gather ran on the all-gather stream and ``event`` marks its end: waiting makes only the
-    current (compute) stream wait for it. Elsewhere ``work`` is the collective's async handle."""
+    """An all-gather in flight: wait() before the unit's parameters are read. On CUDA the gather ran on the
+    all-gather stream and ``event`` marks its end: waiting makes only the current (compute) stream wait for it.
+    Elsewhere ``work`` is the collective's async handle."""
     work: object
     staging: torch.Tensor | None   # the device copy of a host shard, kept alive until the gather is done
     event: object = None
@@ -66,10 +63,9 @@ class ShardedUnit:
         self.full = torch.empty(self.padded_numel, dtype=dtype, device=device)
         self.nbytes = self.padded_numel * self.full.element_size()
         self.persistent = self.numel <= persistence_threshold
-        self.gathered = True          # the full buffer holds valid values
         self._empty = torch.empty(0, dtype=dtype, device=device)
         self.full.untyped_storage().resize_(0)   # held only from `open` (materialising) or `gather` on
-        self.gathered = False
+        self.gathered = False         # the full buffer holds valid values
         self.handle: GatherHandle | None = None
         self.shard: torch.Tensor | None = None
         self.partition_offset = 0
@@ -98,8 +94,7 @@ class ShardedUnit:
             p.data = view
 
     def place(self, partition_offset: int) -> int:
-        """Put this unit's shard at ``partition_offset`` of its group's partition; returns where the next
-        unit's shard starts."""
+        """Put this unit's shard at ``partition_offset`` of its group's partition; returns where the next starts."""
         self.partition_offset = partition_offset
         return partition_offset + self.shard_numel
 
@@ -108,7 +103,6 @@ class ShardedUnit:
         self.shard, self.partition_offset = shard, partition_offset
         shard.copy_(self.full[rank * self.shard_numel:(rank + 1) * self.shard_numel])
 
-    # -- gather / release ------------------------------------------------------------------------------
     def _point_params(self, at_full: bool) -> None:
         for p, s in zip(self.params, self.slots):
             p.data = self.full[s.offset:s.end].view(s.shape) if at_full else self._empty
@@ -116,14 +110,10 @@ class ShardedUnit:
     def gather(self, ctx: DistContext, copies: Copies, async_op: bool, stream=None,
                source: torch.Tensor | None = None, shards_written=None) -> GatherHandle | None:
         """Refill ``full`` from every rank's shard (a host shard is copied up first, on the copy stream).
-
-        ``source`` stands in for `shard` (a swapped shard read into a store buffer); the caller waits with
-        `shard_readable` before giving that buffer back.
-
-        With ``stream`` (CUDA's all-gather stream) see `_gather_on_stream`; the compute stream waits for the
-        gather only in `wait`. ``shards_written``: the event recorded on the compute stream after the shards
-        were last written there (the optimizer step, a load).
-        """
+        ``source`` stands in for `shard` (a swapped shard read into a store buffer; the caller waits with
+        `shard_readable` before giving it back). With ``stream`` (CUDA's all-gather stream) see
+        `_gather_on_stream`: the compute stream waits for the gather only in `wait`. ``shards_written``: the event
+        recorded on the compute stream after the shards were last written there (the optimizer step, a load)."""
         src = self.shard if source is None else source
         self.gathered = True
         if stream is not None:
@@ -190,10 +180,8 @@ class ShardedUnit:
         self._point_params(False)
         self.gathered = False
 
-    # -- gradients -------------------------------------------------------------------------------------
     def flat_grad(self) -> torch.Tensor:
-        """The unit's gradients packed into one padded flat buffer (zeros where a parameter got none);
-        the parameters' ``.grad`` are freed."""
+        """The unit's gradients packed in a padded flat buffer (zeros where a parameter got none); frees ``.grad``."""
         flat = torch.empty(self.padded_numel, dtype=self.full.dtype, device=self.full.device)
         if self.padded_numel > self.numel:
             flat[self.numel:].zero_()
@@ -204,6 +192,19 @@ class ShardedUnit:
                 flat[s.offset:s.end].copy_(p.grad.reshape(-1))
                 p.grad = None
         return flat
+
+
+def modules_owning(model: torch.nn.Module, wanted) -> list[tuple[str, list[torch.nn.Parameter]]]:
+    """(name, own parameters that ``wanted(p)`` selects) of every module that first holds some, in module order: a
+    module owns a unit's worth of them, a tied parameter belonging to the first module that holds it."""
+    seen: set[int] = set()
+    out = []
+    for name, module in model.named_modules():
+        own = [p for p in module.parameters(recurse=False) if wanted(p) and id(p) not in seen]
+        if own:
+            seen.update(id(p) for p in own)
+            out.append((name, own))
+    return out
 
 
 def units_by_module(model: torch.nn.Module, units: list[ShardedUnit]) -> dict[torch.nn.Module, list[ShardedUnit]]:

@@ -194,6 +194,7 @@ class UnitLifecycle:
         """Hook the root module: its forward restarts the evaluation trace, and is watched for stray reads
         while an order is recorded."""
         self.root = model
+        # Never traced by torch.compile: dynamo breaks the graph here and runs the hooks eagerly (`compiling`).
         self.hooks.append(model.register_forward_pre_hook(torch.compiler.disable(self.root_pre_forward)))
         self.hooks.append(model.register_forward_hook(torch.compiler.disable(self.root_post_forward),
                                                       always_call=True))

@@ -31,15 +31,13 @@ __all__ = ["PartitionedAdam"]
 
 
 class PartitionedAdam(AdamState):
-    """The optimizer over one partition per param group.
+    """Adam/AdamW over one partition per param group, stepped on the host -- `CPUAdam`'s fused kernel -- wherever
+    the states live in host memory (``offload_optimizer.device = cpu``, or a CPU compute device), else by torch's
+    fused device AdamW.
 
-    The step runs on the host -- `CPUAdam`'s fused kernel -- whenever the states live in host memory: with
-    ``offload_optimizer.device = cpu``, and on a machine whose compute device is the CPU. Only with the
-    states on an accelerator does torch's fused device AdamW do it.
-
-    Ordering is enforced here, not by callers: the step reads each gradient only after its partition's
-    copies have landed (`GradSource.ready`), and the kernel writes a host staging buffer only after the
-    copies up that read it at the previous step have finished.
+    Ordering is enforced here, not by callers: the step reads each gradient only after its partition's copies have
+    landed (`GradSource.ready`), and the kernel writes a host buffer only after the copies up that read it last
+    have finished.
 
     Args:
         parts: per group, this rank's 16-bit (or fp32) parameter partition, 1-D: a slice of the flat buffer
@@ -48,18 +46,13 @@ class PartitionedAdam(AdamState):
         offload: keep states on the host, separate from the compute device's buffers.
         copies: the copy engine; its ``host_empty`` page-locks host buffers (``offload_optimizer.pin_memory``).
         host_params: the parts are host memory themselves (stage 3 ``offload_param``).
-        policy: when the step runs (`StepPolicy`). ``DELAYED``: the kernel never writes the parts; each finished
-            chunk goes up into ``incoming`` as the step runs, and `publish` copies those over the parts later
-            (masters and 16-bit outputs are always separate buffers). ``SPECULATIVE``: the boundary's pieces are
-            stepped while backward runs (`zero_offload.hoststep.speculation.PieceSpeculation`, into a second
-            bank or in place with an undo copy: `zero_offload.hoststep.banks`), and `step` keeps or redoes them
-            exactly.
+        policy: when the step runs (`StepPolicy`): ``DELAYED`` writes the parts only at `publish` (the chunks go up
+            into ``incoming``); ``SPECULATIVE`` steps the boundary's pieces during backward (`PieceSpeculation`).
         state_dtype: dtype of the host Adam moments, fp32 or bf16 (``bf16.bf16_optimizer_states``).
         host_cpus: for a step beside training, the cores `host_thread` is pinned to, one kernel thread each
-            (``cpuadam_cores_perc``, `zero_offload.offload.host_cores`); None: torch's thread count.
+            (``cpuadam_cores_perc``); None: torch's thread count.
         chunk: elements per host-step chunk and per copy up (``offload_optimizer.copy_chunk``).
-        speculated: ``SPECULATIVE``: the share of each partition speculated (``super_offload_fraction``; below 1
-            in place with an undo copy, `zero_offload.hoststep.banks`).
+        speculated: ``SPECULATIVE``: the share of each partition speculated (``super_offload_fraction``, `banks`).
         master_dtype: fp32, or bf16 (DeepSpeed's ``bf16_master_weights_and_grads``, bf16 parts, states on the host):
             each master is then the bf16 parameter itself -- the part when it is host memory, else a pinned copy
             that the copies up read -- updated in fp32 and rounded back as ``rounding`` says.
@@ -68,25 +61,18 @@ class PartitionedAdam(AdamState):
         grads_on_device: offloaded, synchronous: the gradients stay on the device and the host step pulls them
             down chunk by chunk (``offload_optimizer.gradients_on_device``, `zero_offload.hoststep.grad_stream`).
 
-    Attributes:
-        optimizer: the inner ``torch.optim.Optimizer`` whose param groups carry the live learning rates
-            (the LR schedule writes into them).
+    Attributes (besides `PartitionOptimizer`'s):
         masters: per group, the master partition (fp32, or bf16: ``master_dtype``), shape (partition numel,).
-        outs: per group, the 16-bit tensor the host kernel writes updated parameters into (the partition
-            itself on a CPU device or for host shards; with the delayed update under accumulation, a pinned
-            16-bit buffer its chunks go up from), or None: offloaded 16-bit parameters headed for the device
-            are written over a 16-bit gradient and copied up from there, or (fp32 gradient) rounded from the
-            masters chunk by chunk into a small pinned `StagingRing`.
-        incoming: per group, with the delayed update and device parts, a device tensor like the part (P x d
-            bytes) that the step's chunks land in until `publish`; else None.
-        host_thread: with the delayed update or super_offload, the one persistent thread a host step beside
-            training runs on -- the delayed step (scheduled by `zero_offload.hoststep.delayed`) or the
-            speculated pieces -- pinned to ``host_cpus``; closed by `close`. None otherwise (the step runs on the
-            caller's thread).
+        outs: per group, the 16-bit tensor the host kernel writes updated parameters into (the partition itself on
+            a CPU device or for host shards; the delayed update's pinned buffer under accumulation), or None
+            (`_out_over_grad`; else rounded from the masters through a small pinned `StagingRing`).
+        incoming: per group, with the delayed update or super_offload and device parts, a device tensor like the
+            part (P x d bytes) that the step's chunks land in until `publish`; else None.
 
     Raises:
         ValueError: ``bias_correction = false`` with the states on an accelerator (torch's Adam has no
-            such switch), or bf16 masters there or over parts that are not bf16.
+            such switch), bf16 masters there or over parts that are not bf16, or ``grads_on_device`` with the
+            states on the device or another policy than the synchronous one.
     """
 
     def __init__(self, parts: list[torch.Tensor], hparams: list[dict], offload: bool, copies: Copies,
@@ -101,7 +87,6 @@ class PartitionedAdam(AdamState):
         self.chunk = chunk
         self.host_step_s = 0.0                    # the last host step's own duration, on the thread that ran it
         self.host_params, self.policy = host_params, policy
-        deferred = policy is StepPolicy.DELAYED
         speculative = policy is StepPolicy.SPECULATIVE
         self.on_host = offload or parts[0].device.type == "cpu"
         self.masters: list[torch.Tensor] = []
@@ -121,26 +106,22 @@ class PartitionedAdam(AdamState):
         for part in parts:
             sixteen_bit = part.dtype != torch.float32
             if master_dtype != torch.float32:
-                master, out = self._bf16_master(part, deferred or speculative), None
-            elif offload and (deferred or speculative or not (host_params and not sixteen_bit)):
+                master, out = self._bf16_master(part, policy.beside_training), None
+            elif offload and (policy.beside_training or not (host_params and not sixteen_bit)):
                 # fp32 masters are only read by the kernel (and copied up in fp32 runs): pinned only then.
                 master = (copies.host_empty(part.numel(), torch.float32) if not sixteen_bit
                           else torch.empty(part.numel(), dtype=torch.float32)).copy_(part)
-                # 16-bit parameter partitions offloaded too (stage 3): the kernel writes straight into
-                # them (unless deferred); device partitions are copied up from where the kernel writes them
-                # (`_out_over_grad`, `_deferred_out`).
-                out = part if (sixteen_bit and host_params and not deferred) else None
+                # 16-bit host shards (stage 3) are written by the kernel in place, unless deferred.
+                out = part if (sixteen_bit and host_params and not self.deferred) else None
             elif not sixteen_bit:
                 master, out = part, None     # fp32 where the step runs: the parameters are their own master
             else:
                 master, out = part.float(), (part if self.on_host else None)
             self.masters.append(master)
             self.outs.append(out)
-        # The delayed update's device-side landing buffers: its background step copies each finished chunk up into
-        # them while the next forward and backward run on the parameters; `publish` copies them over the
-        # parameters on the device, so the boundary neither queues a partition-sized copy up nor waits for one.
-        # super_offload lands its speculated pieces there the same way, while backward runs.
-        self.incoming = [torch.empty_like(p) if (deferred or speculative) and offload and not host_params else None
+        # Landing buffers: the delayed step's chunks (or super_offload's pieces) go up into them while training
+        # runs; `publish` copies them over the parameters on the device: the boundary queues no partition-sized copy.
+        self.incoming = [torch.empty_like(p) if policy.beside_training and offload and not host_params else None
                          for p in parts]
         self.incoming_free: CopyHandle | None = None   # where the compute stream last read them (`publish`)
         self.params_free: CopyHandle | None = None     # the compute that read the parts, at a synchronous step
@@ -161,14 +142,13 @@ class PartitionedAdam(AdamState):
         # One host-step thread for whichever policy runs the step beside training (its tasks start it).
         self.host_thread = (HostThread("host-step", copies.device, host_cpus)
                             if policy.beside_training and self.on_host else None)
-        # The speculative step (super_offload): only with the fused host kernel over offloaded states.
+        # The speculative step: only with the fused host kernel.
         bank = (SwapBank(self.optimizer, copies) if speculated >= 1.0 else UndoBank(self.optimizer, speculated))
         self.speculation = (PieceSpeculation(self.optimizer, bank, self.host_threads, self.host_thread,
                                             self.chunk) if speculative and self.on_host else None)
         if self.speculation is not None and self.incoming[0] is not None:
-            # Each speculated piece's 16-bit parameters are written to a pinned buffer and go up into the landing
-            # buffers at once (masters of the parameters' dtype, fp32 or bf16: from the bank's masters); a step that
-            # stands only copies the landing buffers over the parameters on the device.
+            # Each speculated piece's 16-bit parameters go up into the landing buffers at once, from a pinned buffer
+            # (or, masters of the parameters' dtype, from the bank's masters).
             self.speculation.outs = [copies.host_empty(speculated_numel(p.numel(), speculated), p.dtype)
                                      if p.dtype != m.dtype else None for p, m in zip(parts, self.masters)]
             self.speculation.on_piece = self._land_speculated
@@ -182,6 +162,7 @@ class PartitionedAdam(AdamState):
 
     def adam_steps(self, g: int) -> bool:   # noqa: D102 -- False for `PartitionedMuon`'s Muon groups
         return True
+
     @property
     def deferred(self) -> bool:
         """The delayed update's layout: the kernel never writes the parts; `publish` does (from the policy)."""
@@ -190,11 +171,8 @@ class PartitionedAdam(AdamState):
     @torch.no_grad()
     def step(self, grads: Sequence[GradSource], grad_scale: float, lrs: Sequence[float] | None = None,
              publish: bool = True) -> None:
-        """One step of every group's partition with the gradients ``grads`` (the `PartitionOptimizer` role:
-        ready sources of the partitions' shapes, training dtype or fp32) times ``grad_scale``; the updated
-        16-bit partition ends up in the flat buffer (or, deferred with ``publish=False``, in ``outs``/``masters``
-        until `publish`). ``lrs`` overrides the groups' learning rates (host step only). Safe to run in a
-        background thread when deferred.
+        """The `PartitionOptimizer` step (``lrs``: host step only). Deferred, it may run on a background thread,
+        and with ``publish=False`` the updated parameters wait in ``outs``/``masters``/``incoming`` until `publish`.
 
         Raises:
             RuntimeError: a gradient source with copies still in flight (`GradSource.ready`).
@@ -233,20 +211,17 @@ class PartitionedAdam(AdamState):
 
     @torch.no_grad()
     def write_parts(self, groups: Iterable[int] | None = None) -> None:
-        """Write group(s) ``groups`` (default: all) of the parameter partitions from the fp32 masters, rounded
-        to the partitions' dtype, where the two are separate tensors (fp32 partitions stepped where they are
-        are their own masters), and drop the masters' ``.grad``."""
+        """Write group(s) ``groups`` (default: all) of the parts from the masters, rounded to the parts' dtype, where
+        the two are separate tensors, and drop the masters' ``.grad``."""
         for g in range(len(self.parts)) if groups is None else groups:
             self.masters[g].grad = None
             if self.masters[g].data_ptr() != self.parts[g].data_ptr():
                 self.parts[g].copy_(self.masters[g])
 
     def begin_speculation(self, grad_scale: float) -> list[FinalRanges]:
-        """The boundary micro-step starts (``super_offload``): its gradient pieces are stepped with ``grad_scale``
-        as they land. Returns one `FinalRanges` per group, for its gradient partition to report them to."""
+        """`PartitionOptimizer.begin_speculation`: piece by piece (`PieceSpeculation`)."""
         self.speculation.begin(grad_scale)
-        # The second bank was the live state a step ago, and the pinned outputs were read: copies up may still
-        # read them.
+        # Copies up may still read the bank (the live state a step ago) and the pinned outputs.
         spec = self.speculation
         reads = [*spec.bank.tensors(), *(spec.result(g) for g in range(len(self.parts))),
                  *(o for o in spec.outs if o is not None)]
@@ -261,11 +236,9 @@ class PartitionedAdam(AdamState):
             self.up.join()
 
     def _land_speculated(self, g: int, lo: int, hi: int, source: torch.Tensor | None) -> None:
-        """A stepped piece [lo, hi) of group ``g`` goes up into its landing buffer (`incoming`) from ``source`` (its
-        pinned 16-bit output, or an fp32 master), or where None (stepped in place at the boundary with the 16-bit
-        staging only the speculated share's size) rounded from the master through the ring, once the compute
-        stream has read the buffer's previous contents (`incoming_free`). The source is bound by the thread that
-        stepped the piece: the issuing thread may run the copy after the boundary swapped the banks."""
+        """A stepped piece [lo, hi) of group ``g`` goes up into its landing buffer from ``source`` (its pinned 16-bit
+        output or a master; None: rounded from the master through the ring) once the compute stream read the buffer
+        (`incoming_free`); ``source`` is bound by the stepping thread, as the copy may run after the banks swap."""
         def copy(g: int, lo: int, hi: int) -> None:
             if source is None:
                 handle, reads = self._ring().copy_up(self.incoming[g][lo:hi], self.masters[g][lo:hi],
@@ -293,12 +266,11 @@ class PartitionedAdam(AdamState):
             handle = self.copies.to_device(part[lo:hi], self.masters[g][lo:hi], after)
             reads = storage_of(self.masters[g])
         self.up.track(handle, reads)
-        self.up.add_pending(handle)
+        self.up.pending.append(handle)
 
     def _copy_incoming(self, g: int, lo: int, hi: int) -> None:
-        """The delayed step's chunk [lo, hi) of group ``g`` goes up into its landing buffer (`incoming`), from
-        where the kernel wrote it in 16 bits (over the gradient, or the pinned output) or from the fp32 masters,
-        once the compute stream has read the buffer's previous contents (`incoming_free`)."""
+        """The delayed step's chunk [lo, hi) of group ``g`` goes up into its landing buffer from where the kernel
+        wrote it (or the masters), once the compute stream has read the buffer's previous contents."""
         source = self.published_from[g] if self.published_from[g] is not None else self.masters[g]
         handle = self.copies.to_device(self.incoming[g][lo:hi], source[lo:hi], after=self.incoming_free)
         self.publish_copies[g] = handle
@@ -312,9 +284,8 @@ class PartitionedAdam(AdamState):
 
     def _out_over_grad(self, g: int, grad: torch.Tensor) -> torch.Tensor | None:
         """Where the host step writes group ``g``'s 16-bit parameters headed for the device: over the gradient it
-        reads, when the gradient has the parameters' dtype (one micro-step per step, or stage 1), and each chunk
-        is copied up from there (DeepSpeed's step-plus-copy, without a pass that re-reads the fp32 master to
-        round it). Otherwise None: the chunks go up through the ring."""
+        reads where that has their dtype (one micro-step per step, or stage 1), each chunk copied up from there
+        (DeepSpeed's step-plus-copy, with no pass re-reading the master). Else None: up through the ring."""
         part = self.parts[g]
         if self.master_is_param(g):          # bf16 masters: the copies read the master, the kernel writes no out
             self.published_from[g] = self.masters[g]
@@ -325,9 +296,7 @@ class PartitionedAdam(AdamState):
     def _host_step(self, grads: list[torch.Tensor], grad_scale: float, lrs) -> None:
         start = time.perf_counter()
         # Each finished chunk starts its copy up at once, overlapping the rest of the host step (ZeRO-Offload
-        # paper, Sec. 4.2's pipelining of the parameter swap-in with the CPU step): into the parameters, or under
-        # the delayed update into their landing buffers. Parameters on the host (stage 3 offload_param) are
-        # written in place: no copy.
+        # paper, Sec. 4.2): into the parameters, or their landing buffers (delayed); host shards need no copy.
         on_chunk, outs = None, self.outs
         self.publish_copies = [None] * len(self.parts)
         if self.offload and not self.host_params and self.deferred:
@@ -357,19 +326,16 @@ class PartitionedAdam(AdamState):
         self.host_step_s = time.perf_counter() - start
 
     def _chunk_order(self) -> list[tuple[int, int, int]]:
-        """The chunks ``(group, lo, hi)`` in the order the host step walks them: group by group; the delayed
-        update's from the end, the order the next backward refills the gradient buffer it shares with the step
-        (`zero_offload.offload.buffer_lease`)."""
+        """The chunks ``(group, lo, hi)`` in the host step's order: group by group; the delayed update's from the
+        end, as the next backward refills the gradient buffer they share (`zero_offload.offload.buffer_lease`)."""
         chunks = [(g, lo, min(p.numel(), lo + self.chunk))
                   for g, p in enumerate(self.parts) for lo in range(0, p.numel(), self.chunk)]
         return chunks[::-1] if self.deferred else chunks
 
     def _deferred_out(self, g: int, grad: torch.Tensor) -> torch.Tensor | None:
-        """Where the deferred host step writes group ``g``'s 16-bit parameters: over the gradient it reads, when
-        the gradient has the parameters' dtype (one micro-step per step, or stage 1). The kernel reads each
-        gradient element before it writes that element's parameter, so no separate publish buffer exists (2 bytes
-        per parameter of pinned memory less). Under accumulation (fp32 gradient) a pinned 16-bit
-        buffer, made on first use. fp32 parameters are published from the masters: None."""
+        """Where the deferred host step writes group ``g``'s 16-bit parameters: over the gradient, as `_out_over_grad`
+        (the kernel reads each element before it writes it); under accumulation (fp32 gradient) a pinned 16-bit
+        buffer, made on first use; fp32 parameters: None (the masters)."""
         part = self.parts[g]
         out = self._out_over_grad(g, grad)
         if out is None and part.dtype != torch.float32 and not self.master_is_param(g):
@@ -379,21 +345,16 @@ class PartitionedAdam(AdamState):
         return out
 
     def publish_reader(self, g: int) -> tuple[CopyHandle, torch.Tensor] | None:
-        """The copy up that `publish` queued from group ``g``'s gradient buffer, and that buffer: its owner
-        orders the next copies down into it after the copy (`GradPartition.read_by`). None when publish read
-        no gradient buffer."""
+        """The copy up that `publish` queued from group ``g``'s gradient buffer, and that buffer (None: none), after
+        which its owner orders the next copies down into it (`GradPartition.read_by`)."""
         handle, source = self.publish_copies[g], self.published_from[g]
         return None if handle is None or source is self.outs[g] or source is self.masters[g] else (handle, source)
 
     @torch.no_grad()
     def publish(self) -> None:
-        """Deferred mode: the parameters of the last (finished) step become the parts.
-
-        Device parts: the step's chunks went up into the landing buffers (`incoming`) while it ran; here the
-        compute stream waits for the last of those copies and copies the buffers over the parts on the device.
-        Queuing the copies up here instead would hold the training thread as long as the copies take: the driver
-        accepts only a few chunks ahead. Host shards (stage 3 ``offload_param``) are rounded from the masters in
-        place."""
+        """Deferred mode: the parameters of the last (finished) step become the parts: device parts from the
+        landing buffers their chunks went up into as the step ran (`_publish_incoming`; queued here, the copies up
+        would hold the training thread as long as they take), host shards rounded from the masters in place."""
         with record_function("zero_offload.optimizer.publish"):
             if self.host_params:
                 for part, master in zip(self.parts, self.masters):

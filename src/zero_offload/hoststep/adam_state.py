@@ -49,31 +49,28 @@ class AdamState(WholeGroupState):
         return int(step.item() if isinstance(step, torch.Tensor) else step)
 
     def state_chunks(self, g: int, chunk_numel: int = 1 << 24) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
-        """Group ``g``'s partition state in pieces: yields (offset, {kind: fp32 CPU tensor of up to
-        ``chunk_numel`` elements}) for kinds ``master``, ``exp_avg``, ``exp_avg_sq`` (moments are zeros before
-        the first step), in increasing offset. Pieces may be views of live state: read them before the next
-        `step` or load."""
-        master = self.masters[g]
-        state = self.optimizer.state.get(master, {})
+        """Group ``g``'s partition state in pieces, in increasing offset: (offset, {kind: fp32 CPU tensor of up to
+        ``chunk_numel`` elements}) for kinds ``master``, ``exp_avg``, ``exp_avg_sq`` (zero moments before the first
+        step). Pieces may be views of live state: read them before the next `step` or load."""
+        master, moments = self.masters[g], self._moments(g)
         n = master.numel()
         for lo in range(0, n, max(1, chunk_numel)) if n else ():
             hi = min(n, lo + chunk_numel)
             piece = {"master": master[lo:hi].detach()}
-            for kind, key in zip(("exp_avg", "exp_avg_sq"), self._moment_keys()):
-                t = state.get(key) if key else None
+            for kind, t in zip(("exp_avg", "exp_avg_sq"), moments):
                 piece[kind] = t[lo:hi] if t is not None else torch.zeros(hi - lo)
             yield lo, {k: v.float().cpu() for k, v in piece.items()}
 
-    def _moment_keys(self) -> tuple[str | None, str | None]:
-        """The inner optimizer's per-element state keys saved as ``exp_avg`` and ``exp_avg_sq`` (None: none)."""
-        return ("exp_avg", "exp_avg_sq")
+    def _moments(self, g: int) -> list[torch.Tensor | None]:
+        """Group ``g``'s per-element states saved as ``exp_avg`` and ``exp_avg_sq`` (None: zeros)."""
+        state = self.optimizer.state.get(self.masters[g], {})
+        return [state.get("exp_avg"), state.get("exp_avg_sq")]
 
     @torch.no_grad()
     def load_state_chunks(self, g: int, step: int,
                           chunks: Iterable[tuple[int, dict[str, torch.Tensor]]]) -> None:
-        """Replace group ``g``'s partition state from (offset, {kind: fp32 tensor}) pieces that together cover
-        the partition (as `state_chunks` yields them), set its step count to ``step``, and write the 16-bit
-        parameters of the partition from the new master weights.
+        """Replace group ``g``'s state from pieces that cover its partition (as `state_chunks` yields them), with
+        ``step`` steps taken, and write its 16-bit parameters from the new masters.
 
         Raises:
             ValueError: pieces that do not exactly cover the partition (nothing is changed before the
@@ -83,10 +80,9 @@ class AdamState(WholeGroupState):
         mine = self.masters[g]
         n = mine.numel()
         if step > 0:
-            like = self.optimizer.state.get(mine, {}).get("exp_avg")
-            dtype = like.dtype if like is not None else getattr(self.optimizer, "state_dtype", torch.float32)
             state = self.optimizer.state.get(mine)
             if not state or "exp_avg" not in state:
+                dtype = getattr(self.optimizer, "state_dtype", torch.float32)
                 state = {"exp_avg": torch.zeros(n, dtype=dtype, device=mine.device),
                          "exp_avg_sq": torch.zeros(n, dtype=dtype, device=mine.device)}
             state["step"] = step if self.on_host else torch.tensor(float(step), device=mine.device)
@@ -104,9 +100,8 @@ class AdamState(WholeGroupState):
         return self.masters[g].dtype == self.parts[g].dtype != torch.float32
 
     def staging_tensors(self) -> list[torch.Tensor]:
-        """Host buffers that only carry updated parameters towards the device: the ring's slots, or with the
-        delayed update the pinned 16-bit copies of the device partitions (2 bytes per element); and the slots
-        gradients kept on the device come down through (`zero_offload.hoststep.grad_stream`)."""
+        """Host buffers that only carry updated parameters up (the ring's slots, the delayed update's pinned 16-bit
+        partitions, the speculated pieces' outputs) or gradients kept on the device down (`GradStream`)."""
         held = self.ring.tensors() if self.ring is not None else []
         held += self.stream.tensors() if self.stream is not None else []
         if self.deferred and not self.host_params:

@@ -1,18 +1,13 @@
 """Where ``super_offload``'s speculated pieces are written in host memory, and how the boundary keeps or drops them
-(`zero_offload.hoststep.speculation.PieceSpeculation` holds one).
-
-Two ways, one role (`Bank`); ``offload_optimizer.super_offload_fraction`` chooses:
+(`zero_offload.hoststep.speculation.PieceSpeculation` holds one `Bank`); ``super_offload_fraction`` chooses:
 
 - `SwapBank` (fraction 1): a second bank of master weights and moments, the size of the live state. The kernel
-  reads the live state and writes the bank; a step that stands swaps the two (a pointer swap, no copy), one that
-  does not leaves the live state untouched. Host memory: the state again, 12 bytes per parameter (8 with bf16
-  moments). Cost: the kernel's streaming stores into the bank.
+  reads the live state and writes the bank; a step that stands swaps the two (a pointer swap, no copy).
 - `UndoBank` (fraction < 1): the first-landing share of each partition is stepped in place, each piece copied out
-  first into an undo bank of that share's size; a step that stands forgets the copies, one that does not copies
-  them back. Host memory: the share x 12 bytes per parameter (8). Cost: the copy out (the state's bytes read and
-  written) on top of the in-place step, during backward.
+  first into an undo bank of that share's size; a step that does not stand copies them back.
 
-Either way the live state after the boundary is bitwise the plain step's, or (dropped) bitwise what it was.
+Either way the live state after the boundary is bitwise the plain step's, or (dropped) what it was (the memory and
+host work of each: docs/offload.md).
 """
 from __future__ import annotations
 
@@ -44,37 +39,29 @@ class Bank(Protocol):
 
     def begin(self) -> None:
         """A boundary starts (the optimizer's state exists)."""
-        ...
 
     def reserve(self, g: int, n: int) -> int:
         """How many of the next ``n`` final elements of group ``g`` may be speculated this boundary (taken)."""
-        ...
 
     def save(self, g: int, lo: int, hi: int) -> int:
         """Group ``g``'s [lo, hi) is about to be speculated into `target` (on the host-step thread): copied out
         where the bank undoes; returns the range's offset in bank-sized buffers (the pieces' 16-bit outputs)."""
-        ...
 
     def final_offset(self, g: int, lo: int) -> int | None:
         """Where a range from ``lo`` stepped at the boundary (not speculated) writes its 16-bit output in
         bank-sized buffers; None: nowhere (the owner rounds it from the master)."""
-        ...
 
     def target(self, g: int) -> dict[str, torch.Tensor]:
         """Group ``g``'s ``master``, ``exp_avg`` and ``exp_avg_sq`` the speculated step writes (1-D, whole)."""
-        ...
 
     def keep(self) -> None:
         """The speculated step stands: its results become the live state."""
-        ...
 
     def drop(self) -> None:
         """It does not: the live state is again what it was at `begin`."""
-        ...
 
     def tensors(self) -> list[torch.Tensor]:
         """The bank's own tensors (memory accounting; copies up may read a swap bank)."""
-        ...
 
 
 def _live(optimizer: CPUAdam, g: int) -> dict[str, torch.Tensor]:

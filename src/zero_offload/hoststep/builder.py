@@ -1,7 +1,6 @@
-"""`build_partition_optimizer`: the one place that chooses a rank's partition optimizer from the config.
-
-Both ZeRO optimizers call it: `ZeroOptimizer` with its slices of the flat buffers, `Stage3Optimizer` with the
-concatenated unit shards. What it builds (every one fills `zero_offload.hoststep.role.PartitionOptimizer`):
+"""`build_partition_optimizer`: the one place that chooses a rank's partition optimizer from the config, for both
+ZeRO optimizers. What it builds (every one fills `zero_offload.hoststep.role.PartitionOptimizer`; type Muon:
+`PartitionedMuon`, `NvmeMuon`):
 
 =========================  ==========================  ===========  ==============================================
 offload_optimizer.device   optimizer                   parameters   partition optimizer
@@ -19,10 +18,9 @@ none / cpu                 any of the above            NVMe         `WriteBackOp
                                                                     built on fp32 masters read from the files
 =========================  ==========================  ===========  ==============================================
 
-DeepSpeed makes the same choice in ``DeepSpeedEngine._configure_basic_optimizer`` (``DeepSpeedCPUAdam`` when
-the optimizer is offloaded, ``FusedAdam`` on the device, ``torch.optim.<type>`` by name otherwise) and
-swaps the states to NVMe under ``offload_optimizer.device = nvme`` with its optimizer swappers
-(``PartitionedOptimizerSwapper``, or ``PipelinedOptimizerSwapper`` with ``pipeline_read``/``pipeline_write``).
+DeepSpeed makes the same choice in ``DeepSpeedEngine._configure_basic_optimizer`` (``DeepSpeedCPUAdam`` when the
+optimizer is offloaded, ``FusedAdam`` on the device, ``torch.optim.<type>`` by name otherwise), and swaps the states
+to NVMe with ``PartitionedOptimizerSwapper`` (``PipelinedOptimizerSwapper`` with ``pipeline_read``/``_write``).
 """
 from __future__ import annotations
 
@@ -140,12 +138,11 @@ def _in_memory(config: Config, parts: list[torch.Tensor], hparams: list[dict], o
         raise ConfigError("config key 'bf16.bf16_master_weights_and_grads' = true needs the optimizer Adam/AdamW on "
                           "the fused host kernel (DeepSpeed: DeepSpeedCPUAdam); a client optimizer, amsgrad or "
                           f"{opt.type!r} steps fp32 masters")
-    for key, on in (("delayed_param_update", policy is StepPolicy.DELAYED),
-                    ("super_offload", policy is StepPolicy.SPECULATIVE)):
-        if on:
-            raise ConfigError(f"config key 'zero_optimization.offload_optimizer.{key}' = true needs optimizer "
-                              f"type Adam/AdamW without amsgrad (got {opt.type!r}): only the fused host kernel's "
-                              "step runs beside training")
+    if policy.beside_training:
+        key = "delayed_param_update" if policy is StepPolicy.DELAYED else "super_offload"
+        raise ConfigError(f"config key 'zero_optimization.offload_optimizer.{key}' = true needs optimizer "
+                          f"type Adam/AdamW without amsgrad (got {opt.type!r}): only the fused host kernel's "
+                          "step runs beside training")
     return PartitionedTorchOptimizer(parts, hparams, offload, copies, host_params=host_params,
                                      type_name=opt.type, torch_kwargs=opt.torch_kwargs, segments=segments,
                                      all_reduce=all_reduce)

@@ -1,16 +1,10 @@
 """`CopiesUp`: the copies up a host step queues, chunk by chunk, from host buffers to the device.
 
-Three things about them are tracked, each for its own reader:
-
-- who queues them: a copy is handed to one issuing thread (`issue`), so that the kernel's thread never waits in
-  the driver, which holds whoever queues a copy while its copy queue is full; where the device is the host a copy
-  is a plain memcpy and runs on the caller's thread;
-- which host buffers they still read (`track`, `wait_reads`): before a host step rewrites a buffer (the masters,
-  a 16-bit output) it waits for the last copy reading it, and only that one;
-- which of them the compute stream has not waited for (`add_pending`, `release`): the compute stream waits for all
-  of them once the step has queued them.
-
-The copies share one stream and land in queue order, so one wait on the last copy needed covers the ones before.
+Each is tracked for its own reader: who queues it (`issue`: one issuing thread, so that the driver, which holds
+whoever queues a copy while its copy queue is full, never holds the kernel's thread; where the device is the host,
+the caller's thread), which host buffer it still reads (`track`, `wait_reads`: before a host step rewrites a buffer
+it waits for the last copy reading it, and only that one), and which the compute stream has not waited for
+(`pending`, `release`). The copies share one stream and land in queue order: one wait covers the ones before.
 """
 from __future__ import annotations
 
@@ -33,7 +27,8 @@ class CopiesUp:
     """The copies up of one partition optimizer (see the module docstring).
 
     Attributes:
-        pending: handles of the copies up the compute stream has not waited for, in queue order.
+        pending: handles of the copies up of updated parameters that the compute stream must wait for before it
+            reads them (`release`), in queue order.
         issuer: the issuing thread, made on first use (None before, and where the device is the host).
     """
 
@@ -46,9 +41,8 @@ class CopiesUp:
         self.issuer: HostThread | None = None
 
     def issue(self, copy: Callable[[int, int, int], None], g: int, lo: int, hi: int) -> None:
-        """Run ``copy(g, lo, hi)`` (which queues chunk [lo, hi) of group ``g``) on the issuing thread, after the
-        chunk it follows in a recorded timeline; on the caller's thread where copies are synchronous (a second
-        thread only competed for the cores, 5-10 % of a step on 2 cores)."""
+        """Run ``copy(g, lo, hi)`` (which queues chunk [lo, hi) of group ``g``) on the issuing thread, after the chunk
+        it follows in a recorded timeline; here where copies are synchronous (a thread would only take cores)."""
         if self.copies.synchronous:
             copy(g, lo, hi)
             return
@@ -76,18 +70,13 @@ class CopiesUp:
 
     def wait_reads(self, writes: set[int] | None = None) -> None:
         """Block until the last queued copy up reading any of ``writes`` (storage addresses about to be written;
-        None: every buffer) has landed. The compute stream's waits are not touched here (this may run on that
-        thread)."""
+        None: every buffer) has landed; the compute stream's waits are not touched (this may run on its thread)."""
         last = max((i for i, (_, reads) in enumerate(self.in_flight) if writes is None or reads in writes),
                    default=-1)
         if last >= 0:
             self.in_flight[last][0].synchronize()
             for _ in range(last + 1):
                 self.in_flight.popleft()
-
-    def add_pending(self, handle: CopyHandle) -> None:
-        """A copy up of updated parameters that the compute stream must wait for before it reads them."""
-        self.pending.append(handle)
 
     def release(self) -> None:
         """After a step queued its copies up: the compute stream waits for all of them, one wait on the last (the

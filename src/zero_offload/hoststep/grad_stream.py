@@ -1,16 +1,11 @@
 """`GradStream`: a gradient partition kept on the device, pulled down chunk by chunk while the host step runs.
 
-With ``offload_optimizer.gradients_on_device`` the reduced gradient partition stays in device memory, accumulated
-there over micro-steps, and the host holds only the master weights and the moments. The host step asks for each
-chunk as it reaches it (`fetch`); that chunk's copy down was queued `AHEAD` chunks earlier into one of `SLOTS`
-pinned slots, so the copies down run while the kernel steps the chunk before (the ZeRO-Offload paper, Sec. 4.2,
-overlaps the parameters' swap-in with the host step the same way). Where the kernel writes a chunk's 16-bit
-parameters over its gradient in the slot, the slot is copied up from, and the copy down that next fills the slot is
-ordered after that copy up (`copy_up`). Host memory: `SLOTS` x chunk elements of the gradient's dtype, whatever the
-model's size.
-
-DeepSpeed has no counterpart: its offloaded stages keep the gradient partition in host memory
-(``single_partition_of_fp32_groups[i].grad``).
+With ``offload_optimizer.gradients_on_device`` (docs/offload.md) the host step asks for each chunk as it reaches it
+(`fetch`); its copy down was queued `AHEAD` chunks earlier into one of `SLOTS` pinned slots, so it runs beside the
+step of the chunk before (as ZeRO-Offload, Sec. 4.2, overlaps the parameters' swap-in). Where the kernel writes a
+chunk's 16-bit parameters over its gradient in the slot, the slot's next copy down waits for their copy up
+(`copy_up`). Host memory: `SLOTS` x chunk elements of the gradient's dtype. DeepSpeed has no counterpart: its
+offloaded stages keep the gradient partition in host memory (``single_partition_of_fp32_groups[i].grad``).
 """
 from __future__ import annotations
 
@@ -49,11 +44,10 @@ class GradStream:
 
     def begin(self, grads: Sequence[torch.Tensor], outs: list[torch.Tensor | None],
               order: list[tuple[int, int, int]]) -> list[torch.Tensor | None]:
-        """A host step over device ``grads`` (per group, 1-D) in chunk ``order`` ((group, lo, hi), each at most
-        ``chunk`` elements) starts: the first chunks' copies down are queued. A group whose 16-bit parameters the
-        kernel would write over its gradient (``outs[g] is grads[g]``) writes them over each chunk's slot instead,
-        and its chunks are copied up from there (`copy_up`). Returns ``outs`` with those groups' None (the kernel's
-        ``outputs``; `fetch` gives it the slots)."""
+        """A host step over device ``grads`` (per group, 1-D) in chunk ``order`` ((group, lo, hi)) starts: the first
+        chunks' copies down are queued. A group whose parameters the kernel would write over its gradient (``outs[g]
+        is grads[g]``) writes them over each chunk's slot instead, copied up from there (`copy_up`): returns ``outs``
+        with those groups' None (the kernel's ``outputs``; `fetch` gives it the slots)."""
         numel = max((hi - lo for _, lo, hi in order), default=1)
         dtype = grads[0].dtype
         if not self.slots or self.slots[0].dtype != dtype or self.slots[0].numel() < numel:

@@ -1,23 +1,16 @@
 """`PartitionedMuon`: Muon for the matrices and AdamW for the rest, over one partition per param group.
 
-DeepSpeed's ``"type": "Muon"`` (``MuonWithAuxAdam``) and ``torch.optim.Muon`` with a torch AdamW beside it. The
-engine splits each param group into a Muon half and an Adam half (`zero_offload.param_groups.takes_muon`). The Adam
-groups are `PartitionedAdam`'s: the fused host kernel, or torch's fused AdamW on the device. A Muon group keeps its
-fp32 masters and its momentum partitioned like Adam's moments, where the config puts the optimizer state (host
-memory with ``offload_optimizer.device = cpu``), and steps in three parts, round by round of the owners' exchanges
-(`MuonOwners.spans`), so the step's working memory is one round's, not the partition's:
-
-1. on the partition: the gradient x (clip coefficient / loss scale) folded into the momentum, and the Nesterov
-   update (`zero_offload.optim.muon_pass.momentum_pass`: one native pass on the host), elementwise;
-2. each whole matrix orthogonalized once, by its owner rank (`zero_offload.hoststep.muon_owners.MuonOwners`);
-3. on the partition: decoupled weight decay and the update, ``p <- p (1 - lr wd) - lr' O`` (lr' = lr, or torch's
-   shape-adjusted lr), then the 16-bit parameters written from the masters.
-
-A step the engine skips (fp16 overflow) never reaches the momentum: the overflow is found before `step`.
+DeepSpeed's ``"type": "Muon"`` (``MuonWithAuxAdam``) and ``torch.optim.Muon`` with a torch AdamW beside it; the
+Adam halves of the param groups (`zero_offload.param_groups.takes_muon`) are `PartitionedAdam`'s. A Muon group keeps
+its fp32 masters and momentum partitioned where the optimizer state lives, and steps round by round of the owners'
+exchanges (`MuonOwners.spans`: the working memory is one round's): the momentum pass on the partition
+(`zero_offload.optim.muon_pass.momentum_pass`), each whole matrix orthogonalized once by its owner (`MuonOwners`),
+then weight decay and the update on the partition (`apply_update`) and the 16-bit parameters written from the masters
+(docs/muon.md, "One step"). A step the engine skips (fp16 overflow, found before `step`) never reaches the momentum.
 """
 from __future__ import annotations
 
-from typing import Iterable, Iterator, Sequence
+from typing import Iterable, Sequence
 
 import torch
 
@@ -47,11 +40,8 @@ def apply_update(master: torch.Tensor, result: torch.Tensor, lo: int, lr: float,
     """Muon's update of elements [lo, lo + len(master)) of a group's fp32 master partition, in place: decoupled
     weight decay, then ``- lr x factor x result`` (`zero_offload.optim.muon_pass.update_pass`; ``factors``:
     `MuonOwners.lr_factors`, partition ranges, each piece with its own; None: factor 1 everywhere)."""
-    if factors is None:
-        update_pass(master, result, lr, weight_decay)
-        return
     hi = lo + master.numel()
-    for a, b, factor in factors:
+    for a, b, factor in factors if factors is not None else [(lo, hi, 1.0)]:
         a, b = max(a, lo), min(b, hi)
         if a < b:
             update_pass(master[a - lo:b - lo], result[a - lo:b - lo], lr, weight_decay, factor)
@@ -125,17 +115,8 @@ class PartitionedMuon(PartitionedAdam):
     def group_step(self, g: int) -> int:
         return self.muon_steps[g] if g in self.momenta else super().group_step(g)
 
-    def state_chunks(self, g: int, chunk_numel: int = 1 << 24) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
-        """Group ``g``'s state in pieces (`PartitionedAdam.state_chunks`); a Muon group's ``exp_avg`` is its
-        momentum and its ``exp_avg_sq`` zeros."""
-        if g not in self.momenta:
-            yield from super().state_chunks(g, chunk_numel)
-            return
-        master, momentum = self.masters[g], self.momenta[g]
-        for lo in range(0, master.numel(), max(1, chunk_numel)):
-            hi = min(master.numel(), lo + chunk_numel)
-            yield lo, {"master": master[lo:hi].float().cpu(), "exp_avg": momentum[lo:hi].cpu(),
-                       "exp_avg_sq": torch.zeros(hi - lo)}
+    def _moments(self, g: int) -> list[torch.Tensor | None]:
+        return [self.momenta[g], None] if g in self.momenta else super()._moments(g)
 
     @torch.no_grad()
     def load_state_chunks(self, g: int, step: int, chunks: Iterable[tuple[int, dict[str, torch.Tensor]]]) -> None:

@@ -1,26 +1,14 @@
 """`MuonOwners`: each Muon matrix orthogonalized once, whole, on one owner rank, and its partitions sent back.
 
-Newton-Schulz needs the whole matrix, while ZeRO keeps each rank's partition of it (stages 1-3; at stage 0 every
-rank holds every matrix). The momentum step is elementwise and runs on the partitions where the optimizer state
-lives (`zero_offload.optim.muon.momentum_step`). Then, per round of matrices:
+Newton-Schulz needs the whole matrix, while ZeRO keeps each rank's partition of it. Per round of matrices: (1) up,
+each rank sends the owner of each matrix its pieces of the update (fp32, one all-to-all; none at stage 0, where the
+owner holds them); (2) the owner assembles each matrix it owns on the compute device and orthogonalizes it
+(`zero_offload.optim.muon.orthogonalize`); (3) down, the owner sends each rank its pieces of the result in the
+iteration's dtype, exact there (one all-to-all).
 
-1. up: each rank sends the owner of each matrix its pieces of the update (fp32; one all-to-all; at stage 0 the
-   owner already holds them and nothing is sent);
-2. the owner assembles each matrix it owns on the compute device, orthogonalizes it
-   (`zero_offload.optim.muon.orthogonalize`);
-3. down: the owner sends each rank its pieces of the result in the iteration's dtype, exact there (one all-to-all).
-
-Owners are chosen once, greedily over the matrices' Newton-Schulz FLOPs (largest first), each to the rank whose
-partition holds most of it unless that rank would pass its even share of the FLOPs by more than 5 %, then to the least
-loaded (torchtitan's DistMuon gives each matrix one rank too, by balance alone). At stages 1-2 a rank's partition is
-a contiguous range of the flat group, so most matrices lie whole in one partition and never cross the network; a
-round in which no piece lies off its owner runs no collective at all.
-
-Bytes per Muon parameter per step, N ranks, over the network: at most (N-1)/N x (4 + d) (d: 2 for a 16-bit
-iteration, 4 for fp32), nearly reached at stage 3 (each unit is cut over all ranks); at stages 1-2 only the pieces of
-matrices owned elsewhere (those straddling a partition boundary, and any moved for balance) move. Stage 0: d x (N-1)
-from each owner, no up. With the states on the host, across PCIe 4 up and d down besides the gradient's and the
-parameter's own copies.
+Owners are chosen once (`assign_owners`), each matrix where most of it lies unless that breaks the balance of
+Newton-Schulz FLOPs (torchtitan's DistMuon gives each matrix one rank too, by balance alone); a round in which no
+piece lies off its owner runs no collective. The bytes this moves per Muon parameter: docs/muon.md.
 """
 from __future__ import annotations
 
@@ -36,9 +24,9 @@ __all__ = ["MuonMatrix", "MuonOwners", "RoundWindows", "assign_owners", "assembl
            "ROUND_NUMEL", "ASSEMBLED_FORMULA", "WINDOW_FORMULA"]
 
 ROUND_NUMEL = 1 << 27       # elements of the matrices exchanged per round
+BALANCE_SLACK = 0.05        # how far past an even share of the FLOPs a rank may go to own a matrix it holds
 ASSEMBLED_FORMULA = ("Muon: min(round = 2^27, Muon elements) x 20 B on the device (pieces received and assembled in "
                      "fp32, up to three iteration temporaries), an upper bound of an owner's working memory")
-
 WINDOW_FORMULA = ("Muon: min(round = 2^27, this rank's Muon elements) x 8 B where the optimizer state lives (the "
                   "largest round's updates and orthogonalized results, fp32, held from initialize: RoundWindows), "
                   "an upper bound")
@@ -73,16 +61,12 @@ def window_bytes(part_numel: int, round_numel: int = ROUND_NUMEL) -> int:
     return min(round_numel, part_numel) * 8
 
 
-BALANCE_SLACK = 0.05        # how far past an even share of the FLOPs a rank may go to own a matrix it holds
-
-
 def assign_owners(shapes: Sequence[tuple[int, ...]], world: int,
                   local: Sequence[Sequence[int]] | None = None) -> list[int]:
     """Per matrix, its owner rank, the same on every rank: the largest Newton-Schulz cost first, each to the rank
-    that holds most of it (``local[i][r]``: elements of matrix i in rank r's partition) while that rank's FLOPs stay
-    within ``1 + BALANCE_SLACK`` of an even share, else to the rank with the least so far (ties: the lower rank,
-    then the earlier matrix). A matrix owned where it lies crosses no network; without ``local`` (stage 0: every
-    rank holds everything) the balance alone decides."""
+    that holds most of it (``local[i][r]``: elements of matrix i in rank r's partition; None at stage 0) while that
+    rank's FLOPs stay within ``1 + BALANCE_SLACK`` of an even share, else to the rank with the least so far (ties:
+    the lower rank, then the earlier matrix)."""
     costs = [ns_flops(s) for s in shapes]
     cap = sum(costs) / world * (1 + BALANCE_SLACK)
     load = [0.0] * world
@@ -97,10 +81,9 @@ def assign_owners(shapes: Sequence[tuple[int, ...]], world: int,
 
 
 class RoundWindows:
-    """A Muon step's working memory: per round, each Muon group's updates and orthogonalized results as views of two
-    fp32 buffers sized once for the largest round's `MuonOwners.spans` and reused every round and step (buffers
-    allocated afresh cost more than the passes over them: their pages are faulted in each time). At most
-    `window_bytes`."""
+    """A Muon step's working memory, at most `window_bytes`: per round, each Muon group's updates and orthogonalized
+    results as views of two fp32 buffers sized once for the largest round's `MuonOwners.spans` and reused (fresh
+    buffers would cost more than the passes over them: their pages are faulted in each time)."""
 
     def __init__(self, owners: "MuonOwners", device: torch.device):
         largest = max((sum(hi - lo for lo, hi in owners.spans(i).values()) for i in range(len(owners.rounds))),
@@ -120,10 +103,9 @@ class RoundWindows:
 
 @dataclass(frozen=True)
 class _Exchange:
-    """One all-to-all of a round, fixed by the layout: what this rank sends, in order, as (key, offset, length)
-    pieces of its source tensors, how many elements go to and come from each rank, where the received pieces go
-    (key, offset, length) in order, and whether any rank's pieces cross to another rank (if none, every rank
-    knows it and copies its own pieces without the collective)."""
+    """One all-to-all of a round, fixed by the layout: the (key, offset, length) pieces this rank sends and where
+    those it receives go, in order, the elements to and from each rank, and whether any piece crosses to another
+    rank (if none, every rank knows it and copies its own pieces without the collective)."""
     send: tuple[tuple, ...]
     in_splits: list[int]
     out_splits: list[int]
@@ -147,8 +129,7 @@ class MuonOwners:
             ``ROUND_NUMEL``), which bounds an owner's assembled matrices and the step's working memory.
 
     Attributes:
-        matrices: every Muon matrix with its owner, in group and layout order.
-        rules: per param group, as given.
+        matrices: every Muon matrix with its owner, in group and layout order (and ``rules``, as given).
     """
 
     def __init__(self, layouts: Sequence[GroupLayout], rules: Sequence[MuonRule | None],
@@ -221,9 +202,8 @@ class MuonOwners:
         return out
 
     def lr_factors(self, g: int) -> list[tuple[int, int, float]] | None:
-        """Group ``g``'s per-matrix learning-rate factors on this rank's pieces, as (lo, hi, factor) partition
-        ranges (torch's shape-adjusted lr), or None where every factor is 1 (DeepSpeed's scale is in the
-        orthogonalized update itself)."""
+        """Group ``g``'s per-matrix learning-rate factors (torch's shape-adjusted lr) as (lo, hi, factor) ranges of
+        this rank's partition, or None where every factor is 1 (DeepSpeed's scale is in the update itself)."""
         rule = self.rules[g]
         if rule is None or rule.flavor != "torch":
             return None
@@ -233,10 +213,9 @@ class MuonOwners:
     @torch.no_grad()
     def orthogonalize_round(self, i: int, updates: dict[int, torch.Tensor], results: dict[int, torch.Tensor],
                             bases: dict[int, int] | None = None) -> None:
-        """Round ``i`` of a step: per Muon group ``g``, ``updates[g]`` holds this rank's 1-D fp32 update from
-        element ``bases[g]`` (default 0) of its partition on, at least over the round's `spans`; the orthogonalized
-        update of each of the round's pieces is written into ``results[g]``, indexed alike (in fp32). A collective:
-        every rank calls it for the same round at the same step."""
+        """Round ``i`` of a step, a collective: per Muon group ``g``, ``updates[g]`` holds this rank's 1-D fp32 update
+        from element ``bases[g]`` (default 0) of its partition on, at least over the round's `spans`; the
+        orthogonalized update of each of the round's pieces is written into ``results[g]`` (fp32), indexed alike."""
         bases = bases or {}
         matrices, up, down = self.rounds[i]
         whole = self._gather(matrices, up, updates, bases)

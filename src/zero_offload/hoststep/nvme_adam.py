@@ -1,21 +1,17 @@
 """`NvmeAdam`: a rank's optimizer partition with its masters and Adam moments in swap files.
 
-ZeRO-Infinity (arXiv 2104.07857, Sec. 5-6; DeepSpeed's ``PipelinedOptimizerSwapper``): the partition is cut
-into sub-groups of ``sub_group_size`` elements; the host step streams them through a pool of
-``buffer_count`` aligned buffers -- read sub-group i+1 ahead (``pipeline_read``), step i with the fused host
-kernel, write i-1 behind (``pipeline_write``) -- so host memory for optimizer state is the pool, not the
-model. Same role as `PartitionedAdam`: `zero_offload.hoststep.role.PartitionOptimizer`.
+ZeRO-Infinity (arXiv 2104.07857, Sec. 5-6; DeepSpeed's ``PipelinedOptimizerSwapper``): the partition is cut into
+sub-groups of ``sub_group_size`` elements, streamed through a pool of ``buffer_count`` aligned buffers -- read i+1
+ahead (``pipeline_read``), step i with the fused host kernel, write i-1 behind (``pipeline_write``) -- so host memory
+for optimizer state is the pool, not the model (docs/nvme.md).
 
-Files: ``{nvme_path}/zero_offload/rank{r}/group{g}.{master,exp_avg,exp_avg_sq}.swp``, each sub-group at
-byte offset ``i x sub x`` its element size (4, or 2 for bf16 masters or moments; ``sub`` rounded up to whole
-4096-byte blocks for O_DIRECT). With super_offload a
-second bank, ``group{g}.spec.{kind}.swp``, and a bit per sub-group saying which bank holds its live state
-(`zero_offload.hoststep.speculation.SubGroupSpeculation`). The moments start
-as sparse files (zeros, no disk written) and are written by the first step. Files left by a killed run are
-reclaimed at the next start; the files are removed by `close`, when the optimizer is collected, or at exit.
+Files: ``{nvme_path}/zero_offload/rank{r}/group{g}.{master,exp_avg,exp_avg_sq}.swp`` (super_offload's second bank:
+``group{g}.spec.{kind}.swp``), sub-group i at byte offset ``i x sub x`` its element size (``sub`` rounded up to whole
+4096-byte blocks for O_DIRECT); the moments start as sparse files (zeros). `close`, collection or exit removes them.
 """
 from __future__ import annotations
 
+import functools
 import time
 import weakref
 from pathlib import Path
@@ -38,7 +34,7 @@ from zero_offload.hoststep.nvme_state import KINDS, NvmeState
 __all__ = ["NvmeAdam"]
 
 
-class _SwappedMasters:
+class _SwappedMasters(Sequence):
     """The master partitions as a sequence: ``masters[g]`` reads group g's file into a new fp32 tensor."""
 
     def __init__(self, owner: "NvmeAdam"):
@@ -52,9 +48,6 @@ class _SwappedMasters:
             raise IndexError(g)
         return self._owner.read_state(g, "master")
 
-    def __iter__(self):
-        return (self[g] for g in range(len(self)))
-
 
 class NvmeAdam(FailStop, NvmeState):
     """Adam/AdamW over this rank's partitions with the states on NVMe, stepped on the host.
@@ -63,21 +56,19 @@ class NvmeAdam(FailStop, NvmeState):
         parts: per group, this rank's parameter partition (1-D, 16-bit or fp32, host or device); the step
             writes the updated parameters into it.
         hparams: per group, dict(lr, betas, eps, weight_decay, adamw_mode, bias_correction).
-        directory: this rank's swap directory (reclaimed: anything in it is deleted first).
+        directory: this rank's swap directory (a killed run's state files in it are deleted first).
         sub_group_size: elements per sub-group (the unit of swapping).
         buffer_count: at most this many sub-group buffers in the pool, each 12 bytes x sub-group elements; the
             pool holds the ones the pipeline has in flight (`pool_slots`).
         pipeline_read / pipeline_write: overlap the read of i+1 / the write of i-1 with the step of i.
         block_size / thread_count / queue_depth: the swapper's request piece (bytes), I/O threads
             and requests in flight per thread.
-        param_io: the parameters live in swap files themselves (stage 3 ``offload_param.device = nvme``):
-            ``parts`` are then meta tensors giving only shapes and dtypes, the initial masters are read with
-            ``param_io.read_range(g, lo, hi)`` and each sub-group's updated parameters are written with
-            ``param_io.write_behind(g, lo, values)`` (a `zero_offload.nvme.param_store.NvmeParamStore`): the
-            writes overlap the rest of the step and are still in flight when it returns.
-        speculative: ``offload_optimizer.super_offload``: the boundary's sub-groups are stepped during backward on
-            `host_thread` (pinned to ``host_cpus``) into the second bank, and `step` keeps or redoes them exactly
-            (`SubGroupSpeculation`); the updated parameters wait in ``landing`` (like ``parts``) until kept.
+        param_io: the parameters' own swap files (stage 3 ``offload_param.device = nvme``, a
+            `zero_offload.nvme.param_store.NvmeParamStore`): ``parts`` are then meta tensors, the initial masters
+            are read with ``read_range(g, lo, hi)``, and each sub-group's parameters written with
+            ``write_behind(g, lo, values)``, still in flight when the step returns.
+        speculative: ``super_offload``: the boundary's sub-groups are stepped during backward on `host_thread`
+            (pinned to ``host_cpus``; `SubGroupSpeculation`), their parameters held in ``landing`` until kept.
         host_params: the parts are host memory themselves (stage 3 ``offload_param.device = cpu``): the landing
             buffers are host memory too (counted as ``param_staging``; else as ``param_incoming``).
         master_dtype, state_dtype: the files' dtypes of the masters (fp32, or bf16: the master is then the bf16
@@ -129,7 +120,6 @@ class NvmeAdam(FailStop, NvmeState):
         self.steps = [0] * len(parts)
         self.broken: BaseException | None = None
         self.optimizer = CPUAdam([{"params": [torch.zeros(0)], **h} for h in hparams])   # live lrs
-        self.outs = [None] * len(parts)
         self.masters = _SwappedMasters(self)
         self.timings = {"read_wait_s": 0.0, "adam_s": 0.0, "write_wait_s": 0.0}
         self.host_threads = len(host_cpus) if host_cpus else torch.get_num_threads()
@@ -137,7 +127,8 @@ class NvmeAdam(FailStop, NvmeState):
         self.host_params = host_params
         self.host_thread = HostThread("host-step", copies.device, host_cpus) if speculative else None
         self.speculation = (SubGroupSpeculation([(g, lo, hi) for g, _, lo, hi in self.units], len(parts),
-                                                self._speculate_unit, self.host_thread) if speculative else None)
+                                                functools.partial(self._guard, self._speculate), self.host_thread)
+                            if speculative else None)
         self.landing = [torch.empty_like(p) for p in parts] if speculative else []
         self.landing_free = None                  # where the compute stream last read the landing buffers
         self._spec_slot = 0
@@ -190,15 +181,12 @@ class NvmeAdam(FailStop, NvmeState):
         self._writes[slot] = None
         self.copies.synchronize()
 
-
     # -- the step --------------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, grads: Sequence[GradSource], grad_scale: float, lrs: Sequence[float] | None = None,
              publish: bool = True) -> None:
-        """One step of every group's partition with ``grads`` (the `PartitionOptimizer` role: ready sources of
-        host tensors of the partitions' shapes) times ``grad_scale``, streamed sub-group by sub-group; updated
-        parameters land in ``parts`` (or their swap files). ``lrs`` overrides the groups' learning rates;
-        never deferred, so ``publish`` is not used.
+        """The `PartitionOptimizer` step, streamed sub-group by sub-group: the updated parameters land in ``parts``
+        (or their swap files). Never deferred: ``publish`` is not used.
 
         Raises:
             RuntimeError: a gradient source with copies still in flight; an earlier I/O error (fail-stop).
@@ -228,8 +216,7 @@ class NvmeAdam(FailStop, NvmeState):
         return "adam"
 
     def _step(self, grads: list[torch.Tensor], grad_scale: float, lrs: Sequence[float] | None) -> None:
-        for g in range(len(self.parts)):
-            self.steps[g] += 1
+        self.steps = [s + 1 for s in self.steps]
         self._adam_pass(range(len(self.units)), grads, grad_scale, lrs)
         self._drain_timed()
 
@@ -281,9 +268,8 @@ class NvmeAdam(FailStop, NvmeState):
 
     def _kernel(self, k: int, slot: int, a: int, grad: torch.Tensor, grad_scale: float, lr: float, step: int,
                 land: bool) -> None:
-        """Step elements [a, a + len(grad)) of group g's partition (inside sub-group ``k``, whose state is in
-        buffer ``slot``) and send the updated parameters on: to the parameters, to their swap file, or (``land``)
-        to the landing buffer."""
+        """Step elements [a, a + len(grad)) of sub-group ``k`` (its state in buffer ``slot``) and send the updated
+        parameters on (`_send_params`; ``land``: to the landing buffer)."""
         g, _, lo, hi = self.units[k]
         b = a + grad.numel()
         master, exp_avg, exp_avg_sq = (v[a - lo:b - lo] for v in self._views(slot, hi - lo))
@@ -313,9 +299,8 @@ class NvmeAdam(FailStop, NvmeState):
 
     def _send_params(self, g: int, a: int, target: torch.Tensor, out: torch.Tensor | None, master: torch.Tensor,
                      land: bool) -> None:
-        """Send the updated parameters at element ``a`` on from ``out`` (or the ``master`` itself where None):
-        to their swap file (behind), up to the device (while the next sub-group steps; into a landing buffer
-        once publish read it), or into host parameters."""
+        """Send the updated parameters at element ``a`` on from ``out`` (None: the ``master``): to their swap file
+        (behind), up to the device (a landing buffer once publish read it), or into host parameters."""
         if self.param_io is not None:
             self.param_io.write_behind(g, a, master if out is None else out)
         elif target.device.type != "cpu":
@@ -326,8 +311,7 @@ class NvmeAdam(FailStop, NvmeState):
 
     # -- super_offload: the speculative step (zero_offload.hoststep.speculation) ------------------------------------
     def begin_speculation(self, grad_scale: float) -> list:
-        """The boundary micro-step starts (``super_offload``): its sub-groups are stepped with ``grad_scale`` as
-        their gradients become final. Returns one `FinalRanges` per group, for its gradient partition."""
+        """`PartitionOptimizer.begin_speculation`: sub-group by sub-group (`SubGroupSpeculation`)."""
         self.speculation.begin(grad_scale)
         self._spec_lrs = [float(h["lr"]) for h in self.optimizer.param_groups]
         return self.speculation.sinks()
@@ -338,12 +322,9 @@ class NvmeAdam(FailStop, NvmeState):
             self.speculation.discard()
             self._guard(self._drain)
 
-    def _speculate_unit(self, k: int, pieces: list, grad_scale: float) -> None:
+    def _speculate(self, k: int, pieces: list, grad_scale: float) -> None:
         """Sub-group ``k`` from its live bank, stepped with the gradient ``pieces`` [(offset, values)] that cover
         it, into the other bank; its parameters land in ``landing``."""
-        self._guard(self._speculate, k, pieces, grad_scale)
-
-    def _speculate(self, k: int, pieces: list, grad_scale: float) -> None:
         g = self.units[k][0]
         self._spec_slot = slot = (self._spec_slot + 1) % len(self.pool)
         self._free_slot(slot)
@@ -365,8 +346,7 @@ class NvmeAdam(FailStop, NvmeState):
         a step, and the landing buffers are copied over the parameters (on the compute stream)."""
         self._drain()
         self.bank = [1 - b for b in self.bank]
-        for g in range(len(self.parts)):
-            self.steps[g] += 1
+        self.steps = [s + 1 for s in self.steps]
         for part, landed in zip(self.parts, self.landing):
             part.copy_(landed)
         self.landing_free = self.copies.compute_point()

@@ -1,18 +1,11 @@
 """`NvmeMuon`: optimizer type Muon with the states in swap files (``offload_optimizer.device = nvme``).
 
-`NvmeAdam`'s files, pool and pipeline (ZeRO-Infinity's sub-groups streamed through a few aligned buffers), with the
-Muon groups stepped as `zero_offload.hoststep.muon.PartitionedMuon` steps them, round by round of the owners'
-exchanges (`zero_offload.hoststep.muon_owners.MuonOwners.spans`):
-
-1. the momentum pass: the sub-groups holding the round's pieces stream their momentum (the ``exp_avg`` file) in,
-   fold the gradient into it and write it back; the updates wait in host memory, one round's worth;
-2. the owners orthogonalize the round's matrices (the same exchanges as in memory);
-3. the master pass: the same sub-groups stream their masters in, take weight decay and the orthogonalized update,
-   are written back, and send the updated parameters on as the Adam step does.
-
-A Muon group keeps two files (master and momentum, fp32), an Adam group three. Each file is read and written once
-per step, as Adam's are: 8 B of swap I/O each way per Muon element. Host memory beyond the pool: two fp32 windows
-of the largest round's pieces (the updates and the results: `RoundWindows`).
+`NvmeAdam`'s files, pool and pipeline, with the Muon groups stepped as `PartitionedMuon` steps them, round by round
+of the owners' exchanges: a momentum pass streams the round's sub-groups' momentum (the ``exp_avg`` file) in, folds
+the gradient into it and writes it back, keeping the round's updates in host memory; the owners orthogonalize; a
+master pass streams the masters in, applies decay and the update, writes them back and sends the parameters on as
+the Adam step does. A Muon group keeps two fp32 files (master, momentum), each read and written once per step; host
+memory beyond the pool is two fp32 windows of the largest round (`RoundWindows`). See docs/muon.md.
 """
 from __future__ import annotations
 
@@ -37,8 +30,7 @@ class NvmeMuon(NvmeAdam):
     Args:
         parts, hparams, copies, directory, sub_group_size, buffer_count, options: as `NvmeAdam` (the masters and
             moments fp32: bf16 states with Muon are refused with the config).
-        owners: who orthogonalizes each Muon matrix, and the exchanges (`MuonOwners`); its ``rules`` say which
-            groups Muon steps.
+        owners: as `PartitionedMuon`.
     """
 
     def __init__(self, parts: list[torch.Tensor], hparams: list[dict], copies, directory, sub_group_size: int,
@@ -61,8 +53,7 @@ class NvmeMuon(NvmeAdam):
         return "muon"
 
     def _step(self, grads: list[torch.Tensor], grad_scale: float, lrs: Sequence[float] | None) -> None:
-        for g in range(len(self.parts)):
-            self.steps[g] += 1
+        self.steps = [s + 1 for s in self.steps]
         self._adam_pass([k for k, unit in enumerate(self.units) if self.rules[unit[0]] is None],
                         grads, grad_scale, lrs)
         for i in range(len(self.owners.rounds)):

@@ -1,10 +1,8 @@
 """`NvmeState`: the state face of `zero_offload.hoststep.nvme_adam.NvmeAdam` (checkpoints, accounting).
 
-The masters and Adam's moments (fp32, or bf16) in swap files, streamed one sub-group at a time through the owner's
-buffer pool: written whole at start and at a load, read for a checkpoint or a master export, patched by
-``write_master``, and counted for ``memory_breakdown``. A mixin of the one class that holds the files: it uses the
-owner's sub-group layout (``units``, ``parts``), pool (``pool``, ``_views``, ``_free_slot``) and I/O (``_io``,
-``_wait``, ``_guard``).
+The masters and moments in swap files, streamed one sub-group at a time through the owner's buffer pool. A mixin of
+the one class that holds the files: it uses the owner's sub-group layout (``units``, ``parts``), pool (``pool``,
+``_views``, ``_free_slot``) and I/O (``_io``, ``_wait``, ``_guard``).
 """
 from __future__ import annotations
 
@@ -53,8 +51,7 @@ class NvmeState(WholeGroupState):
         return out
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
-        """Host memory this optimizer holds for its states: none of the states themselves (they are in files,
-        see `swapped_bytes`), and the sub-group pool as ``nvme_buffers``."""
+        """Host memory held for the states: only the sub-group pool, as ``nvme_buffers`` (the states: files)."""
         return {"master": [], "exp_avg": [], "exp_avg_sq": [], "nvme_buffers": [b.raw for b in self.pool.buffers]}
 
     def swapped_bytes(self) -> dict[str, int]:
@@ -89,8 +86,7 @@ class NvmeState(WholeGroupState):
         return [t for t in self.staging if t is not None] + (self.landing if self.host_params else [])
 
     def incoming_tensors(self) -> list[torch.Tensor]:
-        """super_offload's landing buffers where the parameters are on the device (the partition again); else
-        none."""
+        """super_offload's landing buffers where the parameters are on the device; else none."""
         return [] if self.host_params else list(self.landing)
 
     # -- the chunked state API of zero_offload.state.PartitionedOptimizerState --------------------------------
@@ -98,10 +94,9 @@ class NvmeState(WholeGroupState):
         return int(self.steps[g])
 
     def state_chunks(self, g: int, chunk_numel: int = 1 << 24):
-        """Group ``g``'s state streamed from its files: yields (offset, {kind: fp32 CPU tensor}) one sub-group
-        at a time (at most ``sub_group_size`` elements; ``chunk_numel`` is not used), in increasing offset.
-        Each fp32 piece is a view of a pool buffer, valid until the next piece is asked for: host memory stays the
-        pool (copy a piece to keep it); a bf16 state is widened into a new tensor."""
+        """Group ``g``'s state streamed from its files: (offset, {kind: fp32 CPU tensor}), one sub-group at a time
+        (``chunk_numel`` is not used). An fp32 piece is a view of a pool buffer, valid until the next piece is asked
+        for (copy it to keep it); a bf16 state is widened into a new tensor."""
         for u, (_g, _i, lo, hi) in enumerate(self.units):
             if _g == g:
                 yield lo, self._guard(self._read_sub_group, u)
@@ -116,9 +111,8 @@ class NvmeState(WholeGroupState):
 
     @torch.no_grad()
     def load_state_chunks(self, g: int, step: int, chunks) -> None:
-        """Replace group ``g``'s state from (offset, {kind: tensor}) pieces that cover the partition in order
-        (any sizes), written to the files one sub-group at a time through the pool, and the parameters of
-        each sub-group from its master weights (to the parameters, or their swap file with ``param_io``).
+        """Replace group ``g``'s state from pieces of any size that cover the partition in order, written to the
+        files one sub-group at a time, and each sub-group's parameters from its masters (or their swap file).
 
         Raises:
             ValueError: pieces that do not continue the partition in order or do not cover it.

@@ -2,25 +2,10 @@
 
 The engine's boundary is the same under every policy (`zero_offload.hoststep.policy.StepPolicy`): it tells the
 pipeline that the boundary backward starts (`begin_boundary`), finishes what an earlier step left in flight
-(`flush`), and after the global norm either steps (`step`) or takes no step (`discard`, fp16 overflow). What each
-call does is the policy's:
-
-=============  ================================  ==================================  ==================================
-call           synchronous                       delayed (``delayed_param_update``)  speculative (``super_offload``)
-=============  ================================  ==================================  ==================================
-begin_boundary nothing                           nothing                             the partition optimizer steps each
-                                                                                     gradient piece as it lands
-flush          nothing                           the step in flight joined and its   nothing
-                                                 parameters published
-step           the ZeRO optimizer's step, the    after the warm-up, launched on the  the ZeRO optimizer's step: the
-               training thread waiting           host-step thread; the next forward  speculated step kept or redone
-                                                 runs on the parameters before it
-discard        nothing                           nothing                             what was speculated is dropped
-=============  ================================  ==================================  ==================================
-
-``offload_optimizer.ratio`` is not a policy here: it splits where the state lives (`zero_offload.hoststep.split`)
-and combines with each of them. FSDP2 decides CPU offload once in the same way, as a policy object
-(``CPUOffloadPolicy``).
+(`flush`), and after the global norm either steps (`step`) or takes no step (`discard`, fp16 overflow); each call's
+docstring says what it does under which policy. ``offload_optimizer.ratio`` is not a policy: it splits where the
+state lives (`zero_offload.hoststep.split`) and combines with each. FSDP2 decides CPU offload once in the same way,
+as a policy object (``CPUOffloadPolicy``).
 """
 from __future__ import annotations
 
@@ -65,8 +50,8 @@ class HostStepPipeline:
         self.delayed = DelayedParamUpdate(zero, warmup_steps) if policy is StepPolicy.DELAYED else None
 
     def begin_boundary(self, grad_scale: float) -> None:
-        """The next backward is the boundary's. Speculative: its gradient pieces are stepped with ``grad_scale``
-        (1 / loss scale, clip coefficient 1) as they land; `step` keeps that step or redoes it, exactly."""
+        """The next backward is the boundary's. Speculative (else nothing): its gradient pieces are stepped with
+        ``grad_scale`` (1 / loss scale, clip coefficient 1) as they land; `step` keeps or redoes that step, exactly."""
         if self.policy is StepPolicy.SPECULATIVE:
             self.zero.report_final_ranges(self.zero.adam.begin_speculation(grad_scale))
 
@@ -86,7 +71,7 @@ class HostStepPipeline:
     def step(self, grad_scale: float, global_step: int) -> None:
         """The optimizer step of step ``global_step`` with the finished gradients x ``grad_scale`` (1 / loss
         scale x clip coefficient): launched beside training (delayed, after the warm-up), or now."""
-        if self.delayed is not None and self.delayed.engaged(global_step):
+        if self.delayed is not None and global_step >= self.delayed.warmup_steps:   # 0-based: after the warm-up
             self.delayed.launch(grad_scale)
             return
         with self.waiting() if self.on_host else contextlib.nullcontext():
@@ -98,10 +83,8 @@ class HostStepPipeline:
             self.zero.adam.discard_speculation()
 
     def close(self) -> None:
-        """Finish the step in flight and publish it (from `Engine.close`; the partition optimizer closes its
-        threads)."""
-        if self.delayed is not None:
-            self.delayed.close()
+        """`flush`, from `Engine.close` (the partition optimizer closes its threads)."""
+        self.flush()
 
     def timings(self) -> dict[str, float]:
         """``host_step_s`` (the last host step's own duration, seconds) and ``host_step_threads`` (the kernel's

@@ -6,8 +6,7 @@
 - ``SPECULATIVE``: ``offload_optimizer.super_offload``: during the boundary backward, kept or redone exactly once
   the global norm is known (`zero_offload.hoststep.speculation`).
 
-The partition optimizers lay out their buffers for it (`zero_offload.hoststep.builder`), and the pipeline runs the
-boundary by it (`zero_offload.hoststep.pipeline`); nothing else reads the config for it.
+Only the builder (for the partition optimizers' layout) and the pipeline (the boundary) read the config for it.
 """
 from __future__ import annotations
 
@@ -23,7 +22,7 @@ class StepPolicy(enum.Enum):
 
     @classmethod
     def from_config(cls, config) -> "StepPolicy":
-        """The policy ``config.zero_optimization.offload_optimizer`` asks for (the config refuses both keys at once)."""
+        """The policy ``config.zero_optimization.offload_optimizer`` asks for (the config refuses both keys)."""
         oo = config.zero_optimization.offload_optimizer
         if oo.delayed_param_update:
             return cls.DELAYED

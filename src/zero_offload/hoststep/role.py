@@ -1,15 +1,10 @@
 """`PartitionOptimizer`: the role a rank's partition optimizer plays for the ZeRO optimizers and checkpoints.
 
-Filled by `zero_offload.hoststep.adam.PartitionedAdam` (states in device or host memory, the fused
-host kernel or torch's fused device AdamW), its subclass `zero_offload.hoststep.torch_optimizer
-.PartitionedTorchOptimizer` (any torch optimizer on the partitions), `zero_offload.hoststep.nvme_adam.NvmeAdam` (states
-in NVMe swap files, streamed through a buffer pool) and `zero_offload.nvme.param_writeback.WriteBackOptimizer`
-(one of the first two over parameters kept in swap files). `zero_offload.hoststep.builder.build_partition_optimizer`
-chooses among them. Every member below is used by `ZeroOptimizerBase`, the ZeRO optimizers, the checkpoints or the
-host-step pipeline (`zero_offload.hoststep.pipeline`), and nothing else is: callers never probe for a member.
-
-`GradSource` is the other side of the step: what a partition optimizer reads, filled by the gradient partitions of
-`zero_offload.zero.grad_partition`.
+Filled by the partition optimizers `zero_offload.hoststep.builder` chooses (`PartitionedAdam` and its subclasses,
+`NvmeAdam`, `NvmeMuon`, `SplitAdam`, `zero_offload.nvme.param_writeback.WriteBackOptimizer`). Every member below is
+used by `ZeroOptimizerBase`, the ZeRO optimizers, the checkpoints or the host-step pipeline, and nothing else is:
+callers never probe for a member. `GradSource` is the other side of the step: what a partition optimizer reads,
+filled by the gradient partitions of `zero_offload.zero.grad_partition`.
 """
 from __future__ import annotations
 
@@ -26,11 +21,8 @@ __all__ = ["PartitionOptimizer", "GradSource"]
 
 
 class GradSource(Protocol):
-    """A gradient partition a partition optimizer reads in its step (`GradPartition`, or `ReadyGrad`).
-
-    Its owner makes it ready once per boundary (the ZeRO optimizer's ``finalize_backward``, which the engine
-    calls before the norm); reading it does not wait.
-    """
+    """A gradient partition a partition optimizer reads in its step (`GradPartition`, or `ReadyGrad`), made ready
+    once per boundary by its owner (the ZeRO optimizer's ``finalize_backward``, before the norm)."""
 
     def ready(self) -> torch.Tensor:
         """The finished gradient partition, 1-D (training dtype, or fp32 under gradient accumulation).
@@ -38,12 +30,10 @@ class GradSource(Protocol):
         Raises:
             RuntimeError: copies into it are still in flight (read before ``finalize_backward``).
         """
-        ...
 
     def released(self, lo: int, hi: int, reader: CopyHandle) -> None:
         """The step is done with elements [lo, hi) once ``reader``'s copy up has read them (chunks in descending
         order; see `zero_offload.offload.buffer_lease`)."""
-        ...
 
 
 @runtime_checkable

@@ -1,34 +1,14 @@
 """The speculative host step of ``offload_optimizer.super_offload``: the boundary's step runs while backward does.
 
 SuperOffload (Lian et al. 2025, arXiv 2509.21271, Sec. 4.3; DeepSpeed 0.18+'s ``offload_optimizer.super_offload``)
-starts a sub-group's CPU Adam step as soon as its gradient is on the host, before the global norm is known, and
-rolls it back with an inverse Adam step on fp16 overflow; under gradient clipping it does not speculate at all. The
-inverse is not exact: it rebuilds the old moments from the new ones and the gradient, m = (m' - (1 - b1) g) / b1,
-a relative error of about 2**-24 / c in m and 2**-24 / c**2 in v for a clip coefficient c.
+steps each sub-group on the CPU as soon as its gradient is on the host, before the global norm is known, and undoes
+it with an inexact inverse Adam step. Here the speculative kernel writes a second bank and leaves what it read as it
+was: at the boundary (`settle`) the speculated step stands, bitwise the plain step, or is dropped and the plain step
+runs on the untouched state (docs/offload.md, "super_offload"; `zero_offload.hoststep.banks`).
 
-Here nothing is rebuilt. The speculative kernel reads the master weights and moments and writes its result into a
-second bank of the same size, so what it read stays as it was. When the boundary knows the global norm (`settle`):
-
-- no clipping fired and no overflow (the scale is the one speculated with): the banks swap, a pointer swap (or,
-  on NVMe, a bank bit per sub-group), no copy. The result is bitwise the plain step's: the same kernel on the same
-  inputs;
-- clipping fired (another scale), or a gradient changed after its piece was stepped: the second bank is dropped
-  and the caller runs the plain step on the untouched state with the true coefficient: bitwise the plain step's;
-- fp16 overflow (`Speculation.discard`): the second bank is dropped; nothing was stepped.
-
-So the error bound is 0 for every coefficient. The price is memory, not accuracy: one more copy of the master
-weights and moments, 12 bytes per parameter (8 with bf16 moments) in host memory or in a second set of swap files,
-counted by ``zero_offload.estimate.memory`` as ``speculative_state``; and under clipping the speculated work is done
-again (the plain step's time, exposed, as without speculation). In host memory, ``super_offload_fraction`` < 1
-trades that memory for host work: only the first-landing share is speculated, in place after an undo copy that a
-dropped step copies back (`zero_offload.hoststep.banks`).
-
-Two units, one life cycle (`Speculation`): in host memory each gradient piece is stepped as it lands
-(`PieceSpeculation`); swap files are read and written a sub-group at a time, so with the states on NVMe a sub-group
-is stepped once every element of its gradient is final (`SubGroupSpeculation`). The work runs in the order the
-gradients land, on the partition optimizer's host-step thread (the delayed update's step runs there too), pinned to
-the ``cpuadam_cores_perc`` share of the cores. DeepSpeed's SuperOffload asserts CUDA and stage 3; this runs wherever
-the host step does, at stages 2 and 3.
+Two units, one life cycle (`Speculation`), on the partition optimizer's host-step thread in the order the gradients
+land: in host memory each gradient piece (`PieceSpeculation`); on NVMe each sub-group once all of its gradient is
+final (`SubGroupSpeculation`).
 """
 from __future__ import annotations
 
@@ -62,11 +42,9 @@ class FinalRanges(Protocol):
     def landed(self, offset: int, values: torch.Tensor, copy: CopyHandle | None) -> None:
         """Elements [offset, offset + len(values)) of the partition are final once ``copy`` (None: already) has
         landed; ``values`` is the partition's view of them."""
-        ...
 
     def invalidate(self) -> None:
         """The partition changed after it reported ranges (another backward before the step)."""
-        ...
 
 
 class GroupRanges:
@@ -103,8 +81,7 @@ class Speculation:
         self.cancelled = False
         self.grad_scale = 1.0
         self.ranges: list[list[tuple[int, int]]] = [[] for _ in range(groups)]   # per group: claimed [lo, hi)
-        self.busy_s = self.hidden_s = self.total_s = 0.0
-        self._hidden = 0.0
+        self.busy_s = self.hidden_s = self.total_s = self._hidden = 0.0
         self.last = ""
 
     def sinks(self) -> list[GroupRanges]:
@@ -115,9 +92,8 @@ class Speculation:
         raise NotImplementedError
 
     def claim(self, g: int, lo: int, hi: int) -> bool:
-        """Record group ``g``'s final range [lo, hi) for this boundary (call holding ``lock``): False when no
-        speculation is under way, or when the range was reported before (the gradient changed after its step:
-        the speculation is invalid from then on)."""
+        """Record group ``g``'s final range [lo, hi) for this boundary (holding ``lock``): False when no speculation
+        is under way, or when the range was reported before (the speculation is then invalid)."""
         if not self.active or not self.valid:
             return False
         if any(a < hi and lo < b for a, b in self.ranges[g]):
@@ -133,9 +109,8 @@ class Speculation:
 
     def stands(self, grad_scale: float, also: bool = True) -> bool:
         """The boundary's verdict, once the global norm is known: whether the speculated step stands (``grad_scale``
-        is the one speculated with, no gradient changed after its step, and ``also``). The work still queued is
-        cancelled where it does not; either way the thread is joined and the boundary ends. Then the subclass
-        steps what no piece covered and calls `accepted`, or the caller runs the plain step.
+        is the one speculated with, no gradient changed after its step, and ``also``); if not, the work still
+        queued is cancelled. Either way the thread is joined and the boundary ends.
 
         Raises:
             HostThreadError: a speculated piece failed (chained to its exception).
@@ -181,8 +156,7 @@ class PieceSpeculation(Speculation):
 
     Args:
         optimizer: the host optimizer; one fp32 master partition per param group (its only parameter).
-        bank: where the pieces are written and how the boundary keeps or drops them (`zero_offload.hoststep.banks`:
-            a swapped second bank, or in place with an undo copy of the speculated share).
+        bank: where the pieces are written, and how the boundary keeps or drops them (`zero_offload.hoststep.banks`).
         threads: the kernel's thread count beside training.
         thread: the host-step thread the pieces run on (its owner's; not closed here).
         chunk: elements per piece (a cancelled speculation stops within one piece).
@@ -190,10 +164,9 @@ class PieceSpeculation(Speculation):
     Attributes:
         outs: per group, a 16-bit host buffer the bank's size each piece's updated parameters are also written to
             (rounded from the new master, at the bank's offset), or None; set by the owner.
-        on_piece: called as ``on_piece(group, lo, hi, source)`` after each piece, on the thread that stepped it
-            (the owner starts the piece's copy up into a landing buffer from ``source``: its 16-bit output or fp32
-            master; None: to be rounded from the live master); None: nothing.
-        (and `Speculation`'s: ``hidden_s``, ``total_s``, ``last``).
+        on_piece: None, or called as ``on_piece(group, lo, hi, source)`` after each piece, on the thread that
+            stepped it, with where its parameters are read from (its 16-bit output or the master; None: to be
+            rounded from the live master); set by the owner.
     """
 
     def __init__(self, optimizer: CPUAdam, bank: Bank, threads: int, thread: HostThread, chunk: int):
@@ -207,8 +180,8 @@ class PieceSpeculation(Speculation):
         return [g["params"][0] for g in self.optimizer.param_groups]
 
     def begin(self, grad_scale: float) -> None:
-        """The boundary micro-step starts: its pieces are stepped with ``grad_scale`` (1 / loss scale, clip
-        coefficient 1) as they land. The learning rates are the param groups' now (the schedule steps after)."""
+        """The boundary micro-step starts: its pieces are stepped with ``grad_scale`` as they land, at the param
+        groups' learning rates now (the schedule steps after)."""
         self.join()
         for master in self.masters:
             self.optimizer.ensure_state(master)
@@ -219,8 +192,7 @@ class PieceSpeculation(Speculation):
 
     def submit(self, g: int, lo: int, values: torch.Tensor, copy: CopyHandle | None) -> None:
         """Step group ``g``'s elements [lo, lo + len(values)) -- as many as the bank takes, the rest wait for the
-        boundary -- once ``copy`` has landed (any thread). A range submitted twice (the gradient changed after its
-        step) invalidates the speculation."""
+        boundary -- once ``copy`` has landed (any thread; a range submitted twice invalidates the speculation)."""
         with self.lock:
             if not self.claim(g, lo, lo + values.numel()):
                 return
@@ -247,10 +219,9 @@ class PieceSpeculation(Speculation):
         self.thread.submit(run)
 
     def settle(self, grad_scale: float, grads: Sequence[torch.Tensor]) -> bool:
-        """At the boundary, once the global norm is known: True when the speculated step stands (``grad_scale`` is
-        the one speculated with and no gradient changed after its piece was stepped); every range no piece covered
-        is then stepped on this thread from ``grads`` (the finished partitions), the bank kept and the step
-        counted. False: the live state is what it was, and the caller steps in place with ``grad_scale``.
+        """At the boundary, once the global norm is known: True when the speculated step stands (`stands`); every
+        range no piece covered is then stepped on this thread from ``grads`` (the finished partitions), the bank
+        kept and the step counted. False: the live state is what it was, and the caller steps with ``grad_scale``.
 
         Raises:
             HostThreadError: a speculative piece failed (chained to its exception).
@@ -284,10 +255,8 @@ class PieceSpeculation(Speculation):
 
     def _step_piece(self, g: int, lo: int, hi: int, grad: torch.Tensor, grad_scale: float,
                     at: int | None) -> None:
-        """Group ``g``'s [lo, hi): read from the live state, written into the bank's target (and ``outs`` from
-        offset ``at``; None: not there), then handed to ``on_piece`` with where its parameters are to be read
-        from. The body starts on a 16-element boundary, so that the kernel's streaming stores (aligned only)
-        cover all of it. Its kernel time counts in ``busy_s``."""
+        """Group ``g``'s [lo, hi) from the live state into the bank's target (and ``outs`` from offset ``at``; None:
+        not there) as `aligned_pieces`, then handed to ``on_piece``; its time counts in ``busy_s``."""
         began = time.perf_counter()
         into = self.bank.target(g)
         out = None if self.outs[g] is None or at is None else self.outs[g][at:at + hi - lo]
@@ -322,8 +291,6 @@ class SubGroupSpeculation(Speculation):
             bank, from ``pieces`` [(offset in the partition, gradient values)] that cover it; runs on ``thread``
             during backward and on the caller's thread at `settle`.
         thread: the host-step thread (its owner's; not closed here).
-
-    The timings (``hidden_s``, ``total_s``) and ``last`` are `Speculation`'s.
     """
 
     def __init__(self, units: list[tuple[int, int, int]], groups: int, step_unit: Callable[[int, list, float], None],
@@ -347,8 +314,7 @@ class SubGroupSpeculation(Speculation):
 
     def submit(self, g: int, lo: int, values: torch.Tensor, copy) -> None:
         """Group ``g``'s elements [lo, lo + len(values)) are final once ``copy`` (None: already) has landed (any
-        thread); each sub-group they complete is queued on the host-step thread. A range reported twice (the
-        gradient changed after its step) invalidates the speculation."""
+        thread); each sub-group they complete is queued on the host-step thread (see `PieceSpeculation.submit`)."""
         hi = lo + values.numel()
         complete = []
         with self.lock:
@@ -381,10 +347,9 @@ class SubGroupSpeculation(Speculation):
             tl.host_work("host_step", hi - lo)
 
     def settle(self, grad_scale: float, grads: Sequence[torch.Tensor], same_lrs: bool = True) -> bool:
-        """At the boundary, once the global norm is known: True when the speculated step stands (``grad_scale`` is
-        the one speculated with, the learning rates are the same and no gradient changed after its sub-group was
-        stepped); every sub-group not stepped yet is then stepped here from ``grads`` (the finished partitions),
-        and the caller flips the banks. False: nothing live changed, and the caller steps with ``grad_scale``.
+        """At the boundary, once the global norm is known: True when the speculated step stands (`stands`, with
+        ``same_lrs``); every sub-group not stepped yet is then stepped here from ``grads`` (the finished
+        partitions), and the caller flips the banks. False: nothing live changed; the caller steps.
 
         Raises:
             HostThreadError: a speculated sub-group failed (chained to its exception).

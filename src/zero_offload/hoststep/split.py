@@ -1,13 +1,11 @@
 """`SplitAdam`: the partition optimizer of ``offload_optimizer.ratio`` < 1 (see `zero_offload.zero.split_partition`).
 
-Two partition optimizers over each group's partition cut at `device_numel`: a `PartitionedAdam` on the device over
-the first part (torch's fused AdamW on a GPU), and one on the host over the rest: a `PartitionedAdam` (the fused host
-kernel, with super_offload's speculation when configured) or, under ``offload_optimizer.device = nvme``, an `NvmeAdam`
-streaming its states through swap files. At the boundary both step with the same ``grad_scale``
-(1 / loss scale x the one clip coefficient): the device's kernels are queued first, so they run while the host
-steps its part. The learning rates live in the host optimizer's param groups (the LR schedule writes there) and
-are copied to the device's before each step. The state face is one flat partition per group (device elements
-first), so checkpoints reshard between any ratios.
+Each group's partition is cut at `device_numel`: a device `PartitionedAdam` over the first part (torch's fused AdamW
+on a GPU), and over the rest a host `PartitionedAdam` (with super_offload's speculation when configured) or an
+`NvmeAdam`. Both step with the same ``grad_scale``, the device's kernels queued first so that they run while the host
+steps. The learning rates live in the host optimizer's param groups (the LR schedule writes there) and are copied to
+the device's before each step. The state face is one flat partition per group (device elements first), so
+checkpoints reshard between any ratios.
 """
 from __future__ import annotations
 
@@ -46,8 +44,7 @@ class SplitAdam(WholeGroupState):
         parts: per group, the whole 1-D parameter partition (16-bit or fp32, on the device).
         cuts: per group, the elements kept on the device (`device_numel`).
         device: a `PartitionedAdam` over ``part[:cut]`` with the states on the device.
-        host: a `PartitionedAdam` (states in host memory) or an `NvmeAdam` (states in swap files) over
-            ``part[cut:]``.
+        host: a `PartitionedAdam` (states in host memory) or an `NvmeAdam` over ``part[cut:]``.
     """
 
     def __init__(self, parts: list[torch.Tensor], cuts: list[int], device: PartitionedAdam,

@@ -1,11 +1,9 @@
 """Any torch optimizer over this rank's partition, for the settings the fused Adam kernel does not cover.
 
-DeepSpeed runs ``getattr(torch.optim, optimizer.type)(params, **optimizer.params)`` for a type it has no
-kernel of its own for, and torch's Adam for ``amsgrad``; here that optimizer steps the fp32 master
-partition (on the host when offloaded), exactly as `PartitionedAdam` steps it with the fused kernel, and the
-updated 16-bit partition is written back the same way. ``Lamb`` (`zero_offload.optim.lamb.Lamb`, DeepSpeed's
-FusedLamb) runs here too, told where each parameter's pieces sit in the partition so its per-tensor trust
-ratios cover whole tensors.
+As DeepSpeed runs ``getattr(torch.optim, optimizer.type)(params, **optimizer.params)`` for a type it has no kernel
+of its own for, and torch's Adam for ``amsgrad``, that optimizer steps the fp32 master partition here (on the host
+when offloaded), written back as `PartitionedAdam` writes it. ``Lamb`` (`zero_offload.optim.lamb.Lamb`, DeepSpeed's
+FusedLamb) runs here too, told where each parameter's pieces sit so that its per-tensor trust ratios see whole tensors.
 """
 from __future__ import annotations
 
@@ -54,10 +52,8 @@ class PartitionedTorchOptimizer(PartitionedAdam):
                 groups.append(group)
         # The config's params as constructor defaults too: some optimizers read them only from there when they
         # set up state (Adagrad's initial_accumulator_value).
-        extra = {}
-        if type_name == "Lamb":
-            extra = dict(segments={m: seg for m, seg in zip(self.masters, segments)} if segments else None,
-                         all_reduce=all_reduce)
+        segments = {m: seg for m, seg in zip(self.masters, segments)} if segments else None
+        extra = dict(segments=segments, all_reduce=all_reduce) if type_name == "Lamb" else {}
         self.optimizer = cls(groups, **(torch_kwargs or {}), **extra)
         self.amsgrad = torch_kwargs is None
         self.steps = [0] * len(self.masters)         # optimizer steps taken, per group (SGD keeps no count)
@@ -66,9 +62,8 @@ class PartitionedTorchOptimizer(PartitionedAdam):
     @torch.no_grad()
     def step(self, grads: Sequence[GradSource], grad_scale: float, lrs: Sequence[float] | None = None,
              publish: bool = True) -> None:
-        """One torch-optimizer step of every group's master partition with ``grads`` (ready sources) x
-        ``grad_scale``; the updated values are copied into the 16-bit (or fp32) partition. Never deferred:
-        ``lrs`` and ``publish`` are not used (the groups' learning rates apply).
+        """The `PartitionOptimizer` step, by the torch optimizer on the masters. Never deferred: ``lrs`` and
+        ``publish`` are not used (the groups' learning rates apply).
 
         Raises:
             RuntimeError: a gradient source with copies still in flight (`GradSource.ready`).
@@ -91,7 +86,7 @@ class PartitionedTorchOptimizer(PartitionedAdam):
 
     # -- checkpoints: the per-element states in the two moment slots of the checkpoint format --------------
     def _probe_state(self, cls, group: dict) -> None:
-        """Step a one-element copy of the optimizer once to learn its state's names: per-element tensors go to
+        """Step a two-element copy of the optimizer once to learn its state's names: per-element tensors go to
         the checkpoint's ``exp_avg``/``exp_avg_sq`` slots in that order, ``step`` is the shared step count,
         anything else cannot be saved here (`checkpoint_refusal` names it)."""
         probe = torch.zeros(2, requires_grad=True)     # two elements: per-element states vs scalars
@@ -122,9 +117,8 @@ class PartitionedTorchOptimizer(PartitionedAdam):
         return self.steps[g]
 
     def state_chunks(self, g: int, chunk_numel: int = 1 << 24):
-        """Group ``g``'s partition in pieces (see `PartitionedAdam.state_chunks`): the master weights, and the
-        optimizer's per-element states under ``exp_avg`` and ``exp_avg_sq`` (e.g. SGD's momentum_buffer,
-        Adagrad's sum; zeros where absent).
+        """As `PartitionedAdam.state_chunks`, with the optimizer's per-element states (SGD's momentum_buffer,
+        Adagrad's sum, ...; zeros where absent) under ``exp_avg`` and ``exp_avg_sq``.
 
         Raises:
             NotImplementedError: the optimizer keeps a state the format cannot hold (amsgrad's
@@ -134,9 +128,10 @@ class PartitionedTorchOptimizer(PartitionedAdam):
             raise NotImplementedError(self.checkpoint_refusal)
         yield from super().state_chunks(g, chunk_numel)
 
-    def _moment_keys(self) -> tuple[str | None, str | None]:
+    def _moments(self, g: int) -> list[torch.Tensor | None]:
         # Per-element states in the two moment slots (SGD momentum, Adagrad sum, ...); fewer leave zeros.
-        return (*self.slot_names, None, None)[:2]
+        state = self.optimizer.state.get(self.masters[g], {})
+        return [state.get(key) if key else None for key in (*self.slot_names, None, None)[:2]]
 
     @torch.no_grad()
     def load_state_chunks(self, g: int, step: int, chunks) -> None:

@@ -25,6 +25,7 @@ import zero_offload
 from toy_model import batch, make_model
 from zero_offload.hoststep import adam as partitioned_adam
 from zero_offload.hoststep import delayed as delayed_update
+from zero_offload.hoststep import pipeline
 from zero_offload.offload import buffer_lease, simulated
 
 STEPS = 4
@@ -112,24 +113,39 @@ def test_power_a_publish_that_does_not_wait_for_the_landing_copies_is_caught(slo
     assert losses != slow_copies[0] or any(not torch.equal(params[n], v) for n, v in slow_copies[1].items())
 
 
-@pytest.fixture
-def slow_step(slow_copies, monkeypatch):
-    """The delayed step takes 5 ms per 512-element chunk: the next backward catches up with it."""
-    copy_incoming = partitioned_adam.PartitionedAdam._copy_incoming
+COPY_INCOMING = partitioned_adam.PartitionedAdam._copy_incoming
+
+
+def slow_chunks(monkeypatch, arrived: threading.Event, per_chunk_s: float) -> None:
+    """Every chunk of a delayed step takes ``per_chunk_s`` more, and the first delayed step's first chunk is held
+    until the next backward reaches the lent buffer (``arrived``, set by the test's `BufferLease.wait`): backward
+    overtakes the step however loaded the host is (a 5 ms step alone was seen to finish first under load)."""
+    held = []
 
     def slow(self, g, lo, hi):
-        time.sleep(0.005)
-        copy_incoming(self, g, lo, hi)
+        if not held:
+            held.append(arrived.wait(timeout=60))
+        time.sleep(per_chunk_s)
+        COPY_INCOMING(self, g, lo, hi)
     monkeypatch.setattr(partitioned_adam.PartitionedAdam, "_copy_incoming", slow)
-    return slow_copies
+
+
+@pytest.fixture
+def slow_step(slow_copies, monkeypatch):
+    """The delayed step takes 5 ms per 512-element chunk and holds its first until the next backward waits on it."""
+    arrived = threading.Event()
+    slow_chunks(monkeypatch, arrived, 0.005)
+    return slow_copies, arrived
 
 
 def test_the_next_backward_waits_for_what_the_delayed_step_has_not_released(slow_step, monkeypatch):
+    reference, arrived = slow_step
     blocked = []
     wait = buffer_lease.BufferLease.wait
 
     def spy(self, lo):
         blocked.append(self.free_from > lo)
+        arrived.set()
         return wait(self, lo)
     monkeypatch.setattr(buffer_lease.BufferLease, "wait", spy)
     model = make_model()
@@ -138,44 +154,73 @@ def test_the_next_backward_waits_for_what_the_delayed_step_has_not_released(slow
     engine.close()
     losses, params = run()
     assert len(blocked) > 4 and any(blocked), blocked
-    assert losses == slow_step[0]
-    for name, value in slow_step[1].items():
+    assert losses == reference[0]
+    for name, value in reference[1].items():
         assert torch.equal(params[name], value), name
 
 
 def test_power_a_copy_down_into_an_unreleased_part_is_caught(slow_step, monkeypatch):
-    monkeypatch.setattr(buffer_lease.BufferLease, "wait", lambda self, lo: self.last_reader)
-    # The delayed step slowed further (35 ms a chunk in all): the next backward overtakes it even on a loaded host,
-    # where a 5 ms step was seen to finish first and hide the fault (CI, with other tests running beside it).
-    copy_incoming = partitioned_adam.PartitionedAdam._copy_incoming
+    reference, arrived = slow_step
 
-    def slower(self, g, lo, hi):
-        time.sleep(0.03)
-        copy_incoming(self, g, lo, hi)
-    monkeypatch.setattr(partitioned_adam.PartitionedAdam, "_copy_incoming", slower)
+    def no_wait(self, lo):
+        arrived.set()
+        return self.last_reader
+    monkeypatch.setattr(buffer_lease.BufferLease, "wait", no_wait)
+    slow_chunks(monkeypatch, arrived, 0.03)      # 30 ms a chunk: backward overwrites parts the step has not read
     losses, params = run()
-    assert losses != slow_step[0] or any(not torch.equal(params[n], v) for n, v in slow_step[1].items())
+    assert losses != reference[0] or any(not torch.equal(params[n], v) for n, v in reference[1].items())
 
 
 def _slow_copies_up(monkeypatch):
     """The synchronous run (the reference), then: each delayed step ends before the next forward starts (the whole
-    buffer released), its copies up land one after another 5 ms apart from 20 ms after they are queued, and copies
-    down land at once, so a copy down that is not ordered after the copy up reading its part of the lent buffer
-    overwrites that part before it is read."""
-    import itertools
+    buffer released), and its copies up are held until the next backward's first copy down into the lent buffer
+    asks the lease, then land one after another 30 ms apart, while copies down land at once. So a copy down that
+    is not ordered after the copy up reading its part of the buffer overwrites that part before it is read, on any
+    host load (delays counted from when a copy was queued were outrun by a slow backward)."""
     monkeypatch.delenv(simulated.ENV, raising=False)
     reference = run()
     monkeypatch.setenv(simulated.ENV, "1")
     monkeypatch.delenv(simulated.SKIP_WAITS_ENV, raising=False)
-    ups = itertools.count()
-    monkeypatch.setattr(simulated, "random_delay", lambda: 0.02 + 0.005 * next(ups)
-                        if "copy-up-issuer" in threading.current_thread().name else 0.0)
-    launch = delayed_update.DelayedParamUpdate.launch
+    monkeypatch.setattr(simulated, "random_delay", lambda: 0.0)
+    held: list[threading.Event] = []            # the gate of the last delayed step's copies up, while closed
+    to_device, launch, flush = (simulated.SimulatedCopies.to_device, delayed_update.DelayedParamUpdate.launch,
+                                pipeline.HostStepPipeline.flush)
+    wait = buffer_lease.BufferLease.wait
+
+    def held_copy(self, dst, src, after=None):
+        if not held:
+            return to_device(self, dst, src, after)
+        gate, copy = held[0], simulated.delayed_copy(dst, src)
+
+        def work() -> None:        # on the copy stream, in queue order: 30 ms apart once the gate opens
+            gate.wait(timeout=60)
+            time.sleep(0.03)
+            copy()
+        self.counts.bytes_up += dst.numel() * dst.element_size()
+        return simulated.SimulatedHandle(self.h2d.submit(work, nbytes=dst.numel() * dst.element_size(), after=after),
+                                         self.counts)
 
     def launch_and_finish(self, grad_scale):
+        held[:] = [threading.Event()]
         launch(self, grad_scale)
         self.thread.join()
+
+    def open_gate() -> None:
+        for gate in held:
+            gate.set()
+        held.clear()
+
+    def open_then_wait(self, lo):
+        open_gate()
+        return wait(self, lo)
+
+    def open_then_flush(self, timed=False):      # the last step: no backward follows it
+        open_gate()
+        flush(self, timed)
+    monkeypatch.setattr(simulated.SimulatedCopies, "to_device", held_copy)
+    monkeypatch.setattr(buffer_lease.BufferLease, "wait", open_then_wait)
     monkeypatch.setattr(delayed_update.DelayedParamUpdate, "launch", launch_and_finish)
+    monkeypatch.setattr(pipeline.HostStepPipeline, "flush", open_then_flush)
     return reference
 
 

@@ -317,7 +317,8 @@ class DistContext:
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> None:
         """Each rank sends ``in_splits[r]`` elements of ``inp`` to rank r (of the group) and receives
-        ``out_splits[r]`` into ``out``, in rank order; synchronous (Muon's owners: `zero_offload.hoststep.muon_owners`).
+        ``out_splits[r]`` into ``out``, in rank order; synchronous (Muon's owners:
+        `zero_offload.hoststep.muon_owners`).
         """
         if not self.distributed:
             out.copy_(inp)

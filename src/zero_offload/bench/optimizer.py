@@ -130,7 +130,8 @@ def _format(result: dict) -> str:
     lines = [f"host Adam step: {result['params']:,} params, {result['dtype']} grad/param, "
              f"{result['threads']} threads, kernel ISA {result['isa']}, median of {result['repeats']}",
              f"memory bandwidth: triad a=b+s*c {result['bandwidth']['triad']:.1f} GB/s, "
-             f"in place a+=s*c {result['bandwidth']['triad_inplace']:.1f} GB/s -> limit {result['limit_gb_s']:.1f} GB/s",
+             f"in place a+=s*c {result['bandwidth']['triad_inplace']:.1f} GB/s "
+             f"-> limit {result['limit_gb_s']:.1f} GB/s",
              "",
              f"{'path':<34}{'Gparam/s':>9}{'B/param':>9}{'GB/s':>8}{'of BW':>8}{'vs torch':>10}{'vs DS':>8}"]
     ref = {r["path"]: r.get("gparams_per_s") for r in result["rows"]}

@@ -10,8 +10,8 @@ from __future__ import annotations
 from zero_offload.nvme.buffers import align_up
 from zero_offload.state import STATE_KINDS
 
-__all__ = ["STATE_FILES", "FP32", "FP32_SIZES", "sub_group_numel", "pool_slots", "pool_bytes", "bytes_needed", "kind_bytes",
-           "file_bytes", "element_sizes"]
+__all__ = ["STATE_FILES", "FP32", "FP32_SIZES", "sub_group_numel", "pool_slots", "pool_bytes", "bytes_needed",
+           "kind_bytes", "file_bytes", "element_sizes"]
 
 FP32 = 4
 FP32_SIZES = (FP32, FP32, FP32)      # bytes per element of the master, exp_avg and exp_avg_sq files
@@ -20,7 +20,8 @@ STATE_FILES = tuple(f".{kind}.swp" for kind in STATE_KINDS)    # name endings of
 
 def element_sizes(config) -> tuple[int, int, int]:
     """Bytes per element of the three state files under ``config`` (a `zero_offload.config.Config`): the master (4,
-    or 2 with ``bf16.bf16_master_weights_and_grads``) and both moments (4, or 2 with ``bf16.bf16_optimizer_states``)."""
+    or 2 with ``bf16.bf16_master_weights_and_grads``) and both moments (4, or 2 with
+    ``bf16.bf16_optimizer_states``)."""
     moment = config.bf16.state_dtype.itemsize
     return config.bf16.master_dtype.itemsize, moment, moment
 

@@ -8,8 +8,8 @@ update): its kernel runs with that many OpenMP threads on every step, and its pe
 pinned to those cores where the OS allows (``os.sched_setaffinity`` on Linux; elsewhere only the thread count
 applies). Its OpenMP team, created by that thread, inherits the pinning. A synchronous host step keeps every
 core (``torch.get_num_threads()``): the training thread only waits for it (on 2 cores a 0.8 share is 1 thread,
-which made the synchronous step slower). The training thread is left where the user put it. DeepSpeed applies the key to
-SuperOffload's CPU Adam process only; here it sizes every host step.
+which made the synchronous step slower). The training thread is left where the user put it. DeepSpeed applies the key
+to SuperOffload's CPU Adam process only; here it sizes every host step.
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """Text data for the training job: corpus, tokenization, a token cache, and a batch sampler.
 
 The default corpus is the Python standard library source of the running interpreter (its ``*.py``
-files in sorted order; ``site-packages`` and the generated codec tables of ``encodings`` left out), capped at ``max_bytes`` of text. ``data_path``
-names a text file or a directory of text files instead (read recursively in sorted order; files with
+files in sorted order; ``site-packages`` and the generated codec tables of ``encodings`` left out), capped at
+``max_bytes`` of text. ``data_path`` names a text file or a directory of text files instead (read recursively in sorted order; files with
 a NUL byte in their first 8 KiB are taken for binary and skipped; undecodable bytes become U+FFFD).
 
 Cache layout, under ``cache_dir/<source name>-<key>/``: ``tokens.bin`` (every token, uint16 when

@@ -116,30 +116,36 @@ def test_power_a_publish_that_does_not_wait_for_the_landing_copies_is_caught(slo
 COPY_INCOMING = partitioned_adam.PartitionedAdam._copy_incoming
 
 
-def slow_chunks(monkeypatch, arrived: threading.Event, per_chunk_s: float) -> None:
+def slow_chunks(monkeypatch, arrived: threading.Event, per_chunk_s: float) -> list[bool]:
     """Every chunk of a delayed step takes ``per_chunk_s`` more, and the first delayed step's first chunk is held
     until the next backward reaches the lent buffer (``arrived``, set by the test's `BufferLease.wait`): backward
-    overtakes the step however loaded the host is (a 5 ms step alone was seen to finish first under load)."""
-    held = []
+    overtakes the step however loaded the host is (a 5 ms step alone was seen to finish first under load). The
+    synchronous warm-up step, whose chunks go up the same way, is not held: no backward runs beside it."""
+    launched, held, launch = threading.Event(), [], delayed_update.DelayedParamUpdate.launch
+
+    def launch_flagged(self, grad_scale):
+        launched.set()
+        launch(self, grad_scale)
 
     def slow(self, g, lo, hi):
-        if not held:
+        if launched.is_set() and not held:
             held.append(arrived.wait(timeout=60))
         time.sleep(per_chunk_s)
         COPY_INCOMING(self, g, lo, hi)
+    monkeypatch.setattr(delayed_update.DelayedParamUpdate, "launch", launch_flagged)
     monkeypatch.setattr(partitioned_adam.PartitionedAdam, "_copy_incoming", slow)
+    return held                  # [True] once a delayed step was held until backward arrived
 
 
 @pytest.fixture
 def slow_step(slow_copies, monkeypatch):
     """The delayed step takes 5 ms per 512-element chunk and holds its first until the next backward waits on it."""
     arrived = threading.Event()
-    slow_chunks(monkeypatch, arrived, 0.005)
-    return slow_copies, arrived
+    return slow_copies, arrived, slow_chunks(monkeypatch, arrived, 0.005)
 
 
 def test_the_next_backward_waits_for_what_the_delayed_step_has_not_released(slow_step, monkeypatch):
-    reference, arrived = slow_step
+    reference, arrived, held = slow_step
     blocked = []
     wait = buffer_lease.BufferLease.wait
 
@@ -153,14 +159,14 @@ def test_the_next_backward_waits_for_what_the_delayed_step_has_not_released(slow
     assert all(p.shares_buffer for p in engine.zero.partitions)
     engine.close()
     losses, params = run()
-    assert len(blocked) > 4 and any(blocked), blocked
+    assert held == [True] and len(blocked) > 4 and any(blocked), (held, blocked)
     assert losses == reference[0]
     for name, value in reference[1].items():
         assert torch.equal(params[name], value), name
 
 
 def test_power_a_copy_down_into_an_unreleased_part_is_caught(slow_step, monkeypatch):
-    reference, arrived = slow_step
+    reference, arrived, _ = slow_step
 
     def no_wait(self, lo):
         arrived.set()

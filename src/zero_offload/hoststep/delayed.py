@@ -47,6 +47,10 @@ class DelayedParamUpdate:
         self.thread = zero.adam.host_thread
         self.unpublished = False     # a finished step whose parameters the model does not run on yet
 
+    def engaged(self, global_step: int) -> bool:
+        """True when the step numbered ``global_step`` (0-based) runs delayed: after the warm-up."""
+        return global_step >= self.warmup_steps
+
     def launch(self, grad_scale: float) -> None:
         """Start this step's host step in the background on the gradients as they are now."""
         self.flush()

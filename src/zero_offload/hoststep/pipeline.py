@@ -71,7 +71,7 @@ class HostStepPipeline:
     def step(self, grad_scale: float, global_step: int) -> None:
         """The optimizer step of step ``global_step`` with the finished gradients x ``grad_scale`` (1 / loss
         scale x clip coefficient): launched beside training (delayed, after the warm-up), or now."""
-        if self.delayed is not None and global_step >= self.delayed.warmup_steps:   # 0-based: after the warm-up
+        if self.delayed is not None and self.delayed.engaged(global_step):
             self.delayed.launch(grad_scale)
             return
         with self.waiting() if self.on_host else contextlib.nullcontext():

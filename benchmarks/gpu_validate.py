@@ -214,7 +214,8 @@ def section_gpt2(args) -> dict:
 def section_gpt2_xl(args) -> dict:
     """GPT-2 XL (1.56B) with activation checkpointing, micro-batch 16: plain AdamW, ZeRO-2 + offload plain, delayed
     and speculated (issue 28's >= 0.9x target)."""
-    cfg = gpt_config("custom", args.tiny, n_layer=48, n_head=25, n_embd=1600, vocab_size=50257, block_size=1024,
+    depth = {} if args.tiny else {"n_layer": 48}      # the smoke run keeps the tiny model's depth
+    cfg = gpt_config("custom", args.tiny, **depth, n_head=25, n_embd=1600, vocab_size=50257, block_size=1024,
                      activation_checkpointing=True)
     micro = 2 if args.tiny else 16
     steps, split_steps = (2, 1) if args.tiny else (4, 1)

@@ -35,8 +35,9 @@ FACES = {"native.py": {"_native"}}
 TORCH_PRIVATE = {"_parameters", "_buffers", "_non_persistent_buffers_set", "_cdata"}
 # The loader that stands in for transformers' own ``_load_pretrained_model`` (and the two peft methods it wraps, by
 # name) keeps transformers' loading protocol: the flag its loader sets on each loaded tensor, which its
-# ``_init_weights`` skips, and the conversions a model records for ``save_pretrained``.
-LIBRARY_PROTOCOL = {"hf/pretrained.py": {"_is_hf_initialized", "_weight_conversions"}}
+# ``_init_weights`` skips, the conversions a model records for ``save_pretrained``, and the device transformers
+# kernelizes for when the parameters are on meta (it sets it itself for a ``device_map``'s offloaded ones).
+LIBRARY_PROTOCOL = {"hf/pretrained.py": {"_is_hf_initialized", "_weight_conversions", "_kernels_device"}}
 
 
 @pytest.mark.parametrize("path", sorted(p.relative_to(SRC).as_posix() for p in SRC.rglob("*.py")))

@@ -163,7 +163,7 @@ def _finalize_then_shard(original):
     def finalize(model, load_config, loading_info):
         info = original(model, load_config, loading_info)      # ties, initialises what is missing, reports
         shard_in_place(model)            # what transformers initialised: rank 0's values, a slice per rank
-        # transformers (5.25 on) then kernelizes for the parameters' device, meta here: name the CPU, where a
+        # transformers (5.25 does) then kernelizes for the parameters' device, meta here: name the CPU, where a
         # plain load puts them, as transformers itself names the executed device of parameters offloaded to meta.
         model._kernels_device = "cpu"
         return info

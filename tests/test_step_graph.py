@@ -4,10 +4,12 @@ a proxy under simulated streams, replayed with a plan's durations, and used by t
 from __future__ import annotations
 
 import pytest
+import torch
 
 import zero_offload
 from zero_offload.cli import main
 from zero_offload.estimate import step_graph
+from zero_offload.estimate.proxy_recording import close_recorder
 from zero_offload.estimate.step_graph import Phases, Structure, predict_step
 from zero_offload.offload import buffer_lease
 
@@ -75,11 +77,12 @@ def test_the_recording_runs_in_a_one_rank_cpu_subprocess_where_needed(monkeypatc
     if why == "distributed":
         monkeypatch.setenv("WORLD_SIZE", "2")
     else:
-        monkeypatch.setattr(step_graph.torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     try:
         there = step_graph.recording(PLAIN)
     finally:
         step_graph.recording.cache_clear()
+        close_recorder()
     kinds = lambda rec: sorted({(o.lane.split("_")[0], o.kind) for o in rec[0].ops})   # noqa: E731
     assert kinds(here) == kinds(there) and len(here[1]) == len(there[1])
     assert ("h2d", "copy") in kinds(there) and ("d2h", "copy") in kinds(there)

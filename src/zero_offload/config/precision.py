@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import torch
 
 from zero_offload.config.schema import ConfigError, option
-
-if TYPE_CHECKING:
-    from zero_offload.config.sections import Config
 
 __all__ = ["FP16Config", "BF16Config", "check_master_weights", "bf16_moments_from_optimizer"]
 
@@ -65,9 +62,10 @@ class BF16Config:
         return torch.bfloat16 if self.bf16_optimizer_states else torch.float32
 
 
-def bf16_moments_from_optimizer(cfg: "Config") -> None:
+def bf16_moments_from_optimizer(cfg) -> None:
     """DeepSpeed's ``optimizer.params.fp32_optimizer_states: false`` (its CPU Adam keeps the moments in the
     parameters' dtype) is ``bf16.bf16_optimizer_states`` here: set it, so one key says what the moments are.
+    ``cfg``: the `zero_offload.config.Config` being validated (its sections import this module).
 
     Raises:
         ConfigError: without bf16 training (fp16 moments are not built).
@@ -81,8 +79,9 @@ def bf16_moments_from_optimizer(cfg: "Config") -> None:
     cfg.bf16.bf16_optimizer_states = True
 
 
-def check_master_weights(cfg: "Config") -> None:
-    """Refuse a bf16 master-weight setting this engine does not build, naming the keys.
+def check_master_weights(cfg) -> None:
+    """Refuse a bf16 master-weight setting this engine does not build, naming the keys; ``cfg``: the
+    `zero_offload.config.Config` being validated (its sections import this module).
 
     Mirrors DeepSpeed 0.19.8: bf16 masters only with ``bf16.enabled`` at ZeRO stages 1-3 and with its CPU Adam
     (here: Adam/AdamW on the fused host kernel). Not built yet: parameters on NVMe,

@@ -2,25 +2,21 @@
 staging they stream through, sized with the NVMe layer's own functions."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from zero_offload.config import Config
 from zero_offload.estimate.shape import ModelShape
 from zero_offload.flat import partition_numel
 
-if TYPE_CHECKING:
-    from zero_offload.estimate.memory import MemoryEstimate
-
 __all__ = ["add_nvme_files"]
 
 
-def add_nvme_files(est: "MemoryEstimate", cfg: Config, shape: ModelShape, parts: list[int], world_size: int,
+def add_nvme_files(est, cfg: Config, shape: ModelShape, parts: list[int], world_size: int,
                    dtype: torch.dtype, accelerator: bool) -> None:
     """The NVMe side of a rank (`zero_offload.nvme`): optimizer-state files in whole sub-groups and their host
     pool (``nvme_buffers``) and 16-bit staging; parameter files, their read pool (``param_pool``) and the ring
-    their writes behind the step go out from (``param_write_ring``)."""
+    their writes behind the step go out from (``param_write_ring``), added to ``est``: the
+    `zero_offload.estimate.memory.MemoryEstimate` being filled (which calls this)."""
     from zero_offload.nvme import state_files                 # imported here: the NVMe layer is optional
     from zero_offload.nvme.param_store import NvmeParamStore
     zc = cfg.zero_optimization

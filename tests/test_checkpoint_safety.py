@@ -1,10 +1,12 @@
 """Checkpoints that cannot be mixed or silently wrong: one writer per directory, a manifest that proves itself,
 loads that change nothing until everything is checked, plain tag names, and write errors that name the file."""
+import fcntl
 import json
 import os
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 import torch
@@ -14,7 +16,7 @@ from reference import engine_config
 from tmpfs_utils import small_tmpfs
 from toy_model import batch, make_model
 from zero_offload.checkpoint import CheckpointError, DiskFullError
-from zero_offload.checkpoint.lock import DirectoryLock
+from zero_offload.checkpoint.lock import LOCK_FILE, DirectoryLock, LockedError
 from zero_offload.checkpoint.manifest import manifest_digest
 
 HERE = os.path.dirname(__file__)
@@ -59,6 +61,41 @@ def test_a_second_writer_fails_at_once_naming_the_holder(tmp_path):
     assert not (tmp_path / "a").exists() and not (tmp_path / "latest").exists()
     engine.save_checkpoint(tmp_path, tag="a")       # the lock is gone with its holder
     assert (tmp_path / "latest").read_text() == "a"
+
+
+def _held_without_a_pid(directory):
+    """A holder caught between taking the lock and writing its pid: the lock file locked, and empty."""
+    directory.mkdir(exist_ok=True)
+    fd = os.open(directory / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd
+
+
+def test_a_writer_refused_before_the_holder_wrote_its_pid_still_names_it(tmp_path):
+    """The CI run of 17e9258 (under load) saw 'pid unknown': the refused writer read the lock file in the instant
+    between the holder's lock and its pid. The refusal waits for the pid (`PID_WAIT_S`) and names it."""
+    fd = _held_without_a_pid(tmp_path)
+    writer = threading.Timer(0.3, os.pwrite, (fd, b"4242\n", 0))
+    writer.start()
+    try:
+        with pytest.raises(LockedError, match=r"by another process \(pid 4242\)"):
+            DirectoryLock(tmp_path).acquire()
+    finally:
+        writer.join()
+        os.close(fd)
+
+
+def test_a_lock_being_let_go_is_taken_not_refused(tmp_path):
+    """The holder empties the lock file just before unlocking: a writer that comes in between gets the lock."""
+    fd = _held_without_a_pid(tmp_path)
+    releaser = threading.Timer(0.3, os.close, (fd,))
+    releaser.start()
+    lock = DirectoryLock(tmp_path).acquire()
+    try:
+        assert lock.held and (tmp_path / LOCK_FILE).read_text() == f"{os.getpid()}\n"
+    finally:
+        lock.release()
+        releaser.join()
 
 
 WRITER = textwrap.dedent("""

@@ -10,11 +10,14 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import time
 from pathlib import Path
 
 __all__ = ["DirectoryLock", "LockedError", "LOCK_FILE"]
 
 LOCK_FILE = ".lock"
+# Seconds a refused writer waits for the holder's pid to appear (it is written just after the lock is taken).
+PID_WAIT_S = 5.0
 
 
 class LockedError(RuntimeError):
@@ -25,7 +28,8 @@ class DirectoryLock:
     """``with DirectoryLock(path, purpose):`` holds ``path/.lock`` exclusively, creating ``path`` if needed.
 
     Raises (on entry):
-        LockedError: another process holds the lock (not waited for).
+        LockedError: another process holds the lock. Not waited for, except for up to `PID_WAIT_S` while the
+            holder has taken it and not yet written its pid (or is letting it go), so the message names the pid.
     """
 
     def __init__(self, directory: str | os.PathLike, purpose: str = "in use"):
@@ -37,15 +41,25 @@ class DirectoryLock:
         self.directory.mkdir(parents=True, exist_ok=True)
         path = self.directory / LOCK_FILE
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
-            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise LockedError(f"'{self.directory}' is {self.purpose} by another process (pid {holder}); "
-                                  f"wait for it to finish or use another directory") from None
-            raise
+        # The holder writes its pid just after taking the lock and empties the file just before letting it go:
+        # a refusal that finds no pid looks again, and takes the lock if it was being let go, for a short while.
+        deadline = time.monotonic() + PID_WAIT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError as e:
+                holder = os.pread(fd, 64, 0).decode(errors="replace").strip()
+                busy = e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)
+                if busy and not holder and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                    continue
+                os.close(fd)
+                if busy:
+                    raise LockedError(f"'{self.directory}' is {self.purpose} by another process (pid "
+                                      f"{holder or 'unknown'}); wait for it to finish or use another "
+                                      "directory") from None
+                raise
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._fd = fd

@@ -31,8 +31,9 @@ FOREIGN_OK = {"torch", "_C", "ctypes", "os", "sys"}
 FACES = {"native.py": {"_native"}}
 # torch's private names read on purpose: nn.Module's own tables (the only way to see a module's own parameters and
 # buffers with their None entries, and which buffers persist; torch's FSDP reads them too) and a storage's
-# identity (`_cdata`: it survives resizing to 0 bytes, which data_ptr does not).
-TORCH_PRIVATE = {"_parameters", "_buffers", "_non_persistent_buffers_set", "_cdata"}
+# identity (`_cdata`: it survives resizing to 0 bytes, which data_ptr does not), and a tensor's C++ reference count
+# (`_use_count`: the only way to see that a backend's worker still refers to it, `comm_handover`).
+TORCH_PRIVATE = {"_parameters", "_buffers", "_non_persistent_buffers_set", "_cdata", "_use_count"}
 # The loader that stands in for transformers' own ``_load_pretrained_model`` (and the two peft methods it wraps, by
 # name) keeps transformers' loading protocol: the flag its loader sets on each loaded tensor, which its
 # ``_init_weights`` skips, the conversions a model records for ``save_pretrained``, and the device transformers

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import functools
 import os
+import pickle
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from zero_offload.comm_handover import handed, settle
 from zero_offload.offload import simulated
 from zero_offload.offload.simulated import SimulatedCollectives
 
@@ -118,7 +120,7 @@ def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group=None, async_op: 
     ``async_op`` handle is already done)."""
     device = collective_device(out, group)
     if device == out.device:
-        return _ALL_GATHER(out, inp, group=group, async_op=async_op)
+        return _ALL_GATHER(*handed(out, inp), group=group, async_op=async_op)
     staged_out, staged_in = _on(device, [out, inp])
     _ALL_GATHER(staged_out, staged_in, group=group)
     out.copy_(staged_out)
@@ -128,7 +130,7 @@ def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group=None, async_op: 
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, average: bool = False, group=None, async_op: bool = True):
     """Sum (``average``: NCCL's ReduceOp.AVG) ``inp`` over ranks and keep this rank's slice of it in ``out``."""
     op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
-    return _REDUCE_SCATTER(out, inp, op=op, group=group, async_op=async_op)
+    return _REDUCE_SCATTER(*handed(out, inp), op=op, group=group, async_op=async_op)
 
 
 def all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],
@@ -138,7 +140,7 @@ def all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_s
     (`collective_device`)."""
     device = collective_device(out, group)
     if device == out.device:
-        dist.all_to_all_single(out, inp, out_splits, in_splits, group=group)
+        dist.all_to_all_single(*handed(out, inp), out_splits, in_splits, group=group)
         return
     staged_out, staged_in = _on(device, [out, inp])
     dist.all_to_all_single(staged_out, staged_in, out_splits, in_splits, group=group)
@@ -150,7 +152,7 @@ def broadcast(tensor: torch.Tensor, src: int, group=None) -> None:
     through the current CUDA device: `collective_device`)."""
     device = collective_device(tensor, group)
     if device == tensor.device:
-        dist.broadcast(tensor, src=src, group=group)
+        dist.broadcast(*handed(tensor), src=src, group=group)
         return
     staged = tensor.to(device)
     dist.broadcast(staged, src=src, group=group)
@@ -200,22 +202,35 @@ def choose_device(backend: str | None, cuda: bool, environ=None) -> torch.device
     return torch.device("cuda", index)
 
 
+def _pickled(obj) -> torch.Tensor:
+    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+
+
 def gather_objects(obj, group=None) -> list:
-    """Every rank's picklable ``obj``, in rank order (``[obj]`` on a single process)."""
+    """Every rank's picklable ``obj``, in rank order (``[obj]`` on a single process). Pickled into byte tensors,
+    as ``torch.distributed.all_gather_object`` does, but gathered by `all_gather_into`, so that the backend
+    never frees them at exit (`zero_offload.comm_handover`)."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return [obj]
-    out = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
-    return out
+    data, sizes = _pickled(obj), torch.zeros(dist.get_world_size(group), dtype=torch.int64)
+    all_gather_into(sizes, torch.tensor([data.numel()]), group)
+    rows = torch.empty(len(sizes), int(sizes.max()), dtype=torch.uint8)
+    all_gather_into(rows.view(-1), torch.cat([data, rows.new_zeros(rows.shape[1] - data.numel())]), group)
+    return [pickle.loads(rows[r, :n].numpy().tobytes()) for r, n in enumerate(sizes.tolist())]
 
 
 def broadcast_object(obj, src: int = 0, group=None):
-    """Global rank ``src``'s picklable ``obj``, on every rank."""
+    """Global rank ``src``'s picklable ``obj``, on every rank (``src`` keeps its own object), by `broadcast`
+    of its pickled bytes, as ``torch.distributed.broadcast_object_list`` does."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=src, group=group)
-    return box[0]
+    mine = dist.get_rank() == src
+    data = _pickled(obj) if mine else None
+    size = torch.tensor([data.numel() if mine else 0])
+    broadcast(size, src, group)
+    data = data if mine else torch.empty(int(size), dtype=torch.uint8)
+    broadcast(data, src, group)
+    return obj if mine else pickle.loads(data.numpy().tobytes())
 
 
 def barrier(group=None) -> None:
@@ -334,23 +349,24 @@ class DistContext:
         ranks into ``owner``'s copy (the bucketed reduce-scatter's per-owner part)."""
         op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
         if async_op and self.simulation is not None:
-            launch = ((lambda t: dist.reduce(t, dst=self._global(owner), op=op, group=self.group, async_op=True))
+            dst = self._global(owner)
+            launch = ((lambda t: dist.reduce(*handed(t), dst=dst, op=op, group=self.group, async_op=True))
                       if self.distributed else None)
             return self.simulation.in_place(tensor, launch, receives=owner == self.rank)
         if not self.distributed:
             return DoneWork()
-        return dist.reduce(tensor, dst=self._global(owner), op=op, group=self.group, async_op=async_op)
+        return dist.reduce(*handed(tensor), dst=self._global(owner), op=op, group=self.group, async_op=async_op)
 
     def all_reduce(self, tensor: torch.Tensor, async_op: bool = True, average: bool = False):
         """Sum (or with ``average``, average) ``tensor`` over ranks in place, on every rank."""
         op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
         if async_op and self.simulation is not None:
-            launch = ((lambda t: dist.all_reduce(t, op=op, group=self.group, async_op=True))
+            launch = ((lambda t: dist.all_reduce(*handed(t), op=op, group=self.group, async_op=True))
                       if self.distributed else None)
             return self.simulation.in_place(tensor, launch)
         if not self.distributed:
             return DoneWork()
-        return dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
+        return dist.all_reduce(*handed(tensor), op=op, group=self.group, async_op=async_op)
 
     def native_average(self, dtype: torch.dtype) -> bool:
         """True when the backend averages in the collective itself (NCCL's ReduceOp.AVG), so no separate
@@ -371,8 +387,8 @@ class DistContext:
             return
         for lo in range(0, partition_numel, bucket_numel):
             hi = min(lo + bucket_numel, partition_numel)
-            views = list(parts[:, lo:hi].unbind(0))
-            dist.all_gather(views, views[self.rank].clone(), group=self.group)
+            *views, mine = handed(*parts[:, lo:hi].unbind(0), parts[self.rank, lo:hi].clone())
+            dist.all_gather(views, mine, group=self.group)
 
     def for_reductions(self) -> "DistContext":
         """A context over the same ranks on a process group of its own (made now: a collective call that every
@@ -389,11 +405,13 @@ class DistContext:
                            SimulatedCollectives() if self.simulation is not None else None, owns_group=True)
 
     def close(self) -> None:
-        """Land the simulated collectives queued and end their thread (from `Engine.close`). A group made by
+        """Land the simulated collectives queued and end their thread (from `Engine.close`), and wait until the
+        backend has let go of every tensor given to a collective (`zero_offload.comm_handover`). A group made by
         `for_reductions` is destroyed; the data-parallel group stays: whoever created it destroys it
         (``dist.destroy_process_group``), as with DeepSpeed's engine."""
         if self.simulation is not None:
             self.simulation.close()
+        settle()
         if self.owns_group and dist.is_initialized():
             self.owns_group = False
             dist.destroy_process_group(self.group)

@@ -11,6 +11,14 @@ import pytest
 
 from zero_offload.estimate import proxy_recording
 from zero_offload.estimate.proxy_recording import Structure, recording
+from zero_offload.estimate.recording_cache import DIR_ENV
+
+
+@pytest.fixture(autouse=True)
+def _recorded_afresh(monkeypatch):
+    """Recordings made here, not read from disk: these tests change the engine or count the recordings."""
+    monkeypatch.setenv(DIR_ENV, "off")
+
 
 STRUCTURES = [Structure(stage=2, offload_param=False, delayed=d, accumulates=a, fp32=False)
               for d in (False, True) for a in (False, True)]

@@ -10,8 +10,16 @@ import zero_offload
 from zero_offload.cli import main
 from zero_offload.estimate import step_graph
 from zero_offload.estimate.proxy_recording import close_recorder
+from zero_offload.estimate.recording_cache import DIR_ENV
 from zero_offload.estimate.step_graph import Phases, Structure, predict_step
 from zero_offload.offload import buffer_lease
+
+
+@pytest.fixture(autouse=True)
+def _recorded_afresh(monkeypatch):
+    """Recordings made here, not read from disk: these tests change the engine or count the recordings."""
+    monkeypatch.setenv(DIR_ENV, "off")
+
 
 PLAIN = Structure(stage=2, offload_param=False, delayed=False, accumulates=False, fp32=False)
 DELAYED = Structure(stage=2, offload_param=False, delayed=True, accumulates=False, fp32=False)

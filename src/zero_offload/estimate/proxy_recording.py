@@ -5,7 +5,8 @@ A proxy of `PROXY_LAYERS` equal linear layers (behind a tied embedding where the
 host-step chunks per layer, while `zero_offload.offload.timeline` records every op with what it waited for;
 `zero_offload.estimate.step_graph` replays the recording with a plan's durations.
 
-A structure is recorded once per process (0.05-1.3 s on a 2-core host). The proxy trains on the CPU, where the
+A structure is recorded once per engine code and torch (0.05-1.3 s on a 2-core host) and kept on disk
+(`zero_offload.estimate.recording_cache`), and read once per process. The proxy trains on the CPU, where the
 streams are simulated: on a machine with CUDA, and inside a distributed job (``torch.distributed`` initialised, or
 ``WORLD_SIZE`` > 1), it trains in a one-rank subprocess that sees no GPU. That subprocess is started once and
 serves every recording the process asks for (a plan asks for dozens), so torch is imported once, not per recording.
@@ -26,6 +27,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from zero_offload.estimate import recording_cache
 from zero_offload.offload import simulated, timeline
 from zero_offload.offload.timeline import Timeline
 
@@ -265,12 +267,16 @@ def _record_elsewhere(s: Structure) -> dict:
 @functools.lru_cache(maxsize=None)
 def recording(s: Structure) -> tuple[Timeline, tuple[tuple[int, int, int], ...]]:
     """The proxy's recorded steps for ``s``: (timeline, (first op id, step, micro-step) per micro-step), made once
-    per process; in the one-rank CPU recording subprocess where CUDA is visible or inside a distributed job.
+    per process; in the one-rank CPU recording subprocess where CUDA is visible or inside a distributed job; kept
+    on disk for the next process (`zero_offload.estimate.recording_cache`).
 
     Raises:
         RuntimeError: the recording failed (the recorder's traceback, or its exit code and stderr, in the message).
     """
-    raw = _record_elsewhere(s) if _needs_subprocess() else _record_here(s)
+    raw = recording_cache.load(asdict(s))
+    if raw is None:
+        raw = _record_elsewhere(s) if _needs_subprocess() else _record_here(s)
+        recording_cache.store(asdict(s), raw)
     return Timeline.from_list(raw["ops"]), tuple(tuple(m) for m in raw["marks"])
 
 

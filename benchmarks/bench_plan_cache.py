@@ -1,0 +1,69 @@
+"""A launch's plan with the step model's recordings on disk against one without, paired in fresh processes.
+
+    python benchmarks/bench_plan_cache.py --rounds 2 --json /tmp/plan_cache.json
+
+Each round makes an empty recordings directory (``ZERO_OFFLOAD_RECORDINGS_DIR``), then times ``plan(--model,
+gpu_memory=80GB)`` in a fresh process twice: the first records every structure and keeps it (a first launch),
+the second reads them (every later launch of the same engine). Both in this process's path and, with
+``WORLD_SIZE=2``, the subprocess path a GPU host and every rank of a distributed job take. Reports the median
+seconds of each, the ratio later / first, and whether both chose the same row with the same predicted tokens/s.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+CHILD = """
+import json, sys, time
+import zero_offload
+t = time.perf_counter()
+p = zero_offload.plan(sys.argv[1], gpus=1, gpu_memory="80GB", host_memory="64GB")
+print(json.dumps({"seconds": time.perf_counter() - t, "name": p.name, "tokens_per_s": p.batch.timing.tokens_per_s}))
+"""
+PATHS = {"in process": False, "subprocess": True}
+
+
+def run(model: str, recordings: str, subprocess_path: bool) -> dict:
+    """One plan in a fresh process: {"seconds", "name", "tokens_per_s"}."""
+    env = dict(os.environ, ZERO_OFFLOAD_RECORDINGS_DIR=recordings)
+    env.pop("WORLD_SIZE", None)
+    if subprocess_path:
+        env["WORLD_SIZE"] = "2"         # a rank of a distributed job: the proxy records in a subprocess
+    done = subprocess.run([sys.executable, "-c", CHILD, model], env=env, check=True, capture_output=True, text=True)
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="gpt2")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    got = {(p, launch): [] for p in PATHS for launch in ("first", "later")}
+    for k in range(args.rounds):
+        for path, sub in PATHS.items():
+            with tempfile.TemporaryDirectory(prefix="zo-recordings-") as recordings:
+                for launch in ("first", "later"):
+                    got[path, launch].append(run(args.model, recordings, sub))
+                    print(f"round {k} {path:>10} {launch:>5}: {got[path, launch][-1]['seconds']:.1f} s", flush=True)
+    report = {}
+    for path in PATHS:
+        med = {launch: statistics.median(r["seconds"] for r in got[path, launch]) for launch in ("first", "later")}
+        same = len({(r["name"], r["tokens_per_s"]) for launch in ("first", "later") for r in got[path, launch]}) == 1
+        report[path] = {"median_s": med, "later_over_first": med["later"] / med["first"], "same_plan": same,
+                        "runs": {launch: got[path, launch] for launch in ("first", "later")}}
+        print(f"{path}: first launch {med['first']:.1f} s, later launches {med['later']:.1f} s, "
+              f"later/first {med['later'] / med['first']:.3f}, same plan {same}", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

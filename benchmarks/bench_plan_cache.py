@@ -12,31 +12,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-CHILD = """
-import json, sys, time
-import zero_offload
-t = time.perf_counter()
-p = zero_offload.plan(sys.argv[1], gpus=1, gpu_memory="80GB", host_memory="64GB")
-print(json.dumps({"seconds": time.perf_counter() - t, "name": p.name, "tokens_per_s": p.batch.timing.tokens_per_s}))
-"""
+from bench_plan_recording import run
+
 PATHS = {"in process": False, "subprocess": True}
-
-
-def run(model: str, recordings: str, subprocess_path: bool) -> dict:
-    """One plan in a fresh process: {"seconds", "name", "tokens_per_s"}."""
-    env = dict(os.environ, ZERO_OFFLOAD_RECORDINGS_DIR=recordings)
-    env.pop("WORLD_SIZE", None)
-    if subprocess_path:
-        env["WORLD_SIZE"] = "2"         # a rank of a distributed job: the proxy records in a subprocess
-    done = subprocess.run([sys.executable, "-c", CHILD, model], env=env, check=True, capture_output=True, text=True)
-    return json.loads(done.stdout.splitlines()[-1])
 
 
 def main() -> int:
@@ -50,7 +33,7 @@ def main() -> int:
         for path, sub in PATHS.items():
             with tempfile.TemporaryDirectory(prefix="zo-recordings-") as recordings:
                 for launch in ("first", "later"):
-                    got[path, launch].append(run(args.model, recordings, sub))
+                    got[path, launch].append(run(None, args.model, sub, ZERO_OFFLOAD_RECORDINGS_DIR=recordings))
                     print(f"round {k} {path:>10} {launch:>5}: {got[path, launch][-1]['seconds']:.1f} s", flush=True)
     report = {}
     for path in PATHS:

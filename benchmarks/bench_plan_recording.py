@@ -30,9 +30,10 @@ print(json.dumps({"seconds": time.perf_counter() - t, "name": p.name, "tokens_pe
 """
 
 
-def run(tree: Path, model: str, subprocess_path: bool) -> dict:
-    """One cold plan in a fresh process on ``tree``'s sources: {"seconds", "name", "tokens_per_s"}."""
-    env = dict(os.environ, PYTHONPATH=str(tree / "src"))
+def run(tree: Path | None, model: str, subprocess_path: bool, **environ: str) -> dict:
+    """One plan in a fresh process on ``tree``'s sources (None: the installed package), with ``environ`` set:
+    {"seconds", "name", "tokens_per_s"}."""
+    env = dict(os.environ, **environ, **({"PYTHONPATH": str(tree / "src")} if tree is not None else {}))
     env.pop("WORLD_SIZE", None)
     if subprocess_path:
         env["WORLD_SIZE"] = "2"         # a rank of a distributed job: the proxy records in a subprocess

@@ -11,13 +11,10 @@ seconds of each, the ratio later / first, and whether both chose the same row wi
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
 import tempfile
-from pathlib import Path
 
-from bench_plan_recording import run
+from bench_plan_recording import compare, run
 
 PATHS = {"in process": False, "subprocess": True}
 
@@ -28,23 +25,14 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    got = {(p, launch): [] for p in PATHS for launch in ("first", "later")}
+    got = {(launch, p): [] for p in PATHS for launch in ("first", "later")}
     for k in range(args.rounds):
         for path, sub in PATHS.items():
             with tempfile.TemporaryDirectory(prefix="zo-recordings-") as recordings:
                 for launch in ("first", "later"):
-                    got[path, launch].append(run(None, args.model, sub, ZERO_OFFLOAD_RECORDINGS_DIR=recordings))
-                    print(f"round {k} {path:>10} {launch:>5}: {got[path, launch][-1]['seconds']:.1f} s", flush=True)
-    report = {}
-    for path in PATHS:
-        med = {launch: statistics.median(r["seconds"] for r in got[path, launch]) for launch in ("first", "later")}
-        same = len({(r["name"], r["tokens_per_s"]) for launch in ("first", "later") for r in got[path, launch]}) == 1
-        report[path] = {"median_s": med, "later_over_first": med["later"] / med["first"], "same_plan": same,
-                        "runs": {launch: got[path, launch] for launch in ("first", "later")}}
-        print(f"{path}: first launch {med['first']:.1f} s, later launches {med['later']:.1f} s, "
-              f"later/first {med['later'] / med['first']:.3f}, same plan {same}", flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1))
+                    got[launch, path].append(run(None, args.model, sub, ZERO_OFFLOAD_RECORDINGS_DIR=recordings))
+                    print(f"round {k} {path:>10} {launch:>5}: {got[launch, path][-1]['seconds']:.1f} s", flush=True)
+    compare(got, PATHS, ("first", "later"), args.json)
     return 0
 
 

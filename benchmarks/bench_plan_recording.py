@@ -41,6 +41,23 @@ def run(tree: Path | None, model: str, subprocess_path: bool, **environ: str) ->
     return json.loads(done.stdout.splitlines()[-1])
 
 
+def compare(got: dict, paths, sides: tuple[str, str], json_path: str | None) -> None:
+    """Print, and write to ``json_path`` if given, per path: the median seconds of each side's runs (``got[side,
+    path]``: lists of `run` results), the second side's over the first's, and whether every run made the same plan
+    (the same row with the same predicted tokens/s)."""
+    first, second = sides
+    report = {}
+    for path in paths:
+        med = {s: statistics.median(r["seconds"] for r in got[s, path]) for s in sides}
+        same = len({(r["name"], r["tokens_per_s"]) for s in sides for r in got[s, path]}) == 1
+        report[path] = {"median_s": med, f"{second}_over_{first}": med[second] / med[first], "same_plan": same,
+                        "runs": {s: got[s, path] for s in sides}}
+        print(f"{path}: {first} {med[first]:.1f} s, {second} {med[second]:.1f} s, "
+              f"{second}/{first} {med[second] / med[first]:.3f}, same plan {same}", flush=True)
+    if json_path:
+        Path(json_path).write_text(json.dumps(report, indent=1))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--before", required=True, help="a checkout (git worktree) of the commit to compare with")
@@ -59,17 +76,7 @@ def main() -> int:
             for tree in order:
                 got[tree, path].append(run(trees[tree], args.model, sub))
                 print(f"round {k} {path:>10} {tree:>6}: {got[tree, path][-1]['seconds']:.1f} s", flush=True)
-    report = {}
-    for path in paths:
-        med = {t: statistics.median(r["seconds"] for r in got[t, path]) for t in trees}
-        same = all((a["name"], a["tokens_per_s"]) == (b["name"], b["tokens_per_s"])
-                   for a in got["before", path] for b in got["after", path])
-        report[path] = {"median_s": med, "after_over_before": med["after"] / med["before"], "same_plan": same,
-                        "runs": {t: got[t, path] for t in trees}}
-        print(f"{path}: before {med['before']:.1f} s, after {med['after']:.1f} s, "
-              f"after/before {med['after'] / med['before']:.3f}, same plan {same}", flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1))
+    compare(got, paths, ("before", "after"), args.json)
     return 0
 
 

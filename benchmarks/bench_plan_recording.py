@@ -7,8 +7,9 @@ On a machine with CUDA, and in every rank of a distributed job, the proxy of `ze
 trains in a one-rank CPU subprocess. Each round runs, in fresh processes and alternating order, ``plan(--model,
 gpu_memory=80GB)`` on ``--before``'s ``src`` and on this checkout's (or ``--after``'s) with ``WORLD_SIZE=2`` (so
 the recordings take the subprocess path on this CPU-only host), and ``--in-process`` adds the same plan without
-it. It reports the median seconds per tree and path, the ratio after / before, and whether both trees chose the
-same row with the same predicted tokens/s (the recordings are the same engine's, so the plan must not move).
+it. Every plan records afresh (``ZERO_OFFLOAD_RECORDINGS_DIR=off``: none read from disk). It reports the median
+seconds per tree and path, the ratio after / before, and whether both trees chose the same row with the same
+predicted tokens/s (the recordings are the same engine's, so the plan must not move).
 """
 from __future__ import annotations
 
@@ -74,7 +75,7 @@ def main() -> int:
         order = list(trees) if k % 2 == 0 else list(reversed(trees))
         for path, sub in paths.items():
             for tree in order:
-                got[tree, path].append(run(trees[tree], args.model, sub))
+                got[tree, path].append(run(trees[tree], args.model, sub, ZERO_OFFLOAD_RECORDINGS_DIR="off"))
                 print(f"round {k} {path:>10} {tree:>6}: {got[tree, path][-1]['seconds']:.1f} s", flush=True)
     compare(got, paths, ("before", "after"), args.json)
     return 0

@@ -5,7 +5,7 @@ tensors just after completing it, after the caller's ``wait`` has returned. Lett
 has seen takes the GIL (since torch 2.10 a tensor that C++ refers to holds a reference to its Python object,
 given back by the last C++ reference; before, the last reference frees it). During interpreter exit the worker
 cannot take the GIL: it is unwound through C++ frames and the process aborts with "terminate called without an
-active exception" (PyTorch issue 190489: any script on gloo that returns without ``destroy_process_group``).
+active exception" (any script on gloo that returns without ``destroy_process_group``; torch does not guard it).
 
 So every CPU tensor given to a collective is a fresh alias (`torch.Tensor.detach`: the same storage) held here
 until nothing but this hold refers to it, from C++ (its use count) or from Python (its reference count, against

@@ -1,4 +1,4 @@
-"""`zero-offload` command line: train (the main job), estimate, calibrate, bench optimizer, consolidate, convert.
+"""`zero-offload` command line: train (the main job), estimate, calibrate, bench optimizer, consolidate, convert, run.
 
 Only this module imports `train/`; the library never does.
 """
@@ -115,6 +115,16 @@ def _run_train(ns) -> int:
     return 0
 
 
+def _run_stand_in(argv: list[str]) -> int:
+    """`zero-offload run`: its arguments are CMD's own, so they bypass argparse (`zero_offload.launcher`)."""
+    from zero_offload.launcher import LaunchError, run
+    try:
+        return run(argv)
+    except LaunchError as e:
+        print(f"zero-offload run: error: {e}", file=sys.stderr)
+        return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="zero-offload", description=__doc__.splitlines()[0])
@@ -125,6 +135,11 @@ def main(argv: list[str] | None = None) -> int:
                            add_help=False)
     bench.add_argument("what", choices=("optimizer",))
     bench.add_argument("rest", nargs=argparse.REMAINDER)
+    sub.add_parser("run", help="run a DeepSpeed codebase unchanged: `run [--] CMD ARGS` (python, torchrun, "
+                               "accelerate launch, deepspeed, a shell script), zero-offload standing in for DeepSpeed",
+                   add_help=False)
+    if argv[:1] == ["run"] and argv[1:2] not in (["-h"], ["--help"]):
+        return _run_stand_in(argv[1:])
     if argv[:1] == ["bench"] and len(argv) >= 2 and argv[1] == "optimizer":
         from zero_offload.bench.optimizer import main as bench_optimizer
         return bench_optimizer(argv[2:])

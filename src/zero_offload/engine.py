@@ -59,6 +59,7 @@ class Engine(EngineState):
         skipped_steps: steps skipped because the fp16 gradients overflowed.
         micro_steps: backward passes so far.
         last_grad_norm: the global gradient norm of the last boundary step (before clipping); None before.
+        last_step_skipped: the last boundary step was skipped (fp16 overflow, a non-finite bf16 gradient).
         timings: {key: seconds} of the last optimizer step (of the one in progress until its ``step()``):
             ``forward_s``, ``backward_s``, ``optimizer_s`` (host wall-clock in each, all micro-steps),
             ``step_s`` (wall-clock from the step's first forward or backward to the end of ``step()``, so the
@@ -117,6 +118,7 @@ class Engine(EngineState):
         self.micro_steps = 0
         self._boundary_pending = False
         self.last_grad_norm: float | None = None
+        self.last_step_skipped = False      # the last boundary step was skipped (fp16 overflow): DeepSpeed's overflow
         self._timer = StepTimer(self.device)
         offload_opt = self.config.zero_optimization.offload_optimizer
         on_host = offload_opt.device in ("cpu", "nvme") or self.device.type == "cpu" or (
@@ -248,6 +250,7 @@ class Engine(EngineState):
         # fp16 overflow; bf16 skips a non-finite step too with bf16.check_grad_overflow (DeepSpeed 0.19.8).
         overflow = (self.scaler.enabled or (self.config.bf16.enabled and self.config.bf16.check_grad_overflow)) \
             and is_overflow(norm)
+        self.last_step_skipped = bool(overflow)
         if overflow:
             self.skipped_steps += 1
             self.host_step.discard()

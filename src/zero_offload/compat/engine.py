@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from zero_offload.compat.optimizer_face import OptimizerFace
 from zero_offload.engine import Engine
 
 __all__ = ["DeepSpeedEngine"]
@@ -29,10 +30,12 @@ class DeepSpeedEngine(torch.nn.Module):
     ``stage3_gather_16bit_weights_on_model_save`` (and returns False otherwise).
     """
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, config: Any = None):
         super().__init__()
         self.engine = engine            # a plain attribute: Engine is not an nn.Module
         self.module = engine.module
+        self._raw_config = config if config is not None else engine.config.to_dict()
+        self._optimizer_face = OptimizerFace(engine)
         self._ds_micro_steps = 0        # DeepSpeed counts micro-steps in step(), not backward()
         self._boundary_override: bool | None = None
         self._step_applied = False
@@ -151,8 +154,51 @@ class DeepSpeedEngine(torch.nn.Module):
         return self.engine.get_lr()
 
     @property
-    def optimizer(self):
-        return self.engine.optimizer
+    def optimizer(self) -> OptimizerFace:
+        """DeepSpeed's ZeRO optimizer face (`OptimizerFace`: ``overflow``, ``cur_scale``, ``offload_states``)."""
+        return self._optimizer_face
+
+    @property
+    def config(self):
+        """The config as given to ``initialize`` (a dict, or the path or string given), as DeepSpeed's
+        ``engine.config``; the checked config is ``engine.engine.config``."""
+        return self._raw_config
+
+    def zero_optimization_partition_gradients(self) -> bool:
+        return self.zero_optimization_stage() >= 2
+
+    def zero_optimization_partition_weights(self) -> bool:
+        return self.zero_optimization_stage() == 3
+
+    def zero_offload_optimizer(self) -> bool:
+        return self.engine.config.zero_optimization.offload_optimizer.device != "none"
+
+    def zero_offload_param(self) -> bool:
+        return self.engine.config.zero_optimization.offload_param.device != "none"
+
+    def zero_cpu_offload(self) -> bool:
+        return self.engine.config.zero_optimization.offload_optimizer.device == "cpu"
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """DeepSpeed's switch for ``save_16bit_model`` at stage 3
+        (``stage3_gather_16bit_weights_on_model_save``)."""
+        return bool(self.engine.config.zero_optimization.stage3_gather_16bit_weights_on_model_save)
+
+    def empty_partition_cache(self) -> None:
+        """Release every gathered stage-3 parameter, persistent ones too (gathered again when next used)."""
+        self.engine.zero.release_gathered()
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False):
+        """The whole model's 16-bit state dict on the CPU on rank 0, None on the others (DeepSpeed's; a
+        collective: every rank calls it). Gathered one unit at a time (`compat.export.gathered_state_dict`).
+
+        Raises:
+            ValueError: the engine is not at ZeRO stage 3 (DeepSpeed raises the same).
+        """
+        if self.zero_optimization_stage() != 3:
+            raise ValueError("this function requires ZeRO-3 mode")
+        sd = self.module_state_dict(exclude_frozen_parameters=exclude_frozen_parameters)
+        return sd if self.engine.rank == 0 else None
 
     @property
     def lr_scheduler(self):
@@ -177,6 +223,11 @@ class DeepSpeedEngine(torch.nn.Module):
     @property
     def global_steps(self) -> int:
         return self.engine.global_step
+
+    @global_steps.setter
+    def global_steps(self, value: int) -> None:
+        """DeepSpeed's engines let a trainer set the step count (after loading weights elsewhere, say)."""
+        self.engine.global_step = int(value)
 
     @property
     def global_samples(self) -> int:
@@ -236,3 +287,28 @@ class DeepSpeedEngine(torch.nn.Module):
             os.replace(tmp, Path(save_dir) / save_filename)
         self.engine.ctx.barrier() if hasattr(self.engine.ctx, "barrier") else None
         return True
+
+
+class FrozenDeepSpeedEngine(DeepSpeedEngine):
+    """What ``deepspeed.initialize`` builds with no optimizer (no client optimizer, no ``optimizer`` section): the
+    reference, reward and evaluation models of TRL, OpenRLHF and DeepSpeed-Chat. It places the model as a
+    training engine of the same config would (`zero_offload.inference.InferenceEngine`: partitioned and gathered
+    module by module at stage 3), holds no gradient or optimizer state, and its ``optimizer`` is None, as
+    DeepSpeed's. Unlike DeepSpeed it also sets ``requires_grad=False`` on the parameters (nothing could step them).
+    """
+
+    @property
+    def optimizer(self):
+        return None
+
+    def forward(self, *args, **kwargs):
+        return self.engine(*args, **kwargs)
+
+    def backward(self, loss, retain_graph: bool = False, scale_wrt_gas: bool = True):
+        """Raises: RuntimeError: an engine built without an optimizer does not train."""
+        raise RuntimeError("this engine was built by deepspeed.initialize without an optimizer (a frozen model): "
+                           "give an optimizer (or a config 'optimizer' section) to train it")
+
+    def step(self, lr_kwargs: dict | None = None) -> None:
+        """Raises: RuntimeError: as `backward`."""
+        self.backward(None)

@@ -17,7 +17,8 @@ import warnings
 
 import torch
 
-from zero_offload.compat.ops.adam import DeepSpeedCPUAdam
+from zero_offload.compat.ops.adagrad import DeepSpeedCPUAdagrad
+from zero_offload.compat.ops.adam import DeepSpeedCPUAdam, FusedAdam
 from zero_offload.compat.muon_client import is_torch_muon, torch_muon_config
 from zero_offload.compat.ops.lamb import FusedLamb
 
@@ -42,8 +43,8 @@ def client_optimizer_config(optimizer: torch.optim.Optimizer, model: torch.nn.Mo
     """
     if is_torch_muon(optimizer):
         return torch_muon_config(optimizer, model)
-    cls = type(optimizer)
-    if isinstance(optimizer, (DeepSpeedCPUAdam, FusedLamb)):
+    cls = torch.optim.Adagrad if isinstance(optimizer, DeepSpeedCPUAdagrad) else type(optimizer)
+    if isinstance(optimizer, (DeepSpeedCPUAdam, FusedAdam, FusedLamb)):
         return _deepspeed_class_config(optimizer)
     if getattr(torch.optim, cls.__name__, None) is not cls:
         raise ValueError(f"client optimizer {cls.__module__}.{cls.__name__} is not a torch.optim optimizer: "
@@ -67,10 +68,12 @@ def _deepspeed_class_config(optimizer) -> tuple[dict, list]:
     """DeepSpeedCPUAdam or FusedLamb: its defaults as the section, its groups (lr, betas, eps, weight_decay per
     group); the keys the engine keeps once per optimizer must agree between groups."""
     d = optimizer.defaults
-    if isinstance(optimizer, DeepSpeedCPUAdam):
+    if isinstance(optimizer, (DeepSpeedCPUAdam, FusedAdam)):
         once = ("bias_correction",)
         params = {"lr": d["lr"], "betas": _plain(d["betas"]), "eps": d["eps"], "weight_decay": d["weight_decay"],
                   "adam_w_mode": optimizer.adam_w_mode, "bias_correction": d["bias_correction"]}
+        if getattr(optimizer, "defaults", {}).get("amsgrad"):
+            params["amsgrad"] = True
         section = {"type": "AdamW" if optimizer.adam_w_mode else "Adam", "params": params}
     else:
         once = ("bias_correction", "eps_inside_sqrt", "max_coeff", "min_coeff")

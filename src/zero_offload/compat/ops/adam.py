@@ -5,7 +5,7 @@ import torch
 
 from zero_offload.optim.cpu_adam import CPUAdam
 
-__all__ = ["DeepSpeedCPUAdam"]
+__all__ = ["DeepSpeedCPUAdam", "FusedAdam"]
 
 
 class DeepSpeedCPUAdam(CPUAdam):
@@ -56,3 +56,28 @@ class DeepSpeedCPUAdam(CPUAdam):
                                      f"{p.device}; pass the optimizer to deepspeed.initialize with "
                                      f"zero_optimization.offload_optimizer.device 'cpu' instead")
         return super().step(closure, **kwargs)
+
+
+class FusedAdam(torch.optim.Adam):
+    """DeepSpeed 0.19.8's ``FusedAdam(params, lr, bias_correction, betas, eps, adam_w_mode, weight_decay, amsgrad,
+    set_grad_none)``: Adam on the parameters' own device (torch's fused or foreach Adam), AdamW when
+    ``adam_w_mode`` (the default) and Adam with L2 weight decay when not, as DeepSpeed's. Passed to
+    ``deepspeed.initialize`` it becomes the config's Adam/AdamW section with its param groups (`compat.optimizer`).
+
+    Raises:
+        ValueError: ``bias_correction=False`` (torch's Adam always corrects; use the config's Adam with
+            ``bias_correction: false``), or a hyper-parameter torch's Adam refuses.
+    """
+
+    def __init__(self, params, lr: float = 1e-3, bias_correction: bool = True,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, adam_w_mode: bool = True,
+                 weight_decay: float = 0.0, amsgrad: bool = False, set_grad_none: bool = True):
+        if not bias_correction:
+            raise ValueError("FusedAdam(bias_correction=False) is not built; give the config's optimizer "
+                             "{'type': 'AdamW', 'params': {'bias_correction': false}} instead")
+        self.adam_w_mode = adam_w_mode
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                         decoupled_weight_decay=adam_w_mode)
+        for group in self.param_groups:
+            group.setdefault("bias_correction", True)
+        self.defaults["bias_correction"] = True

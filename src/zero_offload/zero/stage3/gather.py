@@ -7,9 +7,10 @@ from typing import Iterable
 import torch
 
 from zero_offload.zero.stage3 import registry
-from zero_offload.zero.stage3.sharded_init import ShardedInit, close_full, has_slice, open_full
+from zero_offload.zero.stage3.optimizer import ParamFacts
+from zero_offload.zero.stage3.sharded_init import ShardedInit, close_full, has_slice, open_full, slice_bounds
 
-__all__ = ["init_sharded", "gathered_parameters", "register_external_parameter"]
+__all__ = ["init_sharded", "gathered_parameters", "register_external_parameter", "param_facts"]
 
 
 def init_sharded(config=None) -> ShardedInit:
@@ -75,3 +76,18 @@ def register_external_parameter(module: torch.nn.Module, parameter: torch.nn.Par
     owner = registry.owner_of(parameter)
     if owner is not None:
         owner.add_external(module, parameter)
+
+
+def param_facts(p: torch.Tensor) -> ParamFacts | None:
+    """``p`` as DeepSpeed's stage-3 attributes describe it (`ParamFacts`), read live: from the stage-3 engine
+    that holds it, or, built under `init_sharded` and not yet handed to an engine, from its slice (never
+    available; ``local`` this rank's elements). None for a parameter stage 3 does not manage."""
+    owner = registry.owner_of(p)
+    if owner is not None:
+        return owner.describe(p)
+    state = registry.slice_of(p)
+    if state is None:
+        return None
+    piece, rank, world = state
+    lo, hi = slice_bounds(p.numel(), rank, world)
+    return ParamFacts(tuple(p.shape), p.numel(), False, piece[:hi - lo], False)

@@ -7,6 +7,7 @@ a unit between steps (gather, release, prefetch, reduce-scatter) is `UnitLifecyc
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 
@@ -31,6 +32,24 @@ from zero_offload.zero.stage3.units import ShardedUnit, modules_owning, units_by
 from zero_offload.zero.zero_optimizer import communication_dtype
 
 __all__ = ["Stage3Optimizer"]
+
+
+@dataclass(frozen=True)
+class ParamFacts:
+    """A stage-3 parameter as DeepSpeed's ``ds_*`` attributes describe it.
+
+    Attributes:
+        shape: the whole parameter's shape (``ds_shape``); ``numel`` its elements (``ds_numel``).
+        available: its unit is gathered, so ``.data`` holds the whole values (``ds_status`` AVAILABLE).
+        local: this rank's elements of it, a 1-D view into the unit's shard (``ds_tensor``; may be empty), or
+            None before the shards are bound.
+        persistent: kept gathered across steps (``ds_persist``: at most ``stage3_param_persistence_threshold``).
+    """
+    shape: tuple
+    numel: int
+    available: bool
+    local: torch.Tensor | None
+    persistent: bool
 
 
 class Stage3Optimizer(ZeroOptimizerBase):
@@ -189,6 +208,17 @@ class Stage3Optimizer(ZeroOptimizerBase):
     def manages(self, p: torch.Tensor) -> bool:
         """True when ``p`` lives in one of this optimizer's units (trainable or frozen)."""
         return p in self.lifecycle.unit_of
+
+    def describe(self, p: torch.Tensor) -> ParamFacts | None:
+        """What DeepSpeed's stage-3 attributes say of ``p`` now (`ParamFacts`), or None when no unit holds it."""
+        u = self.lifecycle.unit_of.get(p)
+        if u is None:
+            return None
+        slot = u.slots[[q is p for q in u.params].index(True)]
+        start = self.ctx.rank * u.shard_numel
+        lo, hi = min(max(slot.offset - start, 0), u.shard_numel), min(max(slot.end - start, 0), u.shard_numel)
+        local = u.shard[lo:hi] if u.shard is not None else None
+        return ParamFacts(tuple(slot.shape), slot.numel, u.gathered, local, u.persistent)
 
     @contextlib.contextmanager
     def gathered(self, params, modifier_rank: int | None):

@@ -6,7 +6,8 @@ optimizer whose unit holds it (`owner_of`); a module -> the parameters its forwa
 (`register_external`); a parameter built under `init_sharded` -> this rank's slice of its constructor values
 (`slice_of`); a view of one made under `init_sharded` -> the parameter and how to take the same view of its full
 values (`alias_of`), so a write into the view reaches the slice; a module whose ``__init__`` runs under
-`init_sharded` -> how deep its constructors are nested (`init_depth`).
+`init_sharded` -> how deep its constructors are nested (`init_depth`); a module gathered whole as one unit
+(`is_leaf`).
 """
 from __future__ import annotations
 
@@ -16,13 +17,14 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = ["manage", "owner_of", "register_external", "external_params", "set_slice", "slice_of", "pop_slice",
-           "set_alias", "alias_of", "init_depth", "set_init_depth"]
+           "set_alias", "alias_of", "init_depth", "set_init_depth", "set_leaf", "is_leaf"]
 
 _OWNERS = WeakIdKeyDictionary()
 _EXTERNAL = WeakIdKeyDictionary()
 _SLICES = WeakIdKeyDictionary()
 _ALIASES = WeakIdKeyDictionary()
 _INIT_DEPTH = WeakIdKeyDictionary()
+_LEAVES = WeakIdKeyDictionary()
 
 
 def manage(params, owner: Any) -> None:
@@ -83,3 +85,16 @@ def set_init_depth(module: torch.nn.Module, depth: int) -> None:
         _INIT_DEPTH[module] = depth
     else:
         _INIT_DEPTH.pop(module, None)
+
+
+def set_leaf(module: torch.nn.Module, leaf: bool) -> None:
+    """Mark ``module`` a leaf (DeepSpeed's ``set_z3_leaf_modules``): stage 3 gathers every parameter below it
+    as one unit at its forward, and hooks none of its submodules. Read when an engine is built."""
+    if leaf:
+        _LEAVES[module] = True
+    else:
+        _LEAVES.pop(module, None)
+
+
+def is_leaf(module: torch.nn.Module) -> bool:
+    return _LEAVES.get(module, False)

@@ -194,13 +194,33 @@ class ShardedUnit:
         return flat
 
 
+def _inside_leaves(model: torch.nn.Module) -> set[int]:
+    """ids of the modules below a leaf module (`registry.is_leaf`): they hold no unit and no hooks of their own."""
+    inside: set[int] = set()
+    for m in model.modules():
+        if registry.is_leaf(m):
+            inside.update(id(c) for c in m.modules() if c is not m)
+    return inside
+
+
+def _unit_modules(model: torch.nn.Module):
+    """(name, module, its parameters) of each module that gathers for itself: a leaf module with every parameter
+    below it (DeepSpeed's ``set_z3_leaf_modules``: one gather for a mixture-of-experts block whose forward may
+    skip some experts), the others with their own."""
+    inside = _inside_leaves(model)
+    for name, module in model.named_modules():
+        if id(module) not in inside:
+            yield name, module, list(module.parameters(recurse=registry.is_leaf(module)))
+
+
 def modules_owning(model: torch.nn.Module, wanted) -> list[tuple[str, list[torch.nn.Parameter]]]:
     """(name, own parameters that ``wanted(p)`` selects) of every module that first holds some, in module order: a
-    module owns a unit's worth of them, a tied parameter belonging to the first module that holds it."""
+    module owns a unit's worth of them, a tied parameter belonging to the first module that holds it; a leaf
+    module owns everything below it (`_unit_modules`)."""
     seen: set[int] = set()
     out = []
-    for name, module in model.named_modules():
-        own = [p for p in module.parameters(recurse=False) if wanted(p) and id(p) not in seen]
+    for name, module, params in _unit_modules(model):
+        own = [p for p in params if wanted(p) and id(p) not in seen]
         if own:
             seen.update(id(p) for p in own)
             out.append((name, own))
@@ -211,9 +231,9 @@ def units_by_module(model: torch.nn.Module, units: list[ShardedUnit]) -> dict[to
     """Every module that holds a unit's parameter directly, with the units it needs gathered."""
     owner_of = {id(p): u for u in units for p in u.params}
     needs: dict[torch.nn.Module, list[ShardedUnit]] = defaultdict(list)
-    for module in model.modules():
+    for _, module, params in _unit_modules(model):
         external = registry.external_params(module)   # register_external_parameter
-        for p in [*module.parameters(recurse=False), *external]:
+        for p in [*params, *external]:
             u = owner_of.get(id(p))
             if u is not None and u not in needs[module]:
                 needs[module].append(u)

@@ -1,8 +1,14 @@
-"""DeepSpeed's names over zero-offload's engine: a DeepSpeed script runs with one import changed.
+"""DeepSpeed's face over zero-offload's engine: a DeepSpeed script runs with one import changed, or none.
 
     import zero_offload.deepspeed as deepspeed
     engine, optimizer, loader, scheduler = deepspeed.initialize(args=args, model=model,
                                                                 model_parameters=model.parameters())
+
+Under ``zero-offload run -- CMD`` (or ``ZERO_OFFLOAD_AS_DEEPSPEED=1``) this package *is* ``deepspeed``
+(`zero_offload_stand_in`): its submodules carry DeepSpeed's module names (``deepspeed.comm``,
+``deepspeed.accelerator``, ``deepspeed.runtime.zero.partition_parameters``, ``deepspeed.utils``, ...), each a thin
+layer over the engine; what is not built (pipeline, tensor and expert parallelism, compression, inference)
+imports, and fails when used (`zero_offload.compat.unbuilt`).
 
 Mirrors ``deepspeed.initialize`` and friends of DeepSpeed 0.19.8. It is a thin layer: `initialize` builds
 zero-offload's `Engine` (``zero_offload.initialize``) and wraps it in `DeepSpeedEngine`, DeepSpeed's
@@ -14,27 +20,49 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 
-from zero_offload.compat import ops, zero
-from zero_offload.compat.engine import DeepSpeedEngine
+from zero_offload.compat import param_state
+from zero_offload.compat.engine import DeepSpeedEngine, FrozenDeepSpeedEngine
 from zero_offload.compat.mpu import check_mpu
 from zero_offload.compat.optimizer import ClientScheduler, client_optimizer_config
-from zero_offload.comm import collective_timeout
+from zero_offload.compat.optimizer_face import DeepSpeedOptimizer
+from zero_offload.compat.unbuilt import unbuilt
 from zero_offload.config import Config, ConfigError
 from zero_offload.config.io import decode_config_string, read_config_file
+from zero_offload.deepspeed import accelerator, checkpoint, comm, ops, runtime, utils
+from zero_offload.deepspeed.accelerator import get_accelerator
+from zero_offload.deepspeed.comm import init_distributed
+from zero_offload.deepspeed.runtime import zero
+from zero_offload.deepspeed.runtime.activation_checkpointing import checkpointing
+from zero_offload.deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
+from zero_offload.deepspeed.runtime.dataloader import DeepSpeedDataLoader
+from zero_offload.deepspeed.utils import OnDevice, log_dist, logger
 from zero_offload.engine import Engine
+from zero_offload_stand_in import deepspeed_version
 
-__all__ = ["initialize", "add_config_arguments", "init_distributed", "zero", "ops", "DeepSpeedEngine"]
+__all__ = ["initialize", "add_config_arguments", "init_distributed", "zero", "ops", "comm", "accelerator",
+           "checkpoint", "checkpointing", "runtime", "utils", "DeepSpeedEngine", "DeepSpeedOptimizer",
+           "DeepSpeedConfig", "DeepSpeedConfigError", "DeepSpeedDataLoader", "get_accelerator", "logger",
+           "log_dist", "OnDevice", "init_inference", "tp_model_init", "PipelineModule", "PipelineEngine",
+           "InferenceEngine", "DeepSpeedHybridEngine", "__version__", "version"]
 
-# ``from zero_offload.deepspeed.ops.adam import DeepSpeedCPUAdam``, as scripts import it from deepspeed.
-sys.modules.setdefault(f"{__name__}.ops", ops)
-sys.modules.setdefault(f"{__name__}.ops.adam", ops.adam)
-sys.modules.setdefault(f"{__name__}.ops.lamb", ops.lamb)
+__version__ = version = deepspeed_version()     # "0.19.8+zo<ours>": the DeepSpeed whose behaviour is mirrored
+__version_major__, __version_minor__, __version_patch__ = (int(x) for x in version.split("+")[0].split("."))
+__git_hash__ = git_hash = None
+__git_branch__ = git_branch = None
+
+_PIPE = "pipeline parallelism; train data parallel with ZeRO stage 3 (and offload) instead"
+_INFERENCE = "DeepSpeed inference; generate with transformers' generate() on engine.module (or vLLM)"
+PipelineModule = unbuilt("deepspeed.pipe.PipelineModule", _PIPE)
+PipelineEngine = unbuilt("deepspeed.runtime.pipe.engine.PipelineEngine", _PIPE)
+InferenceEngine = unbuilt("deepspeed.inference.engine.InferenceEngine", _INFERENCE)
+DeepSpeedHybridEngine = unbuilt("deepspeed.runtime.hybrid_engine.DeepSpeedHybridEngine",
+                                "build a frozen engine (deepspeed.initialize with no optimizer) for generation")
+init_inference = unbuilt("deepspeed.init_inference", _INFERENCE)
+tp_model_init = unbuilt("deepspeed.tp_model_init", "tensor parallelism; train data parallel with ZeRO stage 3")
 
 
 def _raw_config(args, config, config_params) -> dict:
@@ -110,17 +138,30 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
         auto_values = {f"optimizer.params.{k}": v for k, v in section["params"].items()}
     if lr_scheduler is not None:
         raw.pop("scheduler", None)
+    if "optimizer" not in raw:        # DeepSpeed's engine with no optimizer: a frozen model for forward passes
+        from zero_offload.inference import InferenceEngine
+        frozen = FrozenDeepSpeedEngine(InferenceEngine(model, raw), _given_config(args, config, config_params))
+        return frozen, None, None, None
     engine = Engine(model, raw, model_parameters, auto_values=auto_values)
+    param_state.track(engine)
     if lr_scheduler is not None:
         if isinstance(lr_scheduler, Callable) and not hasattr(lr_scheduler, "step"):
             engine.lr_scheduler = lr_scheduler(engine.optimizer)
         else:
             engine.lr_scheduler = ClientScheduler(lr_scheduler, engine.optimizer)
-    ds_engine = DeepSpeedEngine(engine)
+    ds_engine = DeepSpeedEngine(engine, _given_config(args, config, config_params))
     loader = None
     if training_data is not None:
         loader = deepspeed_dataloader(training_data, engine, collate_fn)
-    return ds_engine, engine.optimizer, loader, engine.lr_scheduler
+    return ds_engine, ds_engine.optimizer, loader, engine.lr_scheduler
+
+
+def _given_config(args, config, config_params):
+    """The config as the caller gave it, which DeepSpeed keeps as ``engine.config``."""
+    given = config if config is not None else config_params
+    if given is None:
+        given = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
+    return given.to_dict() if isinstance(given, Config) else given
 
 
 def deepspeed_dataloader(dataset, engine: Engine, collate_fn=None) -> torch.utils.data.DataLoader:
@@ -142,73 +183,3 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     group.add_argument("--deepscale", default=False, action="store_true", help=argparse.SUPPRESS)
     group.add_argument("--deepscale_config", default=None, type=str, help=argparse.SUPPRESS)
     return parser
-
-
-_LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
-_MPI_ENV = (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),   # Open MPI
-            ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"))                                     # MPICH, Intel MPI
-
-
-def _discover_environment(distributed_port: int) -> None:
-    """DeepSpeed's ``mpi_discovery`` without mpi4py: the rank, size and local rank an MPI launcher exported,
-    else a single process (rank 0 of 1); then ``MASTER_ADDR`` (127.0.0.1) and ``MASTER_PORT``
-    (``distributed_port``) where unset. Variables already set are kept."""
-    for rank_key, size_key, local_key in _MPI_ENV:
-        if rank_key in os.environ and size_key in os.environ:
-            found = (os.environ[rank_key], os.environ[size_key], os.environ.get(local_key, os.environ[rank_key]))
-            break
-    else:
-        found = ("0", "1", "0")
-    for key, value in zip(("RANK", "WORLD_SIZE", "LOCAL_RANK"), found):
-        os.environ.setdefault(key, value)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(distributed_port))
-
-
-def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool = True,
-                     distributed_port: int = 29500, verbose: bool = True, timeout=None, init_method=None,
-                     dist_init_required: bool | None = None, config=None, rank: int = -1,
-                     world_size: int = -1) -> None:
-    """DeepSpeed 0.19.8's ``deepspeed.comm.init_distributed``: create the default process group unless one
-    exists, so a script may call ``torch.distributed.get_rank()``, ``get_world_size()`` and ``barrier()``.
-
-    Where the launcher variables (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, ``LOCAL_RANK``)
-    are not all set and ``auto_mpi_discovery`` is true, they are filled as DeepSpeed's MPI discovery fills
-    them: from an MPI launcher's variables (Open MPI's ``OMPI_COMM_WORLD_*``, MPICH's ``PMI_*``), else as a
-    single process (rank 0 of 1, as mpi4py reports outside ``mpirun``), with ``MASTER_ADDR`` 127.0.0.1 and
-    ``MASTER_PORT`` ``distributed_port``. So a script run as ``python train.py`` gets a one-rank group, as
-    under DeepSpeed. That one-rank group is made over an in-process store: no port is bound (DeepSpeed binds
-    ``MASTER_PORT``, so two such runs on one host collide there). Backend: ``dist_backend``, else NCCL with
-    CUDA (bound to ``LOCAL_RANK``'s device), else gloo; ``timeout`` defaults to
-    `zero_offload.comm.collective_timeout`. ``config`` and ``verbose`` are accepted and unused.
-
-    Raises:
-        RuntimeError: ``dist_init_required=False`` and no process group exists (DeepSpeed asserts the same);
-            ``WORLD_SIZE`` > 1 set by hand with no ``RANK`` (the message names the missing variables).
-    """
-    if dist.is_initialized():
-        return
-    if dist_init_required is False:
-        raise RuntimeError("init_distributed(dist_init_required=False): no process group is initialized; set "
-                           "dist_init_required=True (or leave it None) or create the group before (DeepSpeed "
-                           "asserts the same)")
-    if rank >= 0 and world_size > 0:
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(distributed_port))
-    elif auto_mpi_discovery and not all(k in os.environ for k in _LAUNCHER_ENV):
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" not in os.environ:
-            raise RuntimeError(f"init_distributed: WORLD_SIZE={os.environ['WORLD_SIZE']} is set but RANK is not "
-                               f"(launch with torchrun, or set RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT)")
-        _discover_environment(distributed_port)
-    cuda = torch.cuda.is_available()
-    backend = dist_backend or ("nccl" if cuda else "gloo")
-    kwargs = {"timeout": collective_timeout() if timeout is None else timeout}
-    if backend == "nccl" and cuda:
-        # DeepSpeed binds the group to LOCAL_RANK's device and its engine then sets that device current.
-        kwargs["device_id"] = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(kwargs["device_id"])
-    if rank >= 0 and world_size > 0:
-        kwargs.update(rank=rank, world_size=world_size)
-    elif init_method is None and int(os.environ.get("WORLD_SIZE", "1")) == 1:
-        kwargs.update(store=dist.HashStore(), rank=0, world_size=1)
-    dist.init_process_group(backend, init_method=init_method, **kwargs)

@@ -1,0 +1,1 @@
+"""``deepspeed.launcher``: the ``deepspeed`` command's single-node launcher (`runner`)."""

@@ -1,0 +1,4 @@
+"""``deepspeed.ops.adagrad``: ``DeepSpeedCPUAdagrad``."""
+from zero_offload.compat.ops.adagrad import DeepSpeedCPUAdagrad
+
+__all__ = ["DeepSpeedCPUAdagrad"]

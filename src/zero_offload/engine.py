@@ -154,8 +154,10 @@ class Engine(EngineState):
 
     @deadline
     def backward(self, loss: torch.Tensor, retain_graph: bool = False,
-                 end_accumulation: bool = False) -> torch.Tensor:
-        """Backward of ``loss`` / gradient_accumulation_steps (x loss scale under fp16).
+                 end_accumulation: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
+        """Backward of ``loss`` / gradient_accumulation_steps (x loss scale under fp16); with
+        ``scale_wrt_gas=False`` of ``loss`` itself, as DeepSpeed's (transformers' Trainer divides its loss
+        itself and passes False).
 
         Gradients are reduced across ranks while backward runs (stage 2: every micro-step; stages 0/1:
         on the boundary micro-step). Returns the scaled loss that was back-propagated. ``retain_graph`` is
@@ -173,16 +175,17 @@ class Engine(EngineState):
             raise ValueError(f"engine.backward needs a scalar loss tensor, got {type(loss).__name__} "
                              f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
         with self._timer.phase("backward"):
-            return self._backward(loss, retain_graph, end_accumulation)
+            return self._backward(loss, retain_graph, end_accumulation, scale_wrt_gas)
 
-    def _backward(self, loss: torch.Tensor, retain_graph: bool, end_accumulation: bool) -> torch.Tensor:
+    def _backward(self, loss: torch.Tensor, retain_graph: bool, end_accumulation: bool,
+                  scale_wrt_gas: bool = True) -> torch.Tensor:
         gas = self.batch.gradient_accumulation_steps
         # Another backward after the boundary one and before step() adds to the gradients to be stepped (as
         # DeepSpeed's stage 3 does); it is not a new micro-step of the next accumulation.
         extra = self._boundary_pending
         counted = (self.micro_steps + 1) % gas == 0
         boundary = extra or counted or end_accumulation
-        scaled = loss.float() / gas if gas > 1 else loss.float()
+        scaled = loss.float() / gas if gas > 1 and scale_wrt_gas else loss.float()
         if self.scaler.enabled:
             scaled = scaled * self.scaler.scale
         if boundary and not extra:

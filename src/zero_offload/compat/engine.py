@@ -64,22 +64,16 @@ class DeepSpeedEngine(torch.nn.Module):
         return self.engine.is_compiled
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
-        """``engine.backward(loss, retain_graph=False)``: loss / gradient_accumulation_steps (x the fp16 loss
-        scale); ``retain_graph`` keeps the graph for another backward, as torch's.
-
-        Raises:
-            ValueError: ``scale_wrt_gas=False`` (not built: every backward is scaled by the accumulation).
-        """
-        if not scale_wrt_gas:
-            raise ValueError("engine.backward(scale_wrt_gas=False) is not built in zero-offload: every "
-                             "backward is divided by gradient_accumulation_steps")
+        """``engine.backward(loss, retain_graph=False, scale_wrt_gas=True)``: loss / gradient_accumulation_steps
+        (not divided with ``scale_wrt_gas=False``, as transformers' Trainer asks), x the fp16 loss scale;
+        ``retain_graph`` keeps the graph for another backward, as torch's."""
         end = False
         if self._boundary_override is not None:
             end = self._boundary_override and not self.engine.next_backward_is_boundary()
             if not self._boundary_override and self.engine.next_backward_is_boundary():
                 raise ValueError("set_gradient_accumulation_boundary(False) on the last micro-step of an "
                                  "accumulation is not built: the accumulation length is gradient_accumulation_steps")
-        self.engine.backward(loss, retain_graph=retain_graph, end_accumulation=end)
+        self.engine.backward(loss, retain_graph=retain_graph, end_accumulation=end, scale_wrt_gas=scale_wrt_gas)
         return loss
 
     def step(self, lr_kwargs: dict | None = None) -> None:

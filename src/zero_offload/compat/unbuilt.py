@@ -24,7 +24,7 @@ def _message(name: str, instead: str) -> str:
 
 def unbuilt(name: str, instead: str) -> type:
     """A class standing for DeepSpeed's ``name``: it can be imported, subclassed and named in ``isinstance``;
-    creating one, or calling one of its class methods, raises `NotBuiltError`.
+    creating one, or calling one of its class methods, raises `NotBuiltError`. Its ``__not_built__`` is True.
 
     Raises (when used):
         NotBuiltError: the message names ``name`` and ``instead``.
@@ -41,7 +41,7 @@ def unbuilt(name: str, instead: str) -> type:
         raise NotBuiltError(message)
 
     return _Meta(name.rsplit(".", 1)[-1], (), {"__init__": __init__, "__doc__": message,
-                                                "__module__": name.rsplit(".", 1)[0]})
+                                                "__module__": name.rsplit(".", 1)[0], "__not_built__": True})
 
 
 def unbuilt_module_getattr(module: str, instead: str):

@@ -41,8 +41,15 @@ def _no_duplicates(source: str):
     return hook
 
 
+# Keys where +Infinity means "never": accelerate writes steps_per_print = inf into every DeepSpeed config it fills.
+INFINITY_MEANS_NEVER = {"steps_per_print"}
+
+
 def check_finite(data, path: str = "") -> None:
-    """Raise ConfigError naming the first key whose value is NaN or +-Infinity (at any depth)."""
+    """Raise ConfigError naming the first key whose value is NaN or +-Infinity (at any depth), except
+    +Infinity under a key of `INFINITY_MEANS_NEVER`."""
+    if path in INFINITY_MEANS_NEVER and data == math.inf:
+        return
     if isinstance(data, dict):
         for k, v in data.items():
             check_finite(v, f"{path}.{k}" if path else str(k))

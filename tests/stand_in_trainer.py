@@ -1,9 +1,13 @@
-"""transformers' Trainer with ``TrainingArguments(deepspeed=config)``, unchanged: run under DeepSpeed itself or
-under ``zero-offload run`` (tests/test_stand_in_hf.py). Writes {losses, weights (fp32, from
-deepspeed.utils.safe_get_full_fp32_param), deepspeed's file} to OUT on rank 0.
+"""transformers' Trainer with ``TrainingArguments(deepspeed=config)``, unchanged: run under DeepSpeed itself or under
+``zero-offload run`` (tests/test_stand_in_hf.py). Writes {losses, deepspeed's file} to OUT and the fp32 weights
+(``deepspeed.utils.safe_get_full_fp32_param``, a collective) to OUT.weights.pt on rank 0.
 
-    python tests/stand_in_trainer.py OUT STAGE OFFLOAD(0|1) [RESUME_FROM_STEP]
+    python tests/stand_in_trainer.py OUT --stage 3 --offload [--resume STEP] [--pretrained DIR]
+
+``--pretrained DIR`` loads the model with ``from_pretrained`` after the arguments exist, so at stage 3 transformers
+builds it under ``deepspeed.zero.Init`` and loads its weights through ``GatheredParameters``.
 """
+import argparse
 import json
 import os
 import sys
@@ -12,27 +16,37 @@ import torch
 import transformers
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from hf_trainer_runs import TokenData, training_args, zero_config  # noqa: E402
 from hf_models import build  # noqa: E402
+from hf_trainer_runs import TokenData, training_args, zero_config  # noqa: E402
 
 
-def main(out: str, stage: int, offload: bool, resume_step: int | None = None) -> None:
-    work = os.path.dirname(os.path.abspath(out))
-    cfg = zero_config(stage, offload_optimizer=offload)
-    args = training_args(os.path.join(work, "trainer"), deepspeed=cfg, max_steps=4, save_strategy="steps",
-                         save_steps=2, gradient_accumulation_steps=2)
-    trainer = transformers.Trainer(model=build("gpt2"), args=args, train_dataset=TokenData(24))
-    resume = os.path.join(work, "trainer", f"checkpoint-{resume_step}") if resume_step else None
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("out")
+    p.add_argument("--stage", type=int, default=2)
+    p.add_argument("--offload", action="store_true")
+    p.add_argument("--resume", type=int, default=None)
+    p.add_argument("--pretrained", default=None)
+    a = p.parse_args()
+    work = os.path.dirname(os.path.abspath(a.out))
+    config = zero_config(a.stage, offload_optimizer=a.offload)
+    if a.pretrained:      # DeepSpeed's zero.Init checks train_batch_size against a world size of its own: leave it out
+        del config["train_batch_size"]
+    args = training_args(os.path.join(work, "trainer"), deepspeed=config,
+                         max_steps=4, save_strategy="steps", save_steps=2, gradient_accumulation_steps=2)
+    model = transformers.AutoModelForCausalLM.from_pretrained(a.pretrained) if a.pretrained else build("gpt2")
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=TokenData(24))
+    resume = os.path.join(work, "trainer", f"checkpoint-{a.resume}") if a.resume else None
     trainer.train(resume_from_checkpoint=resume)
     import deepspeed
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    weights = {n: deepspeed.utils.safe_get_full_fp32_param(p).detach().float().cpu()
-               for n, p in trainer.model_wrapped.module.named_parameters()}
+    weights = {n: deepspeed.utils.safe_get_full_fp32_param(q).detach().float().cpu()
+               for n, q in trainer.model_wrapped.module.named_parameters()}
     if int(os.environ.get("RANK", "0")) == 0:
-        torch.save(weights, out + ".weights.pt")
-        with open(out, "w") as f:
-            json.dump({"losses": losses, "deepspeed": deepspeed.__file__, "version": deepspeed.__version__}, f)
+        torch.save(weights, a.out + ".weights.pt")
+        with open(a.out, "w") as f:
+            json.dump({"losses": losses, "deepspeed": deepspeed.__file__}, f)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1", int(sys.argv[4]) if len(sys.argv) > 4 else None)
+    main()

@@ -39,6 +39,7 @@ from transformers.core_model_loading import WeightConverter, WeightRenaming, bui
 from transformers.utils.loading_report import LoadStateDictInfo
 
 from zero_offload.zero.stage3.sharded_init import adopt_slice, has_slice, rank_world, shard_in_place, slice_bounds
+from zero_offload.zero.stage3.swap import swap_keeping_attributes
 
 __all__ = ["sharded_from_pretrained", "read_flat_range"]
 
@@ -149,7 +150,7 @@ def _place(model, targets: dict, info, name: str, shape: tuple, dtype: torch.dty
     if param.dtype != dtype:                         # keep the object (ties, references), change its dtype
         meta = torch.nn.Parameter(torch.empty(param.shape, dtype=dtype, device="meta"),
                                   requires_grad=param.requires_grad and dtype.is_floating_point)
-        torch.utils.swap_tensors(param, meta)
+        swap_keeping_attributes(param, meta)
     lo, hi = slice_bounds(param.numel(), rank, world)
     piece = adopt_slice(param, rank, world)[:hi - lo]
     if isinstance(source, torch.Tensor):

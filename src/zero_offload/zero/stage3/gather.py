@@ -50,7 +50,8 @@ def gathered_parameters(params: Iterable[torch.nn.Parameter] | torch.nn.Paramete
         return
     if isinstance(params, torch.Tensor):
         params = [params]
-    params = list(params)
+    # One order on every rank, whatever order the caller's collection has (transformers passes a set).
+    params = sorted(params, key=lambda p: (registry.order_of(p) is None, registry.order_of(p) or 0))
     if any(has_slice(p) for p in params):      # built under init_sharded, before initialize
         states = {id(p): open_full(p) for p in params if has_slice(p)}
         try:

@@ -15,6 +15,7 @@ import torch
 
 from zero_offload.zero.stage3.sharded_init import fill_view, has_slice, pop_slices
 from zero_offload.zero.stage3.units import ShardedUnit
+from zero_offload.zero.stage3.swap import swap_keeping_attributes
 
 __all__ = ["materialize", "is_meta_model"]
 
@@ -34,7 +35,7 @@ def _place_rest(module: torch.nn.Module, unit_params: set[int], device, dtype) -
         if id(p) in unit_params:
             continue
         new = torch.empty_like(p, device=device, dtype=dtype) if p.is_meta else p.detach().to(device, dtype)
-        torch.utils.swap_tensors(p, torch.nn.Parameter(new, requires_grad=p.requires_grad))
+        swap_keeping_attributes(p, torch.nn.Parameter(new, requires_grad=p.requires_grad))
 
 
 def _default_init(module: torch.nn.Module) -> None:
@@ -88,7 +89,7 @@ def materialize(model: torch.nn.Module, units: list[ShardedUnit], module_units: 
                 real = torch.nn.Parameter(torch.empty(p.shape, dtype=dtype, device=device),
                                           requires_grad=p.requires_grad)
                 fill_view(state, real.data)
-                torch.utils.swap_tensors(p, real)
+                swap_keeping_attributes(p, real)
         has_meta_rest = any(t.is_meta for t in module.buffers(recurse=False)) or \
             any(p.is_meta for p in module.parameters(recurse=False) if id(p) not in unit_params)
         _place_rest(module, unit_params, device, dtype)

@@ -225,7 +225,8 @@ class Stage3Optimizer(ZeroOptimizerBase):
         """The units holding ``params`` gathered for the body; with ``modifier_rank`` rank's writes kept,
         without it discarded (see `zero_offload.gathered_parameters`)."""
         life = self.lifecycle
-        units = list(dict.fromkeys(u for u in map(life.unit_of.get, params) if u is not None))
+        units = sorted({u.index: u for u in map(life.unit_of.get, params) if u is not None}.values(),
+                       key=lambda u: u.index)     # one gather order on every rank, whatever the params' order
         opened = [u for u in units if life.ensure_gathered(u)]
         try:
             yield

@@ -7,17 +7,18 @@ optimizer whose unit holds it (`owner_of`); a module -> the parameters its forwa
 (`slice_of`); a view of one made under `init_sharded` -> the parameter and how to take the same view of its full
 values (`alias_of`), so a write into the view reaches the slice; a module whose ``__init__`` runs under
 `init_sharded` -> how deep its constructors are nested (`init_depth`); a module gathered whole as one unit
-(`is_leaf`).
+(`is_leaf`); a parameter -> its number in the order stage 3 met it, the same on every rank (`order_of`).
 """
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = ["manage", "owner_of", "register_external", "external_params", "set_slice", "slice_of", "pop_slice",
-           "set_alias", "alias_of", "init_depth", "set_init_depth", "set_leaf", "is_leaf"]
+           "set_alias", "alias_of", "init_depth", "set_init_depth", "set_leaf", "is_leaf", "order_of"]
 
 _OWNERS = WeakIdKeyDictionary()
 _EXTERNAL = WeakIdKeyDictionary()
@@ -25,12 +26,16 @@ _SLICES = WeakIdKeyDictionary()
 _ALIASES = WeakIdKeyDictionary()
 _INIT_DEPTH = WeakIdKeyDictionary()
 _LEAVES = WeakIdKeyDictionary()
+_ORDER = WeakIdKeyDictionary()
+_NEXT = itertools.count()
 
 
 def manage(params, owner: Any) -> None:
     """Record that ``owner`` (a `Stage3Optimizer`) holds ``params`` in its units."""
     for p in params:
         _OWNERS[p] = owner
+        if p not in _ORDER:
+            _ORDER[p] = next(_NEXT)
 
 
 def owner_of(p: torch.Tensor) -> Any | None:
@@ -49,12 +54,24 @@ def external_params(module: torch.nn.Module) -> list[torch.nn.Parameter]:
     return list(_EXTERNAL.get(module, ()))
 
 
+def order_of(p: torch.Tensor) -> int | None:
+    """``p``'s number in the order stage 3 met it (its engine's units; before an engine holds it, its latest
+    slice): every rank runs the same program, so the numbers agree across ranks and collectives over several
+    parameters can go in one order (DeepSpeed's ``ds_id``). A slice's number lives in its entry, not in a map of
+    its own: a weak reference to a parameter would stop `torch.utils.swap_tensors`, which materialising needs."""
+    if p in _ORDER:
+        return _ORDER[p]
+    entry = _SLICES.get(p)
+    return None if entry is None else entry[1]
+
+
 def set_slice(p: torch.Tensor, state: tuple) -> None:
-    _SLICES[p] = state
+    _SLICES[p] = (state, next(_NEXT))
 
 
 def slice_of(p: torch.Tensor) -> tuple | None:
-    return _SLICES.get(p)
+    entry = _SLICES.get(p)
+    return None if entry is None else entry[0]
 
 
 def pop_slice(p: torch.Tensor) -> tuple:
@@ -63,7 +80,7 @@ def pop_slice(p: torch.Tensor) -> tuple:
     Raises:
         KeyError: ``p`` was not built under `init_sharded` (or its slice was taken already).
     """
-    return _SLICES.pop(p)
+    return _SLICES.pop(p)[0]
 
 
 def set_alias(view: torch.Tensor, target: tuple) -> None:

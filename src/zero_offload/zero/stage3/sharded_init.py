@@ -20,6 +20,7 @@ from torch.overrides import TorchFunctionMode
 
 from zero_offload.comm import all_gather_into, broadcast
 from zero_offload.zero.stage3 import registry
+from zero_offload.zero.stage3.swap import swap_keeping_attributes
 
 __all__ = ["ShardedInit", "has_slice", "pop_slices", "fill_view", "open_full", "close_full", "shard_in_place",
            "WriteThrough", "rank_world", "slice_bounds", "adopt_slice"]
@@ -77,8 +78,8 @@ def _slice(full: torch.Tensor, rank: int, world: int) -> tuple:
 
 def _to_meta(p: torch.nn.Parameter, like: torch.Tensor, state: tuple) -> None:
     """Swap ``p`` for a meta parameter of ``like``'s shape and dtype whose values are the slice ``state``."""
-    torch.utils.swap_tensors(p, torch.nn.Parameter(torch.empty(like.shape, dtype=like.dtype, device="meta"),
-                                                   requires_grad=p.requires_grad))
+    meta = torch.empty(like.shape, dtype=like.dtype, device="meta")
+    swap_keeping_attributes(p, torch.nn.Parameter(meta, requires_grad=p.requires_grad))
     registry.set_slice(p, state)
 
 
@@ -129,7 +130,7 @@ def open_full(p: torch.nn.Parameter) -> tuple:
     """Give a parameter built under `ShardedInit` its full values (a collective); returns `close_full`'s state."""
     state = registry.pop_slice(p)
     full = _gather(state, p.shape, p.numel()).clone()
-    torch.utils.swap_tensors(p, torch.nn.Parameter(full, requires_grad=p.requires_grad))
+    swap_keeping_attributes(p, torch.nn.Parameter(full, requires_grad=p.requires_grad))
     return state
 
 
@@ -267,10 +268,12 @@ def _subclasses(cls):
 
 
 class ShardedInit:
-    """The context manager behind `zero_offload.init_sharded` / ``deepspeed.zero.Init``."""
+    """The context manager behind `zero_offload.init_sharded` / ``deepspeed.zero.Init``; ``on_built(module)`` is
+    called for each module whose whole ``__init__`` ran inside, after its parameters were sharded."""
 
-    def __init__(self):
+    def __init__(self, on_built=None):
         self._patched: list[tuple[type, object]] = []
+        self._on_built = on_built
 
     def __enter__(self):
         rank, world = rank_world()
@@ -295,8 +298,9 @@ class ShardedInit:
             cls.__init__ = self._wrap(orig, rank, world)
             self._patched.append((cls, orig))
 
-    @staticmethod
-    def _wrap(orig, rank: int, world: int):
+    def _wrap(self, orig, rank: int, world: int):
+        on_built = self._on_built
+
         @functools.wraps(orig)
         def __init__(module, *args, **kwargs):   # noqa: N807
             depth = registry.init_depth(module)
@@ -307,6 +311,8 @@ class ShardedInit:
                 registry.set_init_depth(module, depth)
             if depth == 0:              # this module's whole __init__ (its subclasses' included) is done
                 _shard_own(module, rank, world)
+                if on_built is not None:
+                    on_built(module)
         return __init__
 
     def __exit__(self, *exc):

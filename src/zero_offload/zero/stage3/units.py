@@ -17,6 +17,7 @@ from zero_offload.comm import DistContext
 from zero_offload.flat import pack, partition_numel
 from zero_offload.offload.copies import CopyHandle, Copies
 from zero_offload.zero.stage3 import registry
+from zero_offload.zero.stage3.swap import swap_keeping_attributes
 
 __all__ = ["ShardedUnit", "GatherHandle", "units_by_module", "modules_owning"]
 
@@ -88,7 +89,7 @@ class ShardedUnit:
                 # but its own version counter, so gathering into `full` does not bump it.
                 real = torch.nn.Parameter(torch.empty(0, dtype=view.dtype, device=view.device),
                                           requires_grad=p.requires_grad)
-                torch.utils.swap_tensors(p, real)
+                swap_keeping_attributes(p, real)
             else:
                 view.copy_(p.data)
             p.data = view

@@ -9,15 +9,14 @@ test transformers, peft, TRL and Lightning use for "is this a ZeRO-3 parameter" 
 """
 from __future__ import annotations
 
-import itertools
 from enum import Enum
 from typing import Callable
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from zero_offload.compat.zero import GatheredParameters, Init
 from zero_offload.deepspeed.accelerator import get_accelerator
+from zero_offload.zero.stage3 import registry
 from zero_offload.zero.stage3.gather import param_facts, register_external_parameter
 
 __all__ = ["ZeroParamStatus", "ZeroParamType", "Init", "GatheredParameters", "register_external_parameter",
@@ -40,8 +39,6 @@ class ZeroParamStatus(Enum):
 
 
 _orig_torch_arange = torch.arange     # transformers compares constructors with it (prevent_arange_dtype_change)
-_IDS = WeakIdKeyDictionary()
-_NEXT_ID = itertools.count()
 
 
 def zero_wrapper_for_fp_tensor_constructor(fn: Callable, target_fp_dtype: torch.dtype,
@@ -75,14 +72,8 @@ def print_rank_0(message, debug: bool = False, force: bool = False) -> None:
         print(message)
 
 
-def _ds_id(p, facts) -> int:
-    if p not in _IDS:
-        _IDS[p] = next(_NEXT_ID)
-    return _IDS[p]
-
-
 PARAM_ATTRIBUTES = {
-    "ds_id": _ds_id,
+    "ds_id": lambda p, f: registry.order_of(p),       # the same on every rank, as DeepSpeed's
     "ds_status": lambda p, f: ZeroParamStatus.AVAILABLE if f.available else ZeroParamStatus.NOT_AVAILABLE,
     "ds_shape": lambda p, f: torch.Size(f.shape),
     "ds_numel": lambda p, f: f.numel,

@@ -4,56 +4,22 @@ agree within 1e-5. transformers' Trainer with ``TrainingArguments(deepspeed=...)
 optimizer offloaded, on 1 and 2 ranks, resumed from its own checkpoints, and from a ZeRO-3 ``from_pretrained``.
 """
 import importlib.util
-import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-import torch
+
+from stand_in_runs import assert_agree as _agree, launch
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                                 reason="DeepSpeed (the peer these runs compare with) is not installed")
 
-TESTS = Path(__file__).resolve().parent
-TOL = 1e-5
 _PEER: dict = {}
 
 
-def _command(world: int, port: int) -> list[str]:
-    if world == 1:
-        return [sys.executable]
-    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}", f"--master_port={port}"]
-
-
-def _launch(under_stand_in: bool, work: Path, world: int, *script_args) -> dict:
-    from dist_utils import _free_port
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if k != "ZERO_OFFLOAD_AS_DEEPSPEED"}
-    env.update(DS_ACCELERATOR="cpu", PYTHONPATH=os.pathsep.join([str(TESTS), env.get("PYTHONPATH", "")]))
-    if world == 1:      # a DeepSpeed script run as `python train.py` needs the launcher's variables under DeepSpeed
-        env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    cmd = [*_command(world, port), str(TESTS / "stand_in_trainer.py"), str(work / "out.json"), *script_args]
-    if under_stand_in:
-        cmd = [sys.executable, "-m", "zero_offload", "run", "--", *cmd]
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=work, timeout=900)
-    assert done.returncode == 0, done.stderr[-4000:]
-    out = json.loads((work / "out.json").read_text())
-    out["weights"] = torch.load(work / "out.json.weights.pt")
-    assert ("zero_offload" in out["deepspeed"]) == under_stand_in, out["deepspeed"]
-    return out
-
-
-def _agree(ours: dict, theirs: dict) -> None:
-    assert len(ours["losses"]) == len(theirs["losses"]) == 4
-    assert max(abs(a - b) for a, b in zip(ours["losses"], theirs["losses"])) < TOL, (ours["losses"],
-                                                                                      theirs["losses"])
-    assert set(ours["weights"]) == set(theirs["weights"])
-    diff = max((ours["weights"][k] - theirs["weights"][k]).abs().max().item() for k in ours["weights"])
-    assert diff < TOL, diff
+def _launch(under_stand_in: bool, work: Path, world: int, *args) -> dict:
+    return launch("stand_in_trainer.py", under_stand_in, work, world, *args)
 
 
 def _peer(key, tmp_path_factory, world, *args) -> dict:

@@ -189,9 +189,6 @@ class ZeroConfig:
             self._check_super_offload_fraction(path)
         if self.offload_optimizer.gradients_on_device:
             self._check_gradients_on_device(path)
-        if self.offload_optimizer.device != "none" and self.stage < 1:
-            raise ConfigError(f"config key '{path}.offload_optimizer.device' = "
-                              f"{self.offload_optimizer.device!r} needs '{path}.stage' >= 1 (got 0)")
         for key, off in (("offload_optimizer", self.offload_optimizer), ("offload_param", self.offload_param)):
             if off.device != "nvme":
                 continue

@@ -113,7 +113,9 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
         config, config_params: the config as a dict, a path (JSON or hjson) or a base64 string.
 
     Raises:
-        ConfigError: no config or two configs, or an invalid config (the key is named).
+        ConfigError: no config or two configs, an invalid config (the key is named), or no optimizer at ZeRO
+            stage 1 or 2 (DeepSpeed asserts the same; with no optimizer at stage 0 or 3 the engine is a frozen
+            model, `FrozenDeepSpeedEngine`, and the returned optimizer is None).
         ValueError: ``model`` is None, ``mesh_param`` given or an ``mpu`` with model, pipeline or sequence
             parallelism (`compat.mpu.check_mpu`; an ``mpu`` of plain data parallelism is accepted), an
             optimizer that is neither a ``torch.optim`` one nor one of `ops`, or groups of a DeepSpeed class
@@ -140,6 +142,10 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
         raw.pop("scheduler", None)
     if "optimizer" not in raw:        # DeepSpeed's engine with no optimizer: a frozen model for forward passes
         from zero_offload.inference import InferenceEngine
+        stage = int((raw.get("zero_optimization") or {}).get("stage", 0))
+        if stage in (1, 2):
+            raise ConfigError(f"config key 'zero_optimization.stage' = {stage}: zero stage {stage} requires an "
+                              f"optimizer (DeepSpeed asserts the same); build a frozen model at stage 0 or 3")
         frozen = FrozenDeepSpeedEngine(InferenceEngine(model, raw), _given_config(args, config, config_params))
         return frozen, None, None, None
     engine = Engine(model, raw, model_parameters, auto_values=auto_values)

@@ -136,9 +136,10 @@ class UnitLifecycle:
         self.gather(u)
         return True
 
-    def release(self, u: ShardedUnit) -> None:
-        """Free ``u``'s full buffer (waiting for its gather in flight first)."""
-        u.release()
+    def release(self, u: ShardedUnit, keep_views: bool = False) -> None:
+        """Free ``u``'s full buffer (waiting for its gather in flight first); ``keep_views``: see
+        `ShardedUnit.release`."""
+        u.release(keep_views)
         self.live_numel -= u.padded_numel
         self.live_bytes -= u.nbytes
 

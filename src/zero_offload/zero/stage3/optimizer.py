@@ -233,13 +233,13 @@ class Stage3Optimizer(ZeroOptimizerBase):
             if modifier_rank is not None:
                 for u in units:
                     self.write_back(u, modifier_rank)
-        finally:
+        finally:            # views of the gathered values that the body kept stay valid (`ShardedUnit.release`)
             for u in opened:
-                life.release(u)
+                life.release(u, keep_views=True)
             if modifier_rank is None:
                 for u in units:
                     if u not in opened:      # a unit that stays gathered: drop the writes made to it
-                        life.release(u)
+                        life.release(u, keep_views=True)
                         life.gather(u)
 
     def release_gathered(self) -> None:

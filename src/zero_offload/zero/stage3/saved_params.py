@@ -23,8 +23,10 @@ class SavedParameterGuard:
 
     def __init__(self, units: list[ShardedUnit], gather: Callable[[ShardedUnit], None]):
         self.gather = gather              # the life cycle's gather, outside the recorded order
-        # A unit's storage object survives release/gather (only its size changes), so it identifies the unit.
-        self.by_storage = {u.full.untyped_storage()._cdata: u for u in units}
+        self.units = units
+        # A unit's storage object survives release/gather (only its size changes), so it identifies the unit; a
+        # release that leaves the storage to views code kept gives the unit a new one, so `start` maps anew.
+        self.by_storage = self._map()
         self._hooks = None
         self.regathered = 0               # units gathered again by backward (running count)
 
@@ -42,7 +44,11 @@ class SavedParameterGuard:
                 self.regathered += 1
         return t
 
+    def _map(self) -> dict:
+        return {u.full.untyped_storage()._cdata: u for u in self.units}
+
     def start(self) -> None:
+        self.by_storage = self._map()
         if self._hooks is None:
             self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             self._hooks.__enter__()

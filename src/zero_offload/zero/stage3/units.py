@@ -169,14 +169,20 @@ class ShardedUnit:
             self.handle.wait()
             self.handle = None
 
-    def release(self) -> None:
-        """Free the full buffer's memory; the parameters keep their shapes but no storage."""
+    def release(self, keep_views: bool = False) -> None:
+        """Free the full buffer's memory; the parameters keep their shapes but no storage. With ``keep_views`` the
+        buffer's storage is left to the views of it that code may still hold (a ``p.data`` kept after
+        ``GatheredParameters``: DeepSpeed's release leaves it valid too, and a view of storage resized to zero
+        bytes would read freed memory), and ``full`` takes a storage of its own."""
         self.wait()
         if self.gather_stream is not None:
             # FSDP2's order, not record_stream: the gather stream waits for the compute that read the buffer, so
             # the allocator can hand its block to the next gather on that stream at once. record_stream would
             # keep it until the host sees that compute done, and a host running ahead would allocate anew.
             self.gather_stream.wait_stream(torch.cuda.current_stream())
+        if keep_views:
+            fresh = torch.empty(self.padded_numel, dtype=self.full.dtype, device=self.full.device)
+            self.full.set_(fresh.untyped_storage(), 0, (self.padded_numel,))
         self.full.untyped_storage().resize_(0)
         self._point_params(False)
         self.gathered = False

@@ -14,15 +14,18 @@ TESTS = Path(__file__).resolve().parent
 TOL = 1e-5
 
 
-def launch(script: str, under_stand_in: bool, work: Path, world: int, *script_args) -> dict:
+def launch(script: str, under_stand_in: bool, work: Path, world: int, *script_args, launcher=None) -> dict:
     """Run ``tests/<script> OUT ARGS`` on ``world`` ranks (``python`` with the launcher's variables for one rank,
-    torch's elastic launcher for more); returns the JSON it wrote to OUT with ``weights`` from OUT.weights.pt.
-    Asserts it exited 0 and ran on the DeepSpeed it was meant to."""
+    torch's elastic launcher for more, or ``launcher(port)``'s command, e.g. ``accelerate launch ...``); returns
+    the JSON it wrote to OUT with ``weights`` from OUT.weights.pt. Asserts it exited 0 and ran on the DeepSpeed
+    it was meant to."""
     from dist_utils import _free_port
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k != "ZERO_OFFLOAD_AS_DEEPSPEED"}
     env.update(DS_ACCELERATOR="cpu", PYTHONPATH=os.pathsep.join([str(TESTS), env.get("PYTHONPATH", "")]))
-    if world == 1:      # a DeepSpeed script run as `python train.py` needs the launcher's variables under DeepSpeed
+    if launcher is not None:
+        cmd = launcher(port)
+    elif world == 1:    # a DeepSpeed script run as `python train.py` needs the launcher's variables under DeepSpeed
         env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         cmd = [sys.executable]
     else:

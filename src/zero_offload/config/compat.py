@@ -269,6 +269,18 @@ def _aliases(data: dict) -> None:
             data["bf16"] = old
 
 
+def _dotted_top_level(data: dict) -> None:
+    """Drop top-level keys that spell a nested one with dots (``"zero_optimization.reduce_bucket_size"``, as TRL's
+    ``prepare_deepspeed`` and accelerate's reference-model code write them): DeepSpeed 0.19.8 reads sections by
+    name, so such a key changes nothing there either. One warning names them."""
+    dotted = sorted(k for k in data if isinstance(k, str) and "." in k)
+    if dotted:
+        for key in dotted:
+            data.pop(key)
+        _warn(f"config keys {', '.join(repr(k) for k in dotted)} are dotted names at the top level; DeepSpeed "
+              f"reads sections by name and ignores them, and so does zero-offload")
+
+
 def normalize(data: dict) -> dict:
     """A copy of ``data`` with one spelling per key (see the module docstring).
 
@@ -276,6 +288,7 @@ def normalize(data: dict) -> dict:
         ConfigError: a key DeepSpeed 0.19.8 removed, or an unbuilt setting that would change training.
     """
     data = _deep_copy(data)
+    _dotted_top_level(data)
     _refuse_unbuilt(data)
     _compile_section(data)
     _aliases(data)

@@ -81,13 +81,18 @@ def register_external_parameter(module: torch.nn.Module, parameter: torch.nn.Par
 
 def param_facts(p: torch.Tensor) -> ParamFacts | None:
     """``p`` as DeepSpeed's stage-3 attributes describe it (`ParamFacts`), read live: from the stage-3 engine
-    that holds it, or, built under `init_sharded` and not yet handed to an engine, from its slice (never
-    available; ``local`` this rank's elements). None for a parameter stage 3 does not manage."""
+    that holds it (or holds the parameter ``p`` is an exact alias of), or, built under `init_sharded` and not
+    yet handed to an engine, from its slice (never available; ``local`` this rank's elements). None for a
+    tensor stage 3 does not manage."""
     owner = registry.owner_of(p)
     if owner is not None:
         return owner.describe(p)
     state = registry.slice_of(p)
     if state is None:
+        for owner in registry.owners():     # an alias of a held parameter (autograd's unpacked saved tensor)
+            held = owner.parameter_viewed_by(p)
+            if held is not None:
+                return owner.describe(held)
         return None
     piece, rank, world = state
     lo, hi = slice_bounds(p.numel(), rank, world)

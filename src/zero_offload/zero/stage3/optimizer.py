@@ -209,6 +209,13 @@ class Stage3Optimizer(ZeroOptimizerBase):
         """True when ``p`` lives in one of this optimizer's units (trainable or frozen)."""
         return p in self.lifecycle.unit_of
 
+    def parameter_viewed_by(self, t: torch.Tensor) -> torch.nn.Parameter | None:
+        """The parameter of which ``t`` is an exact alias (same storage, offset, shape and strides: how autograd
+        unpacks a saved parameter under saved-tensor hooks), or None."""
+        u = self.lifecycle.saved_params.unit_viewed_by(t)
+        p = u.param_at(t.storage_offset(), t.shape) if u is not None else None
+        return p if p is not None and p.stride() == t.stride() else None
+
     def describe(self, p: torch.Tensor) -> ParamFacts | None:
         """What DeepSpeed's stage-3 attributes say of ``p`` now (`ParamFacts`), or None when no unit holds it."""
         u = self.lifecycle.unit_of.get(p)
@@ -233,13 +240,16 @@ class Stage3Optimizer(ZeroOptimizerBase):
             if modifier_rank is not None:
                 for u in units:
                     self.write_back(u, modifier_rank)
-        finally:            # views of the gathered values that the body kept stay valid (`ShardedUnit.release`)
+        finally:
+            # Outside a training micro-step, views of the gathered values the body kept stay valid
+            # (`ShardedUnit.release`); inside one the storage stays the unit's, for the saved views it regathers.
+            keep = not life.saved_params.active
             for u in opened:
-                life.release(u, keep_views=True)
+                life.release(u, keep_views=keep)
             if modifier_rank is None:
                 for u in units:
                     if u not in opened:      # a unit that stays gathered: drop the writes made to it
-                        life.release(u, keep_views=True)
+                        life.release(u, keep_views=keep)
                         life.gather(u)
 
     def release_gathered(self) -> None:

@@ -12,13 +12,14 @@ values (`alias_of`), so a write into the view reaches the slice; a module whose 
 from __future__ import annotations
 
 import itertools
+import weakref
 from typing import Any
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = ["manage", "owner_of", "register_external", "external_params", "set_slice", "slice_of", "pop_slice",
-           "set_alias", "alias_of", "init_depth", "set_init_depth", "set_leaf", "is_leaf", "order_of"]
+           "set_alias", "alias_of", "init_depth", "set_init_depth", "set_leaf", "is_leaf", "order_of", "owners"]
 
 _OWNERS = WeakIdKeyDictionary()
 _EXTERNAL = WeakIdKeyDictionary()
@@ -27,15 +28,22 @@ _ALIASES = WeakIdKeyDictionary()
 _INIT_DEPTH = WeakIdKeyDictionary()
 _LEAVES = WeakIdKeyDictionary()
 _ORDER = WeakIdKeyDictionary()
+_OWNER_SET: "weakref.WeakSet" = weakref.WeakSet()
 _NEXT = itertools.count()
 
 
 def manage(params, owner: Any) -> None:
     """Record that ``owner`` (a `Stage3Optimizer`) holds ``params`` in its units."""
+    _OWNER_SET.add(owner)
     for p in params:
         _OWNERS[p] = owner
         if p not in _ORDER:
             _ORDER[p] = next(_NEXT)
+
+
+def owners() -> list:
+    """The live stage-3 optimizers that hold parameters."""
+    return list(_OWNER_SET)
 
 
 def owner_of(p: torch.Tensor) -> Any | None:

@@ -4,7 +4,8 @@ A parameter used outside its module's forward (a tied embedding in a custom loss
 forward) escapes the module hooks: its unit is released and backward would read freed storage. While a training
 micro-step runs, a ``saved_tensors_hooks`` pair marks every saved tensor that is a view of a unit's full buffer;
 unpacking one gathers that unit again if it was released (into the same storage, so the saved view is valid), to be
-released with the others at the end of the micro-step. DeepSpeed leaves this to ``register_external_parameter``.
+released with the others at the end of the micro-step. Under these hooks autograd unpacks a saved parameter as a
+new tensor aliasing it (not the Parameter object): `ShardedUnit.param_at` finds the parameter an alias views. DeepSpeed leaves this to ``register_external_parameter``.
 """
 from __future__ import annotations
 
@@ -46,6 +47,15 @@ class SavedParameterGuard:
 
     def _map(self) -> dict:
         return {u.full.untyped_storage()._cdata: u for u in self.units}
+
+    @property
+    def active(self) -> bool:
+        """Between `start` and `stop`: a training micro-step whose saved views must keep their storages."""
+        return self._hooks is not None
+
+    def unit_viewed_by(self, t: torch.Tensor) -> ShardedUnit | None:
+        """The unit whose full buffer ``t`` views (by storage), or None."""
+        return self.by_storage.get(t.untyped_storage()._cdata) if t.layout == torch.strided else None
 
     def start(self) -> None:
         self.by_storage = self._map()

@@ -94,6 +94,13 @@ class ShardedUnit:
                 view.copy_(p.data)
             p.data = view
 
+    def param_at(self, offset: int, shape) -> torch.nn.Parameter | None:
+        """The parameter whose view of ``full`` starts at element ``offset`` with ``shape``, or None."""
+        for p, s in zip(self.params, self.slots):
+            if s.offset == offset and tuple(s.shape) == tuple(shape):
+                return p
+        return None
+
     def place(self, partition_offset: int) -> int:
         """Put this unit's shard at ``partition_offset`` of its group's partition; returns where the next starts."""
         self.partition_offset = partition_offset

@@ -1,8 +1,8 @@
 """``deepspeed.runtime.zero.partition_parameters``: ``Init``, ``GatheredParameters``, ``ZeroParamStatus`` and the
 stage-3 parameter attributes (``ds_id``, ``ds_status``, ``ds_shape``, ``ds_numel``, ``ds_tensor``, ``ds_persist``).
 
-The attributes are read live, never stored on a parameter: importing this face gives ``torch.nn.Parameter``
-read-only properties that ask the stage-3 registry (`zero_offload.zero.stage3.gather.param_facts`) each time, so
+The attributes are read live, never stored on a parameter: importing this face gives ``torch.Tensor`` (so every
+parameter, and an alias of one) read-only properties that ask the stage-3 registry (`zero_offload.zero.stage3.gather.param_facts`) each time, so
 they are true at every point of a step (``ds_status`` is AVAILABLE exactly while the parameter's unit is
 gathered). On a parameter stage 3 does not manage they raise AttributeError, so ``hasattr(p, "ds_id")`` - the
 test transformers, peft, TRL and Lightning use for "is this a ZeRO-3 parameter" - is False, as without DeepSpeed.
@@ -91,5 +91,7 @@ def _live(name: str, read) -> property:
     return property(get, doc=f"DeepSpeed's {name}, read from zero-offload's stage-3 registry")
 
 
+# On torch.Tensor, not only Parameter: under saved-tensor hooks autograd hands backward a plain alias of a saved
+# parameter, and backward code reads its attributes too (TRL's chunked log-prob reads weight.ds_status).
 for _name, _read in PARAM_ATTRIBUTES.items():
-    setattr(torch.nn.Parameter, _name, _live(_name, _read))
+    setattr(torch.Tensor, _name, _live(_name, _read))

@@ -219,3 +219,33 @@ def test_every_deepspeed_name_the_installed_libraries_reference_resolves():
         theirs = json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else {}
     wrong = {n: s for n, s in ours.items() if s.startswith("missing") and theirs.get(n, "provided") == "provided"}
     assert wrong == {}, wrong
+
+
+_LIGHTNING = """
+import torch, lightning as L
+import deepspeed
+class M(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.l = torch.nn.Linear(4, 1)
+    def training_step(self, b, i):
+        return self.l(b).pow(2).mean()
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters())
+try:
+    L.Trainer(accelerator="cpu", devices=1, strategy="deepspeed_stage_2_offload", max_steps=1, logger=False,
+              enable_checkpointing=False).fit(M(), torch.utils.data.DataLoader(torch.randn(8, 4), batch_size=2))
+except RuntimeError as e:
+    print("refused:", e)
+"""
+
+
+def test_lightning_deepspeed_strategies_answer_on_the_cpu_as_under_deepspeed():
+    """Lightning finds the stand-in (its requirement check reads the distribution) and builds its DeepSpeed strategy;
+    on a CPU accelerator it then refuses, as it does with DeepSpeed itself: Lightning runs them on CUDA only."""
+    pytest.importorskip("lightning")
+    ours = _python(_LIGHTNING, _env(**ON))
+    assert "refused: The DeepSpeed strategy is only supported on CUDA GPUs" in ours.stdout, ours.stderr[-2000:]
+    if __import__("importlib.util").util.find_spec("deepspeed") is not None:
+        theirs = _python(_LIGHTNING, _env(DS_ACCELERATOR="cpu"))
+        assert theirs.stdout.strip().splitlines()[-1] == ours.stdout.strip().splitlines()[-1], theirs.stderr[-2000:]

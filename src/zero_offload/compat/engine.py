@@ -36,21 +36,30 @@ class DeepSpeedEngine(torch.nn.Module):
         self.module = engine.module
         self._raw_config = config if config is not None else engine.config.to_dict()
         self._optimizer_face = OptimizerFace(engine)
+        from zero_offload.deepspeed.utils.timer import ThroughputTimer
+        self.tput_timer = ThroughputTimer(batch_size=getattr(engine, "train_batch_size", 1))
         self._ds_micro_steps = 0        # DeepSpeed counts micro-steps in step(), not backward()
         self._boundary_override: bool | None = None
         self._step_applied = False
 
     def __getattr__(self, name: str):
+        """An attribute of zero-offload's `Engine`, else of the wrapped model (DeepSpeed's engine forwards unknown
+        names to its module: DeepSpeed-Chat reads ``engine.model``, the HF model's decoder)."""
         try:
             return super().__getattr__(name)
         except AttributeError:
             engine = self.__dict__.get("engine")
             if engine is None:
                 raise
-            return getattr(engine, name)
+            try:
+                return getattr(engine, name)
+            except AttributeError:
+                return getattr(self._modules["module"], name)
 
     # -- the step loop ---------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
+        if self.training:
+            self.tput_timer.start()
         return self.engine.forward(*args, **kwargs)
 
     def compile(self, backend="inductor", compile_kwargs: dict | None = None, schedule=None,
@@ -82,6 +91,7 @@ class DeepSpeedEngine(torch.nn.Module):
         steps, skipped = self.engine.global_step, self.engine.skipped_steps
         boundary = self.engine.is_gradient_accumulation_boundary()
         self.engine.step()
+        self.tput_timer.stop(global_step=boundary)
         if boundary:
             self._step_applied = self.engine.global_step > steps and self.engine.skipped_steps == skipped
             if self._boundary_override:

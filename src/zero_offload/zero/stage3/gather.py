@@ -50,8 +50,10 @@ def gathered_parameters(params: Iterable[torch.nn.Parameter] | torch.nn.Paramete
         return
     if isinstance(params, torch.Tensor):
         params = [params]
-    # One order on every rank, whatever order the caller's collection has (transformers passes a set).
-    params = sorted(params, key=lambda p: (registry.order_of(p) is None, registry.order_of(p) or 0))
+    # One order on every rank, whatever order the caller's collection has (transformers passes a set); None entries
+    # (a module's absent bias, which transformers passes) are skipped, as DeepSpeed skips them.
+    params = sorted((p for p in params if p is not None),
+                    key=lambda p: (registry.order_of(p) is None, registry.order_of(p) or 0))
     if any(has_slice(p) for p in params):      # built under init_sharded, before initialize
         states = {id(p): open_full(p) for p in params if has_slice(p)}
         try:

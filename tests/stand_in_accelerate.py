@@ -4,7 +4,6 @@ to OUT and the fp32 weights (``deepspeed.utils.safe_get_full_fp32_param``) to OU
 
     accelerate launch --use_deepspeed --deepspeed_config_file ds.json tests/stand_in_accelerate.py OUT
 """
-import json
 import os
 import sys
 
@@ -14,6 +13,7 @@ from accelerate import Accelerator
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from hf_models import build  # noqa: E402
 from hf_trainer_runs import TokenData  # noqa: E402
+from stand_in_runs import write_out  # noqa: E402
 
 
 def main(out: str) -> None:
@@ -30,14 +30,8 @@ def main(out: str) -> None:
             optimizer.step()
             optimizer.zero_grad()
         losses.append(accelerator.reduce(loss.detach().clone(), "mean").item())
-    import deepspeed
-    weights = {n: deepspeed.utils.safe_get_full_fp32_param(p).detach().float().cpu()
-               for n, p in accelerator.unwrap_model(model).named_parameters()}
-    if accelerator.is_main_process:
-        torch.save(weights, out + ".weights.pt")
-        with open(out, "w") as f:
-            json.dump({"losses": losses, "deepspeed": deepspeed.__file__,
-                       "skipped": bool(optimizer.step_was_skipped)}, f)
+    write_out(out, losses, accelerator.unwrap_model(model), accelerator.is_main_process,
+              skipped=bool(optimizer.step_was_skipped))
 
 
 if __name__ == "__main__":

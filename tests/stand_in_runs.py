@@ -53,3 +53,15 @@ def assert_agree(ours: dict, theirs: dict, steps: int = 4) -> None:
         assert ours[key] == theirs[key], (key, ours[key], theirs[key])
     if "ref_logits" in ours:
         assert max(abs(a - b) for a, b in zip(ours["ref_logits"], theirs["ref_logits"])) < 1e-4
+
+
+def write_out(out: str, losses: list, module, rank_zero: bool, **extra) -> None:
+    """What a script run by `launch` leaves: on every rank, each parameter's fp32 weight gathered with
+    ``deepspeed.utils.safe_get_full_fp32_param`` (a collective); on rank 0 {losses, deepspeed's file, extra} in
+    ``out`` and the weights in ``out``.weights.pt."""
+    import deepspeed
+    weights = {n: deepspeed.utils.safe_get_full_fp32_param(p).detach().float().cpu()
+               for n, p in module.named_parameters()}
+    if rank_zero:
+        torch.save(weights, out + ".weights.pt")
+        Path(out).write_text(json.dumps({"losses": losses, "deepspeed": deepspeed.__file__, **extra}))

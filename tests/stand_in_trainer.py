@@ -8,16 +8,15 @@
 builds it under ``deepspeed.zero.Init`` and loads its weights through ``GatheredParameters``.
 """
 import argparse
-import json
 import os
 import sys
 
-import torch
 import transformers
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from hf_models import build  # noqa: E402
 from hf_trainer_runs import TokenData, training_args, zero_config  # noqa: E402
+from stand_in_runs import write_out  # noqa: E402
 
 
 def main() -> None:
@@ -38,14 +37,8 @@ def main() -> None:
     trainer = transformers.Trainer(model=model, args=args, train_dataset=TokenData(24))
     resume = os.path.join(work, "trainer", f"checkpoint-{a.resume}") if a.resume else None
     trainer.train(resume_from_checkpoint=resume)
-    import deepspeed
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    weights = {n: deepspeed.utils.safe_get_full_fp32_param(q).detach().float().cpu()
-               for n, q in trainer.model_wrapped.module.named_parameters()}
-    if int(os.environ.get("RANK", "0")) == 0:
-        torch.save(weights, a.out + ".weights.pt")
-        with open(a.out, "w") as f:
-            json.dump({"losses": losses, "deepspeed": deepspeed.__file__}, f)
+    write_out(a.out, losses, trainer.model_wrapped.module, trainer.is_world_process_zero())
 
 
 if __name__ == "__main__":

@@ -6,14 +6,12 @@ and no optimizer (TRL's ``prepare_deepspeed``). Writes {losses, deepspeed's file
     python tests/stand_in_trl.py OUT --trainer dpo --stage 3 --model-dir DIR
 """
 import argparse
-import json
 import os
 import sys
 
-import torch
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import trl_runs  # noqa: E402
+from stand_in_runs import write_out  # noqa: E402
 
 
 def main() -> None:
@@ -28,13 +26,7 @@ def main() -> None:
     del config["train_batch_size"]   # DeepSpeed's zero.Init checks it against a world size of its own: left out
     trainer, losses, _ = trl_runs.run(a.trainer, a.model_dir, os.path.join(work, "trl"), deepspeed=config,
                                       max_steps=4)
-    import deepspeed
-    weights = {n: deepspeed.utils.safe_get_full_fp32_param(q).detach().float().cpu()
-               for n, q in trainer.model_wrapped.module.named_parameters()}
-    if int(os.environ.get("RANK", "0")) == 0:
-        torch.save(weights, a.out + ".weights.pt")
-        with open(a.out, "w") as f:
-            json.dump({"losses": losses, "deepspeed": deepspeed.__file__}, f)
+    write_out(a.out, losses, trainer.model_wrapped.module, trainer.is_world_process_zero())
 
 
 if __name__ == "__main__":

@@ -7,7 +7,23 @@ DeepSpeed name and the alternative.
 """
 from __future__ import annotations
 
-__all__ = ["NotBuiltError", "unbuilt", "unbuilt_module_getattr"]
+__all__ = ["NotBuiltError", "unbuilt", "unbuilt_module_getattr", "INSTEAD"]
+
+# What to use instead, by the feature a DeepSpeed module belongs to.
+INSTEAD = {
+    "pipeline": "train data parallel with ZeRO stage 3 (and offload) instead of pipeline parallelism",
+    "experts": "a mixture-of-experts model trains data parallel at stage 3 with "
+               "deepspeed.utils.set_z3_leaf_modules",
+    "compression": "compress with a dedicated library (e.g. torch.ao) after training",
+    "inference": "generate with transformers' generate() on engine.module (or vLLM)",
+    "sequence": "sequence parallelism (Ulysses, FPDT) is not built yet; long sequences train with activation "
+                "checkpointing",
+    "tensor": "train data parallel with ZeRO stage 3 instead of tensor parallelism",
+    "data": "use a torch DataLoader instead of DeepSpeed's data-efficiency pipeline",
+    "profiler": "use torch.profiler or zero-offload's engine.timings",
+    "megatron": "load a zero-offload, DeepSpeed or DCP checkpoint with engine.load_checkpoint",
+    "hybrid": "build a frozen engine (deepspeed.initialize with no optimizer) for generation",
+}
 
 
 class NotBuiltError(NotImplementedError):

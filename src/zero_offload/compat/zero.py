@@ -16,7 +16,8 @@ def Init(module=None, data_parallel_group=None, mem_efficient_linear=True, remot
          zero_param_parallel_group=None, zero_quantized_weights=False, zero_quantized_nontrainable_weights=False,
          sequence_data_parallel_group=None, param_swapper=None):
     """DeepSpeed's ``zero.Init``: build the model inside it and ranks keep only their shards
-    (`zero_offload.init_sharded`, its `ShardedInit`). ``enabled=False`` builds normally. With ``module``, that already-built model
+    (`zero_offload.init_sharded`, its `ShardedInit`). ``enabled=False`` builds normally. With ``module``, that
+    already-built model
     is partitioned in place at once (rank 0's values, each rank keeping its slice; a collective), as
     DeepSpeed's ``zero.Init(module=model)`` does; the returned context can still be entered."""
     if not enabled:

@@ -29,7 +29,7 @@ from zero_offload.compat.engine import DeepSpeedEngine, FrozenDeepSpeedEngine
 from zero_offload.compat.mpu import check_mpu
 from zero_offload.compat.optimizer import ClientScheduler, client_optimizer_config
 from zero_offload.compat.optimizer_face import DeepSpeedOptimizer
-from zero_offload.compat.unbuilt import unbuilt
+from zero_offload.compat.unbuilt import INSTEAD, unbuilt
 from zero_offload.config import Config, ConfigError
 from zero_offload.config.io import decode_config_string, read_config_file
 from zero_offload.deepspeed import accelerator, checkpoint, comm, ops, runtime, utils
@@ -54,15 +54,12 @@ __version_major__, __version_minor__, __version_patch__ = (int(x) for x in versi
 __git_hash__ = git_hash = None
 __git_branch__ = git_branch = None
 
-_PIPE = "pipeline parallelism; train data parallel with ZeRO stage 3 (and offload) instead"
-_INFERENCE = "DeepSpeed inference; generate with transformers' generate() on engine.module (or vLLM)"
-PipelineModule = unbuilt("deepspeed.pipe.PipelineModule", _PIPE)
-PipelineEngine = unbuilt("deepspeed.runtime.pipe.engine.PipelineEngine", _PIPE)
-InferenceEngine = unbuilt("deepspeed.inference.engine.InferenceEngine", _INFERENCE)
-DeepSpeedHybridEngine = unbuilt("deepspeed.runtime.hybrid_engine.DeepSpeedHybridEngine",
-                                "build a frozen engine (deepspeed.initialize with no optimizer) for generation")
-init_inference = unbuilt("deepspeed.init_inference", _INFERENCE)
-tp_model_init = unbuilt("deepspeed.tp_model_init", "tensor parallelism; train data parallel with ZeRO stage 3")
+PipelineModule = unbuilt("deepspeed.pipe.PipelineModule", INSTEAD["pipeline"])
+PipelineEngine = unbuilt("deepspeed.runtime.pipe.engine.PipelineEngine", INSTEAD["pipeline"])
+InferenceEngine = unbuilt("deepspeed.inference.engine.InferenceEngine", INSTEAD["inference"])
+DeepSpeedHybridEngine = unbuilt("deepspeed.runtime.hybrid_engine.DeepSpeedHybridEngine", INSTEAD["hybrid"])
+init_inference = unbuilt("deepspeed.init_inference", INSTEAD["inference"])
+tp_model_init = unbuilt("deepspeed.tp_model_init", INSTEAD["tensor"])
 
 
 def _raw_config(args, config, config_params) -> dict:

@@ -1,5 +1,5 @@
-"""``deepspeed.compression``: not built in zero-offload (model compression). Every name imports; using one raises
-`zero_offload.compat.unbuilt.NotBuiltError` saying what to use instead."""
-from zero_offload.compat.unbuilt import unbuilt_module_getattr
+"""``deepspeed.compression``: not built in zero-offload (compression). Every name imports; using one raises
+`zero_offload.compat.unbuilt.NotBuiltError`, which says what to use instead."""
+from zero_offload.compat.unbuilt import INSTEAD, unbuilt_module_getattr
 
-__getattr__ = unbuilt_module_getattr("deepspeed.compression", "compress with a dedicated library (e.g. torch.ao) after training")
+__getattr__ = unbuilt_module_getattr("deepspeed.compression", INSTEAD["compression"])

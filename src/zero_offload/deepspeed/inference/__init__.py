@@ -1,5 +1,5 @@
-"""``deepspeed.inference``: not built in zero-offload (DeepSpeed inference). Every name imports; using one raises
-`zero_offload.compat.unbuilt.NotBuiltError` saying what to use instead."""
-from zero_offload.compat.unbuilt import unbuilt_module_getattr
+"""``deepspeed.inference``: not built in zero-offload (inference). Every name imports; using one raises
+`zero_offload.compat.unbuilt.NotBuiltError`, which says what to use instead."""
+from zero_offload.compat.unbuilt import INSTEAD, unbuilt_module_getattr
 
-__getattr__ = unbuilt_module_getattr("deepspeed.inference", "generate with transformers' generate() under engine.module (or vLLM)")
+__getattr__ = unbuilt_module_getattr("deepspeed.inference", INSTEAD["inference"])

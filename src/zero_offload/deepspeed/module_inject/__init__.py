@@ -1,5 +1,5 @@
-"""``deepspeed.module_inject``: not built in zero-offload (tensor parallelism). Every name imports; using one raises
-`zero_offload.compat.unbuilt.NotBuiltError` saying what to use instead."""
-from zero_offload.compat.unbuilt import unbuilt_module_getattr
+"""``deepspeed.module_inject``: not built in zero-offload (tensor). Every name imports; using one raises
+`zero_offload.compat.unbuilt.NotBuiltError`, which says what to use instead."""
+from zero_offload.compat.unbuilt import INSTEAD, unbuilt_module_getattr
 
-__getattr__ = unbuilt_module_getattr("deepspeed.module_inject", "train data parallel with ZeRO stage 3")
+__getattr__ = unbuilt_module_getattr("deepspeed.module_inject", INSTEAD["tensor"])

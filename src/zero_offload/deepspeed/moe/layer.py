@@ -1,5 +1,5 @@
-"""``deepspeed.moe.layer``: not built in zero-offload (expert parallelism). Every name imports; using one raises
-`zero_offload.compat.unbuilt.NotBuiltError` saying what to use instead."""
-from zero_offload.compat.unbuilt import unbuilt_module_getattr
+"""``deepspeed.moe.layer``: not built in zero-offload (experts). Every name imports; using one raises
+`zero_offload.compat.unbuilt.NotBuiltError`, which says what to use instead."""
+from zero_offload.compat.unbuilt import INSTEAD, unbuilt_module_getattr
 
-__getattr__ = unbuilt_module_getattr("deepspeed.moe.layer", "a mixture-of-experts model trains data parallel at stage 3 with set_z3_leaf_modules")
+__getattr__ = unbuilt_module_getattr("deepspeed.moe.layer", INSTEAD["experts"])

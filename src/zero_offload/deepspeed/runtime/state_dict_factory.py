@@ -1,5 +1,5 @@
-"""``deepspeed.runtime.state_dict_factory``: not built in zero-offload (Megatron's tensor-parallel checkpoint loader). Every name imports; using one raises
-`zero_offload.compat.unbuilt.NotBuiltError` saying what to use instead."""
-from zero_offload.compat.unbuilt import unbuilt_module_getattr
+"""``deepspeed.runtime.state_dict_factory``: not built in zero-offload (megatron). Every name imports; using one raises
+`zero_offload.compat.unbuilt.NotBuiltError`, which says what to use instead."""
+from zero_offload.compat.unbuilt import INSTEAD, unbuilt_module_getattr
 
-__getattr__ = unbuilt_module_getattr("deepspeed.runtime.state_dict_factory", "load a zero-offload, DeepSpeed or DCP checkpoint with engine.load_checkpoint")
+__getattr__ = unbuilt_module_getattr("deepspeed.runtime.state_dict_factory", INSTEAD["megatron"])

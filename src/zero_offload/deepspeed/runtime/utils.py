@@ -5,13 +5,12 @@ import gc
 
 import torch
 
-from zero_offload.compat.unbuilt import unbuilt
+from zero_offload.compat.unbuilt import INSTEAD, unbuilt
 
 __all__ = ["see_memory_usage", "move_to_device", "clip_grad_norm_", "get_global_norm", "PartitionedTensor",
            "noop_decorator"]
 
-PartitionedTensor = unbuilt("deepspeed.runtime.utils.PartitionedTensor",
-                            "it carries pipeline-parallel activations; run data parallel")
+PartitionedTensor = unbuilt("deepspeed.runtime.utils.PartitionedTensor", INSTEAD["pipeline"])
 
 
 def see_memory_usage(message: str, force: bool = False) -> None:

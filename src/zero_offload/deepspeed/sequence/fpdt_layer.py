@@ -1,5 +1,5 @@
-"""``deepspeed.sequence.fpdt_layer``: not built in zero-offload (sequence parallelism (Ulysses/FPDT) is not built yet). Every name imports; using one raises
-`zero_offload.compat.unbuilt.NotBuiltError` saying what to use instead."""
-from zero_offload.compat.unbuilt import unbuilt_module_getattr
+"""``deepspeed.sequence.fpdt_layer``: not built in zero-offload (sequence). Every name imports; using one raises
+`zero_offload.compat.unbuilt.NotBuiltError`, which says what to use instead."""
+from zero_offload.compat.unbuilt import INSTEAD, unbuilt_module_getattr
 
-__getattr__ = unbuilt_module_getattr("deepspeed.sequence.fpdt_layer", "train long sequences with activation checkpointing")
+__getattr__ = unbuilt_module_getattr("deepspeed.sequence.fpdt_layer", INSTEAD["sequence"])

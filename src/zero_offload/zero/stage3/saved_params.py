@@ -5,7 +5,8 @@ forward) escapes the module hooks: its unit is released and backward would read 
 micro-step runs, a ``saved_tensors_hooks`` pair marks every saved tensor that is a view of a unit's full buffer;
 unpacking one gathers that unit again if it was released (into the same storage, so the saved view is valid), to be
 released with the others at the end of the micro-step. Under these hooks autograd unpacks a saved parameter as a
-new tensor aliasing it (not the Parameter object): `ShardedUnit.param_at` finds the parameter an alias views. DeepSpeed leaves this to ``register_external_parameter``.
+new tensor aliasing it (not the Parameter object): `ShardedUnit.param_at` finds the parameter an alias views.
+DeepSpeed leaves this to ``register_external_parameter``.
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""``deepspeed.runtime.data_pipeline``: not built in zero-offload (DeepSpeed's data-efficiency pipeline). Every name imports; using one raises
-`zero_offload.compat.unbuilt.NotBuiltError` saying what to use instead."""
-from zero_offload.compat.unbuilt import unbuilt_module_getattr
+"""``deepspeed.runtime.data_pipeline``: not built in zero-offload (data). Every name imports; using one raises
+`zero_offload.compat.unbuilt.NotBuiltError`, which says what to use instead."""
+from zero_offload.compat.unbuilt import INSTEAD, unbuilt_module_getattr
 
-__getattr__ = unbuilt_module_getattr("deepspeed.runtime.data_pipeline", "use a torch DataLoader")
+__getattr__ = unbuilt_module_getattr("deepspeed.runtime.data_pipeline", INSTEAD["data"])

@@ -1,5 +1,5 @@
-"""``deepspeed.runtime.pipe.topology``: not built in zero-offload (pipeline parallelism). Every name imports; using one raises
-`zero_offload.compat.unbuilt.NotBuiltError` saying what to use instead."""
-from zero_offload.compat.unbuilt import unbuilt_module_getattr
+"""``deepspeed.runtime.pipe.topology``: not built in zero-offload (pipeline). Every name imports; using one raises
+`zero_offload.compat.unbuilt.NotBuiltError`, which says what to use instead."""
+from zero_offload.compat.unbuilt import INSTEAD, unbuilt_module_getattr
 
-__getattr__ = unbuilt_module_getattr("deepspeed.runtime.pipe.topology", "train data parallel with ZeRO stage 3 (and offload) instead")
+__getattr__ = unbuilt_module_getattr("deepspeed.runtime.pipe.topology", INSTEAD["pipeline"])

@@ -2,7 +2,8 @@
 stage-3 parameter attributes (``ds_id``, ``ds_status``, ``ds_shape``, ``ds_numel``, ``ds_tensor``, ``ds_persist``).
 
 The attributes are read live, never stored on a parameter: importing this face gives ``torch.Tensor`` (so every
-parameter, and an alias of one) read-only properties that ask the stage-3 registry (`zero_offload.zero.stage3.gather.param_facts`) each time, so
+parameter, and an alias of one) read-only properties that ask the stage-3 registry
+(`zero_offload.zero.stage3.gather.param_facts`) each time, so
 they are true at every point of a step (``ds_status`` is AVAILABLE exactly while the parameter's unit is
 gathered). On a parameter stage 3 does not manage they raise AttributeError, so ``hasattr(p, "ds_id")`` - the
 test transformers, peft, TRL and Lightning use for "is this a ZeRO-3 parameter" - is False, as without DeepSpeed.

@@ -248,7 +248,9 @@ class Engine(EngineState):
         self.host_step.flush(timed=True)   # a step still in flight (the delayed update's): its parameters go up
         self.zero.finalize_backward()   # gradients ready once; the norm and the step read them without waiting
         loss_scale = self.scaler.scale
-        norm = self.zero.grad_sq_norm().sqrt() / loss_scale
+        # Type Muon in DeepSpeed's order: the update is made first and the norm (so the clip) counts it.
+        prepared = self.host_step.prepare(1.0 / loss_scale)
+        norm = self.zero.grad_sq_norm(prepared).sqrt() / loss_scale
         self.last_grad_norm = float(norm)
         # fp16 overflow; bf16 skips a non-finite step too with bf16.check_grad_overflow (DeepSpeed 0.19.8).
         overflow = (self.scaler.enabled or (self.config.bf16.enabled and self.config.bf16.check_grad_overflow)) \

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from zero_offload.compat.optimizer_face import OptimizerFace
+from zero_offload.compat.throughput import ThroughputTimer
 from zero_offload.engine import Engine
 
 __all__ = ["DeepSpeedEngine"]
@@ -36,7 +37,6 @@ class DeepSpeedEngine(torch.nn.Module):
         self.module = engine.module
         self._raw_config = config if config is not None else engine.config.to_dict()
         self._optimizer_face = OptimizerFace(engine)
-        from zero_offload.deepspeed.utils.timer import ThroughputTimer
         self.tput_timer = ThroughputTimer(batch_size=getattr(engine, "train_batch_size", 1))
         self._ds_micro_steps = 0        # DeepSpeed counts micro-steps in step(), not backward()
         self._boundary_override: bool | None = None

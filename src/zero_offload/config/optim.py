@@ -14,7 +14,7 @@ import torch
 
 from zero_offload.config.schema import ConfigError, from_dict, option
 
-__all__ = ["AdamParams", "LambParams", "MuonParams", "check_muon", "check_fused_kernel_keys", "OptimizerConfig",
+__all__ = ["AdamParams", "LambParams", "MuonParams", "check_muon", "muon_clips_update", "check_fused_kernel_keys", "OptimizerConfig",
            "SchedulerConfig", "WarmupLRParams", "WarmupDecayLRParams", "WarmupCosineLRParams", "OneCycleParams",
            "LRRangeTestParams", "SCHEDULER_PARAMS", "REFUSED_OPTIMIZERS"]
 
@@ -95,6 +95,12 @@ class MuonParams:
     ns_eps: float = option(1e-7, "torch flavor: the norm's lower clamp.", min=0.0)
     adjust_lr_fn: Literal["original", "match_rms_adamw"] | None = option(None, "torch flavor: the learning rate's "
                                                                               "scale by shape.")
+    clip: Literal["update", "gradient"] | None = option(
+        None, "What gradient_clipping clips for the Muon half: 'update' (DeepSpeed 0.19.8's ZeRO stages 1-3: the "
+              "orthogonalized update, together with the AdamW half's gradients, in one global norm) or 'gradient' "
+              "(the raw gradient before the momentum, as MuonWithAuxAdam alone and torch.optim.Muon with "
+              "clip_grad_norm_). Default: 'update' for flavor deepspeed at stages 1-3 with the states in memory, "
+              "else 'gradient'.")
 
     def validate(self, path):
         for i, b in enumerate(self.betas or ()):
@@ -130,19 +136,41 @@ class MuonParams:
         return dict(out, adamw_mode=self.adam_w_mode, bias_correction=True)
 
 
+def muon_clips_update(config) -> bool:
+    """Whether ``gradient_clipping`` (and the reported gradient norm) covers the Muon half's orthogonalized update
+    (DeepSpeed 0.19.8's ZeRO order) rather than its raw gradient (`MuonParams.clip`)."""
+    opt = config.optimizer
+    if opt is None or opt.muon is None:
+        return False
+    if opt.muon.clip is not None:
+        return opt.muon.clip == "update"
+    zc = config.zero_optimization
+    return (opt.muon.flavor == "deepspeed" and zc.stage >= 1 and zc.offload_optimizer.device != "nvme")
+
+
 def check_muon(config) -> None:
     """Optimizer type Muon with a setting it is not built with: refused, naming the key and why.
 
     Raises:
         ConfigError: ``ratio`` < 1, the delayed update, ``super_offload``, bf16 masters, gradients on the
-            device, or bf16 optimizer states in swap files with type Muon.
+            device, or bf16 optimizer states in swap files with type Muon; ``clip: "update"`` with the torch flavor
+            or with the states in swap files.
     """
     opt = config.optimizer
     if opt is None or opt.muon is None:
         return
     zc = config.zero_optimization
     oo = zc.offload_optimizer
+    if opt.muon.clip is None and opt.muon.flavor == "deepspeed" and zc.stage >= 1 and oo.device == "nvme" \
+            and config.gradient_clipping > 0:
+        warnings.warn("optimizer type 'Muon' with offload_optimizer.device 'nvme': gradient_clipping clips the Muon "
+                      "half's raw gradient ('optimizer.params.clip': 'gradient'); DeepSpeed 0.19.8 clips the "
+                      "orthogonalized update, which is not built for states in swap files", stacklevel=3)
     refusals = (
+        (opt.muon.clip == "update" and opt.muon.flavor == "torch", "optimizer.params.clip", "'update'",
+         "the torch flavor is torch.optim.Muon's definition, which clips the gradient (clip: 'gradient')"),
+        (opt.muon.clip == "update" and oo.device == "nvme", "optimizer.params.clip", "'update'",
+         "the orthogonalized update is clipped in memory; with offload_optimizer.device 'nvme' use 'gradient'"),
         (oo.device == "nvme" and config.bf16.bf16_optimizer_states, "bf16.bf16_optimizer_states", "true",
          "with offload_optimizer.device 'nvme' every state file of a Muon run is fp32 (Muon's momentum is)"),
         (oo.ratio < 1.0, "zero_optimization.offload_optimizer.ratio", str(oo.ratio),

@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from zero_offload.config import Config, ConfigError
+from zero_offload.config.optim import muon_clips_update
 from zero_offload.hoststep.adam import PartitionedAdam
 from zero_offload.hoststep.muon import PartitionedMuon, muon_rule
 from zero_offload.hoststep.muon_owners import MuonOwners
@@ -196,6 +197,7 @@ def _muon(config: Config, parts, hparams, copies, offload, host_params, layouts,
                      owners=owners)
     if param_store is not None:
         masters = [param_store.read_range(g, 0, p.numel()).float() for g, p in enumerate(parts)]
-        return WriteBackOptimizer(PartitionedMuon(masters, hparams, True, copies, owners, host_params=True),
-                                  param_store)
-    return PartitionedMuon(parts, hparams, offload, copies, owners, host_params=host_params)
+        return WriteBackOptimizer(PartitionedMuon(masters, hparams, True, copies, owners, host_params=True,
+                                                  clip_update=muon_clips_update(config)), param_store)
+    return PartitionedMuon(parts, hparams, offload, copies, owners, host_params=host_params,
+                           clip_update=muon_clips_update(config))

@@ -61,8 +61,10 @@ class PartitionedMuon(PartitionedAdam):
     """
 
     def __init__(self, parts: list[torch.Tensor], hparams: list[dict], offload: bool, copies: Copies,
-                 owners: MuonOwners, host_params: bool = False):
+                 owners: MuonOwners, host_params: bool = False, clip_update: bool = False):
         super().__init__(parts, hparams, offload, copies, host_params=host_params)
+        self.clip_update = clip_update     # DeepSpeed's order: the update is made before the norm (`prepare_updates`)
+        self._prepared: tuple[float, dict, dict] | None = None    # (grad_scale, updates, momenta before)
         self.rules, self.owners = owners.rules, owners
         self.lr_factors = [owners.lr_factors(g) for g in range(len(parts))]
         self.momenta = {g: torch.zeros(m.numel(), dtype=torch.float32, device=m.device)
@@ -84,22 +86,64 @@ class PartitionedMuon(PartitionedAdam):
             RuntimeError: a gradient source with copies still in flight (`GradSource.ready`).
         """
         muon = sorted(self.momenta)
-        ready = {g: grads[g].ready() for g in muon}
-        for i in range(len(self.owners.rounds)):       # round by round: the working memory is one round's
-            spans = self.owners.spans(i)
-            updates, results = self.windows.views(spans)
-            for g, (lo, hi) in spans.items():
-                momentum_pass(self.momenta[g][lo:hi], ready[g][lo:hi], grad_scale, self.rules[g], out=updates[g])
-            self.owners.orthogonalize_round(i, updates, results, {g: lo for g, (lo, _) in spans.items()})
-            for g, (lo, hi) in spans.items():
+        if self._prepared is not None:      # DeepSpeed's order: the update, clipped with the rest (`prepare_updates`)
+            scale, prepared, _ = self._prepared
+            self._prepared = None
+            for g in muon:
                 lr = lrs[g] if lrs is not None else self.optimizer.param_groups[g]["lr"]
-                apply_update(self.masters[g][lo:hi], results[g], lo, lr,
+                apply_update(self.masters[g], prepared[g].mul_(grad_scale / scale), 0, lr,
+                             self.optimizer.param_groups[g]["weight_decay"], self.lr_factors[g])
+        else:
+            for g, lo, hi, result in self._updates(grads, grad_scale):
+                lr = lrs[g] if lrs is not None else self.optimizer.param_groups[g]["lr"]
+                apply_update(self.masters[g][lo:hi], result, lo, lr,
                              self.optimizer.param_groups[g]["weight_decay"], self.lr_factors[g])
         for g in muon:
             self.muon_steps[g] += 1
         if len(muon) < len(self.parts):
             super().step(grads, grad_scale, lrs, publish)
         self.write_parts(muon)
+
+    def _updates(self, grads: Sequence[GradSource], grad_scale: float):
+        """Yield (group, lo, hi, this rank's orthogonalized update of partition range [lo, hi)) round by round (the
+        working memory is one round's), folding ``grads[g] x grad_scale`` into the momentum on the way (a
+        collective: the owners' exchanges)."""
+        muon = sorted(self.momenta)
+        ready = {g: grads[g].ready() for g in muon}
+        for i in range(len(self.owners.rounds)):
+            spans = self.owners.spans(i)
+            updates, results = self.windows.views(spans)
+            for g, (lo, hi) in spans.items():
+                momentum_pass(self.momenta[g][lo:hi], ready[g][lo:hi], grad_scale, self.rules[g], out=updates[g])
+            self.owners.orthogonalize_round(i, updates, results, {g: lo for g, (lo, _) in spans.items()})
+            for g, (lo, hi) in spans.items():
+                yield g, lo, hi, results[g]
+
+    @torch.no_grad()
+    def prepare_updates(self, grads: Sequence[GradSource], grad_scale: float) -> dict[int, torch.Tensor]:
+        """DeepSpeed 0.19.8's ZeRO order (``clip_update``): fold the unclipped gradient (x ``grad_scale``, 1 / loss
+        scale) into each Muon group's momentum and orthogonalize now, before the global norm, so that
+        ``gradient_clipping`` covers the update with the AdamW half's gradients; `step` then applies the update x
+        the clip coefficient. Returns {Muon group: this rank's sum of squares of its update / grad_scale², a 0-dim
+        fp32 CPU tensor} (in the loss-scaled units of the gradients' own pieces), {} in the other order. The
+        momenta as they were are kept until `step` or `discard_prepared` (a skipped step leaves them unchanged).
+        A collective where the owners exchange."""
+        if not self.clip_update or not self.momenta:
+            return {}
+        before = {g: m.clone() for g, m in self.momenta.items()}
+        prepared = {g: torch.zeros_like(m) for g, m in self.momenta.items()}
+        for g, lo, hi, result in self._updates(grads, grad_scale):
+            prepared[g][lo:hi].copy_(result)
+        self._prepared = (grad_scale, prepared, before)
+        return {g: (u.double().pow(2).sum() / grad_scale ** 2).float().cpu() for g, u in prepared.items()}
+
+    def discard_prepared(self) -> None:
+        """The boundary takes no step (fp16 overflow): the momenta go back to what they were before
+        `prepare_updates`."""
+        if self._prepared is not None:
+            for g, m in self._prepared[2].items():
+                self.momenta[g].copy_(m)
+            self._prepared = None
 
     # -- state: the momentum in the checkpoint's exp_avg slot, exp_avg_sq zeros ----------------------------------
     def state_format(self) -> str:

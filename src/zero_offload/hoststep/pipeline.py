@@ -28,6 +28,12 @@ class StepOwner(HandsOver, Protocol):
     def report_final_ranges(self, sinks: list) -> None:
         """Each gradient partition reports the boundary's final ranges to its sink."""
 
+    def prepare_updates(self, grad_scale: float) -> dict:
+        """Updates made before the norm (type Muon in DeepSpeed's order), {group: this rank's sum of squares}."""
+
+    def discard_prepared(self) -> None:
+        """Drop what `prepare_updates` made (no step at this boundary)."""
+
 
 class HostStepPipeline:
     """Runs the optimizer step of ``zero`` by ``policy`` (see the module docstring).
@@ -68,6 +74,12 @@ class HostStepPipeline:
         if self.delayed is not None:
             self.delayed.wait()
 
+    def prepare(self, grad_scale: float) -> dict:
+        """Before the global norm: the updates the partition optimizer makes first (type Muon in DeepSpeed 0.19.8's
+        ZeRO order, from the gradients x ``grad_scale``, 1 / loss scale), {group: this rank's sum of squares} for
+        the norm to count instead of those groups' gradients; {} otherwise."""
+        return self.zero.prepare_updates(grad_scale)
+
     def step(self, grad_scale: float, global_step: int) -> None:
         """The optimizer step of step ``global_step`` with the finished gradients x ``grad_scale`` (1 / loss
         scale x clip coefficient): launched beside training (delayed, after the warm-up), or now."""
@@ -78,7 +90,8 @@ class HostStepPipeline:
             self.zero.step(grad_scale)
 
     def discard(self) -> None:
-        """The boundary takes no step (fp16 overflow): what was speculated for it is dropped."""
+        """The boundary takes no step (fp16 overflow): what was speculated or prepared for it is dropped."""
+        self.zero.discard_prepared()
         if self.policy is StepPolicy.SPECULATIVE:
             self.zero.adam.discard_speculation()
 

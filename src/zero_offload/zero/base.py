@@ -93,14 +93,27 @@ class ZeroOptimizerBase:
             for p in self.partitions:
                 p.finalize()
 
-    def grad_sq_norm(self) -> torch.Tensor:
+    def grad_sq_norm(self, replaced: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
         """Squared L2 norm of the whole (loss-scaled) gradient over all ranks, a 0-dim fp32 CPU tensor (a
-        collective at stage >= 1).
+        collective at stage >= 1); ``replaced`` groups count what `prepare_updates` made instead of their gradient.
 
         Raises:
             RuntimeError: `finalize_backward` did not run since the last gradient copies were issued.
         """
-        return global_grad_sq_norm(self.ctx, self.partitions, partitioned=self.stage >= 1)
+        return global_grad_sq_norm(self.ctx, self.partitions, partitioned=self.stage >= 1, replaced=replaced)
+
+    def prepare_updates(self, grad_scale: float) -> dict[int, torch.Tensor]:
+        """Updates the partition optimizer makes before the norm (type Muon in DeepSpeed's order:
+        `zero_offload.hoststep.muon.PartitionedMuon.prepare_updates`), {group: this rank's sum of squares};
+        {} for every other optimizer."""
+        prepare = getattr(self.adam, "prepare_updates", None)
+        return prepare(self.partitions, grad_scale) if prepare is not None else {}
+
+    def discard_prepared(self) -> None:
+        """The boundary takes no step: what `prepare_updates` made is dropped."""
+        discard = getattr(self.adam, "discard_prepared", None)
+        if discard is not None:
+            discard()
 
     def close(self) -> None:
         """Let every copy, staged add and I/O in flight finish and end the threads the parts started (staging,

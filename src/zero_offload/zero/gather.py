@@ -10,7 +10,8 @@ from zero_offload.zero.layout import GroupLayout
 __all__ = ["global_grad_sq_norm", "gather_masters"]
 
 
-def global_grad_sq_norm(ctx: DistContext, partitions: list[GradPartition], partitioned: bool) -> torch.Tensor:
+def global_grad_sq_norm(ctx: DistContext, partitions: list[GradPartition], partitioned: bool,
+                        replaced: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
     """Squared L2 norm of the whole (loss-scaled) gradient, a 0-dim fp32 CPU tensor: the sum of this rank's
     partitions, all-reduced when the ranks hold different partitions. Host pieces are added on the host, device
     pieces on the device; one device read brings the total to the host (the clip coefficient is needed there), and
@@ -18,8 +19,13 @@ def global_grad_sq_norm(ctx: DistContext, partitions: list[GradPartition], parti
 
     Raises:
         RuntimeError: a partition with copies still in flight (read before ``finalize_backward``).
+
+    ``replaced``: {group: this rank's sum of squares of what stands in for that group's gradient}, counted instead
+    of the group's partition (the Muon update under DeepSpeed's order: `PartitionedMuon.prepare_updates`).
     """
-    pieces = [t for p in partitions for t in p.sq_norm_pieces()]
+    replaced = replaced or {}
+    pieces = [t for g, p in enumerate(partitions) if g not in replaced for t in p.sq_norm_pieces()]
+    pieces += list(replaced.values())
     host = sum((t for t in pieces if t.device.type == "cpu"), torch.zeros((), dtype=torch.float32))
     on_device = [t for t in pieces if t.device.type != "cpu"]
     if partitioned and ctx.world_size > 1:

@@ -84,12 +84,27 @@ PARAM_ATTRIBUTES = {
 
 
 def _live(name: str, read) -> property:
+    """A property read from the registry. A value set on a tensor is its own and wins: DeepSpeed itself, imported
+    in the same process, sets these attributes on the parameters it manages."""
     def get(p):
+        own = p.__dict__.get(name, _MISSING)
+        if own is not _MISSING:
+            return own
         facts = param_facts(p)
         if facts is None:
             raise AttributeError(f"'{type(p).__name__}' object has no attribute '{name}' (not a ZeRO-3 parameter)")
         return read(p, facts)
-    return property(get, doc=f"DeepSpeed's {name}, read from zero-offload's stage-3 registry")
+
+    def set_(p, value) -> None:
+        p.__dict__[name] = value
+
+    def delete(p) -> None:
+        if p.__dict__.pop(name, _MISSING) is _MISSING:
+            raise AttributeError(name)
+    return property(get, set_, delete, doc=f"DeepSpeed's {name}, read from zero-offload's stage-3 registry")
+
+
+_MISSING = object()
 
 
 # On torch.Tensor, not only Parameter: under saved-tensor hooks autograd hands backward a plain alias of a saved

@@ -74,10 +74,11 @@ def torch_muon(model, muon: dict, adamw: dict):
 
 
 def reference_run(make_optimizers, ws: int = 1, gas: int = 1, clip: float = 0.0, steps: int = 5,
-                  fp32: bool = True) -> dict:
+                  fp32: bool = True, clip_update: bool = False) -> dict:
     """{name: fp32 parameter} after ``steps`` steps over the global batch (``ws`` x ``gas`` micro-batches of
     ``MICRO``), the optimizers made by ``make_optimizers(model)`` (one or a list); ``fp32``: within
-    `fp32_iteration`."""
+    `fp32_iteration`. ``clip_update`` (DeepSpeed's ``MuonWithAuxAdam`` only): DeepSpeed 0.19.8's ZeRO order
+    (`zero_order_step`), the clip over the orthogonalized updates and the Adam half's gradients."""
     model = make_model()
     optimizers = make_optimizers(model)
     optimizers = optimizers if isinstance(optimizers, list) else [optimizers]
@@ -86,11 +87,44 @@ def reference_run(make_optimizers, ws: int = 1, gas: int = 1, clip: float = 0.0,
             x, y = batch(step, MICRO * gas * ws)
             model.zero_grad()
             model(x, y).backward()
+            if clip_update:
+                zero_order_step(optimizers[0], model, clip)
+                continue
             if clip > 0:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
             for opt in optimizers:
                 opt.step()
     return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@torch.no_grad()
+def zero_order_step(opt, model, clip: float) -> None:
+    """One step of DeepSpeed's ``MuonWithAuxAdam`` in the order DeepSpeed 0.19.8's ZeRO takes it
+    (``stage_1_and_2.get_flat_partition``, ``_apply_muon_updates_cpu_offload``): each Muon matrix's gradient is
+    replaced by its update (DeepSpeed's ``muon_update``: momentum, Newton-Schulz), the clip runs over those updates and
+    the other gradients together, then the Muon matrices take ``- lr x update`` after their decay (the flat-partition
+    branch of ``MuonWithAuxAdam.step``) and the Adam half its own step."""
+    from deepspeed.runtime.zero.muon.original_muon import muon_update
+    muon_groups = [g for g in opt.param_groups if g["use_muon"]]
+    for g in muon_groups:
+        for p in g["params"]:
+            state = opt.state[p]
+            state.setdefault("momentum_buffer", torch.zeros_like(p))
+            p.grad = muon_update(p.grad, state["momentum_buffer"], beta=g["momentum"],
+                                 ns_method=g.get("ns_method", "gram")).reshape(p.shape).to(p.grad.dtype)
+    if clip > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    kept = [g["params"] for g in muon_groups]
+    for g in muon_groups:
+        for p in g["params"]:
+            p.mul_(1 - g["lr"] * g["weight_decay"])
+            p.add_(p.grad, alpha=-g["lr"])
+        g["params"] = []                       # the Adam half only, through the optimizer's own step
+    try:
+        opt.step()
+    finally:
+        for g, params in zip(muon_groups, kept):
+            g["params"] = params
 
 
 class MuonReference16(Reference16):

@@ -20,8 +20,10 @@ from toy_model import batch, make_model
 from zero_offload.config import ConfigError
 
 # The toy model's global gradient norms over these 5 steps lie between about 6.3 and 7.5 (ws 2, gas 3): a clip of
-# 7.0 fires on the first step and not on the others (checked in the test).
+# 7.0 fires on the first step and not on the others (checked in the test). In DeepSpeed's ZeRO order the norm counts
+# the Muon matrices' orthogonalized updates instead, between about 22.6 and 22.9: a clip of 22.7 fires on some steps.
 CLIP = 7.0
+CLIP_UPDATE = 22.7
 
 
 def _config(stage=2, offload="none", gas=1, clip=0.0, params=MUON, **zero):
@@ -69,8 +71,9 @@ CASES = [(0, "none", 1), (1, "cpu", 3), (2, "none", 3), (2, "cpu", 1), (3, "cpu"
 
 @pytest.mark.parametrize("stage,offload,gas", CASES)
 def test_deepspeed_muon_two_ranks(stage, offload, gas):
-    clip = CLIP if gas == 3 else 0.0
-    ref = reference_run(lambda m: deepspeed_muon(MUON, m), ws=2, gas=gas, clip=clip)
+    """At stages 1-3 the clip covers the orthogonalized update, as in DeepSpeed's ZeRO (`zero_order_step`)."""
+    clip = (CLIP_UPDATE if stage >= 1 else CLIP) if gas == 3 else 0.0
+    ref = reference_run(lambda m: deepspeed_muon(MUON, m), ws=2, gas=gas, clip=clip, clip_update=stage >= 1)
     for full, norms in run_ranks(_run, 2, _config(stage, offload, gas, clip)):
         assert _max_error(full, ref) <= 1e-5
         if clip:
@@ -90,11 +93,11 @@ ROUND_CASES = [(2, "nvme", 3, False), (1, "cpu", 3, False), (3, "nvme", 1, True)
 
 @pytest.mark.parametrize("stage,offload,gas,params", ROUND_CASES)
 def test_deepspeed_muon_rounds_and_nvme(stage, offload, gas, params, tmp_path):
-    clip = CLIP if gas == 3 else 0.0
+    clip = (CLIP if offload == "nvme" else CLIP_UPDATE) if gas == 3 else 0.0
     config = _config(stage, offload, gas, clip)
-    if offload == "nvme":
+    if offload == "nvme":          # states in swap files: the gradient is clipped (the update's order is not built)
         _nvme(config, tmp_path, params)
-    ref = reference_run(lambda m: deepspeed_muon(MUON, m), ws=2, gas=gas, clip=clip)
+    ref = reference_run(lambda m: deepspeed_muon(MUON, m), ws=2, gas=gas, clip=clip, clip_update=offload != "nvme")
     for full, norms in run_ranks(_run, 2, config, _small_rounds):
         assert _max_error(full, ref) <= 1e-5
         if clip:
@@ -170,7 +173,8 @@ def test_torch_muon_alone_names_how_to_pass_both():
 
 
 def _lockstep(stage, offload, gas, clip, precision):
-    config = _config(stage, offload, gas, clip)
+    # The lockstep reference follows the gradient through the clip: the optimizer alone's order (clip "gradient").
+    config = _config(stage, offload, gas, clip, params=dict(MUON, clip="gradient"))
     config[precision] = {"enabled": True, **({"loss_scale": 1024} if precision == "fp16" else {})}
     reference = dict(precision=precision, stage=stage, gas=gas, clip=clip,
                      loss_scale=1024.0 if precision == "fp16" else 1.0)
@@ -364,3 +368,16 @@ def test_planner_knows_muon():
     muon_host = estimate_memory("gpt2-10b", config, accelerator=True).host
     adam_host = estimate_memory("gpt2-10b", adam, accelerator=True).host
     assert muon_host["exp_avg_sq"] < 0.01 * adam_host["exp_avg_sq"] and muon_host["exp_avg"] == adam_host["exp_avg"]
+
+
+def test_clip_order_that_is_not_built_is_refused_naming_the_key(tmp_path):
+    """``"clip": "update"`` (DeepSpeed's ZeRO order) with the torch flavor or with states in swap files is refused;
+    with states in swap files and no ``clip`` given the gradient is clipped, with a warning naming the key."""
+    with pytest.raises(ConfigError, match="'optimizer.params.clip' = 'update'.*torch flavor"):
+        zero_offload.initialize(make_model(), _config(2, clip=CLIP, params=dict(MUON, flavor="torch", clip="update")))
+    with pytest.raises(ConfigError, match="'optimizer.params.clip' = 'update'.*'nvme'"):
+        zero_offload.initialize(make_model(), _nvme(_config(2, clip=CLIP, params=dict(MUON, clip="update")),
+                                                    tmp_path / "a"))
+    with pytest.warns(UserWarning, match="'optimizer.params.clip': 'gradient'"):
+        engine = zero_offload.initialize(make_model(), _nvme(_config(2, clip=CLIP), tmp_path / "b"))
+    engine.close()

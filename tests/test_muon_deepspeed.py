@@ -1,7 +1,7 @@
 """DeepSpeed 0.19.8's own Muon (docs/muon.md): its ZeRO 1-2 runs against its optimizer alone, the reference
 `test_muon` compares this engine with (they agree without clipping; with a clip that fires DeepSpeed's ZeRO clips the
-orthogonalized update instead of the gradient, and moves away from it), and its ZeRO 1-2 checkpoints, optimizer on
-the device or offloaded, resumed here on 1 rank. DeepSpeed runs on its CPU accelerator in `dist_utils.run_ranks`."""
+orthogonalized update instead of the gradient, and so does this engine by default), and its ZeRO 1-2 checkpoints,
+optimizer on the device or offloaded, resumed here on 1 rank. DeepSpeed runs on its CPU accelerator in `dist_utils.run_ranks`."""
 import os
 
 import pytest
@@ -63,12 +63,35 @@ def test_deepspeed_zero_muon_equals_its_optimizer(stage, offload, tmp_path):
     assert _max_error(engine.full_state_dict(), theirs) <= 1e-5
 
 
-def test_deepspeed_zero_clips_the_update():
-    """With a clip that fires, DeepSpeed's ZeRO run leaves its own optimizer's (docs/muon.md: its norm is over the
-    orthogonalized updates); this engine keeps to the optimizer (`test_muon`)."""
-    ref = reference_run(lambda m: deepspeed_muon(MUON, m), ws=2, clip=7.0, steps=N + M)
-    theirs = run_ranks(_ds_run, 2, 2, False, 7.0)[0]
-    assert _max_error(theirs, ref) > 1e-3
+def _our_run(stage, offload, clip, params=MUON):
+    """This engine on the same config as `_ds_run` (N + M steps); its full parameters."""
+    rank = dist.get_rank()
+    zc = {"stage": stage, **({"offload_optimizer": {"device": "cpu"}} if offload else {})}
+    config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": clip, "zero_optimization": zc,
+              "optimizer": {"type": "Muon", "params": params}}
+    with fp32_iteration():
+        engine = zero_offload.initialize(make_model(), config)
+        for step in range(N + M):
+            x, y = batch(step, MICRO * 2)
+            engine.backward(engine(x[rank * MICRO:(rank + 1) * MICRO], y[rank * MICRO:(rank + 1) * MICRO]))
+            engine.step()
+        return engine.full_state_dict()
+
+
+@pytest.mark.parametrize("stage,offload", [(2, False), (1, True)])
+def test_zero_clips_the_update_as_deepspeeds_zero(stage, offload):
+    """With a clip that fires, DeepSpeed's ZeRO clips the orthogonalized Muon update together with the Adam half's
+    gradients: its run equals the reference in that order (`zero_order_step`), and so does this engine's on the
+    same config (issue 57). ``"clip": "gradient"`` is the other order, the optimizer alone's, which DeepSpeed's ZeRO
+    moves away from."""
+    theirs = run_ranks(_ds_run, 2, stage, offload, 7.0)[0]
+    assert _max_error(theirs, reference_run(lambda m: deepspeed_muon(MUON, m), ws=2, clip=7.0, steps=N + M,
+                                            clip_update=True)) <= 1e-5
+    assert _max_error(run_ranks(_our_run, 2, stage, offload, 7.0)[0], theirs) <= 1e-5
+    alone = reference_run(lambda m: deepspeed_muon(MUON, m), ws=2, clip=7.0, steps=N + M)
+    assert _max_error(alone, theirs) > 1e-3
+    gradient_order = run_ranks(_our_run, 2, stage, offload, 7.0, dict(MUON, clip="gradient"))[0]
+    assert _max_error(gradient_order, alone) <= 1e-5
 
 
 def _llama():

@@ -24,6 +24,7 @@ from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from hf_models import build  # noqa: E402
 from hf_trainer_runs import TokenData  # noqa: E402
+from stand_in_runs import end_process_group  # noqa: E402
 
 
 def get_train_ds_config(stage: int, offload: bool) -> dict:
@@ -122,6 +123,7 @@ def main() -> None:
             json.dump({"losses": losses, "ref_logits": ref_logits, "scales": scales,
                        "deepspeed": deepspeed.__file__, "lr": lr_scheduler.get_last_lr()}, f)
     get_accelerator().empty_cache()
+    end_process_group()
 
 
 if __name__ == "__main__":

@@ -65,3 +65,14 @@ def write_out(out: str, losses: list, module, rank_zero: bool, **extra) -> None:
     if rank_zero:
         torch.save(weights, out + ".weights.pt")
         Path(out).write_text(json.dumps({"losses": losses, "deepspeed": deepspeed.__file__, **extra}))
+    end_process_group()
+
+
+def end_process_group() -> None:
+    """Destroy the process group before the script returns, as a well-kept script does: gloo's workers let go of
+    the last collectives' tensors before the interpreter exits (else either DeepSpeed's run or ours can abort at
+    exit with "terminate called without an active exception": `zero_offload.comm_handover`)."""
+    import torch.distributed as dist
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

@@ -329,3 +329,21 @@ def test_lr_schedules_take_deepspeeds_keywords_and_name_a_bad_one():
     assert "WarmupCosineLR" in deepspeed.runtime.lr_schedules.VALID_LR_SCHEDULES
     with pytest.raises(ConfigError, match="warmup_type"):
         deepspeed.runtime.lr_schedules.WarmupLR(opt, warmup_type="cubic")
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_to_fp32_reads_deepspeeds_checkpoints_as_deepspeeds_own(tmp_path, stage):
+    """A ZeRO checkpoint DeepSpeed 0.19.8 wrote (2 ranks): the face's ``get_fp32_state_dict_from_zero_checkpoint``
+    gives every tensor DeepSpeed's own function gives, bit for bit, reading no pickle that could run code."""
+    pytest.importorskip("deepspeed")
+    from deepspeed_peer import ds_train_and_save
+    path = str(tmp_path / "ds")
+    run_ranks(ds_train_and_save, 2, path, stage, False)
+    from zero_offload.deepspeed.utils import zero_to_fp32
+    ours = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(path)
+    import os
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint as theirs_of
+    theirs = theirs_of(path)
+    assert set(theirs) <= set(ours), set(theirs) ^ set(ours)
+    assert all(torch.equal(ours[k].float(), theirs[k].float()) for k in theirs)

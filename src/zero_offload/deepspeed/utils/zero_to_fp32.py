@@ -68,6 +68,9 @@ def _deepspeed_state_dict(directory: Path, exclude_frozen_parameters: bool) -> d
     if not exclude_frozen_parameters:
         for name, t in reader.module_state().items():
             out.setdefault(name, t.float() if t.is_floating_point() else t)
+    for alias, target in (reader.model.get("shared_params") or {}).items():   # tied names, as DeepSpeed adds them
+        if target in out:
+            out[alias] = out[target]
     return out
 
 

@@ -27,32 +27,35 @@ def test_deepspeed_chat_style_script_trains_as_deepspeed(tmp_path_factory, stage
     assert_agree(ours, theirs)
 
 
-def test_accelerate_launch_with_a_deepspeed_config_file_trains_as_deepspeed(tmp_path_factory):
+@pytest.mark.parametrize("stage, world", [(3, 2), (2, 1)])
+def test_accelerate_launch_with_a_deepspeed_config_file_trains_as_deepspeed(tmp_path_factory, stage, world):
     accelerate = shutil.which("accelerate")
     if accelerate is None:
         pytest.skip("accelerate's launcher is not installed")
     config = tmp_path_factory.mktemp("config") / "ds.json"
+    offload = {"offload_optimizer": {"device": "cpu"}, **({"offload_param": {"device": "cpu"}} if stage == 3 else {})}
     config.write_text(json.dumps({
         "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
-        "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}},
-        "bf16": {"enabled": False}, "fp16": {"enabled": False}}))
+        "zero_optimization": {"stage": stage, **offload}, "bf16": {"enabled": False}, "fp16": {"enabled": False}}))
 
     def launcher(port):
-        return [accelerate, "launch", "--num_processes", "2", "--main_process_port", str(port), "--use_deepspeed",
-                "--deepspeed_config_file", str(config)]
-    theirs = launch("stand_in_accelerate.py", False, tmp_path_factory.mktemp("deepspeed"), 2, launcher=launcher)
-    ours = launch("stand_in_accelerate.py", True, tmp_path_factory.mktemp("ours"), 2, launcher=launcher)
+        return [accelerate, "launch", "--num_processes", str(world), "--main_process_port", str(port),
+                "--use_deepspeed", "--deepspeed_config_file", str(config)]
+    theirs = launch("stand_in_accelerate.py", False, tmp_path_factory.mktemp("deepspeed"), world, launcher=launcher)
+    ours = launch("stand_in_accelerate.py", True, tmp_path_factory.mktemp("ours"), world, launcher=launcher)
     assert_agree(ours, theirs)
 
 
-def test_trl_dpo_with_deepspeed_in_its_arguments_trains_as_deepspeed(tmp_path_factory):
-    """TRL's DPOTrainer with ``DPOConfig(deepspeed=...)`` at stage 3 with offload: its reference model goes through
-    ``deepspeed.initialize`` with no optimizer (TRL's ``prepare_deepspeed``, dotted keys included), and its chunked
-    log-prob backward reads ``ds_status`` of the saved LM head."""
+@pytest.mark.parametrize("stage, world", [(3, 2), (2, 1)])
+def test_trl_dpo_with_deepspeed_in_its_arguments_trains_as_deepspeed(tmp_path_factory, stage, world):
+    """TRL's DPOTrainer with ``DPOConfig(deepspeed=...)`` with offload: its reference model goes through
+    ``deepspeed.initialize`` with no optimizer (TRL's ``prepare_deepspeed``: at stage 3 partitioned, dotted keys
+    included; below it at stage 0), and at stage 3 its chunked log-prob backward reads ``ds_status`` of the saved LM
+    head."""
     pytest.importorskip("trl")
     import trl_runs
     model_dir = trl_runs.save_model_dir(tmp_path_factory.mktemp("llama"))
-    args = ("--trainer", "dpo", "--stage", "3", "--model-dir", model_dir)
-    theirs = launch("stand_in_trl.py", False, tmp_path_factory.mktemp("deepspeed"), 2, *args)
-    ours = launch("stand_in_trl.py", True, tmp_path_factory.mktemp("ours"), 2, *args)
+    args = ("--trainer", "dpo", "--stage", str(stage), "--model-dir", model_dir)
+    theirs = launch("stand_in_trl.py", False, tmp_path_factory.mktemp("deepspeed"), world, *args)
+    ours = launch("stand_in_trl.py", True, tmp_path_factory.mktemp("ours"), world, *args)
     assert_agree(ours, theirs)

@@ -160,7 +160,7 @@ def test_safe_set_full_fp32_param_then_training_continues_as_torch_adamw():
     with pytest.raises(ValueError, match="optimizer state key 'momentum'"):
         deepspeed.utils.safe_get_full_optimizer_state(engine.module[2].weight, "momentum")
     with pytest.raises(NotBuiltError, match="reduced partitions"):
-        deepspeed.utils.safe_get_full_grad(engine.module[2].weight)
+        deepspeed.utils.safe_set_full_grad(engine.module[2].weight, torch.zeros(4, 16))
     assert deepspeed.utils.safe_get_full_fp32_param(torch.nn.Parameter(torch.ones(2))) is None
     engine.close()
 
@@ -347,3 +347,32 @@ def test_zero_to_fp32_reads_deepspeeds_checkpoints_as_deepspeeds_own(tmp_path, s
     theirs = theirs_of(path)
     assert set(theirs) <= set(ours), set(theirs) ^ set(ours)
     assert all(torch.equal(ours[k].float(), theirs[k].float()) for k in theirs)
+
+
+def _read_grads(stage: int):
+    """On each of 2 ranks: one boundary backward, then every parameter's full and local reduced gradient."""
+    rank = torch.distributed.get_rank()
+    model = _model()
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=_config(stage))
+    x = _batches(2)[0]
+    engine.backward(engine(x[rank * 4:(rank + 1) * 4]).pow(2).mean())
+    full = {n: deepspeed.utils.safe_get_full_grad(p).cpu() for n, p in engine.module.named_parameters()}
+    local = {n: deepspeed.utils.safe_get_local_grad(p).numel() for n, p in engine.module.named_parameters()}
+    engine.step()
+    engine.close()
+    return full, local
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_full_gradient_between_backward_and_step_is_torchs(stage):
+    """``safe_get_full_grad`` after the boundary backward: the gradient averaged over both ranks' halves, equal to
+    plain torch's over the whole batch; the local pieces add up to the whole (stages 1-3)."""
+    ranks = run_ranks(_read_grads, 2, stage)
+    ref = _model()
+    ref(_batches(2)[0]).pow(2).mean().backward()
+    for full, _ in ranks:
+        for name, p in ref.named_parameters():
+            assert torch.allclose(full[name], p.grad, atol=1e-6), name
+    if stage > 0:
+        for name, p in ref.named_parameters():
+            assert sum(r[1][name] for r in ranks) == p.numel(), name

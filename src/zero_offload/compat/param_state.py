@@ -13,7 +13,8 @@ import torch
 from zero_offload import comm
 from zero_offload.state import STATE_KINDS
 
-__all__ = ["track", "engine_of", "full_state", "local_state", "set_full_state", "set_local_state"]
+__all__ = ["track", "engine_of", "full_state", "local_state", "set_full_state", "set_local_state", "full_grad",
+           "local_grad"]
 
 _ENGINES: list = []      # engines built in this process, newest last (weakly: `engine_of` skips closed ones)
 
@@ -129,3 +130,37 @@ def set_local_state(engine, param, kind: str, value: torch.Tensor) -> None:
         raise ValueError("safe_set_local_*: the parameter is not trained by this engine (frozen, or another model's)")
     _write(engine, g, placement, _kind(kind), value.detach().reshape(-1).float().cpu(), local=True)
     engine.optimizer_state.after_load()
+
+
+def _grad_pieces(engine, param):
+    """(placement, this rank's pieces, group g's reduced gradient partition) once every copy into it has landed."""
+    g, placement = _place(engine, param)
+    if placement is None:
+        return None, [], None
+    engine.zero.finalize_backward()           # idempotent: the copies into the partitions have landed
+    rank = engine.rank if engine.optimizer_state.partitions_count > 1 else 0
+    return placement, [c for c in placement.pieces if c.rank == rank], engine.zero.partitions[g].ready()
+
+
+def full_grad(engine, param) -> torch.Tensor | None:
+    """``param``'s reduced gradient (fp32, its full shape, on the partition's device; loss-scaled under fp16), read
+    from the ranks' gradient partitions between the boundary backward and ``step``: a collective where partitions
+    are spread over ranks. None where ``engine`` does not train ``param``."""
+    placement, mine, part = _grad_pieces(engine, param)
+    if placement is None:
+        return None
+    out = torch.zeros(placement.numel, dtype=torch.float32, device=part.device)
+    for c in mine:
+        out[c.param_offset:c.param_offset + c.length] = part[c.part_offset:c.part_offset + c.length]
+    if engine.optimizer_state.partitions_count > 1:
+        comm.torch_collective("all_reduce")(out)
+    return out.view(placement.shape)
+
+
+def local_grad(engine, param) -> torch.Tensor | None:
+    """This rank's elements of ``param``'s reduced gradient, 1-D fp32, in the parameter's flattened order."""
+    placement, mine, part = _grad_pieces(engine, param)
+    if placement is None:
+        return None
+    return torch.cat([part[c.part_offset:c.part_offset + c.length].float() for c in mine]) if mine else \
+        torch.zeros(0, device=part.device)

@@ -2,9 +2,9 @@
 (``safe_get_full_*``, collectives where the state is partitioned) or this rank's part (``safe_get_local_*``).
 
 Mirrors DeepSpeed 0.19.8: each returns None for a parameter no engine trains. The fp32 weights and optimizer
-states come from the engine's partitions (`zero_offload.compat.param_state`); the gradient is the parameter's
-``.grad`` where the engine keeps one (stages 0 and 1), as DeepSpeed returns ``param.grad`` first. Gradients
-held only in reduced partitions (stages 2 and 3) are not built here: asking for one raises.
+states come from the engine's partitions (`zero_offload.compat.param_state`); so does the gradient, from the
+reduced gradient partitions (DeepSpeed returns ``param.grad`` first; here ``.grad`` is not the reduced gradient,
+which goes into the partitions). Setting a gradient held in partitions is not built.
 """
 from __future__ import annotations
 
@@ -71,32 +71,40 @@ def safe_set_local_optimizer_state(param: torch.nn.Parameter, value: torch.Tenso
     _set(param, value, optim_state_key, False)
 
 
-def _grad(param):
-    if param.grad is not None:
+def _grad(param, full: bool):
+    engine = param_state.engine_of(param)
+    if engine is None:
         return param.grad
-    if param_state.engine_of(param) is None:
-        return None
-    raise NotBuiltError("safe_get_*_grad/safe_set_*_grad of a gradient held only in reduced partitions (ZeRO "
-                        "stages 2 and 3) is not built in zero-offload; read engine.get_global_grad_norm(), or "
-                        "use stage 0 or 1, where .grad holds the accumulated gradient")
+
+    return (param_state.full_grad if full else param_state.local_grad)(engine, param)
 
 
 def safe_get_full_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
-    """``param.grad`` (stages 0 and 1), as DeepSpeed returns it first; None for a parameter no engine trains.
-
-    Raises:
-        NotBuiltError: the gradient is held only in reduced partitions (stages 2 and 3).
-    """
-    return _grad(param)
+    """``param.grad`` where it holds the gradient (stage 0), as DeepSpeed returns it first; else the reduced
+    gradient assembled from the ranks' partitions (stages 1-3, between the boundary backward and ``step``; a
+    collective); None for a parameter no engine trains."""
+    return _grad(param, full=True)
 
 
 def safe_get_local_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
-    return _grad(param)
+    """This rank's elements of the reduced gradient (1-D), or ``param.grad``; see `safe_get_full_grad`."""
+    return _grad(param, full=False)
+
+
+def _set_grad_not_built(param) -> None:
+    if param_state.engine_of(param) is not None:
+        raise NotBuiltError("safe_set_full_grad/safe_set_local_grad of a gradient held in the engine's reduced "
+                            "partitions is not built in zero-offload: the global norm is summed as the gradient "
+                            "lands; change the loss instead")
 
 
 def safe_set_full_grad(param: torch.nn.Parameter, value: torch.Tensor) -> None:
-    _grad(param).copy_(value)
+    """Raises: NotBuiltError: a parameter an engine trains (`_set_grad_not_built`)."""
+    _set_grad_not_built(param)
+    param.grad.copy_(value)
 
 
 def safe_set_local_grad(param: torch.nn.Parameter, value: torch.Tensor) -> None:
-    _grad(param).copy_(value)
+    """Raises: NotBuiltError: a parameter an engine trains."""
+    _set_grad_not_built(param)
+    param.grad.copy_(value)

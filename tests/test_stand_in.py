@@ -109,9 +109,10 @@ deepspeed.init_distributed()
 import torch
 t = torch.tensor([float(deepspeed.comm.get_rank() + 1)])
 deepspeed.comm.all_reduce(t)
-print(json.dumps({"argv": sys.argv[1:], "local_rank": args.local_rank, "env_local": os.environ["LOCAL_RANK"],
-                  "world": deepspeed.comm.get_world_size(), "sum": t.item(), "file": deepspeed.__file__,
-                  "exported": os.environ.get("ZO_FROM_DS_ENV")}))
+with open(f"rank{args.local_rank}.json", "w") as f:      # a file each: two ranks' stdout lines interleave
+    json.dump({"argv": sys.argv[1:], "local_rank": args.local_rank, "env_local": os.environ["LOCAL_RANK"],
+               "world": deepspeed.comm.get_world_size(), "sum": t.item(), "file": deepspeed.__file__,
+               "exported": os.environ.get("ZO_FROM_DS_ENV")}, f)
 """
 
 
@@ -124,8 +125,7 @@ def test_run_deepspeed_launches_ranks_as_deepspeed_does(tmp_path):
     done = _run(["deepspeed", "--num_gpus", "2", "--master_port", str(_free_port()), "train.py", "--tag", "x"],
                 cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
-    ranks = sorted((json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")),
-                   key=lambda r: r["local_rank"])
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert [r["local_rank"] for r in ranks] == [0, 1] and [r["env_local"] for r in ranks] == ["0", "1"]
     assert all(r["argv"][0] == f"--local_rank={r['local_rank']}" and r["argv"][1:] == ["--tag", "x"] for r in ranks)
     assert all(r["world"] == 2 and r["sum"] == 3.0 and "zero_offload" in r["file"] and r["exported"] == "yes"

@@ -27,7 +27,7 @@ from zero_offload.offload.simulated import SimulatedCollectives
 
 __all__ = ["DistContext", "DoneWork", "CollectiveTimeoutError", "collective_timeout", "deadline", "all_gather_into",
            "reduce_scatter", "all_to_all", "broadcast", "gather_objects", "broadcast_object", "barrier",
-           "collective_device", "choose_device", "torch_collective"]
+           "collective_device", "choose_device"]
 
 DEFAULT_TIMEOUT_S = 600.0   # 10 minutes: long enough for a slow checkpoint, short enough to notice a stall
 
@@ -231,30 +231,6 @@ def broadcast_object(obj, src: int = 0, group=None):
     data = data if mine else torch.empty(int(size), dtype=torch.uint8)
     broadcast(data, src, group)
     return obj if mine else pickle.loads(data.numpy().tobytes())
-
-
-def _hand_over(arg):
-    if isinstance(arg, torch.Tensor):
-        return handed(arg)[0]
-    if isinstance(arg, (list, tuple)) and arg and all(isinstance(t, torch.Tensor) for t in arg):
-        return type(arg)(handed(*arg))
-    return arg
-
-
-def torch_collective(name: str):
-    """torch.distributed's collective ``name`` (``all_reduce``, ``send``, ...), called with every CPU tensor
-    argument handed over (`zero_offload.comm_handover`): the face DeepSpeed's ``deepspeed.comm`` forwards
-    user code's collectives through, so they too never abort at interpreter exit on gloo.
-
-    Raises:
-        AttributeError: torch.distributed has no ``name``.
-    """
-    fn = getattr(dist, name)
-
-    @functools.wraps(fn)
-    def call(*args, **kwargs):
-        return fn(*[_hand_over(a) for a in args], **{k: _hand_over(v) for k, v in kwargs.items()})
-    return call
 
 
 def barrier(group=None) -> None:

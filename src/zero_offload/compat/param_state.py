@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from zero_offload import comm
+from zero_offload.comm_passthrough import torch_collective
 from zero_offload.state import STATE_KINDS
 
 __all__ = ["track", "engine_of", "full_state", "local_state", "set_full_state", "set_local_state", "full_grad",
@@ -71,7 +71,7 @@ def full_state(engine, param, kind: str) -> torch.Tensor | None:
     out = torch.zeros(placement.numel, dtype=torch.float32)
     _read_pieces(engine, g, placement.pieces, _kind(kind), out)
     if engine.optimizer_state.partitions_count > 1:
-        comm.torch_collective("all_reduce")(out)
+        torch_collective("all_reduce")(out)
     return out.view(placement.shape)
 
 
@@ -153,7 +153,7 @@ def full_grad(engine, param) -> torch.Tensor | None:
     for c in mine:
         out[c.param_offset:c.param_offset + c.length] = part[c.part_offset:c.part_offset + c.length]
     if engine.optimizer_state.partitions_count > 1:
-        comm.torch_collective("all_reduce")(out)
+        torch_collective("all_reduce")(out)
     return out.view(placement.shape)
 
 

@@ -1,7 +1,7 @@
 """``deepspeed.comm.comm``: DeepSpeed 0.19.8's communication functions over torch.distributed.
 
 Each collective takes DeepSpeed's signature (``prof``, ``log_name`` and ``debug`` are accepted and unused: no
-comms logger) and runs torch's through `zero_offload.comm.torch_collective`, so CPU tensors are handed over to
+comms logger) and runs torch's through `zero_offload.comm_passthrough.torch_collective`, so CPU tensors are handed over to
 gloo as the engine's own are. DeepSpeed's `ReduceOp` is its own enum; it is mapped onto torch's by name.
 `init_distributed` makes the default group as DeepSpeed's does (launcher variables, else MPI's, else one rank).
 """
@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from zero_offload import comm as zo_comm
 from zero_offload.comm import collective_timeout
+from zero_offload.comm_passthrough import torch_collective
 
 __all__ = ["ReduceOp", "ProcessGroup", "init_distributed", "is_initialized", "is_available", "destroy_process_group",
            "new_group", "get_rank", "get_world_size", "get_local_rank", "get_global_rank", "get_world_group",
@@ -166,16 +167,16 @@ def get_all_ranks_from_group(group=None) -> list[int]:
 
 # -- the collectives -----------------------------------------------------------------------------------------
 def barrier(group=None, async_op=False, device_ids=None, prof=False, log_name="barrier", debug=None):
-    return zo_comm.torch_collective("barrier")(group=group, async_op=async_op, device_ids=device_ids)
+    return torch_collective("barrier")(group=group, async_op=async_op, device_ids=device_ids)
 
 
 def monitored_barrier(group=None, timeout=None, wait_all_ranks=False, prof=False, log_name="monitored_barrier",
                       debug=None):
-    return zo_comm.torch_collective("monitored_barrier")(group=group, timeout=timeout, wait_all_ranks=wait_all_ranks)
+    return torch_collective("monitored_barrier")(group=group, timeout=timeout, wait_all_ranks=wait_all_ranks)
 
 
 def broadcast(tensor, src, group=None, async_op=False, prof=False, log_name="broadcast", debug=None):
-    return zo_comm.torch_collective("broadcast")(tensor, src, group=group, async_op=async_op)
+    return torch_collective("broadcast")(tensor, src, group=group, async_op=async_op)
 
 
 def broadcast_object_list(object_list, src, group=None, device=None, prof=False, log_name="broadcast_object_list",
@@ -186,7 +187,7 @@ def broadcast_object_list(object_list, src, group=None, device=None, prof=False,
 
 def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False, prof=False, log_name="all_reduce",
                debug=None):
-    return zo_comm.torch_collective("all_reduce")(tensor, op=_op(op), group=group, async_op=async_op)
+    return torch_collective("all_reduce")(tensor, op=_op(op), group=group, async_op=async_op)
 
 
 def inference_all_reduce(tensor, op=ReduceOp.SUM, group=None, prof=False, log_name="all_reduce", debug=None):
@@ -194,11 +195,11 @@ def inference_all_reduce(tensor, op=ReduceOp.SUM, group=None, prof=False, log_na
 
 
 def reduce(tensor, dst, op=ReduceOp.SUM, group=None, async_op=False, prof=False, log_name="reduce", debug=None):
-    return zo_comm.torch_collective("reduce")(tensor, dst, op=_op(op), group=group, async_op=async_op)
+    return torch_collective("reduce")(tensor, dst, op=_op(op), group=group, async_op=async_op)
 
 
 def all_gather(tensor_list, tensor, group=None, async_op=False, prof=False, log_name="all_gather", debug=None):
-    return zo_comm.torch_collective("all_gather")(tensor_list, tensor, group=group, async_op=async_op)
+    return torch_collective("all_gather")(tensor_list, tensor, group=group, async_op=async_op)
 
 
 def all_gather_object(object_list, obj, group=None, prof=False, log_name="all_gather_object", debug=None) -> None:
@@ -217,7 +218,7 @@ def allgather_fn(output_tensor, input_tensor, group=None, async_op=False, debug=
 
 def reduce_scatter_tensor(output_tensor, tensor, op=ReduceOp.SUM, group=None, async_op=False, prof=False,
                           log_name="reduce_scatter_tensor", debug=None):
-    return zo_comm.torch_collective("reduce_scatter_tensor")(output_tensor, tensor, op=_op(op), group=group,
+    return torch_collective("reduce_scatter_tensor")(output_tensor, tensor, op=_op(op), group=group,
                                                              async_op=async_op)
 
 
@@ -227,51 +228,51 @@ def reduce_scatter_fn(output_tensor, tensor, op=ReduceOp.SUM, group=None, async_
 
 def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op=False, prof=False,
                    log_name="reduce_scatter", debug=None):
-    return zo_comm.torch_collective("reduce_scatter")(output, input_list, op=_op(op), group=group, async_op=async_op)
+    return torch_collective("reduce_scatter")(output, input_list, op=_op(op), group=group, async_op=async_op)
 
 
 def all_to_all_single(output, tensor, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False,
                       prof=False, log_name="all_to_all_single", debug=None):
-    return zo_comm.torch_collective("all_to_all_single")(output, tensor, output_split_sizes, input_split_sizes,
+    return torch_collective("all_to_all_single")(output, tensor, output_split_sizes, input_split_sizes,
                                                          group=group, async_op=async_op)
 
 
 def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False, prof=False, log_name="all_to_all",
                debug=None):
-    return zo_comm.torch_collective("all_to_all")(output_tensor_list, input_tensor_list, group=group,
+    return torch_collective("all_to_all")(output_tensor_list, input_tensor_list, group=group,
                                                   async_op=async_op)
 
 
 def send(tensor, dst, group=None, tag=0, prof=False, log_name="send", debug=None):
-    return zo_comm.torch_collective("send")(tensor, dst, group=group, tag=tag)
+    return torch_collective("send")(tensor, dst, group=group, tag=tag)
 
 
 def recv(tensor, src=None, group=None, tag=0, prof=False, log_name="recv", debug=None):
-    return zo_comm.torch_collective("recv")(tensor, src, group=group, tag=tag)
+    return torch_collective("recv")(tensor, src, group=group, tag=tag)
 
 
 def isend(tensor, dst, group=None, tag=0, prof=False, log_name="isend", debug=None):
-    return zo_comm.torch_collective("isend")(tensor, dst, group=group, tag=tag)
+    return torch_collective("isend")(tensor, dst, group=group, tag=tag)
 
 
 def irecv(tensor, src=None, group=None, tag=0, prof=False, log_name="irecv", debug=None):
-    return zo_comm.torch_collective("irecv")(tensor, src, group=group, tag=tag)
+    return torch_collective("irecv")(tensor, src, group=group, tag=tag)
 
 
 def gather(tensor, gather_list=None, dst=0, group=None, async_op=False, prof=False, log_name="gather", debug=None):
-    return zo_comm.torch_collective("gather")(tensor, gather_list, dst, group=group, async_op=async_op)
+    return torch_collective("gather")(tensor, gather_list, dst, group=group, async_op=async_op)
 
 
 def scatter(tensor, scatter_list=None, src=0, group=None, async_op=False, prof=False, log_name="scatter",
             debug=None):
-    return zo_comm.torch_collective("scatter")(tensor, scatter_list, src, group=group, async_op=async_op)
+    return torch_collective("scatter")(tensor, scatter_list, src, group=group, async_op=async_op)
 
 
 P2POp = dist.P2POp
 
 
 def batch_isend_irecv(p2p_op_list, prof=False, log_name="batch_isend_irecv", debug=None):
-    return zo_comm.torch_collective("batch_isend_irecv")(p2p_op_list)
+    return torch_collective("batch_isend_irecv")(p2p_op_list)
 
 
 def has_all_gather_into_tensor() -> bool:

@@ -1,4 +1,4 @@
-"""Reproduce the gloo exit race that `zero_offload.comm_handover` closes (soak of `test_comm_handover.py`).
+"""Reproduce the gloo exit race that `zero_offload.comm.handover` closes (soak of `test_comm_handover.py`).
 
     python tests/gloo_exit_race.py SRC RUNS [partitions|objects]
 

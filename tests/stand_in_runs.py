@@ -71,7 +71,7 @@ def write_out(out: str, losses: list, module, rank_zero: bool, **extra) -> None:
 def end_process_group() -> None:
     """Destroy the process group before the script returns, as a well-kept script does: gloo's workers let go of
     the last collectives' tensors before the interpreter exits (else either DeepSpeed's run or ours can abort at
-    exit with "terminate called without an active exception": `zero_offload.comm_handover`)."""
+    exit with "terminate called without an active exception": `zero_offload.comm.handover`)."""
     import torch.distributed as dist
     if dist.is_initialized():
         dist.barrier()

@@ -2,7 +2,7 @@
 ``terminate`` or an abort, whether it returns from main, calls ``engine.close()`` or deletes the engine; a SIGINT
 mid-step ends it without an abort and leaves the last completed checkpoint loadable.
 
-Before every engine thread became a `zero_offload.host_thread.HostThread`, 1 to 4 runs in 14 with accumulation 3
+Before every engine thread became a `zero_offload.runtime.host_thread.HostThread`, 1 to 4 runs in 14 with accumulation 3
 under simulated streams aborted at exit ("terminate called without an active exception": a daemon thread of the
 simulated streams was inside torch's C++ when the interpreter finalized).
 

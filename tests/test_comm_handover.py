@@ -1,5 +1,5 @@
 """The tensors given to a CPU collective stay referenced from Python until the backend lets go of them
-(`zero_offload.comm_handover`).
+(`zero_offload.comm.handover`).
 
 The abort it prevents: gloo's worker thread drops its reference to a collective's tensors after the caller's
 ``wait`` returned, and with it (torch >= 2.10) one to their Python objects, which takes the GIL; during interpreter
@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 
 from dist_utils import run_ranks
-from zero_offload import comm, comm_handover
+from zero_offload import comm
+from zero_offload.comm import handover as comm_handover
 from zero_offload.comm import DistContext
 
 TESTS = Path(__file__).resolve().parent

@@ -1,4 +1,4 @@
-"""``torch.compile`` at every ZeRO stage (issue 29; `zero_offload.compiling`): a compiled model under the engine trains
+"""``torch.compile`` at every ZeRO stage (issue 29; `zero_offload.runtime.compiling`): a compiled model under the engine trains
 as the same compiled model under plain ``torch.optim.AdamW`` (fp32, max|d| <= 1e-5), compiled whole or per block,
 with offload and accumulation, and nothing recompiles after warm-up.
 
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import zero_offload
-from zero_offload.compiling import CompileCounts, compile_counts
+from zero_offload.runtime.compiling import CompileCounts, compile_counts
 from zero_offload.config import ConfigError
 from zero_offload.zero import reducer
 

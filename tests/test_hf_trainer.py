@@ -68,7 +68,7 @@ def test_trainer_matches_plain_trainer(tmp_path, tmp_path_factory, case):
 def test_torch_compile_argument_compiles_under_the_engine(tmp_path, tmp_path_factory, stage):
     """Issue 29: ``TrainingArguments(torch_compile=True)`` compiles the model under the engine (the plain Trainer
     compiles it through accelerate), and the run matches the plain compiled Trainer's."""
-    from zero_offload.compiling import compile_counts
+    from zero_offload.runtime.compiling import compile_counts
     kw = dict(torch_compile=True, torch_compile_backend="aot_eager")
     before = compile_counts()
     trainer, *ours = runs.run("gpt2", tmp_path, runs.zero_config(stage, True, stage == 3), **kw)

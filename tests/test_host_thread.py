@@ -1,4 +1,4 @@
-"""`zero_offload.host_thread.HostThread`, the one kind of thread the engine starts (issue 26): tasks run in order
+"""`zero_offload.runtime.host_thread.HostThread`, the one kind of thread the engine starts (issue 26): tasks run in order
 on one persistent worker, a failure is re-raised once at `join` while later tasks still run, `close` runs what is
 queued and joins the worker, a closed thread refuses work by name, and a forked child gets a worker of its own."""
 import os
@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from zero_offload.host_thread import HostThread, HostThreadClosed, HostThreadError
+from zero_offload.runtime.host_thread import HostThread, HostThreadClosed, HostThreadError
 
 
 def workers(name: str) -> list[threading.Thread]:

@@ -75,7 +75,7 @@ def test_lamb_trust_ratios_cover_tensors_cut_between_ranks(stage, offload):
     wide = {"max_coeff": 10.0, "min_coeff": 0.001}      # no ratio clamped: a piece's own ratio would show
     config = _config(stage, offload, **wide)
     from zero_offload.zero.zero_optimizer import param_segments
-    from zero_offload.flat import FlatParams
+    from zero_offload.zero.flat import FlatParams
     model = make_model()
     flat = FlatParams(list(model.parameters()), list(range(len(list(model.parameters())))),
                       [n for n, _ in model.named_parameters()], 2)

@@ -68,7 +68,7 @@ def test_strategy_matches_lightnings_default(stage, offload_optimizer, offload_p
 def test_a_module_compiled_in_configure_model_trains_as_under_lightnings_default():
     """Issue 29: the module compiles its network in ``configure_model``; stage 3 with both offloads under it matches
     the same compiled module on Lightning's default strategy, and it did compile."""
-    from zero_offload.compiling import compile_counts
+    from zero_offload.runtime.compiling import compile_counts
     kw = {"module_kw": {"compile_backend": "aot_eager"}}
     before = compile_counts()
     strategy = ZeroOffloadStrategy(config=runs.config(3, True, True))

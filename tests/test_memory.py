@@ -6,7 +6,7 @@ import zero_offload
 from dist_utils import run_ranks
 from reference import engine_config
 from toy_model import batch, make_model
-from zero_offload.flat import ALIGNMENT
+from zero_offload.zero.flat import ALIGNMENT
 
 N_PARAMS = sum(p.numel() for p in make_model().parameters())
 

@@ -12,7 +12,7 @@ import zero_offload
 from zero_offload.cli import main
 from zero_offload.estimate import estimate_memory, parse_bytes
 from zero_offload.estimate.table import parse_size_flag
-from zero_offload.flat import ALIGNMENT, padded_numel, partition_numel
+from zero_offload.zero.flat import ALIGNMENT, padded_numel, partition_numel
 
 GiB = 2**30
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"

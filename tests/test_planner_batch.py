@@ -12,7 +12,7 @@ from zero_offload.cli import main
 from zero_offload.estimate import estimate_memory
 from zero_offload.estimate.memory import default_plan_config
 from zero_offload.estimate.throughput import Assumptions, accumulation_to_hide, step_timing
-from zero_offload.flat import padded_numel, partition_numel
+from zero_offload.zero.flat import padded_numel, partition_numel
 from zero_offload.offload.grad_staging import STAGING_SLOTS, staging_shape, uses_grad_staging
 from zero_offload.presets import gpt_units, preset
 

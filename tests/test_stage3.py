@@ -91,7 +91,7 @@ def _memory_after_step(config):
 
 @pytest.mark.parametrize("offload", ["none", "both"])
 def test_each_rank_holds_half_of_everything(offload):
-    from zero_offload.flat import ALIGNMENT
+    from zero_offload.zero.flat import ALIGNMENT
     cfg = stage3_config(offload, ws=2, precision="bf16", stage3_max_reuse_distance=0)
     for breakdown, tensors in run_ranks(_memory_after_step, 2, cfg):
         slack = tensors * ALIGNMENT      # each unit's padding is under one alignment

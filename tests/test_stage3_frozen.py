@@ -6,7 +6,7 @@ import torch.distributed as dist
 
 import zero_offload
 from dist_utils import run_ranks
-from zero_offload.flat import ALIGNMENT
+from zero_offload.zero.flat import ALIGNMENT
 
 MICRO, LR, WD, VOCAB, DIM, LAYERS = 2, 3e-3, 0.01, 128, 64, 3
 ATOL = 1e-5

@@ -1,4 +1,4 @@
-"""The engine and its parts expose their state through state_dict()/load_state_dict() (zero_offload.state)."""
+"""The engine and its parts expose their state through state_dict()/load_state_dict() (zero_offload.runtime.state)."""
 import ast
 from pathlib import Path
 
@@ -8,7 +8,7 @@ import torch
 import zero_offload
 from reference import engine_config
 from toy_model import batch, make_model
-from zero_offload.state import PartitionedOptimizerState, Stateful
+from zero_offload.runtime.state import PartitionedOptimizerState, Stateful
 
 SRC = Path(zero_offload.__file__).parent
 

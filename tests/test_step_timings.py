@@ -9,7 +9,7 @@ import torch
 import zero_offload
 from reference import MICRO, engine_config
 from toy_model import batch, make_model
-from zero_offload.step_timer import DEVICE_KEYS, WALL_KEYS, StepTimer
+from zero_offload.runtime.step_timer import DEVICE_KEYS, WALL_KEYS, StepTimer
 
 GAS = 2
 

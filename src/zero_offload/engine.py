@@ -12,14 +12,14 @@ import torch
 from torch.utils._pytree import tree_map
 
 from zero_offload.comm import DistContext, deadline
-from zero_offload.compiling import compile_module
+from zero_offload.runtime.compiling import compile_module
 from zero_offload.config import AutoContext, Config, ConfigError
 from zero_offload.engine_state import EngineState
 from zero_offload.offload.state_offload import StateOffload
 from zero_offload.optim.lr_schedules import build_scheduler
 from zero_offload.precision import LossScaler, is_overflow, training_dtype
-from zero_offload.stats import StepStats
-from zero_offload.step_timer import StepTimer
+from zero_offload.runtime.stats import StepStats
+from zero_offload.runtime.step_timer import StepTimer
 from zero_offload.hoststep.builder import build_partition_optimizer
 from zero_offload.hoststep.pipeline import HostStepPipeline
 from zero_offload.hoststep.policy import StepPolicy
@@ -72,9 +72,9 @@ class Engine(EngineState):
             update, the step that finished at this boundary), and ``host_step_threads``, the kernel's thread
             count (every core; under the delayed update ``offload_optimizer.cpuadam_cores_perc`` of them).
             Reading them after a step
-            waits for that step's last event (`zero_offload.step_timer`); DeepSpeed's ``wall_clock_breakdown``
+            waits for that step's last event (`zero_offload.runtime.step_timer`); DeepSpeed's ``wall_clock_breakdown``
             synchronises at every phase instead.
-        stats: `zero_offload.stats.StepStats` of the last optimizer step (gathers, reductions, bytes copied
+        stats: `zero_offload.runtime.stats.StepStats` of the last optimizer step (gathers, reductions, bytes copied
             each way, host syncs); all zero before the first.
     """
 
@@ -274,7 +274,7 @@ class Engine(EngineState):
                 compiled_autograd_enabled: bool = False) -> None:
         """Compile the wrapped model in place with ``torch.compile`` (DeepSpeed 0.19.8's ``engine.compile()``,
         same keywords; no DeepCompile), at any ZeRO stage; a second call does nothing. See
-        `zero_offload.compiling.compile_module` for the arguments and docs/library.md, "torch.compile".
+        `zero_offload.runtime.compiling.compile_module` for the arguments and docs/library.md, "torch.compile".
 
         Raises:
             ValueError: ``schedule`` given or ``compiled_autograd_enabled`` true (DeepCompile, compiled autograd).
@@ -325,7 +325,7 @@ class Engine(EngineState):
 
     @property
     def optimizer_state(self):
-        """This rank's optimizer partitions (`zero_offload.state.PartitionedOptimizerState`)."""
+        """This rank's optimizer partitions (`zero_offload.runtime.state.PartitionedOptimizerState`)."""
         return self.zero
 
     def offload_states(self, include=None, device="cpu", pin_memory: bool = True, non_blocking: bool = False) -> None:
@@ -357,7 +357,7 @@ class Engine(EngineState):
         swap files. Idempotent; the module keeps its (16-bit) parameters, and `full_state_dict` and
         `memory_breakdown` still work, but a further step raises. Called by `destroy` (DeepSpeed's name); a
         run that neither calls it nor deletes the engine ends the same way at interpreter exit (every engine
-        thread is a `zero_offload.host_thread.HostThread`). The process group is left to whoever created it.
+        thread is a `zero_offload.runtime.host_thread.HostThread`). The process group is left to whoever created it.
 
         Raises:
             HostThreadError: background work failed and was not raised before (everything is closed first).

@@ -12,7 +12,7 @@ import torch
 
 from zero_offload.checkpoint.formats import TORCHTITAN_KEYS, load_any, save_any
 from zero_offload.comm import deadline
-from zero_offload.state import check_engine_state
+from zero_offload.runtime.state import check_engine_state
 
 __all__ = ["EngineState"]
 

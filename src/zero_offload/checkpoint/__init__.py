@@ -20,7 +20,7 @@ loadable; its leftover temporary folder is removed by the next save. Loading che
 structure, every checksum, name and shape, and reads everything into fresh tensors before it changes
 anything; it maps parameters by name from the saved flat layout into the engine's, so a checkpoint written by
 N ranks at any stage loads into M ranks at any stage (DeepSpeed needs its universal-checkpoint conversion).
-The engine is reached only through `zero_offload.state.CheckpointTarget`: its ``state_dict()`` and its
+The engine is reached only through `zero_offload.runtime.state.CheckpointTarget`: its ``state_dict()`` and its
 optimizer partitions' chunked state.
 
 The modules: `save` (lock, temporary folder, publication, pruning), `load` (and its checks), `reshard` (saved

@@ -22,7 +22,7 @@ import torch
 from zero_offload.config import AutoContext, Config
 from zero_offload.optim.lr_schedules import build_scheduler
 from zero_offload.precision import LossScaler
-from zero_offload.state import ENGINE_STATE_KEYS, StateChunk, check_engine_state, checked_chunks
+from zero_offload.runtime.state import ENGINE_STATE_KEYS, StateChunk, check_engine_state, checked_chunks
 from zero_offload.zero.layout import GroupLayout, place_slots
 
 __all__ = ["StreamedPartitions", "ConversionTarget", "single_rank_layout"]

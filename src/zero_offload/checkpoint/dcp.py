@@ -26,7 +26,7 @@ import torch
 from zero_offload.checkpoint.dcp_layout import TORCHTITAN, DcpLayout, find_layout
 from zero_offload.checkpoint.foreign import ForeignState, apply_foreign, export_staged
 from zero_offload.checkpoint.io import CheckpointError, agree, module_state, staged_directory
-from zero_offload.state import CheckpointTarget
+from zero_offload.runtime.state import CheckpointTarget
 
 __all__ = ["is_dcp", "load_dcp", "save_dcp", "read_dcp", "read_metadata", "adamw_group"]
 

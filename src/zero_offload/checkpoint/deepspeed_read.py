@@ -38,7 +38,7 @@ from zero_offload.checkpoint.deepspeed_zero import ZeroShards
 from zero_offload.checkpoint.foreign import ForeignState, apply_foreign, check_parameters, module_values
 from zero_offload.checkpoint.io import CheckpointError, agree
 from zero_offload.checkpoint.manifest import check_tag
-from zero_offload.state import CheckpointTarget
+from zero_offload.runtime.state import CheckpointTarget
 
 __all__ = ["find_deepspeed", "load_deepspeed", "read_deepspeed"]
 

@@ -15,7 +15,7 @@ import torch
 
 from zero_offload.checkpoint.foreign_pickle import Foreign, load_pt
 from zero_offload.checkpoint.io import CheckpointError
-from zero_offload.state import CheckpointTarget
+from zero_offload.runtime.state import CheckpointTarget
 
 __all__ = ["ModelStates", "MODEL_STATES", "as_int", "numel"]
 

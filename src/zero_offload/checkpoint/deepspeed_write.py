@@ -33,7 +33,7 @@ from zero_offload.checkpoint.foreign import export_staged
 from zero_offload.checkpoint.foreign_pickle import foreign_class, save_pt
 from zero_offload.checkpoint.io import staged_directory
 from zero_offload.checkpoint.manifest import check_tag
-from zero_offload.state import CheckpointTarget
+from zero_offload.runtime.state import CheckpointTarget
 
 __all__ = ["save_universal", "DEEPSPEED_VERSION"]
 

@@ -16,7 +16,7 @@ import torch
 from zero_offload.checkpoint.deepspeed_states import ModelStates, as_int, numel
 from zero_offload.checkpoint.foreign_pickle import load_pt
 from zero_offload.checkpoint.io import CheckpointError
-from zero_offload.state import STATE_KINDS
+from zero_offload.runtime.state import STATE_KINDS
 
 __all__ = ["ZeroShards"]
 

@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from zero_offload.checkpoint.io import CheckpointError, agree, module_state
-from zero_offload.state import STATE_KINDS, CheckpointTarget, StateChunk
+from zero_offload.runtime.state import STATE_KINDS, CheckpointTarget, StateChunk
 
 __all__ = ["ParamReader", "ForeignState", "partition_chunks", "check_parameters", "module_values", "apply_foreign",
            "export_staged"]

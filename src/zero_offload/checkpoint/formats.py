@@ -13,7 +13,7 @@ from zero_offload.checkpoint.deepspeed_read import find_deepspeed, load_deepspee
 from zero_offload.checkpoint.deepspeed_write import save_universal
 from zero_offload.checkpoint.load import load_checkpoint
 from zero_offload.checkpoint.save import save_checkpoint
-from zero_offload.state import CheckpointTarget
+from zero_offload.runtime.state import CheckpointTarget
 
 __all__ = ["SAVE_FORMATS", "TORCHTITAN_KEYS", "load_any", "save_any"]
 

@@ -19,7 +19,7 @@ from zero_offload.checkpoint.io import (CLIENT_STATE, MANIFEST, MODULE_STATE, Ch
 from zero_offload.checkpoint.manifest import FORMATS, check_tag, validate_manifest, verify_manifest_hash
 from zero_offload.checkpoint.reshard import (check_rank_file, check_saved_partitions, reshard_chunks, reshard_runs,
                                              saved_slice)
-from zero_offload.state import STATE_KINDS, CheckpointTarget
+from zero_offload.runtime.state import STATE_KINDS, CheckpointTarget
 from zero_offload.zero.layout import GroupLayout
 
 __all__ = ["load_checkpoint", "read_manifest", "resolve_tag", "full_parameters", "SavedParameters"]

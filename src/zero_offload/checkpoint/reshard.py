@@ -8,7 +8,7 @@ each other in one saved partition are merged (a 2 -> 1 reshard of a stage-2 layo
 `reshard_chunks` walks the runs in order and yields (offset, {kind: fp32 tensor}) pieces of at most
 ``chunk_numel`` elements, read with ``safe_open(...).get_slice(name)[lo:hi]`` (the file is memory-mapped:
 only the slice is copied), and zeros where no parameter lands (partition padding). The pieces feed the
-optimizer's ``load_state_chunks`` (`zero_offload.state.PartitionedOptimizerState`), so peak host memory is
+optimizer's ``load_state_chunks`` (`zero_offload.runtime.state.PartitionedOptimizerState`), so peak host memory is
 one piece of each kind.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 from safetensors import safe_open
 
 from zero_offload.checkpoint.io import CheckpointError, rank_file
-from zero_offload.state import STATE_KINDS, StateChunk
+from zero_offload.runtime.state import STATE_KINDS, StateChunk
 from zero_offload.zero.layout import GroupLayout
 
 __all__ = ["Run", "reshard_runs", "reshard_chunks", "check_saved_partitions", "check_rank_file", "saved_slice"]

@@ -23,7 +23,7 @@ from zero_offload.checkpoint.lock import DirectoryLock, LockedError
 from zero_offload.checkpoint.stream import StreamedSafetensors
 from zero_offload.checkpoint.manifest import FORMAT, MANIFEST_HASH, ManifestError, check_tag, manifest_digest
 from zero_offload.comm import broadcast_object, gather_objects
-from zero_offload.state import STATE_KINDS, CheckpointTarget
+from zero_offload.runtime.state import STATE_KINDS, CheckpointTarget
 
 __all__ = ["save_checkpoint", "list_tags", "prune_checkpoints", "tied_aliases"]
 

@@ -1,7 +1,7 @@
 """One parameter's fp32 master weights and optimizer states, whole or this rank's part: DeepSpeed's
 ``deepspeed.utils.safe_get_full_fp32_param`` family (``tensor_fragment.py`` in DeepSpeed 0.19.8).
 
-Read and written through the engine's `zero_offload.state.PartitionedOptimizerState` face: ``layout()`` says which
+Read and written through the engine's `zero_offload.runtime.state.PartitionedOptimizerState` face: ``layout()`` says which
 ranks hold which elements of a parameter, ``state_chunks``/``load_state_chunks`` read and replace a partition (in
 memory or on NVMe alike). Kinds: ``master`` (the fp32 weights) and the optimizer's state names (``exp_avg``,
 ``exp_avg_sq`` for Adam).
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from zero_offload.comm_passthrough import torch_collective
-from zero_offload.state import STATE_KINDS
+from zero_offload.comm.passthrough import torch_collective
+from zero_offload.runtime.state import STATE_KINDS
 
 __all__ = ["track", "engine_of", "full_state", "local_state", "set_full_state", "set_local_state", "full_grad",
            "local_grad"]

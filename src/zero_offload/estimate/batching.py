@@ -29,7 +29,7 @@ from zero_offload.estimate.throughput import (EXPOSED_FRACTION, MAX_GRADIENT_ACC
                                               SPECULATIVE_KERNEL_COST, UNDO_COPY_COST, device_step_seconds,
                                               host_step_seconds, micro_step_seconds, muon_step_seconds,
                                               nvme_io_seconds, step_timing)
-from zero_offload.flat import partition_numel
+from zero_offload.zero.flat import partition_numel
 from zero_offload.zero.grad_partition import accumulates_fp32
 
 __all__ = ["Knobs", "BatchChoice", "choose_batch", "MICRO_BATCHES", "TIE"]

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from zero_offload.config import Config
-from zero_offload.flat import padded_numel, partition_numel
+from zero_offload.zero.flat import padded_numel, partition_numel
 from zero_offload.hoststep.banks import speculated_numel
 from zero_offload.hoststep.muon_owners import ASSEMBLED_FORMULA, WINDOW_FORMULA, assembled_bytes, window_bytes
 from zero_offload.estimate.shape import ModelShape, model_shape

@@ -6,7 +6,7 @@ import torch
 
 from zero_offload.config import Config
 from zero_offload.estimate.shape import ModelShape
-from zero_offload.flat import partition_numel
+from zero_offload.zero.flat import partition_numel
 
 __all__ = ["add_nvme_files"]
 

@@ -13,7 +13,7 @@ from typing import Iterable, Sequence
 import torch
 from torch.profiler import record_function
 
-from zero_offload.host_thread import HostThread
+from zero_offload.runtime.host_thread import HostThread
 from zero_offload.offload import timeline
 from zero_offload.offload.copies import CopyHandle, Copies
 from zero_offload.offload.staging_ring import StagingRing

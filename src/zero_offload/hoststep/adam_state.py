@@ -1,7 +1,7 @@
 """`AdamState`: the state face of `zero_offload.hoststep.adam.PartitionedAdam` (checkpoints, accounting).
 
 The masters (fp32, or bf16) and Adam's moments of a partition in host or device memory, read and written in pieces
-(`zero_offload.state.PartitionedOptimizerState`) and counted by kind for ``memory_breakdown``. A mixin of the one
+(`zero_offload.runtime.state.PartitionedOptimizerState`) and counted by kind for ``memory_breakdown``. A mixin of the one
 class that holds them: it reads the owner's ``masters``, ``parts``, ``optimizer``, ``on_host``, ``speculation``,
 ``ring``, ``outs`` and ``incoming`` and calls its ``write_parts`` and ``discard_speculation``.
 """
@@ -11,7 +11,7 @@ from typing import Iterable, Iterator
 
 import torch
 
-from zero_offload.state import WholeGroupState, fill_from_chunks
+from zero_offload.runtime.state import WholeGroupState, fill_from_chunks
 
 __all__ = ["AdamState"]
 
@@ -42,7 +42,7 @@ class AdamState(WholeGroupState):
             kinds["speculative_state"] = self.speculation.bank.tensors()
         return kinds
 
-    # -- state (the `PartitionedOptimizerState` protocol of zero_offload.state) ----------------------------
+    # -- state (the `PartitionedOptimizerState` protocol of zero_offload.runtime.state) ----------------------------
     def group_step(self, g: int) -> int:
         """Adam steps taken by group ``g`` (0 before the first)."""
         step = self.optimizer.state.get(self.masters[g], {}).get("step", 0)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from zero_offload.host_thread import HostThreadError
+from zero_offload.runtime.host_thread import HostThreadError
 from zero_offload.hoststep.role import PartitionOptimizer
 from zero_offload.offload import timeline
 

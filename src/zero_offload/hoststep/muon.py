@@ -20,7 +20,7 @@ from zero_offload.hoststep.role import GradSource
 from zero_offload.offload.copies import Copies
 from zero_offload.optim.muon import MuonRule
 from zero_offload.optim.muon_pass import momentum_pass, update_pass
-from zero_offload.state import fill_from_chunks
+from zero_offload.runtime.state import fill_from_chunks
 
 __all__ = ["PartitionedMuon", "muon_rule", "apply_update"]
 
@@ -167,7 +167,7 @@ class PartitionedMuon(PartitionedAdam):
         """Replace group ``g``'s state from `state_chunks`' pieces (a Muon group: master and momentum).
 
         Raises:
-            ValueError: pieces that do not cover the partition (`zero_offload.state.fill_from_chunks`).
+            ValueError: pieces that do not cover the partition (`zero_offload.runtime.state.fill_from_chunks`).
         """
         if g not in self.momenta:
             super().load_state_chunks(g, step, chunks)

@@ -19,7 +19,7 @@ from typing import Sequence
 
 import torch
 
-from zero_offload.host_thread import HostThread
+from zero_offload.runtime.host_thread import HostThread
 from zero_offload.nvme.fail_stop import FailStop
 from zero_offload.nvme.buffers import ALIGNMENT, BufferPool, align_up
 from zero_offload.nvme import state_files

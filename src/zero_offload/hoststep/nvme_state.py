@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from zero_offload.state import STATE_KINDS, WholeGroupState, checked_chunks
+from zero_offload.runtime.state import STATE_KINDS, WholeGroupState, checked_chunks
 
 __all__ = ["NvmeState", "KINDS"]
 
@@ -89,7 +89,7 @@ class NvmeState(WholeGroupState):
         """super_offload's landing buffers where the parameters are on the device; else none."""
         return [] if self.host_params else list(self.landing)
 
-    # -- the chunked state API of zero_offload.state.PartitionedOptimizerState --------------------------------
+    # -- the chunked state API of zero_offload.runtime.state.PartitionedOptimizerState --------------------------------
     def group_step(self, g: int) -> int:
         return int(self.steps[g])
 

@@ -43,7 +43,7 @@ class HostStepPipeline:
         policy: when the step runs.
         on_host: the step runs on the host (the training thread's time in it counts as host wait).
         waiting: a context that times the training thread's wait for the host step
-            (`zero_offload.step_timer.StepTimer.host_wait`).
+            (`zero_offload.runtime.step_timer.StepTimer.host_wait`).
         warmup_steps: ``dpu_warmup_steps``: steps taken synchronously before the delayed update starts.
 
     Raises:

@@ -12,10 +12,10 @@ from typing import Iterable, Iterator, Protocol, Sequence, runtime_checkable
 
 import torch
 
-from zero_offload.host_thread import HostThread
+from zero_offload.runtime.host_thread import HostThread
 from zero_offload.hoststep.speculation import FinalRanges, Speculation
 from zero_offload.offload.handles import CopyHandle
-from zero_offload.state import StateChunk
+from zero_offload.runtime.state import StateChunk
 
 __all__ = ["PartitionOptimizer", "GradSource"]
 
@@ -118,19 +118,19 @@ class PartitionOptimizer(Protocol):
 
     def state_chunks(self, g: int, chunk_numel: int = 1 << 24) -> Iterator[StateChunk]:
         """Group ``g``'s state as (offset, {kind: fp32 CPU tensor}) pieces in increasing offset (see
-        `zero_offload.state.PartitionedOptimizerState.state_chunks`)."""
+        `zero_offload.runtime.state.PartitionedOptimizerState.state_chunks`)."""
 
     def load_state_chunks(self, g: int, step: int, chunks: Iterable[StateChunk]) -> None:
         """Replace group ``g``'s state from pieces covering its partition, with ``step`` steps taken, and write
         its parameters from the new masters.
 
         Raises:
-            ValueError: pieces that do not cover the partition in order (`zero_offload.state.checked_chunks`).
+            ValueError: pieces that do not cover the partition in order (`zero_offload.runtime.state.checked_chunks`).
         """
 
     def state_dict(self) -> dict:
         """{"groups": [{"step", "master", "exp_avg", "exp_avg_sq"}]}: every group whole
-        (`zero_offload.state.WholeGroupState`)."""
+        (`zero_offload.runtime.state.WholeGroupState`)."""
 
     def load_state_dict(self, state: dict) -> None:
         """Restore `state_dict`'s output (same partition sizes).

@@ -18,7 +18,7 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
-from zero_offload.host_thread import HostThread
+from zero_offload.runtime.host_thread import HostThread
 from zero_offload.hoststep.banks import Bank
 from zero_offload.offload import timeline
 from zero_offload.offload.copies import CopyHandle

@@ -15,7 +15,7 @@ from typing import Iterable, Iterator, Sequence
 import torch
 
 from zero_offload.hoststep.nvme_adam import NvmeAdam
-from zero_offload.state import StateChunk, WholeGroupState
+from zero_offload.runtime.state import StateChunk, WholeGroupState
 from zero_offload.hoststep.adam import PartitionedAdam
 
 __all__ = ["SplitAdam"]

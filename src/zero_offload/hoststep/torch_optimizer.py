@@ -12,7 +12,7 @@ from typing import Sequence
 import torch
 
 from zero_offload.optim.lamb import Lamb
-from zero_offload.state import fill_from_chunks
+from zero_offload.runtime.state import fill_from_chunks
 from zero_offload.hoststep.role import GradSource
 from zero_offload.hoststep.adam import PartitionedAdam
 

@@ -8,7 +8,7 @@ with these functions.
 from __future__ import annotations
 
 from zero_offload.nvme.buffers import align_up
-from zero_offload.state import STATE_KINDS
+from zero_offload.runtime.state import STATE_KINDS
 
 __all__ = ["STATE_FILES", "FP32", "FP32_SIZES", "sub_group_numel", "pool_slots", "pool_bytes", "bytes_needed",
            "kind_bytes", "file_bytes", "element_sizes"]

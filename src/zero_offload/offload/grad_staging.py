@@ -6,7 +6,7 @@ stage-2 bucket's share of this rank's partition, or a stage-3 unit's reduce-scat
 communication/training dtype on the device. From the second micro-step on the piece is added to what earlier
 micro-steps left there; on the first it is converted into the partition. Either way it is copied down as it is
 (16-bit bytes over PCIe, no conversion on the copy stream) into a pinned staging slot, and the partition's
-`zero_offload.host_thread.HostThread` waits for that copy's event and adds (or converts) it into the partition
+`zero_offload.runtime.host_thread.HostThread` waits for that copy's event and adds (or converts) it into the partition
 (`zero.grad_partition.GradPartition`). The backward hook only issues the copy.
 
 The pool is double-buffered: `STAGING_SLOTS` = 2 slots, each the largest piece the partition can receive, so a

@@ -37,7 +37,7 @@ from typing import Callable
 
 import torch
 
-from zero_offload.host_thread import HostThread
+from zero_offload.runtime.host_thread import HostThread
 from zero_offload.offload import timeline
 from zero_offload.offload.handles import CopyHandle, TransferCounts
 

@@ -19,7 +19,7 @@ from torch.profiler import record_function
 
 from zero_offload.comm import DistContext
 from zero_offload.offload.copies import Copies
-from zero_offload.state import StateChunk
+from zero_offload.runtime.state import StateChunk
 from zero_offload.zero.gather import gather_masters, global_grad_sq_norm
 from zero_offload.zero.grad_partition import GradPartition, ReadyGrad
 from zero_offload.hoststep.role import PartitionOptimizer
@@ -72,7 +72,7 @@ class ZeroOptimizerBase:
         return self.adam.optimizer
 
     def counters(self) -> dict[str, int]:
-        """Running totals behind `zero_offload.stats.StepStats`: parameter gathers and gradient reductions
+        """Running totals behind `zero_offload.runtime.stats.StepStats`: parameter gathers and gradient reductions
         (`gather_count`, `reduction_count` of each stage), bytes copied each way and host waits on copies."""
         c = self.copies.counts
         return {"gathers": self.gather_count(), "reductions": self.reduction_count(),
@@ -151,7 +151,7 @@ class ZeroOptimizerBase:
             if reader is not None:
                 partition.read_by(*reader)
 
-    # -- state (zero_offload.state.PartitionedOptimizerState) ---------------------------------------------
+    # -- state (zero_offload.runtime.state.PartitionedOptimizerState) ---------------------------------------------
     def group_step(self, g: int) -> int:
         return self.adam.group_step(g)
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from zero_offload.flat import FlatParams
+from zero_offload.zero.flat import FlatParams
 
 __all__ = ["Piece", "GradBucket", "plan_buckets", "bucket_spans", "largest_bucket"]
 

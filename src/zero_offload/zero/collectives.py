@@ -111,7 +111,7 @@ class InFlight(Generic[T]):
     def __init__(self, limit: int, on_finish: Callable[[T], None], is_done: Callable[[T], bool] | None = None):
         self.limit, self.on_finish, self.is_done = limit, on_finish, is_done
         self.items: deque[T] = deque()
-        self.launched = 0            # running count of reductions pushed (`zero_offload.stats.StepStats`)
+        self.launched = 0            # running count of reductions pushed (`zero_offload.runtime.stats.StepStats`)
 
     def push(self, item: T) -> None:
         self.launched += 1

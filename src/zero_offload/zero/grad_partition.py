@@ -8,8 +8,8 @@ from typing import Callable
 import torch
 from torch.profiler import record_function
 
-from zero_offload.flat import FlatParams
-from zero_offload.host_thread import HostThread
+from zero_offload.zero.flat import FlatParams
+from zero_offload.runtime.host_thread import HostThread
 from zero_offload.offload import timeline
 from zero_offload.offload.grad_staging import staging_shape
 from zero_offload.offload.copies import DONE, CopyHandle, Copies

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
-from zero_offload.flat import FlatParams
+from zero_offload.zero.flat import FlatParams
 
 __all__ = ["Piece", "ParamPlacement", "GroupLayout", "place_slots", "contiguous_layout"]
 

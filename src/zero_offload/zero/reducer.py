@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from zero_offload.comm import DistContext
-from zero_offload.flat import FlatParams
+from zero_offload.zero.flat import FlatParams
 from zero_offload.offload.copies import DONE
 from zero_offload.zero.averaging import GradAveraging
 from zero_offload.zero.bucket_pool import BucketPool, bucket_pool_size

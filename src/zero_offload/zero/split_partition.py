@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from zero_offload.flat import FlatParams
+from zero_offload.zero.flat import FlatParams
 from zero_offload.offload.copies import DONE, CopyHandle, Copies
 from zero_offload.zero.buckets import largest_bucket
 from zero_offload.zero.grad_partition import GradPartition

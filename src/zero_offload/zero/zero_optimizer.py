@@ -11,7 +11,7 @@ from torch.profiler import record_function
 
 from zero_offload.comm import DistContext
 from zero_offload.config import Config
-from zero_offload.flat import FlatParams
+from zero_offload.zero.flat import FlatParams
 from zero_offload.offload.copies import make_copies
 from zero_offload.zero.base import BuildStep, MemoryKind, ZeroOptimizerBase
 from zero_offload.zero.grad_partition import GradPartition, accumulates_fp32

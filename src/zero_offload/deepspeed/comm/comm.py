@@ -1,7 +1,7 @@
 """``deepspeed.comm.comm``: DeepSpeed 0.19.8's communication functions over torch.distributed.
 
 Each collective takes DeepSpeed's signature (``prof``, ``log_name`` and ``debug`` are accepted and unused: no
-comms logger) and runs torch's through `zero_offload.comm_passthrough.torch_collective`, so CPU tensors are handed over to
+comms logger) and runs torch's through `zero_offload.comm.passthrough.torch_collective`, so CPU tensors are handed over to
 gloo as the engine's own are. DeepSpeed's `ReduceOp` is its own enum; it is mapped onto torch's by name.
 `init_distributed` makes the default group as DeepSpeed's does (launcher variables, else MPI's, else one rank).
 """
@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from zero_offload import comm as zo_comm
 from zero_offload.comm import collective_timeout
-from zero_offload.comm_passthrough import torch_collective
+from zero_offload.comm.passthrough import torch_collective
 
 __all__ = ["ReduceOp", "ProcessGroup", "init_distributed", "is_initialized", "is_available", "destroy_process_group",
            "new_group", "get_rank", "get_world_size", "get_local_rank", "get_global_rank", "get_world_group",
@@ -293,7 +293,7 @@ def has_all_reduce_coalesced() -> bool:
 
 # -- DeepSpeed's comms logger: accepted, nothing logged ------------------------------------------------------
 def configure(deepspeed_config=None, enabled=None, prof_all=None, prof_ops=None, verbose=None, debug=None) -> None:
-    """DeepSpeed's comms-logger switch; zero-offload keeps no comms log (`zero_offload.stats` counts what a step
+    """DeepSpeed's comms-logger switch; zero-offload keeps no comms log (`zero_offload.runtime.stats` counts what a step
     moved), so this changes nothing."""
 
 

@@ -15,7 +15,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from zero_offload.comm import DistContext
-from zero_offload.compiling import is_compiled_module
+from zero_offload.runtime.compiling import is_compiled_module
 from zero_offload.offload.copies import Copies
 from zero_offload.zero.averaging import GradAveraging
 from zero_offload.zero.collectives import MAX_IN_FLIGHT, InFlight, completed, finish, reduce_scatter_grad

@@ -325,7 +325,7 @@ class Stage3Optimizer(ZeroOptimizerBase):
             if self.reduce_ctx is not self.ctx:
                 self.reduce_ctx.close()
 
-    # -- frozen parameters (zero_offload.state.PartitionedOptimizerState) ----------------------------------
+    # -- frozen parameters (zero_offload.runtime.state.PartitionedOptimizerState) ----------------------------------
     def frozen_shapes(self) -> dict[str, tuple[int, ...]]:
         return {name: tuple(u.slots[i].shape) for name, (u, i) in self.frozen_by_name.items()}
 

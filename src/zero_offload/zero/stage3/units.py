@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from zero_offload.comm import DistContext
-from zero_offload.flat import pack, partition_numel
+from zero_offload.zero.flat import pack, partition_numel
 from zero_offload.offload.copies import CopyHandle, Copies
 from zero_offload.zero.stage3 import registry
 from zero_offload.zero.stage3.swap import swap_keeping_attributes

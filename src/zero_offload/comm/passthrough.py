@@ -1,7 +1,7 @@
 """User code's torch.distributed collectives, passed through with the engine's hand-over of CPU tensors.
 
 The DeepSpeed face's ``deepspeed.comm`` forwards a script's collectives here, so that on gloo they too never abort at
-interpreter exit (`zero_offload.comm_handover`). The engine's own collectives are `zero_offload.comm`'s.
+interpreter exit (`zero_offload.comm.handover`). The engine's own collectives are `zero_offload.comm`'s.
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import functools
 import torch
 import torch.distributed as dist
 
-from zero_offload.comm_handover import handed
+from zero_offload.comm.handover import handed
 
 __all__ = ["torch_collective"]
 
@@ -25,7 +25,7 @@ def _hand_over(arg):
 
 def torch_collective(name: str):
     """torch.distributed's collective ``name`` (``all_reduce``, ``send``, ...), called with every CPU tensor
-    argument handed over (`zero_offload.comm_handover`): the face DeepSpeed's ``deepspeed.comm`` forwards
+    argument handed over (`zero_offload.comm.handover`): the face DeepSpeed's ``deepspeed.comm`` forwards
     user code's collectives through, so they too never abort at interpreter exit on gloo.
 
     Raises:

@@ -21,7 +21,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from zero_offload.comm_handover import handed, settle
+from zero_offload.comm.handover import handed, settle
 from zero_offload.offload import simulated
 from zero_offload.offload.simulated import SimulatedCollectives
 
@@ -209,7 +209,7 @@ def _pickled(obj) -> torch.Tensor:
 def gather_objects(obj, group=None) -> list:
     """Every rank's picklable ``obj``, in rank order (``[obj]`` on a single process). Pickled into byte tensors,
     as ``torch.distributed.all_gather_object`` does, but gathered by `all_gather_into`, so that the backend
-    never frees them at exit (`zero_offload.comm_handover`)."""
+    never frees them at exit (`zero_offload.comm.handover`)."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return [obj]
     data, sizes = _pickled(obj), torch.zeros(dist.get_world_size(group), dtype=torch.int64)
@@ -406,7 +406,7 @@ class DistContext:
 
     def close(self) -> None:
         """Land the simulated collectives queued and end their thread (from `Engine.close`), and wait until the
-        backend has let go of every tensor given to a collective (`zero_offload.comm_handover`). A group made by
+        backend has let go of every tensor given to a collective (`zero_offload.comm.handover`). A group made by
         `for_reductions` is destroyed; the data-parallel group stays: whoever created it destroys it
         (``dist.destroy_process_group``), as with DeepSpeed's engine."""
         if self.simulation is not None:

@@ -40,7 +40,9 @@ TORCH_PRIVATE = {"_parameters", "_buffers", "_non_persistent_buffers_set", "_cda
 # ``_init_weights`` skips, the conversions a model records for ``save_pretrained``, and the device transformers
 # kernelizes for when the parameters are on meta (it sets it itself for a ``device_map``'s offloaded ones).
 LIBRARY_PROTOCOL = {"hf/pretrained.py": {"_is_hf_initialized", "_weight_conversions", "_kernels_device"},
-                    "compat/zero.py": {"_kernels_device"}}     # deepspeed.zero.Init under transformers' from_pretrained
+                    "compat/zero.py": {"_kernels_device"},     # deepspeed.zero.Init under transformers' from_pretrained
+                    # numpy's array rebuilder: the name every pickled ndarray names (torch's weights_only docs)
+                    "checkpoint/safe_pickle.py": {"_reconstruct"}}
 
 
 @pytest.mark.parametrize("path", sorted(p.relative_to(SRC).as_posix() for p in SRC.rglob("*.py")))

@@ -102,6 +102,9 @@ def _estimate_parser(sub) -> None:
                    help="let the plan keep bf16 master weights (DeepSpeed's bf16_master_weights_and_grads: 8 "
                         "instead of 10 host bytes per parameter; updates below half a bf16 ulp are lost)")
     p.add_argument("--write-config", default=None, help="write the planned config to this JSON file")
+    p.add_argument("--plot", default=None, metavar="FILE.png",
+                   help="draw the plan into this image (.png, .pdf or .svg): bytes per kind on the device, in host "
+                        "memory and on NVMe against each capacity, and the step model's timeline of one step")
     p.add_argument("--no-deepspeed", action="store_true", help="skip DeepSpeed's estimator columns")
 
 
@@ -179,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
                                                           "top level, as torchtitan writes; 'model', 'app.model')")
     conv.add_argument("--dcp-optim-key", default="optimizer", help="--to dcp: the optimizer's key path (default "
                                                                    "'optimizer', torchtitan's; 'optim', 'app.optim')")
+    conv.add_argument("--trust-pickles", action="store_true", help="load pickled state holding types outside the "
+                      "allow-list of data types (unpickling them can run code the file names: trusted files only)")
     ns = parser.parse_args(argv)
     from zero_offload.checkpoint import CheckpointError
     from zero_offload.checkpoint.lock import LockedError
@@ -207,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if ns.command == "convert":
             from zero_offload.checkpoint.convert import convert, describe
-            print(describe(convert(ns.src, ns.dst, ns.to, ns.tag, ns.config, (ns.dcp_model_key, ns.dcp_optim_key))))
+            print(describe(convert(ns.src, ns.dst, ns.to, ns.tag, ns.config, (ns.dcp_model_key, ns.dcp_optim_key),
+                                    ns.trust_pickles)))
             return 0
         parser.error(f"unknown command {ns.command}")
     except known as e:

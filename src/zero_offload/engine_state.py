@@ -73,14 +73,17 @@ class EngineState:
 
     @deadline
     def load_checkpoint(self, load_dir, tag: str | None = None, *, load_optimizer_states: bool = True,
-                        load_lr_scheduler_states: bool = True, load_module_only: bool = False) -> Any:
+                        load_lr_scheduler_states: bool = True, load_module_only: bool = False,
+                        trust_pickles: bool | None = None) -> Any:
         """Restore a checkpoint (default: the ``latest`` one), resharding from any world size or stage,
         and return the ``client_state`` it was saved with. Two foreign kinds load too, into any stage and world
         size: a ``torch.distributed.checkpoint`` directory that FSDP2 wrote (``load_dir``, or ``load_dir/tag``,
         holding ``.metadata``: its parameters, AdamW moments and step; returns None), and a DeepSpeed checkpoint,
         ZeRO stage 1-3 or universal (`zero_offload.checkpoint.deepspeed_read`: masters, moments, step, loss
         scale, LR schedule; returns the user's ``client_state`` keys). The keyword flags are DeepSpeed's and apply
-        to DeepSpeed checkpoints.
+        to DeepSpeed checkpoints. Pickled files (the client state, DeepSpeed's ``.pt`` files, DCP's metadata) load
+        through an allow-list of data types (`zero_offload.checkpoint.safe_pickle`); ``trust_pickles=True`` (None:
+        the config key ``checkpoint.trust_pickles``, default false) loads any type, running what the file names.
 
         Raises:
             CheckpointError: a missing or corrupted file, an unknown tag, another model's checkpoint, or a
@@ -88,8 +91,10 @@ class EngineState:
         """
         # Finish (not drop) a delayed step first: if the load then fails, the engine stays consistent.
         self.flush_delayed_update()
+        trust = self.config.checkpoint.trust_pickles if trust_pickles is None else trust_pickles
         return load_any(self, load_dir, tag, load_optimizer_states=load_optimizer_states,
-                        load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
+                        load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
+                        trust_pickles=trust)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """{name: fp32 CPU tensor} of every parameter (first name of each; floating frozen ones in fp32): the

@@ -24,6 +24,7 @@ from zero_offload.checkpoint.convert_target import ConversionTarget
 from zero_offload.checkpoint.formats import SAVE_FORMATS as FORMATS
 from zero_offload.checkpoint.formats import TORCHTITAN_KEYS, load_any, save_any
 from zero_offload.checkpoint.io import CheckpointError
+from zero_offload.checkpoint.safe_pickle import trusting_pickles
 from zero_offload.checkpoint.save import HYPERPARAMETERS
 
 __all__ = ["convert", "FORMATS"]
@@ -150,11 +151,13 @@ def _config(saved: dict, given: str | None) -> dict:
 
 
 def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str, tag: str | None = None,
-            config: str | None = None, dcp_keys: tuple[str, str] = TORCHTITAN_KEYS) -> Path:
+            config: str | None = None, dcp_keys: tuple[str, str] = TORCHTITAN_KEYS, trust_pickles: bool = False
+            ) -> Path:
     """Rewrite the checkpoint at ``src`` (its ``tag``, default the latest) as ``to`` (one of `FORMATS`) at ``dst``;
     returns what `engine.save_checkpoint` returns (the tag directory, or the DCP directory). A DCP source's layout
     is found by the names (`zero_offload.checkpoint.dcp_layout`); a DCP written has the model and the optimizer
-    under ``dcp_keys`` (default torchtitan's).
+    under ``dcp_keys`` (default torchtitan's). Pickled files load through the allow-list of data types unless
+    ``trust_pickles`` (`zero_offload.checkpoint.safe_pickle`).
 
     Raises:
         CheckpointError: ``src`` unreadable, damaged or unmappable (named, as `engine.load_checkpoint` says), or
@@ -162,9 +165,14 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str, tag: str | 
         ConfigError: an invalid config (the checkpoint's or ``config``'s).
         ValueError: an unknown ``to``.
     """
+    with trusting_pickles(trust_pickles):
+        return _convert(Path(src), dst, to, tag, config, dcp_keys, trust_pickles)
+
+
+def _convert(src: Path, dst, to: str, tag: str | None, config: str | None, dcp_keys: tuple[str, str],
+             trust_pickles: bool) -> Path:
     if to not in FORMATS:
         raise ValueError(f"convert: --to must be one of {', '.join(FORMATS)}, got {to!r}")
-    src = Path(src)
     if not src.exists():
         raise CheckpointError(f"convert: checkpoint directory '{src}' does not exist")
     source = _source(src, tag)
@@ -175,7 +183,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str, tag: str | 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")              # the source config's keys that do not apply here
         target = ConversionTarget(model, _config(source.config, config), groups)
-    client_state = load_any(target, src, tag)
+    client_state = load_any(target, src, tag, trust_pickles=trust_pickles)
     return save_any(target, dst, None, client_state if client_state and to != "dcp" else None, to, dcp_keys)
 
 

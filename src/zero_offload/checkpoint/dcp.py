@@ -26,6 +26,7 @@ import torch
 from zero_offload.checkpoint.dcp_layout import TORCHTITAN, DcpLayout, find_layout
 from zero_offload.checkpoint.foreign import ForeignState, apply_foreign, export_staged
 from zero_offload.checkpoint.io import CheckpointError, agree, module_state, staged_directory
+from zero_offload.checkpoint.safe_pickle import UntrustedPickleError, dcp_reader
 from zero_offload.runtime.state import CheckpointTarget
 
 __all__ = ["is_dcp", "load_dcp", "save_dcp", "read_dcp", "read_metadata", "adamw_group"]
@@ -42,9 +43,10 @@ def read_metadata(path: Path) -> dict:
     """{flattened key: storage metadata} of the checkpoint, after checking that every data file holds the bytes
     the metadata places in it (a truncated file is named here, before anything is read; DCP keeps no checksums,
     so bytes changed in place go unnoticed)."""
-    from torch.distributed.checkpoint import FileSystemReader
     try:
-        metadata = FileSystemReader(str(path)).read_metadata()
+        metadata = dcp_reader(path).read_metadata()
+    except UntrustedPickleError:
+        raise
     except Exception as e:                       # unpickling a damaged file raises anything
         raise CheckpointError(f"checkpoint file '{path / _METADATA}' cannot be read as DCP metadata: {e}") from e
     ends: dict[str, int] = {}
@@ -88,12 +90,11 @@ def read_dcp(path: Path, template: dict) -> dict:
         CheckpointError: a damaged or truncated file, naming the directory.
     """
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.api import CheckpointException
     try:
         with warnings.catch_warnings():          # "assuming the intent is to load in a single process": it is
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(template, storage_reader=FileSystemReader(str(path)), no_dist=True)
+            dcp.load(template, storage_reader=dcp_reader(path), no_dist=True)
     except (Exception, CheckpointException) as e:    # a damaged *.distcp file (CheckpointException: BaseException)
         raise CheckpointError(f"checkpoint '{path}' could not be read ({type(e).__name__}: {e}); a .distcp file "
                               f"is truncated or damaged") from e

@@ -3,7 +3,7 @@
 DeepSpeed pickles some of its own objects into a checkpoint (``LossScaler``/``DynamicLossScaler``,
 ``ZeroStageEnum``, ``fragment_address``), so ``torch.load(weights_only=True)`` refuses its files and a plain
 ``torch.load`` needs ``deepspeed`` importable and trusts whatever the file names. `load_pt` unpickles with an
-allow-list instead: torch's tensor rebuilders, plain containers, numpy arrays and ``argparse.Namespace`` (which
+allow-list instead (`safe_pickle` says why): torch's tensor rebuilders, plain containers, numpy arrays and ``argparse.Namespace`` (which
 Megatron puts in ``client_state``) load as themselves; each DeepSpeed class loads as a `Foreign` record of
 its attributes; anything else fails, naming the file and the class. Tensors are memory-mapped (``mmap=True``)
 so that reading one parameter's slice of a rank's partition touches only those pages.
@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from zero_offload.checkpoint.io import CheckpointError
+from zero_offload.checkpoint.safe_pickle import UntrustedPickleError, pickles_trusted
 
 __all__ = ["Foreign", "foreign_class", "load_pt", "save_pt"]
 
@@ -79,17 +80,22 @@ _ALLOWED = {
 _TORCH_PREFIXES = ("torch._utils", "torch.storage", "torch._tensor")
 
 
+class _Refused(pickle.UnpicklingError):
+    """A name outside the allow-list (carried out of torch.load to become an `UntrustedPickleError`)."""
+
+
 class _Unpickler(pickle.Unpickler):
-    """find_class with an allow-list; DeepSpeed's classes become `Foreign` constructors."""
+    """find_class with an allow-list (every name, where the user trusts the file); DeepSpeed's classes become
+    `Foreign` constructors either way, so DeepSpeed need not be installed."""
 
     def find_class(self, module: str, name: str):
         if module.split(".")[0] == "deepspeed":
             return foreign_class(module, name)
-        if (module, name) in _ALLOWED or module.startswith(_TORCH_PREFIXES) or \
-                (module == "torch" and (name.endswith("Storage") or name in ("float32", "bfloat16", "float16"))):
+        if (module, name) in _ALLOWED or module.startswith(_TORCH_PREFIXES) or pickles_trusted() or \
+                (module == "torch" and (name.endswith("Storage") or isinstance(getattr(torch, name, None),
+                                                                              torch.dtype))):
             return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"the file names class {module}.{name}, which a checkpoint reader does not "
-                                     f"load (only tensors, containers, numpy arrays and DeepSpeed's records)")
+        raise _Refused(f"{module}.{name}")
 
 
 class _LoadModule:
@@ -106,8 +112,9 @@ def load_pt(path: str | Path) -> Any:
     """The object in ``path`` (a file ``torch.save`` wrote), tensors memory-mapped on the CPU.
 
     Raises:
-        CheckpointError: the file is missing, truncated or damaged, or names a class outside the allow-list
-            (the message names the file and the class).
+        UntrustedPickleError: the file names a class outside the allow-list (the message names the file, the class
+            and ``trust_pickles``), unless the caller trusts pickles (`safe_pickle.trusting_pickles`).
+        CheckpointError: the file is missing, truncated or damaged.
     """
     path = Path(path)
     if not path.is_file():
@@ -115,6 +122,8 @@ def load_pt(path: str | Path) -> Any:
     try:
         mmap = zipfile.is_zipfile(path)          # the legacy (non-zip) format cannot be memory-mapped
         return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap, pickle_module=_LoadModule)
+    except _Refused as e:
+        raise UntrustedPickleError(path, [str(e)]) from None
     except Exception as e:                       # a damaged pickle or archive raises anything
         raise CheckpointError(f"checkpoint file '{path}' cannot be read ({type(e).__name__}: {e}); it is truncated, "
                               f"damaged or not a checkpoint") from e

@@ -12,6 +12,7 @@ from zero_offload.checkpoint.dcp import is_dcp, load_dcp, save_dcp
 from zero_offload.checkpoint.deepspeed_read import find_deepspeed, load_deepspeed
 from zero_offload.checkpoint.deepspeed_write import save_universal
 from zero_offload.checkpoint.load import load_checkpoint
+from zero_offload.checkpoint.safe_pickle import trusting_pickles
 from zero_offload.checkpoint.save import save_checkpoint
 from zero_offload.runtime.state import CheckpointTarget
 
@@ -23,23 +24,26 @@ TORCHTITAN_KEYS = ("", "optimizer")     # DCP: the model at the top level, the o
 
 def load_any(target: CheckpointTarget, load_dir: str | os.PathLike, tag: str | None = None, *,
              load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-             load_module_only: bool = False) -> Any:
+             load_module_only: bool = False, trust_pickles: bool = False) -> Any:
     """Load the checkpoint at ``load_dir`` (``tag``, default the latest) into ``target``: a DCP directory
     (``load_dir`` or ``load_dir/tag`` holds ``.metadata``; returns None), a DeepSpeed checkpoint (the flags are
     DeepSpeed's ``load_checkpoint``'s; returns its ``client_state`` keys), else our own (returns its
-    ``client_state``). A collective.
+    ``client_state``). A collective. Pickled files (the client state, DeepSpeed's ``.pt`` files, DCP's metadata)
+    load through an allow-list of data types unless ``trust_pickles`` (`zero_offload.checkpoint.safe_pickle`).
 
     Raises:
+        UntrustedPickleError: a pickle names a type outside the allow-list (the file and the type named).
         CheckpointError: as `load_dcp`, `load_deepspeed` and `load_checkpoint` say; ``target`` is unchanged then.
     """
-    dcp_dir = Path(load_dir) / tag if tag is not None else Path(load_dir)
-    if is_dcp(dcp_dir):
-        return load_dcp(target, dcp_dir)
-    deepspeed_dir = find_deepspeed(load_dir, tag)
-    if deepspeed_dir is not None:
-        return load_deepspeed(target, deepspeed_dir, load_optimizer_states, load_lr_scheduler_states,
-                              load_module_only)
-    return load_checkpoint(target, load_dir, tag)
+    with trusting_pickles(trust_pickles):
+        dcp_dir = Path(load_dir) / tag if tag is not None else Path(load_dir)
+        if is_dcp(dcp_dir):
+            return load_dcp(target, dcp_dir)
+        deepspeed_dir = find_deepspeed(load_dir, tag)
+        if deepspeed_dir is not None:
+            return load_deepspeed(target, deepspeed_dir, load_optimizer_states, load_lr_scheduler_states,
+                                  load_module_only)
+        return load_checkpoint(target, load_dir, tag)
 
 
 def save_any(target: CheckpointTarget, save_dir: str | os.PathLike, tag: str | None = None,

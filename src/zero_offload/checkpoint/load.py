@@ -17,6 +17,7 @@ from safetensors import safe_open
 from zero_offload.checkpoint.io import (CLIENT_STATE, MANIFEST, MODULE_STATE, CheckpointError, agree,
                                         module_state, rank_file, sha256_file)
 from zero_offload.checkpoint.manifest import FORMATS, check_tag, validate_manifest, verify_manifest_hash
+from zero_offload.checkpoint.safe_pickle import load_torch_file
 from zero_offload.checkpoint.reshard import (check_rank_file, check_saved_partitions, reshard_chunks, reshard_runs,
                                              saved_slice)
 from zero_offload.runtime.state import STATE_KINDS, CheckpointTarget
@@ -208,7 +209,7 @@ def _read_for_load(engine: CheckpointTarget, load_dir, tag):
         shards = [rank_file(r) for r in range(manifest["partitions"])]
         read_manifest(directory, sorted(set(shards + own + [CLIENT_STATE])))
         new_states = _reshard(engine, directory, manifest)
-    client_state = torch.load(directory / CLIENT_STATE, weights_only=False)
+    client_state = load_torch_file(directory / CLIENT_STATE)      # through the allow-list (safe_pickle)
     rng = _read_rng(directory / rank_file(engine.rank)) if same_world else None
     return manifest, new_states, client_state, rng, _read_module_state(engine, directory, manifest)
 

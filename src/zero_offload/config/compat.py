@@ -16,7 +16,7 @@ from __future__ import annotations
 import warnings
 from zero_offload.config.schema import ConfigError
 
-__all__ = ["normalize", "UNBUILT", "REMOVED_IN_DEEPSPEED", "IGNORED_TOP_LEVEL", "IGNORED_COMPILE", "IGNORED_ZERO",
+__all__ = ["normalize", "UNBUILT", "REMOVED_IN_DEEPSPEED", "IGNORED_TOP_LEVEL", "IGNORED_COMPILE", "IGNORED_ZERO", "IGNORED_CHECKPOINT",
            "IGNORED_OFFLOAD_OPTIMIZER", "IGNORED_OFFLOAD_PARAM"]
 
 # Sections DeepSpeed 0.19.8 itself refuses (deepspeed/runtime/config.py, _REMOVED_TOP_LEVEL_CONFIG_KEYS).
@@ -99,7 +99,6 @@ IGNORED_TOP_LEVEL = {
     "autotuning": "no autotuner; `zero-offload estimate` plans memory",
     "activation_checkpointing": "it configures deepspeed.checkpointing, which models call themselves; use "
                                 "torch.utils.checkpoint (HF: model.gradient_checkpointing_enable())",
-    "checkpoint": "checkpoints are always per-rank shards, written atomically and resharded on load",
     "data_types": "gradients accumulate in fp32 at stages 2/3 and in the training dtype at stages 0/1",
     "hybrid_engine": "no inference hybrid engine",
     "pipeline": "no pipeline parallelism; the section only applies to a deepspeed.pipe.PipelineModule",
@@ -116,6 +115,14 @@ IGNORED_TOP_LEVEL = {
     "sequence_parallel_size": "no sequence parallelism (1 is the same as none)",
     "torch_autocast": "autocast is off (enabled = false), as DeepSpeed's default",
     "data_efficiency": "data efficiency is off (enabled = false)",
+}
+# DeepSpeed 0.19.8's checkpoint keys (runtime/constants.py) and why they change nothing here.
+IGNORED_CHECKPOINT = {
+    "tag_validation": "every rank's tag is always checked against rank 0's, and a mismatch is an error",
+    "load_universal": "a universal checkpoint is recognised by its layout and loaded into any stage and size",
+    "use_node_local_storage": "every rank writes and reads its own shard file",
+    "parallel_write": "every rank writes its own shard file in parallel; there is no pipeline parallelism",
+    "writer": "no DeepSpeed checkpoint writer engines; files are written atomically by this package",
 }
 IGNORED_ZERO = {
     "reduce_scatter": "gradients are always reduced to their owning partition",

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 from zero_offload.config.auto import AutoContext, resolve_auto
+from zero_offload.config.checkpointing import CheckpointConfig
 from zero_offload.config.compat import (IGNORED_OFFLOAD, IGNORED_OFFLOAD_OPTIMIZER, IGNORED_OFFLOAD_PARAM,
                                        IGNORED_TOP_LEVEL, IGNORED_ZERO, normalize)
 from zero_offload.config.io import check_finite, decode_config_string, read_config_file
@@ -301,6 +302,8 @@ class Config:
     zero_optimization: ZeroConfig = option(factory=ZeroConfig, help="ZeRO stage and offload settings.")
     aio: AioConfig = option(factory=AioConfig, help="How NVMe swap files are read and written (DeepSpeed's "
                                                     "aio block).")
+    checkpoint: CheckpointConfig = option(factory=CheckpointConfig, help="Checkpoint loading: whether pickled "
+                                                                         "client state is trusted.")
 
     def validate(self, path):
         if self.fp16.enabled and self.bf16.enabled:

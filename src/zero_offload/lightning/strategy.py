@@ -172,12 +172,16 @@ class ZeroOffloadStrategy(DDPStrategy):
         Raises:
             ValueError: no engine (``ckpt_path`` outside ``fit``: consolidate the directory with
                 ``zero_offload.consolidate`` and load the weights instead).
-            CheckpointError: not a zero-offload checkpoint directory, or a damaged one.
+            CheckpointError: not a zero-offload checkpoint directory, or a damaged one; `UntrustedPickleError` (a
+                CheckpointError) where Lightning's state holds a type outside the allow-list and ``weights_only`` is
+                not False (`zero_offload.checkpoint.safe_pickle`).
         """
         if self.engine is None:
             raise ValueError(f"ckpt_path={str(checkpoint_path)!r}: ZeroOffloadStrategy restores checkpoints in "
                              f"fit(); for validate/test/predict load zero_offload.consolidate(path) into the module")
-        return self.engine.load_checkpoint(self.broadcast(checkpoint_path))
+        # Lightning's weights_only=False is its user trusting the file: the client state then loads any type.
+        trust = True if weights_only is False else None
+        return self.engine.load_checkpoint(self.broadcast(checkpoint_path), trust_pickles=trust)
 
     def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
         return None     # the engine loaded the weights in load_checkpoint

@@ -15,6 +15,7 @@ import torch
 
 from zero_offload.checkpoint import consolidate
 from zero_offload.checkpoint.deepspeed_read import find_deepspeed, read_deepspeed
+from zero_offload.checkpoint.safe_pickle import trusting_pickles
 from zero_offload.checkpoint.load import resolve_tag
 
 __all__ = ["get_fp32_state_dict_from_zero_checkpoint", "convert_zero_checkpoint_to_fp32_state_dict",
@@ -75,16 +76,20 @@ def _deepspeed_state_dict(directory: Path, exclude_frozen_parameters: bool) -> d
 
 
 def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag=None, exclude_frozen_parameters: bool = False,
-                                             lazy_mode: bool = False) -> dict[str, torch.Tensor]:
+                                             lazy_mode: bool = False, *, trust_pickles: bool = False
+                                             ) -> dict[str, torch.Tensor]:
     """{name: fp32 CPU tensor} of the model in ``checkpoint_dir`` (``tag``, default the one ``latest`` names).
-    ``lazy_mode`` is accepted; the tensors are read at once.
+    ``lazy_mode`` is accepted; the tensors are read at once. DeepSpeed's pickled files load through the allow-list
+    of data types unless ``trust_pickles`` (not DeepSpeed's keyword; DeepSpeed unpickles anything).
 
     Raises:
+        UntrustedPickleError: a file names a type outside the allow-list (the file and the type named).
         CheckpointError: no checkpoint there (neither zero-offload's nor DeepSpeed's), or a damaged one.
     """
     deepspeed = find_deepspeed(checkpoint_dir, tag)
     if deepspeed is not None:
-        return _deepspeed_state_dict(deepspeed, exclude_frozen_parameters)
+        with trusting_pickles(trust_pickles):
+            return _deepspeed_state_dict(deepspeed, exclude_frozen_parameters)
     state = consolidate(checkpoint_dir, tag)
     if exclude_frozen_parameters:
         from safetensors import safe_open

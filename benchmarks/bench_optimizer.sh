@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The host Adam kernel against torch's fused AdamW and DeepSpeed's CPU Adam, and the memory bandwidth.
-# Results on the reference machine: BENCHMARKS.md, "Host optimizer kernel". Run on an otherwise idle machine.
+# Results on the reference machine: BENCHMARKS.md, "Host Adam kernel". Run on an otherwise idle machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export DS_ACCELERATOR=cpu   # DeepSpeed's CPU Adam without an accelerator; compiles itself on first use

@@ -202,7 +202,7 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     if args.precision == "auto":
         # Without oneDNN's bf16 path torch multiplies bf16 matrices with a scalar loop, ~100x slower than
-        # fp32 on an AVX2 host: a 2B-parameter step would take hours (BENCHMARKS.md, NVMe demo).
+        # fp32 on an AVX2 host: a 2B-parameter step would take hours (BENCHMARKS.md, "NVMe").
         args.precision = "bf16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "fp32"
     Path(args.nvme_path).mkdir(parents=True, exist_ok=True)
     gpt = GPTConfig(vocab_size=args.vocab_size, block_size=args.seq_len, n_layer=args.n_layer,

@@ -51,7 +51,7 @@ _SCALE, _DECAY, _L2, _LERP_SMALL, _NT_OUT, _NT_STATE, _PREFETCH, _DYNAMIC = 1, 2
 _STOCHASTIC, _MASTER_BF16 = 256, 512
 _MASTER_CODES = {torch.float32: 0, torch.bfloat16: 1}
 ROUNDINGS = ("nearest", "stochastic")
-# Kernel tuning, chosen by measurement (BENCHMARKS.md, "Host optimizer kernel"): non-temporal stores for the
+# Kernel tuning, chosen by measurement (BENCHMARKS.md, "Host Adam kernel"): non-temporal stores for the
 # write-only 16-bit output (+12%; for the read-modify-write states they cost 35%), 64K-element blocks
 # handed to threads in turn (+2%, and a descheduled core no longer holds the others up), no software prefetch.
 KERNEL_FLAGS = _NT_OUT | _DYNAMIC

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import copy
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from zero_offload.estimate.proxy_recording import (CHUNKS_PER_LAYER, FIRST_UNIT_STEPS, PROXY_LAYERS, Structure,
                                                    recording)
@@ -70,12 +70,15 @@ class StepGraph:
         busy: {lane label: busy seconds in the step}.
         critical_path: [(what, seconds)] in order, consecutive ops of one kind and lane merged.
         bars: {lane label: one letter per `BAR_COLUMNS`-th of the step (`LETTERS`; "." idle)}.
+        spans: {lane label: [(start s, end s, op kind)]}: each op of the step, clipped to it, in seconds from the
+            step's start (kinds as in `LETTERS`; the lanes in the order of ``bars``).
     """
     step_s: float
     compute_s: float
     busy: dict[str, float]
     critical_path: list[tuple[str, float]]
     bars: dict[str, str]
+    spans: dict[str, list[tuple[float, float, str]]] = field(default_factory=dict)
 
     @property
     def idle_s(self) -> float:
@@ -199,6 +202,7 @@ def _replay(tl: Timeline, marks, p: Phases, s: Structure) -> StepGraph:
     t0, t1 = pred.times[a.id][0], pred.times[b.id][0]
     step_s = t1 - t0
     busy: dict[str, float] = {}
+    spans: dict[str, list[tuple[float, float, str]]] = {}
     cols: dict[str, list[dict[str, float]]] = {}
     for op in tl.ops:
         k = kind(op)
@@ -208,6 +212,7 @@ def _replay(tl: Timeline, marks, p: Phases, s: Structure) -> StepGraph:
             continue
         label = _lane_label(op.lane)
         busy[label] = busy.get(label, 0.0) + hi - lo
+        spans.setdefault(label, []).append((lo - t0, hi - t0, k))
         col = cols.setdefault(label, [dict() for _ in range(BAR_COLUMNS)])
         letter = LETTERS.get(k, "?")
         first, last = int((lo - t0) / step_s * BAR_COLUMNS), int((hi - t0) / step_s * BAR_COLUMNS)
@@ -221,7 +226,8 @@ def _replay(tl: Timeline, marks, p: Phases, s: Structure) -> StepGraph:
     bars = {label: "".join(max(c, key=c.get) if c else "." for c in cols[label])
             for label in sorted(cols, key=lambda x: order.index(x) if x in order else len(order))}
     compute = busy.get("device compute", 0.0)
-    return StepGraph(step_s, compute, busy, _path(tl, pred, b.id, t0, kind), bars)
+    return StepGraph(step_s, compute, busy, _path(tl, pred, b.id, t0, kind), bars,
+                     {label: sorted(spans[label]) for label in bars})
 
 
 def _path(tl: Timeline, pred, end: int, t0: float, kind) -> list[tuple[str, float]]:

@@ -34,15 +34,16 @@ def _policy(config: dict) -> str:
     return ", ".join(parts) or ("plain" if oo else "-")
 
 
-def row(model: str, gpu_mem: str, host_mem: str, nvme, calibration) -> str:
+def row(model: str, gpu_mem: str, host_mem: str, nvme, calibration, moments: bool = False) -> str:
     """One markdown row: the exact plan and the stale one's gain (see the module docstring)."""
     from zero_offload.estimate import model_shape, plan
     from zero_offload.estimate.throughput import TRAINING_SHARE_OF_MATMUL, calibrated
-    exact = plan(model, 1, gpu_mem, host_mem, nvme, calibration=calibration)
+    exact = plan(model, 1, gpu_mem, host_mem, nvme, calibration=calibration, allow_bf16_moments=moments)
     where = f"{model} | {gpu_mem} | {host_mem}" + (f" + {nvme} NVMe" if nvme else "")
     if not exact.fits:
         return f"| {where} | does not fit | | | | | | |"
-    stale = plan(model, 1, gpu_mem, host_mem, nvme, calibration=calibration, allow_stale_step=True)
+    stale = plan(model, 1, gpu_mem, host_mem, nvme, calibration=calibration, allow_stale_step=True,
+                 allow_bf16_moments=moments)
     t, s = exact.batch.timing, stale.batch.timing
     batch = f"{exact.batch.micro} x {exact.batch.gas}"
     peak = calibrated(calibration).gpu_flops / TRAINING_SHARE_OF_MATMUL        # the matmul peak, as `largest`
@@ -58,6 +59,7 @@ def main(argv=None) -> int:
     parser.add_argument("--models", default=MODELS, help="comma-separated name:device-memory pairs")
     parser.add_argument("--nvme", default=None, help="NVMe bytes for the swap files (default: none)")
     parser.add_argument("--calibration", default=None, help="a `zero-offload calibrate` file (default: built-in)")
+    parser.add_argument("--allow-bf16-moments", action="store_true", help="let the plans keep bf16 Adam moments")
     args = parser.parse_args(argv)
     print(f"one GPU, NVMe {args.nvme or 'none'}; predicted by the step model, not measured")
     print("| model | device | host | exact plan | micro x accumulation | host step | step s | tokens/s (exposed) | "
@@ -66,7 +68,7 @@ def main(argv=None) -> int:
     for pair in args.models.split(","):
         model, gpu_mem = pair.split(":")
         for host in args.host_mem.split(","):
-            print(row(model, gpu_mem, host, args.nvme, args.calibration), flush=True)
+            print(row(model, gpu_mem, host, args.nvme, args.calibration, args.allow_bf16_moments), flush=True)
     return 0
 
 

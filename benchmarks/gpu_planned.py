@@ -48,10 +48,11 @@ def section_largest_planned(args, matmul_peak) -> dict:
         shape = GPTConfig(vocab_size=512, block_size=64, n_layer=2, n_head=4, n_embd=64,
                           activation_checkpointing=True)
         chosen = plan(shape, 1, box["gpu_memory"], box["host_memory"], micro_batch=2, gradient_accumulation=1,
-                      allow_bf16_masters=True, timed=False)
+                      allow_bf16_masters=True, allow_bf16_moments=True, timed=False)
         found = {"params": count_parameters(shape).total, "predicted_mfu": None}
     else:
-        answer = largest(1, box["gpu_memory"], box["host_memory"], allow_bf16_masters=True, calibration=calibration)
+        answer = largest(1, box["gpu_memory"], box["host_memory"], allow_bf16_masters=True, allow_bf16_moments=True,
+                         calibration=calibration)
         if answer is None:
             return {"ok": False, "error": "no GPT-2-shaped model fits this machine", "box": box}
         shape, chosen = answer.shape, answer.plan

@@ -166,11 +166,14 @@ def test_a_damaged_or_foreign_checkpoint_is_refused_before_anything_changes(tmp_
     _refused(tmp_path / "dcp", make_model(), r"\.metadata' cannot be read as DCP metadata")
 
 
-def _fsdp2_resume(path: str, layout: str = "torchtitan") -> list[torch.Tensor]:
-    """FSDP2 resumes zero-offload's DCP checkpoint and trains M more steps; the full parameters after."""
+def _fsdp2_resume(path: str, layout: str = "torchtitan", lambda_lr: bool = False) -> list[torch.Tensor]:
+    """FSDP2 resumes zero-offload's DCP checkpoint and trains M more steps; the full parameters after. With
+    ``lambda_lr`` the script has a ``LambdaLR`` (a constant factor of 1), built before the load as scripts build it:
+    it adds ``initial_lr`` to the optimizer's groups, which the load then needs."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     model, opt, rank, world = _fsdp2()
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0) if lambda_lr else None
     msd, osd = get_state_dict(model, opt)
     dcp.load(nested(layout, msd, osd), checkpoint_id=path)
     set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
@@ -179,6 +182,8 @@ def _fsdp2_resume(path: str, layout: str = "torchtitan") -> list[torch.Tensor]:
         model(x[rank * half:(rank + 1) * half]).square().mean().backward()
         opt.step()
         opt.zero_grad()
+        if schedule is not None:
+            schedule.step()
     return [p.full_tensor().detach().clone() for p in model.parameters()]
 
 
@@ -228,6 +233,16 @@ def test_fsdp2_resumes_a_dcp_checkpoint_written_here(tmp_path, saved_on, stage, 
     ranks = run_ranks(_fsdp2_resume, resumed_on, str(tmp_path / "dcp"))
     assert max(max_diff(r, reference()) for r in ranks) <= 1e-5
     assert not list(tmp_path.glob(".*zero-offload"))                # the staging checkpoint is gone
+
+
+@pytest.mark.parametrize("saved_on", [1, 2])
+def test_fsdp2_with_a_lambda_lr_resumes_a_dcp_checkpoint_written_here(tmp_path, saved_on):
+    """Issue 59, item 5: an FSDP2 script with a ``LambdaLR`` (2 ranks) loads our DCP checkpoint with ``dcp.load`` and
+    ``set_state_dict`` (it failed with "Missing key in checkpoint state_dict: optimizer.param_groups.0.initial_lr")
+    and continues exactly."""
+    run_ranks(_ours_save, saved_on, str(tmp_path / "dcp"), 2)
+    ranks = run_ranks(_fsdp2_resume, 2, str(tmp_path / "dcp"), "torchtitan", True)
+    assert max(max_diff(r, reference()) for r in ranks) <= 1e-5
 
 
 def test_the_fsdp2_check_sees_moments_that_were_not_written(tmp_path, monkeypatch):

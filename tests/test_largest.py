@@ -36,13 +36,13 @@ def test_bf16_masters_only_where_allowed_and_then_a_larger_model():
     """bf16 master weights (8 instead of 10 host bytes per parameter) change what is trained: the plan never picks
     them unasked, even for a model that fits no other way; allowed, the largest model grows and its plan asks for
     them."""
-    plain = largest(**BOX)
-    allowed = largest(**BOX, allow_bf16_masters=True)
+    plain = largest(**BOX, allow_bf16_moments=True)
+    allowed = largest(**BOX, allow_bf16_masters=True, allow_bf16_moments=True)
     assert allowed.params > plain.params
     assert allowed.plan.config["bf16"]["bf16_master_weights_and_grads"] is True
     assert not plain.plan.config["bf16"].get("bf16_master_weights_and_grads")
     refused = zero_offload.plan(allowed.shape, micro_batch=1, gradient_accumulation=1, activation_checkpointing=True,
-                                timed=False, **BOX)
+                                timed=False, allow_bf16_moments=True, **BOX)
     assert not refused.fits
     row = next(c for c in refused.rows if c.name == "stage 2 + offload opt, bf16 masters+moments")
     assert "--allow-bf16-masters" in row.error

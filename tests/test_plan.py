@@ -45,8 +45,13 @@ def test_plan_prefers_the_lowest_stage_then_offload():
 def test_the_seeds_10b_model_fits_a_128gb_host_with_bf16_moments():
     # 14 host bytes/param (fp32 moments) is 134 GiB at 10.3B parameters: too much for 128 GB with headroom;
     # bf16 moments (10 B/param) fit, and the engine's estimate of them is what the plan reports.
-    p = zero_offload.plan("gpt2-10b", gpus=1, gpu_memory="80GB", host_memory="128GB", seq_len=1024)
+    # bf16 moments change what is trained: only where allowed (issue 59), and the plan says so.
+    exact = zero_offload.plan("gpt2-10b", gpus=1, gpu_memory="80GB", host_memory="128GB", seq_len=1024)
+    assert not exact.fits and "--allow-bf16-moments" in next(r.error for r in exact.rows if "bf16 moments" in r.name)
+    p = zero_offload.plan("gpt2-10b", gpus=1, gpu_memory="80GB", host_memory="128GB", seq_len=1024,
+                          allow_bf16_moments=True)
     assert p.name == "stage 2 + offload opt, bf16 moments"
+    assert p.reasons["precision"] == "bf16 moments: allowed (--allow-bf16-moments)"
     assert "stage 2 + offload opt" in p.reasons["rejected"]
     assert p.config["bf16"] == {"enabled": True, "bf16_optimizer_states": True}
     assert p.config["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
@@ -55,7 +60,8 @@ def test_the_seeds_10b_model_fits_a_128gb_host_with_bf16_moments():
     # Training in fp16 the bf16-moment rung is not offered.
     fp16 = {"train_micro_batch_size_per_gpu": 1, "fp16": {"enabled": True},
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
-    p = zero_offload.plan("gpt2-10b", gpus=1, gpu_memory="80GB", host_memory="128GB", seq_len=1024, config=fp16)
+    p = zero_offload.plan("gpt2-10b", gpus=1, gpu_memory="80GB", host_memory="128GB", seq_len=1024, config=fp16,
+                          allow_bf16_moments=True)
     assert "bf16 moments" not in (p.name or "")
 
 
@@ -86,7 +92,8 @@ def test_delayed_update_when_the_host_step_would_be_exposed_and_a_stale_step_is_
 def test_the_plan_is_exact_unless_a_stale_step_is_allowed():
     """The delayed update trains on parameters one step old: the plan never turns it on by itself. It predicts it
     still, and says what it would gain; allowed, the plan takes it where it is faster."""
-    kw = dict(gpus=1, gpu_memory="80GB", host_memory="128GB", seq_len=1024)       # the seed's demo machine
+    kw = dict(gpus=1, gpu_memory="80GB", host_memory="128GB", seq_len=1024,       # the seed's demo machine
+              allow_bf16_moments=True)
     exact = zero_offload.plan("gpt2-10b", **kw)
     assert exact.fits and not exact.batch.delayed
     assert "delayed_param_update" not in exact.config["zero_optimization"]["offload_optimizer"]
@@ -115,6 +122,10 @@ def test_without_an_accelerator_the_lowest_stage_that_fits_wins():
 def test_nothing_fits_says_how_much_is_missing_and_where():
     p = zero_offload.plan("gpt2-10b", gpus=1, gpu_memory="80GB", host_memory="32GB", seq_len=1024)
     assert not p.fits and p.config is None
+    assert "the rows with bf16 optimizer states were not tried: they need --allow-bf16-masters and " \
+           "--allow-bf16-moments" in p.message()
+    p = zero_offload.plan("gpt2-10b", gpus=1, gpu_memory="80GB", host_memory="32GB", seq_len=1024,
+                          allow_bf16_moments=True)
     # closest: ZeRO-Offload with bf16 moments and the gradient partition on the device (8 host bytes per
     # parameter, 76.7 GiB), short of host memory only
     assert set(p.missing) == {"host"} and p.missing["host"] > 45 * GiB

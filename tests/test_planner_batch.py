@@ -86,7 +86,10 @@ def test_gradient_staging_holds_two_whole_pieces_per_partition():
 
 
 def test_the_seeds_demo_plans_without_a_config():
-    p = zero_offload.plan("gpt2-10b", **SEED)
+    """The seed's 128 GB host holds 10B with bf16 moments only: they need the allowance (issue 59)."""
+    assert not zero_offload.plan("gpt2-10b", **SEED).fits
+    allowed = dict(SEED, allow_bf16_moments=True)
+    p = zero_offload.plan("gpt2-10b", **allowed)
     assert p.fits and p.name == "stage 2 + offload opt, bf16 moments"
     b = p.batch
     assert b.checkpointing is True and b.micro > 1                # recompute buys a micro-batch that fills the GPU
@@ -99,7 +102,7 @@ def test_the_seeds_demo_plans_without_a_config():
     # the gradient buffer with the next backward (no spare partition: 10 host bytes/param with bf16 moments), its
     # landing buffers are on the device, and both sides stay inside the planner's 10 % headroom.
     assert not b.delayed and p.reasons["delayed_param_update"].startswith("off: exact by default")
-    p = zero_offload.plan("gpt2-10b", allow_stale_step=True, **SEED)
+    p = zero_offload.plan("gpt2-10b", allow_stale_step=True, **allowed)
     b = p.batch
     assert b.delayed and p.reasons["delayed_param_update"].startswith("on")
     assert b.gas == 1 and "grad_spare" not in b.estimate.host and b.estimate.device["param_incoming"] > 0
@@ -118,15 +121,16 @@ def test_accumulation_hides_the_host_step():
     # Stage 2 with offload (its smaller buckets leave room for the delayed update's landing buffers); stage 3 would
     # fit too, but its per-unit gathers cost time at one rank (`STAGE3_UNIT_SECONDS`)
     assert p.name.startswith("stage 2 + offload opt") and p.batch.delayed
-    assert p.batch.gas > 1 and p.batch.micro * p.batch.gas * 1024 == t.tokens
+    assert p.batch.micro * p.batch.gas * 1024 == t.tokens and t.tokens > 1024
     assert t.compute_s >= 0.9 * t.host_s and t.exposed_share <= 0.10
     # the delayed step's thread does a host step of work per step: the replayed step is at least that long
     assert t.exposed_s >= max(0.0, t.host_s - t.compute_s) - 1e-9 and abs(t.step_s - t.compute_s - t.exposed_s) < 1e-9
-    assert p.batch.estimate.host["grad_staging"] > 0 and p.batch.estimate.host["grad_spare"] > 0
-    # A faster host needs fewer tokens per step; a faster GPU more.
+    # A faster host or a faster GPU never predicts fewer tokens/s; the faster GPU hides the host step behind more
+    # micro-steps of accumulation.
     fast_host = zero_offload.plan("gpt2-xl", host_adam=2e10, allow_stale_step=True, **XL).batch.timing
-    fast_gpu = zero_offload.plan("gpt2-xl", gpu_flops=1.6e15, allow_stale_step=True, **XL).batch.timing
-    assert fast_host.tokens < t.tokens < fast_gpu.tokens
+    fast_gpu = zero_offload.plan("gpt2-xl", gpu_flops=1.6e15, allow_stale_step=True, **XL)
+    assert fast_host.tokens_per_s >= t.tokens_per_s and fast_gpu.batch.timing.tokens_per_s > t.tokens_per_s
+    assert fast_gpu.batch.gas > 1
 
 
 def test_exposed_share_of_the_step_model():
@@ -175,15 +179,17 @@ def _cli(capsys, *argv):
 
 
 def test_cli_plans_the_demo_and_says_what_is_exposed(capsys):
-    rc, out, _ = _cli(capsys, "--model", "gpt2-10b", "--gpus", "1", "--gpu-mem", "80GB", "--host-mem", "128GB")
+    rc, out, _ = _cli(capsys, "--model", "gpt2-10b", "--gpus", "1", "--gpu-mem", "80GB", "--host-mem", "128GB",
+                      "--allow-bf16-moments")
     assert rc == 0 and "plan: stage 2 + offload opt, bf16 moments" in out
+    assert "precision: bf16 moments: allowed (--allow-bf16-moments)" in out
     assert "activation_checkpointing: on" in out and "of the step exposed" in out and "grad_partition" not in out
     assert "delayed_param_update: off: exact by default" in out        # the flag below allows it
     rc, out, _ = _cli(capsys, "--model", "gpt2-xl", "--gpus", "1", "--gpu-mem", "24GB", "--host-mem", "64GB",
                       "--allow-stale-step")
     exposed = re.search(r"leave (\d+)% of the step exposed", out)
     assert rc == 0 and "gradient accumulation" in out and exposed and int(exposed.group(1)) <= 10
-    assert "grad_spare:" in out and "grad_staging:" in out
+    assert "delayed_param_update: on" in out
     rc, out, _ = _cli(capsys, "--model", "gpt2-xl", "--gpu-mem", "24", "--host-mem", "64", "--micro-batch", "2",
                       "--grad-accum", "3", "--activation-checkpointing", "off", "--gpu-tflops", "200",
                       "--host-adam", "4e9", "--pcie", "50")

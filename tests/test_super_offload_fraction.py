@@ -141,7 +141,8 @@ def _plan(host: str, **offload):
     cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "delayed_param_update": False, "ratio": 1.0,
                                                      "super_offload": True, **offload}
     return zero_offload.plan("gpt2-xl", gpus=1, gpu_memory="24GB", host_memory=host, config=cfg,
-                             gradient_accumulation=1, micro_batch=8, activation_checkpointing=True)
+                             gradient_accumulation=1, micro_batch=8, activation_checkpointing=True,
+                             allow_bf16_moments=True)
 
 
 def test_the_planner_sizes_the_fraction_to_the_host_memory():

@@ -49,6 +49,9 @@ def _train_parser(sub) -> None:
     p.add_argument("--allow-bf16-masters", action="store_true",
                    help="without --config: let the plan keep bf16 master weights (DeepSpeed's "
                         "bf16_master_weights_and_grads; default: fp32 masters)")
+    p.add_argument("--allow-bf16-moments", action="store_true",
+                   help="without --config: let the plan keep Adam's moments in bf16 on the host (DeepSpeed's "
+                        "bf16.bf16_optimizer_states; default: fp32 moments)")
 
 
 def _estimate_parser(sub) -> None:
@@ -101,6 +104,9 @@ def _estimate_parser(sub) -> None:
     p.add_argument("--allow-bf16-masters", action="store_true",
                    help="let the plan keep bf16 master weights (DeepSpeed's bf16_master_weights_and_grads: 8 "
                         "instead of 10 host bytes per parameter; updates below half a bf16 ulp are lost)")
+    p.add_argument("--allow-bf16-moments", action="store_true",
+                   help="let the plan keep Adam's moments in bf16 on the host (DeepSpeed's bf16_optimizer_states: "
+                        "10 instead of 14 host bytes per parameter; each moment rounded to bf16 at every step)")
     p.add_argument("--write-config", default=None, help="write the planned config to this JSON file")
     p.add_argument("--plot", default=None, metavar="FILE.png",
                    help="draw the plan into this image (.png, .pdf or .svg): bytes per kind on the device, in host "

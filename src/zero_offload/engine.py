@@ -111,6 +111,8 @@ class Engine(EngineState):
                                        *(p.data for p in self.module.parameters()
                                          if not p.requires_grad and not self.zero.manages(p))])
         self.optimizer = self.zero.optimizer
+        for group in self.optimizer.param_groups:       # each group's base lr, as torch's LR schedulers record it
+            group.setdefault("initial_lr", group["lr"])
         self.scaler = LossScaler(self.config)
         self.lr_scheduler = build_scheduler(self.config.scheduler, self.optimizer)
         self.global_step = 0

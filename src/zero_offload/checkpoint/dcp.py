@@ -221,8 +221,10 @@ def save_dcp(engine: CheckpointTarget, path: str | os.PathLike, keys: tuple[str,
 
 
 def adamw_group(hparams: dict, names: list) -> dict:
-    """One param group as ``torch.optim.AdamW`` keeps it, with this engine's hyperparameters."""
-    return {"lr": float(hparams["lr"]), "betas": tuple(hparams.get("betas", (0.9, 0.999))),
+    """One param group as ``torch.optim.AdamW`` keeps it, with this engine's hyperparameters, and its base lr as
+    ``initial_lr``, the key every torch LR scheduler adds to its optimizer's groups (so that a script with one loads
+    it with ``dcp.load`` and ``set_state_dict``)."""
+    return {"lr": float(hparams["lr"]), "initial_lr": float(hparams.get("initial_lr", hparams["lr"])), "betas": tuple(hparams.get("betas", (0.9, 0.999))),
             "eps": float(hparams.get("eps", 1e-8)), "weight_decay": float(hparams.get("weight_decay", 0.0)),
             "amsgrad": False, "maximize": False, "foreach": None, "capturable": False, "differentiable": False,
             "fused": None, "decoupled_weight_decay": bool(hparams.get("adamw_mode", True)), "params": list(names)}

@@ -5,14 +5,16 @@ hidden -- the delayed parameter update, ``super_offload``'s speculative step, or
 Every setting tried is checked against memory with the engine's own model (`estimate_memory`), with the delayed
 update's spare gradient partition, super_offload's second bank of state and the gradient staging of accumulation
 counted, so a plan never turns on something that does not fit. Among the settings that fit, the step model of
-`zero_offload.estimate.throughput` predicts tokens/s; the plan takes the fewest tokens per optimizer step within
-`TIE` of the best prediction (larger batches than needed change the training, not only its speed), then
-checkpointing off, then the delayed update off (no stale step), then super_offload off (no second bank), then the
-larger micro-batch.
+`zero_offload.estimate.throughput` predicts tokens/s; the plan takes the best prediction, and among predictions
+equal to within `TIE` (rounding, not a margin: a margin would let more memory, which adds settings, predict a
+slower plan) the fewest tokens per optimizer step (larger batches than needed change the training, not only its
+speed), then checkpointing off, then the delayed update off (no stale step), then super_offload off (no second
+bank), then the larger micro-batch.
 
 Exact by default: the delayed update trains every step on parameters one step old, so the plan chooses it only
-where the config asks for it or the caller allows a stale step (`Knobs.allow_stale_step`; ``zero-offload estimate
---allow-stale-step``). Otherwise it is still predicted, and the notes say what it would gain.
+where the config asks for it, or the caller allows a stale step (`Knobs.allow_stale_step`; ``zero-offload
+estimate --allow-stale-step``) and it gains more than `NOTABLE_GAIN` over the same micro-batch without it.
+Otherwise it is still predicted, and the notes say what it would gain.
 """
 from __future__ import annotations
 
@@ -38,8 +40,11 @@ __all__ = ["Knobs", "BatchChoice", "choose_batch", "MICRO_BATCHES", "TIE"]
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 # offload_optimizer.ratio values the planner tries when it chooses one (the share of the state offloaded).
 RATIOS = (1.0, 0.9, 0.75, 0.5, 0.25)
-# Predicted throughputs this close to the best count as equal.
-TIE = 0.03
+# Predicted throughputs this close (relative) count as equal: float rounding only. The choice is the best predicted
+# throughput, so that more memory, which only adds settings that fit, never predicts a slower plan.
+TIE = 1e-9
+# How much faster a setting not chosen must be for the notes to name it (the delayed update's gain).
+NOTABLE_GAIN = 0.03
 # super_offload_fraction's grid where the planner sizes it (below it: no speculation).
 FRACTION_STEP = 0.0625
 
@@ -235,12 +240,14 @@ def choose_batch(shape: ModelShape, raw: dict, gpus: int, seq: int | None, knobs
     if not smallest.fits or seq is None:
         return smallest
     options: list[BatchChoice] = []
+    plain: dict[tuple, BatchChoice] = {}       # (micro, checkpointing) -> the default policy's setting
     for ckpt in ckpts:
         for micro in micros:
             first = make(micro, gas0, ckpt, default)
             if not first.fits:
                 break                          # activations only grow with the micro-batch
             options.append(_timed(first, shape, gpus, seq, a))
+            plain[micro, ckpt] = first
             for policy in policies:
                 gases = {gas0}
                 if knobs.gradient_accumulation is None:
@@ -254,8 +261,12 @@ def choose_batch(shape: ModelShape, raw: dict, gpus: int, seq: int | None, knobs
                         c = make(micro, gas, ckpt, policy, share)
                         if c.fits and (share is None or c.fraction < 1.0):
                             options.append(_timed(c, shape, gpus, seq, a))
-    # The delayed update is predicted always, chosen only where asked for or allowed.
-    allowed = [c for c in options if not c.delayed or knobs.allow_stale_step or knobs.delayed_update]
+    # The delayed update is predicted always, chosen only where asked for, or allowed and worth a stale step: more
+    # than `NOTABLE_GAIN` over the default policy's setting of its micro-batch, which fits wherever it fits (so the
+    # rule does not depend on memory, and more memory still never predicts a slower plan).
+    def worth(c: BatchChoice) -> bool:
+        return c.timing.tokens_per_s > (1 + NOTABLE_GAIN) * plain[c.micro, c.checkpointing].timing.tokens_per_s
+    allowed = [c for c in options if not c.delayed or knobs.delayed_update or (knobs.allow_stale_step and worth(c))]
     if not allowed:
         return smallest
     best = max(c.timing.tokens_per_s for c in allowed)
@@ -320,8 +331,8 @@ def _explain(c: BatchChoice, options: list[BatchChoice], seq: int, free_ckpt: bo
     notes = {"batch": (f"micro-batch {c.micro} x {seq} tokens, gradient accumulation {c.gas}: {t.tokens:,} tokens "
                        f"per optimizer step and rank ({'chosen' if knobs.micro_batch is None else 'given'} "
                        f"micro-batch, {'chosen' if knobs.gradient_accumulation is None else 'given'} "
-                       f"accumulation; the fewest tokens per step within {TIE:.0%} of the best predicted "
-                       f"throughput)")}
+                       f"accumulation; the best predicted throughput, the fewest tokens per step among "
+                       f"equal ones)")}
     if knobs.gradient_accumulation is None and t.exposed_share > EXPOSED_FRACTION and c.gas == 1 and \
             not any(o.gas > 1 for o in options):
         notes["batch"] += ("; more accumulation does not fit: it keeps the gradient partition in fp32 (2 more "
@@ -349,7 +360,7 @@ def _explain(c: BatchChoice, options: list[BatchChoice], seq: int, free_ckpt: bo
             dpu = [o for o in options if o.delayed]
             fastest = max(dpu, key=lambda o: o.timing.tokens_per_s, default=None)
             gain = fastest.timing.tokens_per_s / t.tokens_per_s - 1 if fastest is not None else 0.0
-            if fastest is not None and not knobs.allow_stale_step and gain > TIE:
+            if fastest is not None and not knobs.allow_stale_step and gain > NOTABLE_GAIN:
                 notes["delayed_param_update"] = (
                     f"off: exact by default (it trains each step on parameters one step old); allowed "
                     f"(--allow-stale-step, plan(allow_stale_step=True)) it would reach "

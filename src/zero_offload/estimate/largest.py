@@ -56,10 +56,10 @@ def _params(shape: GPTConfig) -> int:
 
 def largest(gpus: int, gpu_memory, host_memory, nvme=None, *, seq_len: int = 1024, vocab_size: int = 50257,
             config=None, allow_stale_step: bool = False, calibration=None, allow_bf16_masters: bool = False,
-            **rates) -> Largest | None:
+            allow_bf16_moments: bool = False, **rates) -> Largest | None:
     """The largest GPT-2-shaped model that trains on ``gpus`` ranks with this memory (see the module docstring),
     or None when not even the shallowest model of the narrowest width fits. ``config``, ``allow_stale_step``,
-    ``allow_bf16_masters``, ``calibration`` and ``rates`` (``gpu_flops``, ``host_adam``, ``pcie``,
+    ``allow_bf16_masters``, ``allow_bf16_moments``, ``calibration`` and ``rates`` (``gpu_flops``, ``host_adam``, ``pcie``,
     ``nvme_bandwidth``) go to `plan` as they are.
 
     Raises:
@@ -68,7 +68,8 @@ def largest(gpus: int, gpu_memory, host_memory, nvme=None, *, seq_len: int = 102
     def fits(width: int, layers: int) -> bool:
         return plan(_shape(width, layers, vocab_size, seq_len), gpus, gpu_memory, host_memory, nvme, micro_batch=1,
                     gradient_accumulation=1, activation_checkpointing=True, config=config, calibration=calibration,
-                    allow_stale_step=allow_stale_step, allow_bf16_masters=allow_bf16_masters, timed=False,
+                    allow_stale_step=allow_stale_step, allow_bf16_masters=allow_bf16_masters,
+                    allow_bf16_moments=allow_bf16_moments, timed=False,
                     **rates).fits
 
     best: GPTConfig | None = None
@@ -86,7 +87,8 @@ def largest(gpus: int, gpu_memory, host_memory, nvme=None, *, seq_len: int = 102
     if best is None:
         return None
     chosen = plan(best, gpus, gpu_memory, host_memory, nvme, config=config, calibration=calibration,
-                  allow_stale_step=allow_stale_step, allow_bf16_masters=allow_bf16_masters, **rates)
+                  allow_stale_step=allow_stale_step, allow_bf16_masters=allow_bf16_masters,
+                  allow_bf16_moments=allow_bf16_moments, **rates)
     params = _params(best)
     mfu = None
     if chosen.batch is not None and chosen.batch.timing is not None:

@@ -1,8 +1,10 @@
 """The planner: the fastest ZeRO config that fits the hardware with headroom, with the reason for each choice.
 
 On an accelerator, throughput decides: every config that fits is searched for its micro-batch, accumulation,
-checkpointing and delayed update, and the fastest by the step model wins (within `THROUGHPUT_TOLERANCE`, the
-earlier in the order below). The order of preference, used for ties and without an accelerator: the lowest stage
+checkpointing and delayed update, and the fastest by the step model wins (only an equal prediction, to within
+`THROUGHPUT_TOLERANCE`'s rounding, goes to the earlier in the order below: a margin would let more memory, which
+only adds configs that fit, predict a slower plan). The order of preference, used for ties and without an
+accelerator: the lowest stage
 (0, 1, 2: less communication and no gathering), then the optimizer offloaded to the host (stage 2,
 ZeRO-Offload), then stage 3, then stage 3 with the optimizer and then the parameters offloaded, then NVMe
 (where built), then smaller buckets and live-parameter limits. Without an accelerator the same order holds:
@@ -62,15 +64,20 @@ def fmt_bytes(n: int) -> str:
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
-# Among the configs that fit, the first in order of preference whose predicted throughput is within this share of
-# the best one's (a tie keeps the more conservative config: lower stage, fp32 moments).
-THROUGHPUT_TOLERANCE = 0.03
+# Among the configs that fit, the first in order of preference whose predicted throughput equals the best one's to
+# within this share (float rounding; a tie keeps the more conservative config: lower stage, fp32 moments).
+THROUGHPUT_TOLERANCE = 1e-9
+# What changes what is trained, each with the allowance that lets the plan choose it (the config may ask itself).
+PRECISION_ALLOWANCES = {
+    "bf16_master_weights_and_grads": ("bf16 master weights", "--allow-bf16-masters",
+                                      "plan(allow_bf16_masters=True)"),
+    "bf16_optimizer_states": ("bf16 moments", "--allow-bf16-moments", "plan(allow_bf16_moments=True)"),
+}
 
 
 def _fastest(fitting: list[Candidate], searched: dict[str, BatchChoice]) -> Candidate | None:
-    """The plan's row: by predicted tokens/s among the rows that fit (`THROUGHPUT_TOLERANCE`), not by the order of
-    preference alone (the order alone can prefer fp32 moments where bf16 moments with another policy run much
-    faster). Without a predicted step (no accelerator): the first that fits."""
+    """The plan's row: the best predicted tokens/s among the rows that fit, the earlier in the order of preference
+    among equal ones (`THROUGHPUT_TOLERANCE`). Without a predicted step (no accelerator): the first that fits."""
     timed = [c for c in fitting if c.name in searched and searched[c.name].timing is not None]
     if not timed:
         return fitting[0] if fitting else None
@@ -123,6 +130,10 @@ class Plan:
         if frugal is not best:
             more = ", ".join(f"{fmt_bytes(v)} of {k} memory" for k, v in frugal.short.items() if v)
             text += f"; the one with the least on the device ({frugal.name}) is missing {more}"
+        flags = sorted({flag for c in self.rows if c.error and "not chosen unless allowed" in c.error
+                        for key, (_, flag, _) in PRECISION_ALLOWANCES.items() if c.bf16.get(key)})
+        if flags:
+            text += f"; the rows with bf16 optimizer states were not tried: they need {' and '.join(flags)}"
         return f"{text} (capacity with {HEADROOM:.0%} headroom: {self._cap_text()})"
 
     def _cap_text(self) -> str:
@@ -192,6 +203,19 @@ def _positive_int(value, name: str) -> None:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
 
 
+def _precision_reason(chosen: Candidate, base: dict, rows: list[Candidate]) -> str:
+    """What the plan's host states are kept in, and who asked for anything below fp32."""
+    lowered = [k for k in PRECISION_ALLOWANCES if chosen.bf16.get(k) or (base.get("bf16") or {}).get(k)]
+    if lowered:
+        return "; ".join(f"{PRECISION_ALLOWANCES[k][0]}: " + ("the config asks for them" if (base.get("bf16") or {})
+                                                             .get(k) else f"allowed ({PRECISION_ALLOWANCES[k][1]})")
+                         for k in lowered)
+    held_back = sorted({PRECISION_ALLOWANCES[k][1] for c in rows if c.error and "not chosen unless allowed" in c.error
+                        for k in PRECISION_ALLOWANCES if c.bf16.get(k)})
+    return "fp32 master weights and moments (exact)" + (f"; rows with bf16 states need {', '.join(held_back)}"
+                                                        if held_back else "")
+
+
 def plan(model, gpus: int = 1, gpu_memory=None, host_memory=None, nvme=None, micro_batch: int | None = None,
          seq_len: int | None = None, config: "dict | str | Config | None" = None,
          headroom: float = HEADROOM, *, gradient_accumulation: int | None = None,
@@ -199,7 +223,7 @@ def plan(model, gpus: int = 1, gpu_memory=None, host_memory=None, nvme=None, mic
          host_adam: float | None = None, pcie: float | None = None, nvme_bandwidth: float | None = None,
          calibration=None,
          allow_stale_step: bool = False, locked_memory: int | None = None, timed: bool = True,
-         allow_bf16_masters: bool = False) -> Plan:
+         allow_bf16_masters: bool = False, allow_bf16_moments: bool = False) -> Plan:
     """The fastest config for ``model`` on ``gpus`` ranks of one machine that fits with ``headroom`` free.
 
     The stage and offload follow the order of `candidates`; for the first config that fits, the plan also
@@ -231,6 +255,10 @@ def plan(model, gpus: int = 1, gpu_memory=None, host_memory=None, nvme=None, mic
         allow_bf16_masters: the plan may choose bf16 master weights (DeepSpeed's ``bf16_master_weights_and_grads``:
             8 instead of 10 host bytes per parameter; updates below half a bf16 ulp are lost), where ``config`` does
             not ask for them itself (default: never: they change what is trained).
+        allow_bf16_moments: the plan may keep Adam's moments in bf16 on the host (DeepSpeed's
+            ``bf16_optimizer_states``: 10 instead of 14 host bytes per parameter; each moment rounded to bf16 at
+            every step), where ``config`` does not ask for them itself (default: never: they change what is
+            trained). A row with bf16 masters and moments needs both allowances.
         locked_memory: bytes of host memory each rank may page-lock (``RLIMIT_MEMLOCK`` where it binds:
             `zero_offload.offload.host_limits.memlock_limit`); None: no limit. Where the plan's page-locked
             buffers exceed it they stay pageable (`zero_offload.offload.pinned.host_empty`): the step is predicted
@@ -301,10 +329,12 @@ def plan(model, gpus: int = 1, gpu_memory=None, host_memory=None, nvme=None, mic
             if not base.get("bf16", {}).get("enabled"):
                 cand.error = "bf16 optimizer states need bf16 training"
                 continue
-            asked = base["bf16"].get("bf16_master_weights_and_grads")
-            if cand.bf16.get("bf16_master_weights_and_grads") and not (allow_bf16_masters or asked):
-                cand.error = ("bf16 master weights change what is trained: not chosen unless allowed "
-                              "(--allow-bf16-masters, plan(allow_bf16_masters=True))")
+            allowed = {"bf16_master_weights_and_grads": allow_bf16_masters,
+                       "bf16_optimizer_states": allow_bf16_moments}
+            refused = [k for k in PRECISION_ALLOWANCES if cand.bf16.get(k) and not (allowed[k] or base["bf16"].get(k))]
+            if refused:
+                what, flag, call = PRECISION_ALLOWANCES[refused[0]]
+                cand.error = f"{what} change what is trained: not chosen unless allowed ({flag}, {call})"
                 continue
             raw["bf16"] = {**base["bf16"], **cand.bf16}
         try:
@@ -336,7 +366,7 @@ def plan(model, gpus: int = 1, gpu_memory=None, host_memory=None, nvme=None, mic
         scored = [c for c in rows if c.estimate is not None]
         best = min(scored, key=lambda c: sum(c.short.values()))
         return Plan(None, None, {}, rows, {k: v for k, v in best.short.items() if v}, gpus, capacity)
-    reasons = {"zero_optimization": chosen.reason}
+    reasons = {"zero_optimization": chosen.reason, "precision": _precision_reason(chosen, base, rows)}
     earlier = rows[:rows.index(chosen)]
     passed = [c.name for c in earlier if c.estimate is not None and not c.fits]
     slower = [f"{c.name} (~{searched[c.name].timing.tokens_per_s:,.0f} tokens/s)" for c in earlier

@@ -15,7 +15,7 @@ from zero_offload.estimate.planner import Plan, fmt_bytes, parse_bytes, plan
 from zero_offload.offload.host_limits import memlock_limit, usable_host_memory
 
 __all__ = ["this_machine", "render", "deepspeed_estimates", "hf_config_shape", "parse_size_flag",
-           "parse_count_flag", "parse_rate_flag", "run_estimate"]
+           "parse_count_flag", "parse_rate_flag", "plan_from_args", "run_estimate"]
 
 
 def this_machine() -> dict:
@@ -203,12 +203,55 @@ def parse_rate_flag(value, flag: str, scale: float = 1.0) -> float | None:
 
 
 def run_estimate(ns) -> int:
-    """The `zero-offload estimate` command (argparse namespace from `cli.py`)."""
+    """The `zero-offload estimate` command (argparse namespace from `cli.py`): print the table and the plan, write
+    the plan's config (``--write-config``) and its picture (``--plot``, `zero_offload.estimate.plot`).
+
+    Returns:
+        0, or 1 when nothing fits.
+
+    Raises:
+        ValueError: a bad flag (the message names it), as `plan_from_args` and `plot.check_plot_path` do.
+    """
     given = sum(x is not None for x in (ns.model, ns.params, ns.hf_config))
     if given > 1:
         raise ValueError("give one of --model, --params, --hf-config")
+    plot_path = getattr(ns, "plot", None)
+    if plot_path is not None:
+        from zero_offload.estimate.plot import check_plot_path
+        plot_path = check_plot_path(plot_path)          # before the plan, which can take a while
     if getattr(ns, "largest", False):
-        return _run_largest(ns)
+        return _run_largest(ns, plot_path)
+    result, shape = plan_from_args(ns)
+    ds = deepspeed_estimates(shape, result.ranks) if not ns.no_deepspeed else None
+    print(render(result, shape, ds))
+    _write_plot(result, plot_path, f"{shape.name}: plan {result.name}")
+    if not result.fits:
+        return 1
+    if ns.write_config:
+        Path(ns.write_config).write_text(json.dumps(result.config, indent=2) + "\n")
+        print(f"wrote {ns.write_config}")
+    return 0
+
+
+def _write_plot(result: Plan, path: Path | None, title: str) -> None:
+    """``--plot``: draw the plan the table printed (nothing when nothing fits, and say so)."""
+    if path is None:
+        return
+    if not result.fits:
+        print(f"{path} not written: nothing fits, no plan to draw")
+        return
+    from zero_offload.estimate.plot import plot_plan
+    plot_plan(result, path, title)
+    print(f"wrote {path}")
+
+
+def plan_from_args(ns) -> tuple[Plan, ModelShape]:
+    """The plan `zero-offload estimate` prints for its argparse namespace, and the model's shape: this machine's
+    hardware where a flag does not give it.
+
+    Raises:
+        ValueError: a bad size, count or rate flag (the message names it); what `plan` raises.
+    """
     if ns.hf_config is not None:
         shape = hf_config_shape(ns.hf_config)
     elif ns.params is not None:
@@ -234,18 +277,12 @@ def run_estimate(ns) -> int:
                   nvme_bandwidth=parse_rate_flag(getattr(ns, "nvme_gbps", None), "--nvme-gbps", 1e9),
                   locked_memory=machine["locked_memory"] if ns.host_mem is None else None,
                   allow_stale_step=getattr(ns, "allow_stale_step", False),
-                  allow_bf16_masters=getattr(ns, "allow_bf16_masters", False))
-    ds = deepspeed_estimates(shape, gpus) if not ns.no_deepspeed else None
-    print(render(result, shape, ds))
-    if not result.fits:
-        return 1
-    if ns.write_config:
-        Path(ns.write_config).write_text(json.dumps(result.config, indent=2) + "\n")
-        print(f"wrote {ns.write_config}")
-    return 0
+                  allow_bf16_masters=getattr(ns, "allow_bf16_masters", False),
+                  allow_bf16_moments=getattr(ns, "allow_bf16_moments", False))
+    return result, shape
 
 
-def _run_largest(ns) -> int:
+def _run_largest(ns, plot_path: Path | None = None) -> int:
     """``zero-offload estimate --largest``: the largest GPT-2-shaped model that trains on the machine described."""
     from zero_offload.estimate.largest import largest
     machine = this_machine()
@@ -261,9 +298,11 @@ def _run_largest(ns) -> int:
     found = largest(gpus, gpu_mem, host_mem, nvme, seq_len=ns.seq_len or 1024, config=ns.config,
                     allow_stale_step=getattr(ns, "allow_stale_step", False),
                     allow_bf16_masters=getattr(ns, "allow_bf16_masters", False),
+                    allow_bf16_moments=getattr(ns, "allow_bf16_moments", False),
                     calibration=getattr(ns, "calibration", None), **rates)
     if found is None:
         print("no GPT-2-shaped model fits this machine")
         return 1
     print("\n".join(found.lines()))
+    _write_plot(found.plan, plot_path, f"largest: {found.params / 1e9:.1f}B parameters, plan {found.plan.name}")
     return 0

@@ -19,7 +19,7 @@ from zero_offload.config import Config, ConfigError
 from zero_offload.train.data import prepare_data
 from zero_offload.train.model import GPT, count_parameters, flops_per_token, preset
 from zero_offload.train.planning import choose_config, needs_sharded_init, peak_flops
-from zero_offload.train.report import plot_losses, write_sample
+from zero_offload.train.report import plot_losses, plot_step_times, write_sample
 
 __all__ = ["TrainArgs", "default_config", "train"]
 
@@ -45,6 +45,7 @@ class TrainArgs:
     lr: float | None = None
     allow_stale_step: bool = False
     allow_bf16_masters: bool = False
+    allow_bf16_moments: bool = False
 
 
 def default_config(steps: int, device: torch.device) -> dict:
@@ -119,7 +120,7 @@ def train(args: TrainArgs) -> dict:
     try:
         choice = choose_config(cfg_model, args.model, _raw_config(args, ctx.device), args.config,
                                ctx.world_size, ctx.device, seq_len, args.allow_stale_step,
-                               args.allow_bf16_masters)
+                               args.allow_bf16_masters, args.allow_bf16_moments)
     except ValueError as e:
         choice = e
     if ctx.distributed:   # every rank takes rank 0's choice (free memory differs a little between ranks)
@@ -237,6 +238,7 @@ def _train(args: TrainArgs, ctx: DistContext, config: Config, choice, out: Path,
                         seed=args.seed)
     if ctx.rank == 0:
         plot_losses(out / "metrics.jsonl", out / "loss.png")
+        plot_step_times(out / "metrics.jsonl", out / "timeline.png")     # none where no step was timed
         print(f"--- sample ---\n{text}\n--------------")
     result = {"first_val_loss": first_val if first_val is not None else metrics.first_val(),
               "last_val_loss": last_val, "steps": args.steps, "seconds": time.perf_counter() - t_start}

@@ -32,12 +32,13 @@ def _machine(device: torch.device) -> tuple[int, int]:
 
 def choose_config(model: GPTConfig, name: str, base: dict, user_config: str | None, world_size: int,
                   device: torch.device, seq_len: int, allow_stale_step: bool = False,
-                  allow_bf16_masters: bool = False) -> Choice:
+                  allow_bf16_masters: bool = False, allow_bf16_moments: bool = False) -> Choice:
     """The config to train ``model`` with on ``world_size`` ranks of this machine.
 
     Without ``user_config``: `zero_offload.plan` over ``base`` (the main job's defaults) for this machine's
     accelerator memory and available host memory, exact unless ``allow_stale_step`` (``--allow-stale-step``) lets
-    it turn the delayed update on (and ``allow_bf16_masters``, ``--allow-bf16-masters``, bf16 master weights). With
+    it turn the delayed update on (and ``allow_bf16_masters``, ``--allow-bf16-masters``, bf16 master weights;
+    ``allow_bf16_moments``, ``--allow-bf16-moments``, bf16 moments). With
     one: ``base`` is that config, checked against the same memory model.
 
     Raises:
@@ -53,7 +54,7 @@ def choose_config(model: GPTConfig, name: str, base: dict, user_config: str | No
         result = plan(model, gpus=world_size, gpu_memory=gpu or None, host_memory=host, micro_batch=micro,
                       seq_len=seq_len, config=base, activation_checkpointing=model.activation_checkpointing,
                       allow_stale_step=allow_stale_step, allow_bf16_masters=allow_bf16_masters,
-                      locked_memory=memlock_limit() if device.type == "cuda" else None)
+                      allow_bf16_moments=allow_bf16_moments, locked_memory=memlock_limit() if device.type == "cuda" else None)
         if not result.fits:
             raise ValueError(f"model {name} fits nowhere on this machine: {result.message()}; {hint}")
         return Choice(result.config, result.message())

@@ -262,9 +262,11 @@ def test_accelerator_and_its_errors(monkeypatch):
 def test_checkpointing_recomputes_exactly_and_tracks_rng_states():
     ckpt = deepspeed.checkpointing
     assert not ckpt.is_configured() or True
-    with pytest.warns(UserWarning, match="cpu_checkpointing"):
-        ckpt.configure(None, checkpoint_in_cpu=True)
-    assert ckpt.is_configured()
+    from zero_offload.offload import checkpoint_offload
+    ckpt.configure(None, checkpoint_in_cpu=True)          # engines built from now on offload checkpoint inputs
+    assert ckpt.is_configured() and checkpoint_offload.requested()
+    ckpt.configure(None, checkpoint_in_cpu=False)
+    assert not checkpoint_offload.requested()
     layer = _model()
     x = torch.randn(2, 8, requires_grad=True)
     ckpt.checkpoint(layer, x).sum().backward()

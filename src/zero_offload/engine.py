@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Iterable
 
+import contextlib
+
 import torch
 from torch.utils._pytree import tree_map
 
@@ -15,6 +17,8 @@ from zero_offload.comm import DistContext, deadline
 from zero_offload.runtime.compiling import compile_module
 from zero_offload.config import AutoContext, Config, ConfigError
 from zero_offload.engine_state import EngineState
+from zero_offload.offload import checkpoint_offload
+from zero_offload.offload.copies import make_copies
 from zero_offload.offload.state_offload import StateOffload
 from zero_offload.optim.lr_schedules import build_scheduler
 from zero_offload.precision import LossScaler, is_overflow, training_dtype
@@ -131,6 +135,12 @@ class Engine(EngineState):
         self._counters = self.zero.counters()
         self._closed = False
         self._states = StateOffload(self.ctx.device)      # offload_states / reload_states
+        ac = self.config.activation_checkpointing
+        # activation_checkpointing.cpu_checkpointing (or deepspeed.checkpointing.configure(checkpoint_in_cpu=True)):
+        # the inputs of checkpointed layers wait in host memory; `checkpoint_offload.counts` says what moved.
+        self.checkpoint_offload = (checkpoint_offload.CheckpointOffload(
+            make_copies(self.device), ac.cpu_checkpointing_min_bytes, ac.cpu_checkpointing_prefetch)
+            if ac.cpu_checkpointing or checkpoint_offload.requested() else None)
         self._is_compiled = False
 
     # -- the public step loop ----------------------------------------------------------------------------
@@ -146,7 +156,9 @@ class Engine(EngineState):
             if torch.is_grad_enabled():
                 self.zero.begin_forward()
             args, kwargs = tree_map(self._to_device, (args, kwargs))
-            return self.module(*args, **kwargs)
+            offload = self.checkpoint_offload
+            with offload.hooks() if offload is not None and torch.is_grad_enabled() else contextlib.nullcontext():
+                return self.module(*args, **kwargs)
 
     def gathered_for_generation(self, free_bytes: int | None = None):
         """A context for ``model.generate``: at stage 3 every unit gathered once where the ones not gathered fit
@@ -372,6 +384,8 @@ class Engine(EngineState):
         finally:
             try:
                 self.zero.close()
+                if self.checkpoint_offload is not None:
+                    self.checkpoint_offload.copies.close()
             finally:
                 self.ctx.close()
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import warnings
 from zero_offload.config.schema import ConfigError
 
-__all__ = ["normalize", "UNBUILT", "REMOVED_IN_DEEPSPEED", "IGNORED_TOP_LEVEL", "IGNORED_COMPILE", "IGNORED_ZERO", "IGNORED_CHECKPOINT",
+__all__ = ["normalize", "UNBUILT", "REMOVED_IN_DEEPSPEED", "IGNORED_TOP_LEVEL", "IGNORED_COMPILE", "IGNORED_ZERO", "IGNORED_CHECKPOINT", "IGNORED_ACTIVATION_CHECKPOINTING",
            "IGNORED_OFFLOAD_OPTIMIZER", "IGNORED_OFFLOAD_PARAM"]
 
 # Sections DeepSpeed 0.19.8 itself refuses (deepspeed/runtime/config.py, _REMOVED_TOP_LEVEL_CONFIG_KEYS).
@@ -97,8 +97,6 @@ IGNORED_TOP_LEVEL = {
     "comet": "metrics go to metrics.jsonl",
     "timers": "no DeepSpeed timers",
     "autotuning": "no autotuner; `zero-offload estimate` plans memory",
-    "activation_checkpointing": "it configures deepspeed.checkpointing, which models call themselves; use "
-                                "torch.utils.checkpoint (HF: model.gradient_checkpointing_enable())",
     "data_types": "gradients accumulate in fp32 at stages 2/3 and in the training dtype at stages 0/1",
     "hybrid_engine": "no inference hybrid engine",
     "pipeline": "no pipeline parallelism; the section only applies to a deepspeed.pipe.PipelineModule",
@@ -123,6 +121,14 @@ IGNORED_CHECKPOINT = {
     "use_node_local_storage": "every rank writes and reads its own shard file",
     "parallel_write": "every rank writes its own shard file in parallel; there is no pipeline parallelism",
     "writer": "no DeepSpeed checkpoint writer engines; files are written atomically by this package",
+}
+# DeepSpeed 0.19.8's activation_checkpointing keys other than cpu_checkpointing, and why they change nothing here.
+IGNORED_ACTIVATION_CHECKPOINTING = {
+    "partition_activations": "it splits activations across tensor-parallel ranks; there is no tensor parallelism",
+    "contiguous_memory_optimization": "it packs partitioned activations; there is no tensor parallelism",
+    "number_checkpoints": "it sizes the contiguous buffers of partitioned activations",
+    "synchronize_checkpoint_boundary": "a profiling barrier; copies are ordered by events",
+    "profile": "no checkpoint timers; engine.timings times forward and backward",
 }
 IGNORED_ZERO = {
     "reduce_scatter": "gradients are always reduced to their owning partition",

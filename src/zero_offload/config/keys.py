@@ -6,7 +6,7 @@ Read from the tables the config code itself uses (`compat.IGNORED_*`, `compat.UN
 """
 from __future__ import annotations
 
-from zero_offload.config.compat import (IGNORED_CHECKPOINT, IGNORED_COMPILE, IGNORED_OFFLOAD_OPTIMIZER, IGNORED_OFFLOAD_PARAM,
+from zero_offload.config.compat import (IGNORED_ACTIVATION_CHECKPOINTING, IGNORED_CHECKPOINT, IGNORED_COMPILE, IGNORED_OFFLOAD_OPTIMIZER, IGNORED_OFFLOAD_PARAM,
                                         IGNORED_TOP_LEVEL, IGNORED_ZERO, REMOVED_IN_DEEPSPEED,
                                         REMOVED_ZERO_IN_DEEPSPEED, UNBUILT)
 from zero_offload.config.optim import REFUSED_OPTIMIZERS
@@ -49,6 +49,7 @@ def accepted_without_effect() -> list[tuple[str, str]]:
     rows += [(f"zero_optimization.offload_param.{k}", v) for k, v in IGNORED_OFFLOAD_PARAM.items()]
     rows += [(f"compile.{k}", v) for k, v in IGNORED_COMPILE.items()]
     rows += [(f"checkpoint.{k}", v) for k, v in IGNORED_CHECKPOINT.items()]
+    rows += [(f"activation_checkpointing.{k}", v) for k, v in IGNORED_ACTIVATION_CHECKPOINTING.items()]
     return rows + list(_BY_VALUE.items())
 
 

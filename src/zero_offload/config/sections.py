@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 from zero_offload.config.auto import AutoContext, resolve_auto
+from zero_offload.config.activation_checkpointing import ActivationCheckpointingConfig
 from zero_offload.config.checkpointing import CheckpointConfig
 from zero_offload.config.compat import (IGNORED_OFFLOAD, IGNORED_OFFLOAD_OPTIMIZER, IGNORED_OFFLOAD_PARAM,
                                        IGNORED_TOP_LEVEL, IGNORED_ZERO, normalize)
@@ -302,6 +303,9 @@ class Config:
     zero_optimization: ZeroConfig = option(factory=ZeroConfig, help="ZeRO stage and offload settings.")
     aio: AioConfig = option(factory=AioConfig, help="How NVMe swap files are read and written (DeepSpeed's "
                                                     "aio block).")
+    activation_checkpointing: ActivationCheckpointingConfig = option(
+        factory=ActivationCheckpointingConfig, help="Activation checkpoints: cpu_checkpointing keeps checkpoint inputs "
+                                                    "in host memory.")
     checkpoint: CheckpointConfig = option(factory=CheckpointConfig, help="Checkpoint loading: whether pickled "
                                                                          "client state is trusted.")
 

@@ -4,16 +4,18 @@
 ``checkpoint(function, *args)`` recomputes ``function`` in backward, as DeepSpeed's (torch's reentrant
 checkpoint, RNG state restored, so dropout matches). Of ``configure``'s switches, ``partition_activations`` and
 ``contiguous_memory_optimization`` concern tensor parallelism and change nothing at data parallelism;
-``checkpoint_in_cpu`` (activations kept in host memory) is not built yet: it is accepted with a warning, and
-training is the same, only the device memory differs.
+``checkpoint_in_cpu`` keeps the inputs of checkpointed layers in host memory in engines built afterwards, as the
+config's ``activation_checkpointing.cpu_checkpointing`` does, for any checkpoint function
+(`zero_offload.offload.checkpoint_offload`); training is bitwise the same.
 """
 from __future__ import annotations
 
 import contextlib
-import warnings
 
 import torch
 import torch.utils.checkpoint
+
+from zero_offload.offload.checkpoint_offload import request
 
 __all__ = ["configure", "is_configured", "checkpoint", "non_reentrant_checkpoint", "reset", "get_cuda_rng_tracker",
            "model_parallel_cuda_manual_seed", "model_parallel_reconfigure_tp_seed", "CudaRNGStatesTracker",
@@ -44,10 +46,8 @@ def configure(mpu_, deepspeed_config=None, partition_activations=None, contiguou
              "number_checkpoints": num_checkpoints, "cpu_checkpointing": checkpoint_in_cpu,
              "synchronize_checkpoint_boundary": synchronize, "profile": profile}
     section.update({k: v for k, v in given.items() if v is not None})
-    if section.get("cpu_checkpointing"):
-        warnings.warn("activation_checkpointing.cpu_checkpointing (checkpoint_in_cpu) is not built yet in "
-                      "zero-offload: checkpointed activations stay on the device; training is unchanged",
-                      stacklevel=2)
+    # Engines built from now on keep checkpoint inputs in host memory (zero_offload.offload.checkpoint_offload).
+    request(bool(section.get("cpu_checkpointing")))
     _settings = section
 
 

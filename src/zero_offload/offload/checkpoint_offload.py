@@ -1,0 +1,186 @@
+"""Activation checkpoints in host memory: the inputs of checkpointed layers wait in pinned host buffers between the
+forward and their recompute in backward (DeepSpeed's ``activation_checkpointing.cpu_checkpointing``; ALST,
+arXiv 2506.13996, Sec. 3.4).
+
+With activation checkpointing, what a layer keeps for backward is its input: everything inside is recomputed. For
+a decoder of L layers that is L x micro-batch x sequence x hidden 16-bit values on the device, what dominates at
+long sequences. DeepSpeed moves them only for models that call ``deepspeed.checkpointing.checkpoint``, and its
+copies are synchronous; transformers' ``offload=True`` copies on the compute stream. Here:
+
+- What moves: every tensor that a checkpoint saves as its input -- ``torch.utils.checkpoint`` (reentrant or not,
+  so Hugging Face's gradient checkpointing and our GPT's), or ``deepspeed.checkpointing.checkpoint`` -- seen by a
+  saved-tensors hook around the engine's forward. A checkpoint saves its inputs from torch.utils.checkpoint's own
+  code, which is how a saved tensor is told apart from the ones other layers save (those stay where they are).
+- How: each goes down on the device-to-host copy stream once the next checkpoint input arrives (so the last
+  layer's input, needed first in backward, stays on the device), into an exact-size pinned buffer from a pool.
+  In backward, unpacking layer i's input waits only for its own copy up, and queues the copies up of the next
+  `prefetch` inputs backward will need, so they land while layer i recomputes. The copy streams order everything
+  by events (`zero_offload.offload.copies`); the simulated streams check the waits on the CPU.
+- Tensors under ``min_bytes`` stay on the device, and so does anything not contiguous.
+
+Training is bitwise the same: the bytes come back as they went.
+"""
+from __future__ import annotations
+
+import sys
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from zero_offload.offload import simulated
+from zero_offload.offload.copies import Copies, CopyHandle
+
+__all__ = ["CheckpointOffload", "OffloadCounts", "from_checkpoint", "request", "requested"]
+
+CHECKPOINT_MODULE = "torch.utils.checkpoint"
+# Frames between the saved-tensors hook and the checkpoint code that saves the input (torch 2.x: 1-2).
+FRAMES_TO_CHECK = 4
+_requested = False
+
+
+def request(enabled: bool) -> None:
+    """DeepSpeed's ``deepspeed.checkpointing.configure(checkpoint_in_cpu=...)``: engines built afterwards offload
+    checkpoint inputs as if the config set ``activation_checkpointing.cpu_checkpointing``."""
+    global _requested
+    _requested = bool(enabled)
+
+
+def requested() -> bool:
+    return _requested
+
+
+def from_checkpoint() -> bool:
+    """Whether the tensor being saved is a checkpoint's input: the save comes from torch.utils.checkpoint's code
+    (``_CheckpointFrame.save_inputs`` without reentrance, ``CheckpointFunction``'s ``save_for_backward`` with it)."""
+    frame = sys._getframe(2)                     # past this function and the pack hook
+    for _ in range(FRAMES_TO_CHECK):
+        if frame is None:
+            return False
+        if frame.f_globals.get("__name__") == CHECKPOINT_MODULE:
+            return True
+        frame = frame.f_back
+    return False
+
+
+@dataclass
+class OffloadCounts:
+    """Running totals: checkpoint inputs sent to host memory (tensors, bytes), copied back (bytes), kept on the
+    device for their size or layout (tensors), and the pinned bytes the pool holds."""
+    offloaded: int = 0
+    bytes_down: int = 0
+    bytes_up: int = 0
+    kept: int = 0                 # too small or not contiguous
+    pool_bytes: int = 0
+
+
+class _Held:
+    """One checkpoint input: on the device until sent down, then in a pinned host buffer until copied back."""
+
+    __slots__ = ("owner", "index", "device", "host", "down", "up", "up_handle", "__weakref__")
+
+    def __init__(self, owner: "CheckpointOffload", index: int, tensor: torch.Tensor):
+        self.owner, self.index, self.device = owner, index, tensor
+        self.host: torch.Tensor | None = None
+        self.down: CopyHandle | None = None
+        self.up: torch.Tensor | None = None
+        self.up_handle: CopyHandle | None = None
+
+    def __del__(self):
+        if self.host is not None:                # the graph holding it is gone: the buffer goes back to the pool
+            self.owner.give_back(self.host, self.up_handle or self.down)
+
+
+class CheckpointOffload:
+    """The saved-tensors hooks (`hooks`) and the pinned pool behind them, one per engine.
+
+    Args:
+        copies: the engine's copy engine (`zero_offload.offload.copies.make_copies`): streams and events on CUDA,
+            synchronous or simulated on the CPU.
+        min_bytes: smaller checkpoint inputs stay on the device (bytes, >= 0).
+        prefetch: copies up queued ahead of backward's need (>= 1).
+    """
+
+    def __init__(self, copies: Copies, min_bytes: int = 1 << 20, prefetch: int = 2):
+        if min_bytes < 0 or prefetch < 1:
+            raise ValueError(f"CheckpointOffload: min_bytes must be >= 0 and prefetch >= 1, got {min_bytes}, "
+                             f"{prefetch}")
+        self.copies, self.min_bytes, self.prefetch = copies, min_bytes, prefetch
+        self.counts = OffloadCounts()
+        self._pool: dict[tuple, list[tuple[torch.Tensor, CopyHandle | None]]] = {}
+        self._forward: list[weakref.ref] = []    # this forward's inputs, in the order they were saved
+        self._latest: _Held | None = None        # kept on the device until a newer one arrives
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        """The context to run a forward in: checkpoint inputs go to host memory as described above."""
+        self._forward, self._latest = [], None
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _pack(self, tensor: torch.Tensor):
+        if not from_checkpoint():
+            return tensor
+        if tensor.nbytes < self.min_bytes or not tensor.is_contiguous() or tensor.layout != torch.strided:
+            self.counts.kept += 1
+            return tensor
+        held = _Held(self, len(self._forward), tensor)
+        self._forward.append(weakref.ref(held))
+        previous, self._latest = self._latest, held
+        if previous is not None:
+            self._send_down(previous)
+        return held
+
+    def _send_down(self, held: _Held) -> None:
+        tensor = held.device
+        held.host = self._take(tensor)
+        held.down = self.copies.to_host(held.host, tensor)
+        held.device = None                       # the copy stream holds the device memory until it has read it
+        self.counts.offloaded += 1
+        self.counts.bytes_down += tensor.nbytes
+
+    def _unpack(self, packed):
+        if not isinstance(packed, _Held):
+            return packed
+        if packed.device is not None:            # never sent down: the last of its forward
+            return packed.device
+        if packed.up is None:
+            self._bring_up(packed)
+        tensor, handle = packed.up, packed.up_handle
+        packed.up = None                         # the recompute holds it now; a second unpack copies it up again
+        handle.wait_stream()                     # the compute waits for this copy only
+        for ref in reversed(self._forward[max(0, packed.index - self.prefetch):packed.index]):
+            earlier = ref()
+            if earlier is not None and earlier.device is None and earlier.up is None:
+                self._bring_up(earlier)
+        return tensor
+
+    def _bring_up(self, held: _Held) -> None:
+        held.down.synchronize()                  # the host buffer is whole before the copy up reads it
+        # Allocated on the compute stream, which frees it after the recompute; the copy stream waits for the compute
+        # queued so far (the backward of the layers after this one), then runs beside the next recompute.
+        held.up = self._poisoned(torch.empty_like(held.host, device=self.copies.device))
+        held.up_handle = self.copies.to_device(held.up, held.host)
+        self.counts.bytes_up += held.host.nbytes
+
+    def _take(self, like: torch.Tensor) -> torch.Tensor:
+        free = self._pool.get((like.shape, like.dtype))
+        if free:
+            buffer, last = free.pop()
+            if last is not None:
+                last.synchronize()               # its last copy up has read it
+            return self._poisoned(buffer)
+        buffer = self.copies.host_empty(like.numel(), like.dtype).view(like.shape)
+        self.counts.pool_bytes += buffer.nbytes
+        return self._poisoned(buffer)
+
+    @staticmethod
+    def _poisoned(buffer: torch.Tensor) -> torch.Tensor:
+        # Under simulated streams a copy's destination reads NaN until the copy lands, so a read that misses its
+        # wait changes the result (on the CPU a new buffer may hold the very bytes it should receive).
+        if simulated.enabled() and buffer.is_floating_point():
+            buffer.fill_(float("nan"))
+        return buffer
+
+    def give_back(self, buffer: torch.Tensor, last: CopyHandle | None) -> None:
+        """A host buffer whose checkpoint input is gone returns to the pool (``last``: the copy that read or wrote
+        it last, waited for before the buffer is written again)."""
+        self._pool.setdefault((buffer.shape, buffer.dtype), []).append((buffer, last))

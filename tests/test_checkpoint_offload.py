@@ -1,0 +1,176 @@
+"""Activation checkpoints in host memory (``activation_checkpointing.cpu_checkpointing``,
+zero_offload.offload.checkpoint_offload): the inputs of checkpointed layers leave the device between forward and
+their recompute, whatever checkpoint function the model calls, and training is bitwise the same as without."""
+import contextlib
+import time
+
+import pytest
+import torch
+
+import zero_offload
+from zero_offload.offload import simulated
+from zero_offload.offload.checkpoint_offload import CheckpointOffload
+from zero_offload.train.model import GPT, GPTConfig
+
+LAYERS, STEPS = 4, 3
+SHAPE = GPTConfig(vocab_size=96, block_size=32, n_layer=LAYERS, n_head=2, n_embd=32, activation_checkpointing=True)
+
+
+def _config(stage: int, offload: bool, **extra) -> dict:
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}},
+           "zero_optimization": {"stage": stage, "offload_optimizer": {"device": "cpu"}}}
+    if offload:
+        cfg["activation_checkpointing"] = {"cpu_checkpointing": True, "cpu_checkpointing_min_bytes": 0, **extra}
+    return cfg
+
+
+def _batches():
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(0, SHAPE.vocab_size, (2, SHAPE.block_size + 1), generator=g) for _ in range(STEPS)]
+
+
+def _train(stage: int, offload: bool, model_fn=None, **extra):
+    torch.manual_seed(0)
+    model = model_fn() if model_fn else GPT(SHAPE)
+    engine = zero_offload.initialize(model, _config(stage, offload, **extra))
+    losses = []
+    try:
+        for batch in _batches():
+            loss = engine(batch[:, :-1], batch[:, 1:])[1] if model_fn is None else engine(batch[:, :-1],
+                                                                                         labels=batch[:, 1:]).loss
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        return losses, engine.full_state_dict(), engine.checkpoint_offload
+    finally:
+        engine.close()
+
+
+def _bitwise(a, b):
+    return a[0] == b[0] and all(torch.equal(a[1][n], b[1][n]) for n in a[1])
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_checkpoint_inputs_go_to_host_memory_and_training_is_bitwise_the_same(stage):
+    plain = _train(stage, False)
+    moved = _train(stage, True)
+    assert _bitwise(plain, moved), (plain[0], moved[0])
+    counts = moved[2].counts
+    # every block's input but the last one (needed first in backward) went down and came back, at every step
+    per_step = LAYERS - 1
+    block_input = 2 * SHAPE.block_size * SHAPE.n_embd * 4
+    assert counts.offloaded == per_step * STEPS and counts.bytes_down == per_step * STEPS * block_input
+    assert counts.bytes_up == counts.bytes_down
+    assert counts.pool_bytes == per_step * block_input       # the pinned buffers are pooled across steps
+    assert plain[2] is None
+
+
+def test_it_matches_plain_adamw():
+    """The house's reference: AdamW on one process, the same model, data and seed, plain checkpointing."""
+    losses, weights, _ = _train(2, True)
+    torch.manual_seed(0)
+    model = GPT(SHAPE)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    for batch, loss in zip(_batches(), losses):
+        ref = model(batch[:, :-1], batch[:, 1:])[1]
+        ref.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        assert abs(ref.item() - loss) <= 1e-5
+    assert max((weights[n] - p.detach()).abs().max().item() for n, p in model.named_parameters()) <= 1e-5
+
+
+def test_small_inputs_stay_and_the_prefetch_is_bounded():
+    _, _, kept = _train(2, True, cpu_checkpointing_min_bytes=1 << 30)
+    assert kept.counts.offloaded == 0 and kept.counts.kept == LAYERS * STEPS
+    one = _train(2, True, cpu_checkpointing_prefetch=1)
+    assert _bitwise(one, _train(2, False))
+
+
+def _gradients(copies=None) -> list[torch.Tensor]:
+    """One forward and backward of the checkpointed GPT, its checkpoint inputs offloaded through ``copies``."""
+    torch.manual_seed(0)
+    model = GPT(SHAPE)
+    batch = _batches()[0]
+    offload = CheckpointOffload(copies, min_bytes=0) if copies is not None else None
+    with offload.hooks() if offload is not None else contextlib.nullcontext():
+        loss = model(batch[:, :-1], batch[:, 1:])[1]
+    loss.backward()
+    copies is not None and copies.close()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+class _LateCopiesDown(simulated.SimulatedCopies):
+    """Each copy down lands 0.1 s late, after the copy up of its buffer: a copy up that does not wait for its copy
+    down reads the buffer poisoned."""
+
+    def to_host(self, dst, src):
+        def late():
+            time.sleep(0.1)
+            dst.copy_(src)
+        return simulated.SimulatedHandle(self.d2h.submit(late, nbytes=dst.nbytes), self.counts)
+
+
+def test_simulated_streams_see_every_wait(monkeypatch):
+    """Each copy lands later on a worker thread: the gradients still match; with the waits skipped they do not
+    (the simulation sees a missing wait on the copies down and up). The engine's other copies are not involved."""
+    plain = _gradients()
+    with simulated.forced(delay_s=0.05):          # longer than the rest of the forward: copies land late
+        waited = _gradients(simulated.SimulatedCopies(torch.device("cpu")))
+    assert all(torch.equal(a, b) for a, b in zip(plain, waited))
+    monkeypatch.setenv(simulated.ENV, "1")
+    monkeypatch.setenv(simulated.SKIP_WAITS_ENV, "1")
+    skipped = _gradients(simulated.SimulatedCopies(torch.device("cpu")))
+    assert not all(torch.equal(a, b) for a, b in zip(plain, skipped))
+    monkeypatch.delenv(simulated.SKIP_WAITS_ENV)
+    with simulated.forced(delay_s=1e-3):          # copies down later than the copies up queued behind them
+        assert all(torch.equal(a, b) for a, b in zip(plain, _gradients(_LateCopiesDown(torch.device("cpu")))))
+    with simulated.forced(delay_s=2e-3):                      # the engine, under simulated streams, is bitwise too
+        assert _bitwise(_train(2, True), _train(2, False))
+
+
+def _hf_llama():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS,
+                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=SHAPE.vocab_size,
+                                   max_position_embeddings=64)
+    model = transformers.LlamaForCausalLM(cfg)
+    model.gradient_checkpointing_enable()
+    model.config.use_cache = False
+    return model
+
+
+def test_a_hugging_face_model_with_gradient_checkpointing_needs_no_change():
+    plain = _train(3, False, _hf_llama)
+    moved = _train(3, True, _hf_llama)
+    assert _bitwise(plain, moved)
+    assert moved[2].counts.offloaded == (LAYERS - 1) * STEPS
+
+
+def test_deepspeeds_checkpoint_function_and_configure(monkeypatch):
+    """``deepspeed.checkpointing.checkpoint`` (reentrant) is offloaded too, and ``configure(checkpoint_in_cpu=True)``
+    turns it on for the engines built after it, as DeepSpeed's global switch does."""
+    import zero_offload.deepspeed as deepspeed
+    from zero_offload.train import model as gpt
+    monkeypatch.setattr(gpt, "checkpoint", lambda block, x, use_reentrant: deepspeed.checkpointing.checkpoint(block, x))
+    plain = _train(2, False)
+    deepspeed.checkpointing.configure(None, checkpoint_in_cpu=True)
+    try:
+        torch.manual_seed(0)
+        engine = zero_offload.initialize(GPT(SHAPE), dict(_config(2, False), activation_checkpointing={
+            "cpu_checkpointing_min_bytes": 0}))
+        assert engine.checkpoint_offload is not None
+        engine.close()
+        moved = _train(2, True)
+    finally:
+        deepspeed.checkpointing.configure(None, checkpoint_in_cpu=False)
+    assert _bitwise(plain, moved) and moved[2].counts.offloaded == (LAYERS - 1) * STEPS
+
+
+def test_bad_settings_name_the_key():
+    with pytest.raises(zero_offload.ConfigError, match=r"activation_checkpointing.cpu_checkpointing_min_bytes"):
+        zero_offload.Config.load(_config(2, True, cpu_checkpointing_min_bytes=-1))
+    with pytest.raises(zero_offload.ConfigError, match=r"activation_checkpointing.cpu_checkpointing_prefetch"):
+        zero_offload.Config.load(_config(2, True, cpu_checkpointing_prefetch=0))

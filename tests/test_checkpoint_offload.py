@@ -174,3 +174,29 @@ def test_bad_settings_name_the_key():
         zero_offload.Config.load(_config(2, True, cpu_checkpointing_min_bytes=-1))
     with pytest.raises(zero_offload.ConfigError, match=r"activation_checkpointing.cpu_checkpointing_prefetch"):
         zero_offload.Config.load(_config(2, True, cpu_checkpointing_prefetch=0))
+
+
+@pytest.mark.parametrize("model_fn", [None, _hf_llama], ids=["gpt", "llama"])
+def test_the_memory_model_counts_the_moved_inputs_to_the_byte(model_fn):
+    """``memory_breakdown()`` shows the checkpoint inputs in host memory as their own kind; the memory model moves
+    the same bytes from the device's activations to the host."""
+    from zero_offload.estimate import estimate_memory
+    _, _, offload = _train(2, True, model_fn)
+    torch.manual_seed(0)
+    model = model_fn() if model_fn else GPT(SHAPE)
+    engine = zero_offload.initialize(model, _config(2, True))
+    try:
+        batch = _batches()[0]
+        loss = engine(batch[:, :-1], batch[:, 1:])[1] if model_fn is None else \
+            engine(batch[:, :-1], labels=batch[:, 1:]).loss
+        engine.backward(loss)
+        measured = engine.memory_breakdown()["checkpoint_inputs"]
+    finally:
+        engine.close()
+    moved = estimate_memory(model, _config(2, True), 1, micro_batch=2, seq_len=SHAPE.block_size,
+                            activation_checkpointing=True)
+    kept = estimate_memory(model, _config(2, False), 1, micro_batch=2, seq_len=SHAPE.block_size,
+                           activation_checkpointing=True)
+    assert measured["side"] == "host" and measured["bytes"] == moved.host["checkpoint_inputs"] == \
+        offload.counts.pool_bytes
+    assert kept.device["activations"] - moved.device["activations"] == moved.host["checkpoint_inputs"]

@@ -334,8 +334,13 @@ class Engine(EngineState):
         return self.ctx.world_size
 
     def memory_breakdown(self) -> dict[str, dict]:
-        """Bytes held by this rank, by kind and device (see `ZeroOptimizerBase.memory_breakdown`)."""
-        return self.zero.memory_breakdown()
+        """Bytes held by this rank, by kind and device (see `ZeroOptimizerBase.memory_breakdown`); with
+        ``cpu_checkpointing`` the host buffers of checkpoint inputs too (``checkpoint_inputs``)."""
+        out = self.zero.memory_breakdown()
+        if self.checkpoint_offload is not None and self.checkpoint_offload.counts.pool_bytes:
+            nbytes = self.checkpoint_offload.counts.pool_bytes
+            out["checkpoint_inputs"] = {"bytes": nbytes, "numel": nbytes, "side": "host"}
+        return out
 
     @property
     def optimizer_state(self):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from zero_offload.estimate.decoder_activations import DecoderShape, decoder_activation_bytes, decoder_formula
 from zero_offload.presets import GPTConfig
 
-__all__ = ["activation_bytes", "activation_formula", "add_decoder_activations"]
+__all__ = ["activation_bytes", "activation_formula", "add_decoder_activations", "move_checkpoint_inputs"]
 
 
 def activation_formula(checkpointing: bool) -> str:
@@ -44,3 +44,17 @@ def add_decoder_activations(est, decoder: DecoderShape, micro_batch: int, seq_le
     est.formulas["activations"] = (decoder_formula(ckpt) + f" with b={micro_batch}, s={seq_len}, d={dtype_bytes} "
                                    f"({decoder.name}: q={decoder.heads * decoder.head_dim}, "
                                    f"kv={decoder.kv_heads * decoder.head_dim}, I={decoder.intermediate})")
+
+
+def move_checkpoint_inputs(est, layers: int, tokens: int, hidden: int, dtype_bytes: int, section) -> None:
+    """With ``activation_checkpointing.cpu_checkpointing`` (``section``) and checkpointing on: every block input but
+    the last, ``(L - 1) * b*s*h*d`` bytes, moves from the device's ``activations`` to the host's
+    ``checkpoint_inputs`` (`zero_offload.offload.checkpoint_offload`; inputs under ``cpu_checkpointing_min_bytes``
+    stay). The host side counts the pool's buffers, one per moved input, kept between steps."""
+    each = tokens * hidden * dtype_bytes
+    if not section.cpu_checkpointing or layers < 2 or each < section.cpu_checkpointing_min_bytes:
+        return
+    moved = (layers - 1) * each
+    est.add("device", "activations", -moved)
+    est.add("host", "checkpoint_inputs", moved)
+    est.formulas["checkpoint_inputs"] = "(L - 1) * b*s*h*d: every block input but the last, in host memory"

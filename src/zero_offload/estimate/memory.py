@@ -27,7 +27,8 @@ from zero_offload.offload.grad_staging import STAGING_FORMULA, staging_shape
 from zero_offload.hoststep.grad_stream import SLOTS
 from zero_offload.offload.staging_ring import ring_shape
 from zero_offload.precision import training_dtype
-from zero_offload.estimate.activations import activation_bytes, activation_formula, add_decoder_activations
+from zero_offload.estimate.activations import (activation_bytes, activation_formula, add_decoder_activations,
+                                               move_checkpoint_inputs)
 from zero_offload.estimate.nvme_files import add_nvme_files
 from zero_offload.zero.bucket_pool import bucket_pool_size
 from zero_offload.zero.collectives import MAX_IN_FLIGHT, scattered_dtype
@@ -399,8 +400,14 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
         ckpt = shape.gpt.activation_checkpointing if activation_checkpointing is None else activation_checkpointing
         est.add("device", "activations", activation_bytes(shape.gpt, b, s, d, ckpt))
         est.formulas["activations"] = activation_formula(ckpt) + f" with b={b}, s={s}, d={d}"
+        if ckpt:
+            move_checkpoint_inputs(est, shape.gpt.n_layer, b * s, shape.gpt.n_embd, d, cfg.activation_checkpointing)
     elif shape.decoder is not None:
         add_decoder_activations(est, shape.decoder, micro_batch or micro, seq_len, d, activation_checkpointing)
+        if seq_len is not None and (shape.decoder.activation_checkpointing if activation_checkpointing is None
+                                    else activation_checkpointing):
+            move_checkpoint_inputs(est, shape.decoder.layers, (micro_batch or micro) * seq_len, shape.decoder.hidden,
+                                   d, cfg.activation_checkpointing)
     return est
 
 

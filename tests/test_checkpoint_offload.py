@@ -200,3 +200,22 @@ def test_the_memory_model_counts_the_moved_inputs_to_the_byte(model_fn):
     assert measured["side"] == "host" and measured["bytes"] == moved.host["checkpoint_inputs"] == \
         offload.counts.pool_bytes
     assert kept.device["activations"] - moved.device["activations"] == moved.host["checkpoint_inputs"]
+
+
+def test_the_planner_keeps_recomputes_or_moves_the_block_inputs():
+    """A deep, narrow GPT (128 x 1024) at sequence 2048, whose block inputs dominate its activations: on a 12 GB
+    device, keeping them in host memory lets stage 2 fit with micro-batch 4 instead of stage 3 with its parameters
+    offloaded; on 80 GB the plan keeps them on the device. The config it writes turns the engine's offload on."""
+    from zero_offload.presets import GPTConfig as Shape
+    deep = Shape(vocab_size=50257, block_size=2048, n_layer=128, n_head=16, n_embd=1024, activation_checkpointing=True)
+    tight = zero_offload.plan(deep, gpu_memory="12GB", host_memory="128GiB", seq_len=2048)
+    assert tight.batch.checkpointing and tight.batch.inputs_on_host and tight.name.startswith("stage 2")
+    assert tight.config["activation_checkpointing"]["cpu_checkpointing"] is True
+    assert "cpu_checkpointing" in tight.reasons["activation_checkpointing"]
+    assert tight.batch.estimate.host["checkpoint_inputs"] == 127 * 4 * 2048 * 1024 * 2      # (L - 1) x b*s*h*d
+    without = zero_offload.plan(deep, gpu_memory="12GB", host_memory="128GiB", seq_len=2048,
+                                config=dict(tight.config, activation_checkpointing={"cpu_checkpointing": False}))
+    assert not without.batch.inputs_on_host
+    assert tight.batch.timing.tokens_per_s > 2 * without.batch.timing.tokens_per_s
+    roomy = zero_offload.plan(deep, gpu_memory="80GB", host_memory="128GiB", seq_len=2048)
+    assert not roomy.batch.inputs_on_host and "activation_checkpointing" not in roomy.config

@@ -140,6 +140,7 @@ def _plan(host: str, **offload):
     cfg = default_plan_config()
     cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "delayed_param_update": False, "ratio": 1.0,
                                                      "super_offload": True, **offload}
+    cfg["activation_checkpointing"] = {"cpu_checkpointing": False}     # the host memory is the bank's alone
     return zero_offload.plan("gpt2-xl", gpus=1, gpu_memory="24GB", host_memory=host, config=cfg,
                              gradient_accumulation=1, micro_batch=8, activation_checkpointing=True,
                              allow_bf16_moments=True)

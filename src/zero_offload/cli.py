@@ -67,6 +67,9 @@ def _estimate_parser(sub) -> None:
     what.add_argument("--hf-config", default=None, help="a Hugging Face config.json (decoder sizes)")
     what.add_argument("--largest", action="store_true", help="the largest GPT-2-shaped model that trains on this "
                                                              "machine (or the hardware given), its plan and MFU")
+    p.add_argument("--longest", action="store_true", help="the longest sequence the model (--model or --hf-config) "
+                                                          "trains at on this machine (or the hardware given), with "
+                                                          "its plan")
     p.add_argument("--gpus", type=int, default=None, help="ranks on this machine (default: its GPUs, or 1)")
     p.add_argument("--gpu-mem", default=None, help="memory per GPU: 80GB, 24GiB, or a bare number of GB "
                                                    "(default: this machine's; 0 = no GPU)")

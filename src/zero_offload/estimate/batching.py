@@ -24,9 +24,11 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from zero_offload.config import Config
+from zero_offload.estimate.batch_notes import NOTABLE_GAIN, RATIOS, explain
+from zero_offload.estimate.checkpoint_modes import checkpoint_modes, input_copy_exposure, with_inputs_on_host
 from zero_offload.estimate.memory import MemoryEstimate, ModelShape
 from zero_offload.estimate.step_graph import Phases, Structure, first_unit_share, predict_step
-from zero_offload.estimate.throughput import (EXPOSED_FRACTION, MAX_GRADIENT_ACCUMULATION, STAGE3_UNIT_SECONDS,
+from zero_offload.estimate.throughput import (MAX_GRADIENT_ACCUMULATION, STAGE3_UNIT_SECONDS,
                                               Assumptions, StepTiming, accumulation_to_hide, host_add_seconds,
                                               SPECULATIVE_KERNEL_COST, UNDO_COPY_COST, device_step_seconds,
                                               host_step_seconds, micro_step_seconds, muon_step_seconds,
@@ -38,13 +40,9 @@ __all__ = ["Knobs", "BatchChoice", "choose_batch", "MICRO_BATCHES", "TIE"]
 
 # Micro-batch sizes the planner tries when it chooses one.
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32, 64)
-# offload_optimizer.ratio values the planner tries when it chooses one (the share of the state offloaded).
-RATIOS = (1.0, 0.9, 0.75, 0.5, 0.25)
 # Predicted throughputs this close (relative) count as equal: float rounding only. The choice is the best predicted
 # throughput, so that more memory, which only adds settings that fit, never predicts a slower plan.
 TIE = 1e-9
-# How much faster a setting not chosen must be for the notes to name it (the delayed update's gain).
-NOTABLE_GAIN = 0.03
 # super_offload_fraction's grid where the planner sizes it (below it: no speculation).
 FRACTION_STEP = 0.0625
 
@@ -92,6 +90,7 @@ class BatchChoice:
         timing: the predicted step (None without a throughput model: no accelerator or no sequence length).
         notes: {reason key: why}, for `Plan.reasons`.
         fraction: with super_offload, the share of each partition speculated (``super_offload_fraction``).
+        inputs_on_host: the checkpoint inputs wait in host memory (``activation_checkpointing.cpu_checkpointing``).
     """
     raw: dict
     micro: int
@@ -105,6 +104,7 @@ class BatchChoice:
     timing: StepTiming | None = None
     notes: dict[str, str] = field(default_factory=dict)
     fraction: float = 1.0
+    inputs_on_host: bool = False
 
     @property
     def fits(self) -> bool:
@@ -206,6 +206,9 @@ def choose_batch(shape: ModelShape, raw: dict, gpus: int, seq: int | None, knobs
     gas0 = knobs.gradient_accumulation or 1
     free_ckpt = knobs.checkpointing is None and knobs.choose_checkpointing and shape.gpt is not None
     ckpts = [False, True] if free_ckpt else [knobs.checkpointing]
+    own = bool((shape.gpt and shape.gpt.activation_checkpointing) or (shape.decoder and
+                                                                       shape.decoder.activation_checkpointing))
+    modes = checkpoint_modes(ckpts, raw, own)
     micros = list(MICRO_BATCHES) if knobs.micro_batch is None else [knobs.micro_batch]
     zc = base.zero_optimization
     streamed = zc.offload_optimizer.gradients_on_device      # the synchronous host step only
@@ -219,35 +222,38 @@ def choose_batch(shape: ModelShape, raw: dict, gpus: int, seq: int | None, knobs
     policies = _policies(knobs, dpu_possible, spec_possible, ratio_possible)
     default = policies[0]
 
-    def make(micro: int, gas: int, ckpt, policy, fraction: float | None = None) -> BatchChoice:
-        cfg_raw = _with(raw, micro, gas, policy, fraction)
+    def make(micro: int, gas: int, mode: tuple, policy, fraction: float | None = None) -> BatchChoice:
+        ckpt, on_host = mode
+        cfg_raw = with_inputs_on_host(_with(raw, micro, gas, policy, fraction), on_host)
         est, short = measure(cfg_raw, micro, ckpt)
         given = fraction if fraction is not None else knobs.super_offload_fraction     # else the default, 1
         c = BatchChoice(cfg_raw, micro, gas, ckpt, bool(policy[0]), bool(policy[1]),
-                        1.0 if policy[2] is None else policy[2], est, short, fraction=given or 1.0)
+                        1.0 if policy[2] is None else policy[2], est, short, fraction=given or 1.0,
+                        inputs_on_host=on_host)
         if c.fits or not policy[1] or fraction is not None or knobs.super_offload_fraction is not None or not sized:
             return c
         # The full second bank does not fit: speculate the largest share whose undo bank does.
         share = _sized_fraction(est, short)
         while share >= FRACTION_STEP:
-            smaller = make(micro, gas, ckpt, policy, share)
+            smaller = make(micro, gas, mode, policy, share)
             if smaller.fits:
                 return smaller
             share -= FRACTION_STEP
         return c
 
-    smallest = make(micros[0], gas0, ckpts[-1], default)
+    smallest = make(micros[0], gas0, modes[-1], default)
     if not smallest.fits or seq is None:
         return smallest
     options: list[BatchChoice] = []
-    plain: dict[tuple, BatchChoice] = {}       # (micro, checkpointing) -> the default policy's setting
-    for ckpt in ckpts:
+    plain: dict[tuple, BatchChoice] = {}       # (micro, mode) -> the default policy's setting
+    for mode in modes:
+        ckpt = mode[0]
         for micro in micros:
-            first = make(micro, gas0, ckpt, default)
+            first = make(micro, gas0, mode, default)
             if not first.fits:
                 break                          # activations only grow with the micro-batch
             options.append(_timed(first, shape, gpus, seq, a))
-            plain[micro, ckpt] = first
+            plain[micro, mode] = first
             for policy in policies:
                 gases = {gas0}
                 if knobs.gradient_accumulation is None:
@@ -258,22 +264,23 @@ def choose_batch(shape: ModelShape, raw: dict, gpus: int, seq: int | None, knobs
                     if policy[1] and knobs.super_offload_fraction is None and sized:
                         shares.append(_hiding_fraction(first.timing, bool(ckpt)))
                     for share in shares:
-                        c = make(micro, gas, ckpt, policy, share)
+                        c = make(micro, gas, mode, policy, share)
                         if c.fits and (share is None or c.fraction < 1.0):
                             options.append(_timed(c, shape, gpus, seq, a))
     # The delayed update is predicted always, chosen only where asked for, or allowed and worth a stale step: more
     # than `NOTABLE_GAIN` over the default policy's setting of its micro-batch, which fits wherever it fits (so the
     # rule does not depend on memory, and more memory still never predicts a slower plan).
     def worth(c: BatchChoice) -> bool:
-        return c.timing.tokens_per_s > (1 + NOTABLE_GAIN) * plain[c.micro, c.checkpointing].timing.tokens_per_s
+        twin = plain[c.micro, (c.checkpointing, c.inputs_on_host)]
+        return c.timing.tokens_per_s > (1 + NOTABLE_GAIN) * twin.timing.tokens_per_s
     allowed = [c for c in options if not c.delayed or knobs.delayed_update or (knobs.allow_stale_step and worth(c))]
     if not allowed:
         return smallest
     best = max(c.timing.tokens_per_s for c in allowed)
     near = [c for c in allowed if c.timing.tokens_per_s >= (1 - TIE) * best]
-    chosen = min(near, key=lambda c: (c.timing.tokens, bool(c.checkpointing), c.delayed, c.speculative, -c.ratio,
-                                      -c.micro))
-    chosen.notes = _explain(chosen, options, seq, free_ckpt, knobs, dpu_possible, spec_possible, ratio_possible, a)
+    chosen = min(near, key=lambda c: (c.timing.tokens, bool(c.checkpointing), c.inputs_on_host, c.delayed,
+                                      c.speculative, -c.ratio, -c.micro))
+    chosen.notes = explain(chosen, options, seq, free_ckpt, knobs, dpu_possible, spec_possible, ratio_possible, a)
     return chosen
 
 
@@ -301,12 +308,18 @@ def _timed(c: BatchChoice, shape: ModelShape, gpus: int, seq: int, a: Assumption
     micro_s = micro_step_seconds(shape.n_params, tokens, ckpt, a, per_micro, stage3_units=units,
                                  param_read_s=2 * read_s)
     later_s = micro_step_seconds(shape.n_params, tokens, ckpt, a, per_micro, add_s, units, 2 * read_s)  # adds beside
+    flops = a.gpu_flops * min(1.0, tokens / a.saturation_tokens)
+    # Checkpoint inputs in host memory: their copies each way, beside the forward and the backward.
+    moved = c.estimate.host.get("checkpoint_inputs", 0) if c.inputs_on_host else 0
+    extra_f, extra_b = input_copy_exposure(moved, a.pcie, 2 * shape.n_params * tokens / flops,
+                                           6 * shape.n_params * tokens / flops)
+    micro_s, later_s = micro_s + extra_f + extra_b, later_s + extra_f + extra_b
     if not host_s:
         c.timing = step_timing(micro_s, c.gas, 0.0, False, tokens * c.gas, later_s)
         return c
-    flops = a.gpu_flops * min(1.0, tokens / a.saturation_tokens)
-    forward = max(2 * shape.n_params * tokens / flops + units * STAGE3_UNIT_SECONDS, read_s)
-    backward = max((6 if ckpt else 4) * shape.n_params * tokens / flops + units * STAGE3_UNIT_SECONDS, read_s)
+    gathers = units * STAGE3_UNIT_SECONDS
+    forward = max(2 * shape.n_params * tokens / flops + gathers, read_s) + extra_f
+    backward = max((6 if ckpt else 4) * shape.n_params * tokens / flops + gathers, read_s) + extra_b
     offload_param = zc.stage == 3 and zc.offload_param.device in ("cpu", "nvme")
     structure = Structure(zc.stage, offload_param, c.delayed, c.gas > 1, cfg.precision == "fp32", c.speculative,
                           c.fraction if c.speculative else 1.0, first_unit_share(shape),
@@ -320,90 +333,3 @@ def _timed(c: BatchChoice, shape: ModelShape, gpus: int, seq: int, a: Assumption
     c.timing = StepTiming(micro_s, graph.compute_s + device_s, host_s, c.delayed, graph.idle_s,
                           graph.step_s + device_s, tokens * c.gas, later_s, graph)
     return c
-
-
-def _explain(c: BatchChoice, options: list[BatchChoice], seq: int, free_ckpt: bool, knobs: Knobs,
-             dpu_possible: bool, spec_possible: bool, ratio_possible: bool, a: Assumptions) -> dict[str, str]:
-    t = c.timing
-    zc = Config.load(c.raw).zero_optimization
-    states_on_nvme = zc.offload_optimizer.device == "nvme"
-    on_nvme = states_on_nvme or (zc.stage == 3 and zc.offload_param.device == "nvme")
-    notes = {"batch": (f"micro-batch {c.micro} x {seq} tokens, gradient accumulation {c.gas}: {t.tokens:,} tokens "
-                       f"per optimizer step and rank ({'chosen' if knobs.micro_batch is None else 'given'} "
-                       f"micro-batch, {'chosen' if knobs.gradient_accumulation is None else 'given'} "
-                       f"accumulation; the best predicted throughput, the fewest tokens per step among "
-                       f"equal ones)")}
-    if knobs.gradient_accumulation is None and t.exposed_share > EXPOSED_FRACTION and c.gas == 1 and \
-            not any(o.gas > 1 for o in options):
-        notes["batch"] += ("; more accumulation does not fit: it keeps the gradient partition in fp32 (2 more "
-                           "host bytes per parameter) and adds the gradient staging")
-    if free_ckpt:
-        other = [o for o in options if o.checkpointing != c.checkpointing]
-        alt = max(other, key=lambda o: o.timing.tokens_per_s, default=None)
-        if c.checkpointing:
-            why = ("without it the largest micro-batch that fits is "
-                   f"{max(o.micro for o in other)} (~{alt.timing.tokens_per_s:,.0f} tokens/s predicted)"
-                   if alt is not None else "without it not even micro-batch 1 fits")
-            notes["activation_checkpointing"] = f"on (recompute each block in backward): {why}"
-        else:
-            notes["activation_checkpointing"] = "off: the chosen micro-batch fits without recomputing activations"
-    if dpu_possible and t.host_s > 0:
-        if c.delayed:
-            spare = c.gas > 1 and Config.load(c.raw).zero_optimization.stage >= 2
-            held = ("its spare fp32 gradient partition and the 16-bit partition it publishes from counted in host "
-                    "memory" if spare else "the gradient buffer lent to it, the next backward refilling it behind "
-                    "it: no spare partition")
-            notes["delayed_param_update"] = ("on: the host step runs one step behind, beside the next step's "
-                                             f"forward and backward ({held}; the buffers its step lands the "
-                                             "parameters in counted in device memory)")
-        elif knobs.delayed_update is None:
-            dpu = [o for o in options if o.delayed]
-            fastest = max(dpu, key=lambda o: o.timing.tokens_per_s, default=None)
-            gain = fastest.timing.tokens_per_s / t.tokens_per_s - 1 if fastest is not None else 0.0
-            if fastest is not None and not knobs.allow_stale_step and gain > NOTABLE_GAIN:
-                notes["delayed_param_update"] = (
-                    f"off: exact by default (it trains each step on parameters one step old); allowed "
-                    f"(--allow-stale-step, plan(allow_stale_step=True)) it would reach "
-                    f"~{fastest.timing.tokens_per_s:,.0f} tokens/s, {gain:+.0%}")
-            else:
-                notes["delayed_param_update"] = ("off: the host step hides well enough without it" if dpu else
-                                                 "off: with it the config does not fit (its spare gradient "
-                                                 "partition, and under accumulation a 16-bit publish buffer, need "
-                                                 "host memory that is not there, or its device landing buffers "
-                                                 "device memory)")
-    if spec_possible and t.host_s > 0:
-        if c.speculative:
-            bank = ("its second bank of master weights and moments" if c.fraction >= 1.0 else
-                     f"{c.fraction:g} of each partition, the first to land, stepped in place after an undo copy: as "
-                     "much as the host steps during backward, or as fits; that copy")
-            where = "a second set of swap files" if states_on_nvme else "host memory"
-            notes["super_offload"] = ("on: the boundary's host step starts during its backward, kept exactly or "
-                                      f"redone where clipping fires ({bank} counted in {where}, its landing "
-                                      "buffers in device memory)")
-        elif knobs.super_offload is None:
-            spec = [o for o in options if o.speculative]
-            notes["super_offload"] = ("off: it does not hide enough more of the host step to pay for its memory" if
-                                      spec else "off: its second bank of master weights and moments does not fit "
-                                      "in host memory (or its landing buffers in device memory)")
-    if ratio_possible and t.host_s > 0 and knobs.ratio is None:
-        notes["ratio"] = (f"{c.ratio:g}: " + ("the whole optimizer state on the host" if c.ratio == 1.0 else
-                          f"{1 - c.ratio:.0%} of each partition keeps its master weights, moments and gradient on "
-                          "the device (counted in device memory) and is stepped there, beside the host's part")
-                          + f" (tried {', '.join(f'{r:g}' for r in RATIOS)}: the fastest that fits)")
-    share = f"{t.exposed_share:.0%}"
-    notes["step"] = (f"~{t.step_s:.2f} s per optimizer step: {t.compute_s:.2f} s device compute "
-                     f"({t.micro_s:.3f} s per micro-step at {a.gpu_flops / 1e12:.0f} TFLOP/s"
-                     + (f", gradients down at {a.pcie / 1e9:.0f} GB/s" if t.host_s else "")
-                     + (f"; {t.later_micro_s:.3f} s for each later one, the host accumulation"
-                        if t.later_micro_s is not None and t.later_micro_s > t.micro_s else "") + ")"
-                     + (f", host step {t.host_s:.2f} s at {a.host_rate / 1e9:.2f} Gparam/s beside training "
-                        "(fp32 moments)" if t.host_s else "")
-                     + (f" with every state read and written once on NVMe at {a.nvme_read / 1e9:.1f} / "
-                        f"{a.nvme_write / 1e9:.1f} GB/s (read / write; {a.nvme_duplex / 1e9:.1f} GB/s together)"
-                        if t.host_s and on_nvme else "")
-                     + (f"; the host step and the copies leave {share} of the step exposed, the device idle "
-                        "(the engine's recorded step replayed with these times)" if t.host_s else
-                        "; no host step (the optimizer steps on the device)")
-                     + (f" (target {EXPOSED_FRACTION:.0%})" if t.exposed_share > EXPOSED_FRACTION else "")
-                     + f"; ~{t.tokens_per_s:,.0f} tokens/s per rank predicted")
-    return notes

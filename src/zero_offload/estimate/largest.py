@@ -59,8 +59,8 @@ def largest(gpus: int, gpu_memory, host_memory, nvme=None, *, seq_len: int = 102
             allow_bf16_moments: bool = False, **rates) -> Largest | None:
     """The largest GPT-2-shaped model that trains on ``gpus`` ranks with this memory (see the module docstring),
     or None when not even the shallowest model of the narrowest width fits. ``config``, ``allow_stale_step``,
-    ``allow_bf16_masters``, ``allow_bf16_moments``, ``calibration`` and ``rates`` (``gpu_flops``, ``host_adam``, ``pcie``,
-    ``nvme_bandwidth``) go to `plan` as they are.
+    ``allow_bf16_masters``, ``allow_bf16_moments``, ``calibration`` and ``rates`` (``gpu_flops``, ``host_adam``,
+    ``pcie``, ``nvme_bandwidth``) go to `plan` as they are.
 
     Raises:
         ValueError: as `plan` does (a bad size or count).

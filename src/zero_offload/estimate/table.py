@@ -219,8 +219,12 @@ def run_estimate(ns) -> int:
     if plot_path is not None:
         from zero_offload.estimate.plot import check_plot_path
         plot_path = check_plot_path(plot_path)          # before the plan, which can take a while
+    if getattr(ns, "largest", False) and getattr(ns, "longest", False):
+        raise ValueError("give one of --largest (the largest model) and --longest (the longest sequence)")
     if getattr(ns, "largest", False):
         return _run_largest(ns, plot_path)
+    if getattr(ns, "longest", False):
+        return _run_longest(ns, plot_path)
     result, shape = plan_from_args(ns)
     ds = deepspeed_estimates(shape, result.ranks) if not ns.no_deepspeed else None
     print(render(result, shape, ds))
@@ -252,17 +256,8 @@ def plan_from_args(ns) -> tuple[Plan, ModelShape]:
     Raises:
         ValueError: a bad size, count or rate flag (the message names it); what `plan` raises.
     """
-    if ns.hf_config is not None:
-        shape = hf_config_shape(ns.hf_config)
-    elif ns.params is not None:
-        shape = model_shape(parse_count(ns.params))
-    else:
-        shape = model_shape(ns.model or "tiny")
-    machine = this_machine()
-    gpus = ns.gpus if ns.gpus is not None else max(1, machine["gpus"])
-    gpu_mem = parse_size_flag(ns.gpu_mem, "--gpu-mem") if ns.gpu_mem is not None else machine["gpu_memory"]
-    host_mem = parse_size_flag(ns.host_mem, "--host-mem") if ns.host_mem is not None else machine["host_memory"]
-    nvme = parse_size_flag(ns.nvme, "--nvme") if ns.nvme is not None else None
+    shape = _shape_from_args(ns)
+    machine, gpus, gpu_mem, host_mem, nvme = _machine_from_args(ns)
     if gpus < 1:
         raise ValueError(f"--gpus must be >= 1, got {gpus}")
     if ns.seq_len is not None and ns.seq_len < 1:
@@ -282,24 +277,59 @@ def plan_from_args(ns) -> tuple[Plan, ModelShape]:
     return result, shape
 
 
-def _run_largest(ns, plot_path: Path | None = None) -> int:
-    """``zero-offload estimate --largest``: the largest GPT-2-shaped model that trains on the machine described."""
-    from zero_offload.estimate.largest import largest
+def _shape_from_args(ns) -> ModelShape:
+    if ns.hf_config is not None:
+        return hf_config_shape(ns.hf_config)
+    if ns.params is not None:
+        return model_shape(parse_count(ns.params))
+    return model_shape(ns.model or "tiny")
+
+
+def _machine_from_args(ns) -> tuple:
+    """(this machine, ranks, device bytes, host bytes, NVMe bytes or None): the flags, else this machine's."""
     machine = this_machine()
     gpus = ns.gpus if ns.gpus is not None else max(1, machine["gpus"])
     gpu_mem = parse_size_flag(ns.gpu_mem, "--gpu-mem") if ns.gpu_mem is not None else machine["gpu_memory"]
     host_mem = parse_size_flag(ns.host_mem, "--host-mem") if ns.host_mem is not None else machine["host_memory"]
     nvme = parse_size_flag(ns.nvme, "--nvme") if ns.nvme is not None else None
+    return machine, gpus, gpu_mem, host_mem, nvme
+
+
+def _search_kwargs(ns) -> dict:
+    """The plan keywords `largest` and `longest` pass on: the allowances, the calibration and the given rates."""
     rates = {k: v for k, v in (("gpu_flops", parse_rate_flag(ns.gpu_tflops, "--gpu-tflops", 1e12)),
                                ("host_adam", parse_rate_flag(ns.host_adam, "--host-adam")),
                                ("pcie", parse_rate_flag(ns.pcie, "--pcie", 1e9)),
                                ("nvme_bandwidth", parse_rate_flag(getattr(ns, "nvme_gbps", None), "--nvme-gbps",
                                                                   1e9))) if v is not None}
+    return dict(allow_stale_step=getattr(ns, "allow_stale_step", False),
+                allow_bf16_masters=getattr(ns, "allow_bf16_masters", False),
+                allow_bf16_moments=getattr(ns, "allow_bf16_moments", False),
+                calibration=getattr(ns, "calibration", None), **rates)
+
+
+def _run_longest(ns, plot_path: Path | None = None) -> int:
+    """``zero-offload estimate --longest``: the longest sequence the model trains at on the machine described."""
+    from zero_offload.estimate.longest import longest
+    _, gpus, gpu_mem, host_mem, nvme = _machine_from_args(ns)
+    found = longest(_shape_from_args(ns), gpus, gpu_mem, host_mem, nvme, config=ns.config, **_search_kwargs(ns))
+    if found is None:
+        print("not even 1,024 tokens fit this machine")
+        return 1
+    print("\n".join(found.lines()))
+    _write_plot(found.plan, plot_path, f"longest: {found.seq_len:,} tokens, plan {found.plan.name}")
+    if ns.write_config:
+        Path(ns.write_config).write_text(json.dumps(found.plan.config, indent=2) + "\n")
+        print(f"wrote {ns.write_config}")
+    return 0
+
+
+def _run_largest(ns, plot_path: Path | None = None) -> int:
+    """``zero-offload estimate --largest``: the largest GPT-2-shaped model that trains on the machine described."""
+    from zero_offload.estimate.largest import largest
+    _, gpus, gpu_mem, host_mem, nvme = _machine_from_args(ns)
     found = largest(gpus, gpu_mem, host_mem, nvme, seq_len=ns.seq_len or 1024, config=ns.config,
-                    allow_stale_step=getattr(ns, "allow_stale_step", False),
-                    allow_bf16_masters=getattr(ns, "allow_bf16_masters", False),
-                    allow_bf16_moments=getattr(ns, "allow_bf16_moments", False),
-                    calibration=getattr(ns, "calibration", None), **rates)
+                    **_search_kwargs(ns))
     if found is None:
         print("no GPT-2-shaped model fits this machine")
         return 1

@@ -1,0 +1,37 @@
+"""Where a plan keeps each block's activations: kept on the device, recomputed (activation checkpointing), or
+recomputed from inputs kept in host memory (``activation_checkpointing.cpu_checkpointing``,
+`zero_offload.offload.checkpoint_offload`). `zero_offload.estimate.batching` tries each mode the config leaves
+free; the memory model moves the inputs' bytes to the host, and this module charges their copies on PCIe."""
+from __future__ import annotations
+
+import copy
+
+__all__ = ["checkpoint_modes", "with_inputs_on_host", "input_copy_exposure"]
+
+
+def checkpoint_modes(ckpts: list, raw: dict, model_checkpoints: bool) -> list[tuple]:
+    """(checkpointing, inputs on host) pairs to try, the one needing the least device memory last. ``ckpts``: the
+    checkpointing values the planner tries; ``model_checkpoints``: the model's own setting where it is not chosen.
+    A config that sets ``cpu_checkpointing`` keeps it; otherwise host inputs are tried wherever checkpointing is."""
+    given = (raw.get("activation_checkpointing") or {}).get("cpu_checkpointing")
+    checkpointed = [c for c in ckpts if c or (c is None and model_checkpoints)]
+    if given is not None:
+        return [(c, bool(given) and (c or (c is None and model_checkpoints))) for c in ckpts]
+    return [(c, False) for c in ckpts] + [(c, True) for c in checkpointed]
+
+
+def with_inputs_on_host(raw: dict, on_host: bool) -> dict:
+    """``raw`` with ``activation_checkpointing.cpu_checkpointing`` set where the mode keeps inputs on the host."""
+    if not on_host or (raw.get("activation_checkpointing") or {}).get("cpu_checkpointing"):
+        return raw
+    out = copy.deepcopy(raw)
+    out.setdefault("activation_checkpointing", {})["cpu_checkpointing"] = True
+    return out
+
+
+def input_copy_exposure(moved_bytes: int, pcie: float, forward_s: float, backward_s: float) -> tuple[float, float]:
+    """Seconds the checkpoint inputs' copies add to a micro-step's forward and backward: each input goes down on
+    the device-to-host stream beside the forward and comes back on the host-to-device stream beside the backward
+    (other directions than the gradients' and parameters' copies), so only what outlasts that compute shows."""
+    copy_s = moved_bytes / pcie
+    return max(0.0, copy_s - forward_s), max(0.0, copy_s - backward_s)

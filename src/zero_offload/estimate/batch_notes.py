@@ -2,13 +2,9 @@
 why activation checkpointing, the delayed update, super_offload and the offloaded share are on or off."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from zero_offload.config import Config
+from zero_offload.estimate.batch_choice import BatchChoice, Knobs
 from zero_offload.estimate.throughput import EXPOSED_FRACTION, Assumptions
-
-if TYPE_CHECKING:
-    from zero_offload.estimate.batching import BatchChoice, Knobs
 
 __all__ = ["NOTABLE_GAIN", "RATIOS", "explain"]
 

@@ -14,6 +14,16 @@ time it is called; `settle` waits for the rest, bounded: at `zero_offload.comm.D
 interpreter exit (an `atexit` hook: it runs after the engine's host threads have ended and before the
 interpreter finalizes). CUDA tensors are given as they are (NCCL's works end on its own threads; not seen to
 abort, and not measured here).
+
+A script's own collectives are safe once it calls ``destroy_process_group``: that joins the group's workers,
+which then let go with the interpreter alive. Unless something else still holds the group: the functions of
+``torch.distributed.nn.functional`` default to ``group=group.WORLD``, bound when that module is first imported,
+and torch imports it with ``torch._dynamo``, which the first torch optimizer imports -- the engine's, built after
+``init_process_group``. The default group then outlived ``destroy_process_group`` and its workers ran into
+interpreter exit; a worker that let go of the script's own all-reduced tensor there aborted a two-rank script now
+and then (issue 59; BENCHMARKS.md). So that module is imported here, with ``zero_offload``: before the script
+creates its group, its defaults are None. (A script that imports ``zero_offload`` after creating its group, or
+imports that module itself then, still leaves the group held.)
 """
 from __future__ import annotations
 
@@ -23,6 +33,10 @@ import threading
 import time
 
 import torch
+import torch.distributed as dist
+
+if dist.is_available():
+    import torch.distributed.nn.functional  # noqa: F401  (first imported before any group: see above)
 
 __all__ = ["handed", "settle", "pending", "SETTLE_S"]
 

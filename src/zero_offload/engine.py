@@ -23,6 +23,8 @@ from zero_offload.offload.state_offload import StateOffload
 from zero_offload.optim.lr_schedules import build_scheduler
 from zero_offload.precision import LossScaler, is_overflow, training_dtype
 from zero_offload.runtime.stats import StepStats
+from zero_offload.sequence import groups as sequence_groups
+from zero_offload.sequence.loss import sequence_loss
 from zero_offload.runtime.step_timer import StepTimer
 from zero_offload.hoststep.builder import build_partition_optimizer
 from zero_offload.hoststep.pipeline import HostStepPipeline
@@ -90,7 +92,9 @@ class Engine(EngineState):
         if self.config.optimizer is None:   # deepspeed.initialize turns a client optimizer into this section
             raise ConfigError("config key 'optimizer' is missing: zero-offload has no default optimizer; add e.g. "
                               '"optimizer": {"type": "AdamW", "params": {"lr": 0.0003}}')
-        self.batch = self.config.batch_sizes(self.ctx.world_size)
+        # Ulysses: ranks per sequence (ZeRO still partitions over every rank; the replicas are world / size)
+        self.sequence = sequence_groups.initialize(self.config.sequence_parallel_size)
+        self.batch = self.config.batch_sizes(self.ctx.world_size // self.sequence.size)
         if self.config.seed is not None:
             torch.manual_seed(self.config.seed)
         self.dtype = training_dtype(self.config)
@@ -332,6 +336,11 @@ class Engine(EngineState):
     @property
     def world_size(self) -> int:
         return self.ctx.world_size
+
+    def sequence_parallel_loss(self, loss: torch.Tensor, shift_labels: torch.Tensor) -> torch.Tensor:
+        """The whole sequence's mean loss from this rank's shard mean ``loss`` under sequence parallelism, with
+        exact gradients at every ZeRO stage (`zero_offload.sequence.loss.sequence_loss`); ``loss`` itself at size 1."""
+        return sequence_loss(loss, shift_labels, self.sequence, self.config.zero_optimization.stage)
 
     def memory_breakdown(self) -> dict[str, dict]:
         """Bytes held by this rank, by kind and device (see `ZeroOptimizerBase.memory_breakdown`); with

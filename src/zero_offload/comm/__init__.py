@@ -26,8 +26,8 @@ from zero_offload.offload import simulated
 from zero_offload.offload.simulated import SimulatedCollectives
 
 __all__ = ["DistContext", "DoneWork", "CollectiveTimeoutError", "collective_timeout", "deadline", "all_gather_into",
-           "reduce_scatter", "all_to_all", "broadcast", "gather_objects", "broadcast_object", "barrier",
-           "collective_device", "choose_device"]
+           "reduce_scatter", "all_to_all", "all_reduce_sum", "broadcast", "gather_objects", "broadcast_object",
+           "barrier", "collective_device", "choose_device"]
 
 DEFAULT_TIMEOUT_S = 600.0   # 10 minutes: long enough for a slow checkpoint, short enough to notice a stall
 
@@ -145,6 +145,20 @@ def all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_s
     staged_out, staged_in = _on(device, [out, inp])
     dist.all_to_all_single(staged_out, staged_in, out_splits, in_splits, group=group)
     out.copy_(staged_out)
+
+
+def all_reduce_sum(tensor: torch.Tensor, group=None) -> None:
+    """Sum ``tensor`` over ``group``'s ranks in place (synchronous; nothing on a single process). A CPU tensor under
+    an NCCL-only group goes through the current CUDA device (`collective_device`)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return
+    device = collective_device(tensor, group)
+    if device == tensor.device:
+        dist.all_reduce(*handed(tensor), group=group)
+        return
+    staged = tensor.to(device)
+    dist.all_reduce(staged, group=group)
+    tensor.copy_(staged)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group=None) -> None:

@@ -16,8 +16,8 @@ INSTEAD = {
                "deepspeed.utils.set_z3_leaf_modules",
     "compression": "compress with a dedicated library (e.g. torch.ao) after training",
     "inference": "generate with transformers' generate() on engine.module (or vLLM)",
-    "sequence": "sequence parallelism (Ulysses, FPDT) is not built yet; long sequences train with activation "
-                "checkpointing",
+    "sequence": "Megatron-style DistributedAttention and FPDT are not built; Ulysses for Hugging Face models is "
+                "(deepspeed.runtime.sequence_parallel.ulysses_sp, docs/long-sequences.md)",
     "tensor": "train data parallel with ZeRO stage 3 instead of tensor parallelism",
     "data": "use a torch DataLoader instead of DeepSpeed's data-efficiency pipeline",
     "profiler": "use torch.profiler or zero-offload's engine.timings",

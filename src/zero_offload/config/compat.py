@@ -46,7 +46,6 @@ UNBUILT = {
     "fp16.fp16_master_weights_and_grads = true": "master weights are always fp32",
     "torch_autocast.enabled = true": "no autocast regions; use fp16 or bf16",
     "tensor_parallel.autotp_size > 1": "no tensor parallelism (data parallel only)",
-    "sequence_parallel_size > 1": "no sequence parallelism (data parallel only)",
     "data_efficiency.enabled = true": "no curriculum / random-LTD data sampling",
     "weight_quantization": "no quantized weights",
     "compile.deepcompile = true": "DeepCompile's graph passes (ZeRO inside the compiled graph, activation and "
@@ -108,9 +107,8 @@ IGNORED_TOP_LEVEL = {
     "log_level": "zero-offload logs through Python warnings",
     "use_data_before_expert_parallelism": "no expert parallelism",
     "expert_parallel": "no expert parallelism",
-    "seq_parallel_communication_data_type": "no sequence parallelism",
+    "seq_parallel_communication_data_type": "the Ulysses all-to-all moves activations in their own dtype",
     "tensor_parallel": "no tensor parallelism (autotp_size 1 is the same as none)",
-    "sequence_parallel_size": "no sequence parallelism (1 is the same as none)",
     "torch_autocast": "autocast is off (enabled = false), as DeepSpeed's default",
     "data_efficiency": "data efficiency is off (enabled = false)",
 }
@@ -207,8 +205,6 @@ def _refuse_unbuilt(data: dict) -> None:
     tp = data.get("tensor_parallel")
     if isinstance(tp, dict) and int(tp.get("autotp_size", 1) or 1) > 1:
         _refuse("tensor_parallel.autotp_size", tp["autotp_size"], UNBUILT["tensor_parallel.autotp_size > 1"])
-    if int(data.get("sequence_parallel_size", 1) or 1) > 1:
-        _refuse("sequence_parallel_size", data["sequence_parallel_size"], UNBUILT["sequence_parallel_size > 1"])
     de = data.get("data_efficiency")
     if isinstance(de, dict) and de.get("enabled"):
         _refuse("data_efficiency.enabled", True, UNBUILT["data_efficiency.enabled = true"])

@@ -294,6 +294,8 @@ class Config:
         None, "The dtype gradients are reduced in; unset (DeepSpeed's default) reduces in the training dtype.")
     dataloader_drop_last: bool = option(False, "The compat dataloader (zero_offload.deepspeed.initialize "
                                                "with training_data) drops the last incomplete batch.")
+    sequence_parallel_size: int = option(1, "Ranks that share one sequence (Ulysses sequence parallelism; "
+                                            "docs/long-sequences.md); the world size must be a multiple.", min=1)
     seed: int | None = option(None, "Not a DeepSpeed key: seeds torch on every rank when given.")
     fp16: FP16Config = option(factory=FP16Config, help="fp16 mixed precision with loss scaling.")
     bf16: BF16Config = option(factory=BF16Config, help="bf16 mixed precision.")

@@ -113,8 +113,9 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
         ConfigError: no config or two configs, an invalid config (the key is named), or no optimizer at ZeRO
             stage 1 or 2 (DeepSpeed asserts the same; with no optimizer at stage 0 or 3 the engine is a frozen
             model, `FrozenDeepSpeedEngine`, and the returned optimizer is None).
-        ValueError: ``model`` is None, ``mesh_param`` given or an ``mpu`` with model, pipeline or sequence
-            parallelism (`compat.mpu.check_mpu`; an ``mpu`` of plain data parallelism is accepted), an
+        ValueError: ``model`` is None, ``mesh_param`` given or an ``mpu`` with model or pipeline parallelism
+            (`compat.mpu.check_mpu`; one of plain data parallelism, or the Ulysses groups that
+            ``register_with_transformers`` made, is accepted), an
             optimizer that is neither a ``torch.optim`` one nor one of `ops`, or groups of a DeepSpeed class
             that differ in a key kept once per optimizer (``bias_correction``, Lamb's clamps).
     """
@@ -125,8 +126,12 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
                          "zero-offload (data parallel only)")
     raw = _raw_config(args, config, config_params)
     init_distributed(dist_init_required=dist_init_required, distributed_port=distributed_port)
-    if mpu is not None:
-        check_mpu(mpu)
+    sp = check_mpu(mpu) if mpu is not None else 1
+    if sp > 1:      # DeepSpeed takes the sequence-parallel size from the mpu
+        if int(raw.get("sequence_parallel_size", sp) or 1) not in (1, sp):
+            raise ConfigError(f"config key 'sequence_parallel_size' = {raw['sequence_parallel_size']}, but the mpu "
+                              f"passed to deepspeed.initialize has sequence-parallel groups of {sp} ranks")
+        raw["sequence_parallel_size"] = sp
     auto_values: dict = {}
     if optimizer is not None:
         if callable(optimizer) and not isinstance(optimizer, (torch.optim.Optimizer, list, tuple)):

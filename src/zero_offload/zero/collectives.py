@@ -41,7 +41,7 @@ def _prepare(ctx: DistContext, grad: torch.Tensor, averaging: GradAveraging, com
     """Cast ``grad`` to the communication dtype and divide before the sum where that is the place; returns the
     buffer to reduce and the averaging still to do after the sum."""
     comm = grad if comm_dtype is None or grad.dtype == comm_dtype else grad.to(comm_dtype)
-    native = (not averaging.prescale and averaging.predivide == 1.0 and ctx.native_average(comm.dtype))
+    native = averaging.native and ctx.native_average(comm.dtype)
     if native:
         return comm, None
     averaging.before_sum(comm, divide_first)

@@ -1,10 +1,13 @@
-"""``deepspeed.utils.groups``: DeepSpeed's parallel-group queries. zero-offload is data parallel over every rank,
-so the data-parallel group is the world, and model, sequence and expert parallelism have size 1 (their
-groups None), as DeepSpeed answers without an ``mpu``. accelerate and transformers read the sequence-parallel
-ones; the names keep DeepSpeed's leading underscores because callers use them so."""
+"""``deepspeed.utils.groups``: DeepSpeed's parallel-group queries. ZeRO partitions over every rank, so the
+data-parallel group is the world, and model and expert parallelism have size 1 (their groups None), as DeepSpeed
+answers without an ``mpu``. The sequence-parallel ones answer from the Ulysses groups once made
+(`zero_offload.sequence.groups`; size 1 and None before), as DeepSpeed's do from the ``mpu`` it was given.
+accelerate and transformers read them; the names keep DeepSpeed's leading underscores because callers use them so."""
 from __future__ import annotations
 
 import torch.distributed as dist
+
+from zero_offload.sequence import groups as sequence_groups
 
 __all__ = ["initialize", "get_data_parallel_group", "get_data_parallel_world_size", "get_data_parallel_rank",
            "get_model_parallel_group", "get_model_parallel_world_size", "get_model_parallel_rank",
@@ -65,15 +68,18 @@ _get_model_parallel_world_size = get_model_parallel_world_size
 
 
 def _get_sequence_parallel_group():
-    return None
+    made = sequence_groups.current()
+    return made.group if made is not None else None
 
 
 def _get_sequence_parallel_world_size() -> int:
-    return 1
+    made = sequence_groups.current()
+    return made.size if made is not None else 1
 
 
 def _get_sequence_parallel_rank() -> int:
-    return 0
+    made = sequence_groups.current()
+    return made.get_sequence_parallel_rank() if made is not None else 0
 
 
 _get_sequence_data_parallel_group = get_data_parallel_group

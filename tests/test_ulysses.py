@@ -1,0 +1,163 @@
+"""Ulysses sequence parallelism (issue 58, item 3): DeepSpeed's ALST call sequence under the engine, exact against
+plain AdamW on one process over the same global batch; the HF Trainer's own sequence-parallel path under the
+stand-in, against DeepSpeed 0.19.8 itself; and the errors for what cannot work.
+
+The runs (`sp_runs.run`): register Ulysses with transformers, build the model, initialize (ours or
+``deepspeed.initialize(mpu=...)``), wrap the loader in ``UlyssesSPDataLoaderAdapter``, and train with each shard's loss
+combined over the group: `Engine.sequence_parallel_loss` (the token-weighted mean, exact at every stage) or the
+tutorial's differentiable all-gather (exact at stage 3; at stages 0-2 it yields the group size times the gradient,
+under DeepSpeed 0.19.8 as here, because torch's all-gather sums the gradients of every rank's copy).
+"""
+import importlib.util
+
+import pytest
+import torch
+
+import sp_runs
+from dist_utils import run_ranks
+
+pytest.importorskip("transformers")
+TOL = 1e-5
+
+
+def _cases(cases, tmp):
+    return [sp_runs.run(*case[:3], "cpu", *case[3:5], steps=1 if case[5] == "save" else sp_runs.STEPS,
+                        save=f"{tmp}/ckpt" if case[5] == "save" else None,
+                        load=f"{tmp}/ckpt" if case[5] == "load" else None) for case in cases]
+
+
+# (shape, stage, sequence-parallel size, loss, through deepspeed.initialize(mpu=...), checkpoint)
+TWO = [("llama", 2, 2, "engine", False, None), ("llama", 3, 2, "engine", False, None),
+       ("llama", 2, 2, "engine", False, "save"), ("llama", 3, 1, "engine", False, "load"),
+       ("qwen", 3, 2, "alst", True, None), ("llama", 2, 2, "alst", True, None)]
+FOUR = [("llama", 3, 4, "engine", False, None), ("qwen", 2, 2, "engine", False, None)]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("ZERO_OFFLOAD_TIMEOUT_S", "120")
+        return run_ranks(_cases, 2, TWO, str(tmp_path_factory.mktemp("sp2")))
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("ZERO_OFFLOAD_TIMEOUT_S", "120")
+        return run_ranks(_cases, 4, FOUR, str(tmp_path_factory.mktemp("sp4")))
+
+
+def _assert_matches_adamw(results, case: int, shape: str, world: int, sp: int) -> None:
+    ref, ref_losses = sp_runs.reference(shape, world)
+    for rank, runs in enumerate(results):
+        run = runs[case]
+        gap = max((run["params"][n] - v).abs().max().item() for n, v in ref.items())
+        assert gap <= TOL, (rank, gap)
+        # each micro-step's loss is one sample's; a step's mean over its world samples is the reference loss
+        steps = [sum(run["losses"][k * sp:(k + 1) * sp]) / sp for k in range(len(run["losses"]) // sp)]
+        if sp == world:
+            assert steps == pytest.approx(ref_losses[-len(steps):], abs=TOL)
+
+
+@pytest.mark.parametrize("case", [0, 1, 4], ids=["llama-stage2-engine-loss", "llama-stage3-engine-loss",
+                                                 "qwen-kv1-stage3-alst-loss-deepspeed-face"])
+def test_two_rank_sequence_parallel_matches_adamw(two_ranks, case):
+    """Size 2 on 2 ranks with the optimizer offloaded trains the same global batch as AdamW on one process to
+    1e-5: Llama (4 heads, 2 key/value heads) at stages 2 and 3, Qwen2 with one key/value head (replicated to each
+    rank) at stage 3 through ``deepspeed.initialize(mpu=...)`` with the tutorial's loss."""
+    shape, _, sp, *_ = TWO[case]
+    _assert_matches_adamw(two_ranks, case, shape, 2, sp)
+
+
+def test_a_checkpoint_saved_at_size_two_resumes_at_size_one(two_ranks):
+    """Saved after step 1 at sequence-parallel size 2 and stage 2, loaded at size 1 and stage 3 (plain data
+    parallelism, same ranks): step 2 lands on AdamW's parameters after 2 steps."""
+    _assert_matches_adamw(two_ranks, 3, "llama", 2, 1)
+    assert len(two_ranks[0][2]["losses"]) == 2 and len(two_ranks[0][3]["losses"]) == 1
+
+
+def test_the_tutorial_loss_at_stage_two_gives_the_group_size_times_the_gradient(two_ranks):
+    """As under DeepSpeed 0.19.8 (measured: a gradient norm ratio of 2.0 at stage 2, 1.0 at stage 3): the engine
+    follows DeepSpeed's average, the tutorial's loss doubles each rank's share."""
+    exact, tutorial = two_ranks[0][0]["norms"], two_ranks[0][5]["norms"]
+    assert tutorial[0] == pytest.approx(2 * exact[0], rel=1e-5)
+
+
+@pytest.mark.parametrize("case", [0, 1], ids=["llama-kv2-size4-stage3", "qwen-size2-dp2-stage2"])
+def test_four_rank_sequence_parallel_matches_adamw(four_ranks, case):
+    """4 ranks: size 4 at stage 3 (Llama's 2 key/value heads replicated to 4; accumulation 4) and size 2 with 2
+    data-parallel replicas at stage 2 (the gradient averaged over the replicas, summed over the group)."""
+    shape, _, sp, *_ = FOUR[case]
+    _assert_matches_adamw(four_ranks, case, shape, 4, sp)
+
+
+# -- the HF Trainer's own path (accelerate's ParallelismConfig) against DeepSpeed itself --------------------------
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed (the peer) is not installed")
+@pytest.mark.parametrize("shape, stage", [("llama", 3), ("qwen", 2)])
+def test_hf_trainer_sequence_parallel_trains_as_deepspeed(tmp_path, shape, stage):
+    """``TrainingArguments(deepspeed=..., parallelism_config=ParallelismConfig(sp_backend="deepspeed", sp_size=2))``
+    under ``zero-offload run`` and under DeepSpeed 0.19.8 (CPU accelerator): the same losses, weights within 1e-5.
+    transformers computes the loss itself (``deepspeed_sp_compute_loss``) for DeepSpeed's gradient average."""
+    from stand_in_runs import assert_agree, launch
+    args = ("--shape", shape, "--stage", str(stage), "--offload")
+    runs = []
+    for ours in (True, False):
+        (tmp_path / str(ours)).mkdir()
+        runs.append(launch("stand_in_sp_trainer.py", ours, tmp_path / str(ours), 2, *args))
+    assert_agree(*runs, steps=3)
+
+
+# -- what cannot work is refused, naming what is at fault --------------------------------------------------------
+def test_a_size_that_does_not_divide_the_world_names_the_key():
+    import zero_offload
+    from toy_model import make_model
+    config = {"train_micro_batch_size_per_gpu": 1, "sequence_parallel_size": 2,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    with pytest.raises(ValueError, match="sequence_parallel_size = 2 must be a positive divisor of the world size 1"):
+        zero_offload.initialize(make_model(), config)
+
+
+def test_heads_that_do_not_divide_the_size_are_refused():
+    from zero_offload.sequence import UlyssesSPAttentionHF
+    with pytest.raises(ValueError, match="attention head count 6 is not divisible by the sequence-parallel size 4"):
+        UlyssesSPAttentionHF(None, 1, 6, 8, 6, 2, None, True, world_size=4)
+    with pytest.raises(ValueError, match="key/value head count 3 is not divisible"):
+        UlyssesSPAttentionHF(None, 1, 8, 8, 3, 2, None, True, world_size=4)
+
+
+@pytest.mark.parametrize("impl, match", [("eager", "needs a dense 4-D attention mask"),
+                                         ("no_such_attention", "not an attention implementation"),
+                                         ("flash_attention_2", "does not match the model's attn_implementation")])
+def test_register_refuses_an_attention_it_cannot_wrap(impl, match):
+    from zero_offload.sequence import UlyssesSPAttentionHF
+    with pytest.raises(ValueError, match=match):
+        UlyssesSPAttentionHF.register_with_transformers(sp_runs.make_model("llama"), impl, 2, 1)
+
+
+def test_the_adapter_needs_position_ids_and_names_the_key():
+    from zero_offload.sequence import UlyssesSPDataLoaderAdapter
+    batch = sp_runs.sample(0)
+    del batch["position_ids"]
+    with pytest.raises(ValueError, match="every batch needs position_ids"):
+        next(UlyssesSPDataLoaderAdapter([batch], 0, None, 2, "cpu"))
+
+
+def test_an_mpu_with_groups_not_made_here_is_refused():
+    from zero_offload.compat.mpu import check_mpu
+
+    class ForeignMpu:
+        def get_sequence_parallel_world_size(self):
+            return 2
+
+        def get_sequence_parallel_group(self):
+            return object()
+
+    with pytest.raises(ValueError, match="get_sequence_parallel_world_size\\(\\) = 2, but its groups are not"):
+        check_mpu(ForeignMpu())
+
+
+def test_the_exchange_is_its_own_inverse_at_size_one_and_keeps_gradients():
+    from zero_offload.sequence.exchange import gather_sequence, scatter_sequence
+    x = torch.randn(2, 4, 6, 8, requires_grad=True)
+    y = scatter_sequence(gather_sequence(x, None, 1), None, 1)
+    assert y is x

@@ -52,6 +52,9 @@ def _train_parser(sub) -> None:
     p.add_argument("--allow-bf16-moments", action="store_true",
                    help="without --config: let the plan keep Adam's moments in bf16 on the host (DeepSpeed's "
                         "bf16.bf16_optimizer_states; default: fp32 moments)")
+    p.add_argument("--sequence-parallel", type=int, default=d.sequence_parallel, metavar="N",
+                   help="Ulysses sequence parallelism: N ranks share each sequence (the config's "
+                        "sequence_parallel_size; the world size must be a multiple of N; default 1)")
 
 
 def _estimate_parser(sub) -> None:

@@ -337,10 +337,11 @@ class Engine(EngineState):
     def world_size(self) -> int:
         return self.ctx.world_size
 
-    def sequence_parallel_loss(self, loss: torch.Tensor, shift_labels: torch.Tensor) -> torch.Tensor:
+    def sequence_parallel_loss(self, loss: torch.Tensor, shift_labels: torch.Tensor,
+                               ignore_index: int = -100) -> torch.Tensor:
         """The whole sequence's mean loss from this rank's shard mean ``loss`` under sequence parallelism, with
         exact gradients at every ZeRO stage (`zero_offload.sequence.loss.sequence_loss`); ``loss`` itself at size 1."""
-        return sequence_loss(loss, shift_labels, self.sequence, self.config.zero_optimization.stage)
+        return sequence_loss(loss, shift_labels, self.sequence, self.config.zero_optimization.stage, ignore_index)
 
     def memory_breakdown(self) -> dict[str, dict]:
         """Bytes held by this rank, by kind and device (see `ZeroOptimizerBase.memory_breakdown`); with

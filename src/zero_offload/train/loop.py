@@ -16,6 +16,7 @@ from zero_offload.checkpoint.io import write_errors
 from zero_offload.checkpoint.lock import DirectoryLock, LockedError
 from zero_offload.comm import DistContext, barrier, broadcast_object
 from zero_offload.config import Config, ConfigError
+from zero_offload.sequence.gpt import make_sequence_parallel, sequence_parallel_off, shard
 from zero_offload.train.data import prepare_data
 from zero_offload.train.model import GPT, count_parameters, flops_per_token, preset
 from zero_offload.train.planning import choose_config, needs_sharded_init, peak_flops
@@ -46,6 +47,7 @@ class TrainArgs:
     allow_stale_step: bool = False
     allow_bf16_masters: bool = False
     allow_bf16_moments: bool = False
+    sequence_parallel: int = 1
 
 
 def default_config(steps: int, device: torch.device) -> dict:
@@ -87,6 +89,8 @@ def _raw_config(args: TrainArgs, device: torch.device) -> dict:
                           f"optimizer")
     if args.lr is not None:
         raw["optimizer"].setdefault("params", {})["lr"] = args.lr
+    if args.sequence_parallel != 1:
+        raw["sequence_parallel_size"] = args.sequence_parallel
     Config.load(raw)     # a bad override fails here, naming the key
     return raw
 
@@ -129,7 +133,7 @@ def train(args: TrainArgs) -> dict:
         raise choice
     _log(ctx.rank, choice.message)
     config = Config.load(choice.raw)   # a typo in the config costs no data or model work
-    config.batch_sizes(ctx.world_size)
+    config.batch_sizes(ctx.world_size // config.sequence_parallel_size)
     out = Path(args.out)
     lock = _lock_out(out, ctx)
     try:
@@ -177,13 +181,15 @@ def _train(args: TrainArgs, ctx: DistContext, config: Config, choice, out: Path,
                    f"context {seq_len}, {ctx.world_size} rank(s) on {ctx.device.type}")
     wd = config.optimizer.params.weight_decay
     engine = zero_offload.initialize(model, config, model_parameters=model.optimizer_groups(wd))
+    sp = engine.sequence            # Ulysses: the ranks of a group load the same batch and take a shard each
+    make_sequence_parallel(engine.module, sp)
     start = 0
     if args.resume:
         start = engine.load_checkpoint(ckpt_dir)["step"]
         _log(ctx.rank, f"resumed from step {start} ({ckpt_dir})")
     metrics = _Metrics(out, ctx.rank, resume_step=start if args.resume else None)
     micro, gas = engine.train_micro_batch_size_per_gpu, engine.gradient_accumulation_steps
-    tokens_per_step = micro * gas * ctx.world_size * seq_len
+    tokens_per_step = micro * gas * sp.data_parallel_size * seq_len
     flops_token, peak = flops_per_token(model_cfg, seq_len), peak_flops(ctx.device)
     first_val = last_val = None
     if start == 0:
@@ -195,9 +201,11 @@ def _train(args: TrainArgs, ctx: DistContext, config: Config, choice, out: Path,
             t0 = time.perf_counter()
             loss_sum = torch.zeros((), device=ctx.device)
             for k in range(gas):
-                x, y = data.get_batch("train", micro, seq_len, rank=ctx.rank, world_size=ctx.world_size,
-                                      seed=args.seed, step=step * gas + k)
-                _, loss = engine(x.to(ctx.device), y.to(ctx.device))
+                x, y = data.get_batch("train", micro, seq_len, rank=sp.data_parallel_rank,
+                                      world_size=sp.data_parallel_size, seed=args.seed, step=step * gas + k)
+                x, y, positions = shard(x.to(ctx.device), y.to(ctx.device), sp)
+                _, loss = engine(x, y, position_ids=positions)
+                loss = engine.sequence_parallel_loss(loss, y, ignore_index=-1)
                 engine.backward(loss)
                 engine.step()
                 loss_sum += loss.detach().float() / gas
@@ -234,8 +242,9 @@ def _train(args: TrainArgs, ctx: DistContext, config: Config, choice, out: Path,
         if bar is not None:   # on an error too: the message then starts on its own line
             bar.close()
     # Every rank generates (stage 3 gathers parameters collectively); rank 0 writes and prints.
-    text = write_sample(engine.module, data, out / "sample.txt" if ctx.rank == 0 else None, ctx.device,
-                        seed=args.seed)
+    with sequence_parallel_off(engine.module):
+        text = write_sample(engine.module, data, out / "sample.txt" if ctx.rank == 0 else None, ctx.device,
+                            seed=args.seed)
     if ctx.rank == 0:
         plot_losses(out / "metrics.jsonl", out / "loss.png")
         plot_step_times(out / "metrics.jsonl", out / "timeline.png")     # none where no step was timed
@@ -264,12 +273,16 @@ def _prepare(args: TrainArgs, ctx: DistContext, out: Path):
 
 @torch.no_grad()
 def _evaluate(engine, data, micro: int, seq_len: int, ctx: DistContext, seed: int) -> float:
+    """The mean validation loss; whole sequences on every rank (a sequence-parallel group's ranks alike)."""
     engine.module.eval()
     total = torch.zeros((), device=ctx.device)
-    for i in range(EVAL_BATCHES):
-        x, y = data.get_batch("val", micro, seq_len, rank=ctx.rank, world_size=ctx.world_size, seed=seed, step=i)
-        _, loss = engine.module(x.to(ctx.device), y.to(ctx.device))
-        total += loss.float()
+    sp = engine.sequence
+    with sequence_parallel_off(engine.module):
+        for i in range(EVAL_BATCHES):
+            x, y = data.get_batch("val", micro, seq_len, rank=sp.data_parallel_rank,
+                                  world_size=sp.data_parallel_size, seed=seed, step=i)
+            _, loss = engine.module(x.to(ctx.device), y.to(ctx.device))
+            total += loss.float()
     engine.module.train()
     return _mean_over_ranks(total / EVAL_BATCHES, ctx)
 

@@ -33,9 +33,18 @@ __all__ = [
 ]
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
+    """Causal scaled dot-product attention over (B, heads, T, head_dim) tensors."""
+    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+
+
 class CausalSelfAttention(nn.Module):
+    """Causal self-attention; ``attend`` is the core ``(q, k, v, dropout_p) -> y`` on (B, heads, T, head_dim), which
+    a wrapper may replace from outside (sequence parallelism: `zero_offload.sequence.gpt`)."""
+
     def __init__(self, config: GPTConfig):
         super().__init__()
+        self.attend = causal_attention
         self.n_head = config.n_head
         self.dropout = config.dropout
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # q, k, v at once
@@ -47,9 +56,7 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.c_attn(x).split(channels, dim=2)
         # (B, T, C) -> (B, heads, T, head_dim)
         q, k, v = (t.view(batch, seq, self.n_head, -1).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
-        )
+        y = self.attend(q, k, v, self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).contiguous().view(batch, seq, channels)
         return self.resid_dropout(self.c_proj(y))
 
@@ -130,13 +137,15 @@ class GPT(nn.Module):
         return total
 
     def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None, position_ids: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Next-token logits and, given targets, the mean cross-entropy loss.
 
         Args:
             idx: (B, T) integer token ids, T <= block_size.
             targets: optional (B, T) integer token ids; positions equal to -1 are ignored.
+            position_ids: optional (T,) positions of the tokens (default 0..T-1; a shard of a longer sequence
+                passes its own), each < block_size.
         Returns:
             logits: (B, T, vocab_size) in the parameters' dtype.
             loss: scalar fp32 tensor (in nats per token), or None without targets.
@@ -150,7 +159,8 @@ class GPT(nn.Module):
             raise ValueError(
                 f"sequence length {seq_len} exceeds the context length {self.config.block_size}"
             )
-        pos = torch.arange(seq_len, dtype=torch.long, device=idx.device)
+        pos = position_ids if position_ids is not None else torch.arange(seq_len, dtype=torch.long,
+                                                                          device=idx.device)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
         recompute = self.config.activation_checkpointing and self.training and torch.is_grad_enabled()
         for block in self.transformer.h:

@@ -200,3 +200,59 @@ def test_the_gpt_core_refuses_heads_that_do_not_divide():
     model = GPT(preset("tiny"))
     with pytest.raises(ValueError, match="head count \\(4\\) divisible by the sequence-parallel size \\(3\\)"):
         make_sequence_parallel(model, SequenceParallelGroups(3, 3, 0))
+
+
+# -- the memory model --------------------------------------------------------------------------------------------
+def _saved_under_sequence_parallel(kind: str, kv: int):
+    """This rank's bytes autograd saves (unique storages, parameters excluded) for one forward of its shard, and the
+    memory model's count (`decoder_saved_bytes` at the local length plus Ulysses' terms)."""
+    import torch.distributed as dist
+    import transformers
+    from test_decoder_activations import _saved
+    from zero_offload.estimate.decoder_activations import decoder_saved_bytes, decoder_shape
+    from zero_offload.estimate.sequence_activations import decoder_sequence_parallel_extra
+    from zero_offload.sequence import UlyssesSPAttentionHF
+    from zero_offload.sequence.hf_registration import unregister_from_transformers
+    cfg = getattr(transformers, kind + "Config")(vocab_size=512, hidden_size=64, intermediate_size=160,
+                                                 num_attention_heads=4, num_key_value_heads=kv, num_hidden_layers=2,
+                                                 max_position_embeddings=1024, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = getattr(transformers, kind + "ForCausalLM")(cfg).float().train()
+    UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", 2, 2)
+    b, s, rank = 2, 64, dist.get_rank()
+    ids = torch.randint(0, 512, (b, s))[:, rank * 32:(rank + 1) * 32]
+    seen = {}
+    try:
+        _saved(model, lambda: model(input_ids=ids, labels=ids,
+                                    position_ids=torch.arange(rank * 32, (rank + 1) * 32)[None].expand(b, -1)), seen)
+    finally:
+        unregister_from_transformers("sdpa")
+    m = decoder_shape(cfg)
+    predicted = decoder_saved_bytes(m, b, s // 2, 4) + decoder_sequence_parallel_extra(m, b, s, 4, 2, False)
+    return sum(t.untyped_storage().nbytes() for t in seen.values()), predicted
+
+
+@pytest.mark.parametrize("kind, kv", [("Llama", 2), ("Qwen2", 1)])
+def test_saved_activation_bytes_under_sequence_parallel_match_the_model_to_the_byte(kind, kv):
+    """2 ranks of one group, fp32, b=2, s=64: each rank's saved bytes equal the memory model's exactly; with one
+    key/value head (replicated to both ranks) the replicated keys and values are counted too."""
+    for measured, predicted in run_ranks(_saved_under_sequence_parallel, 2, kind, kv):
+        assert measured == predicted
+
+
+def test_the_memory_model_and_longest_count_sequence_parallel_ranks():
+    """``sequence_parallel_size`` P in the config: a rank's activations are those of s/P positions plus Ulysses'
+    terms; ``--longest`` on 8 ranks tries each size and takes the longest (a decoder's logits bound it per rank)."""
+    from zero_offload.estimate import estimate_memory
+    from zero_offload.estimate.longest import longest, sequence_parallel_sizes
+    from zero_offload.estimate.memory import model_shape
+    shape = model_shape(sp_runs.make_model("llama"))
+    base = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            "zero_optimization": {"stage": 3}}
+    one = estimate_memory(shape, base, 2, seq_len=4096).device["activations"]
+    two = estimate_memory(shape, {**base, "sequence_parallel_size": 2}, 2, seq_len=4096).device["activations"]
+    assert one / 2 < two < one
+    assert sequence_parallel_sizes(shape, 8) == [1, 2, 4]          # 4 heads, 2 key/value heads
+    at_one = longest(shape, 1, "1GB", "64GB")
+    at_four = longest(shape, 4, "1GB", "64GB")
+    assert at_four.sequence_parallel == 4 and at_four.seq_len > 3 * at_one.seq_len

@@ -3,6 +3,7 @@ decoder (`zero_offload.estimate.decoder_activations`), for the memory model (`ze
 from __future__ import annotations
 
 from zero_offload.estimate.decoder_activations import DecoderShape, decoder_activation_bytes, decoder_formula
+from zero_offload.estimate.sequence_activations import decoder_sequence_parallel_extra, local_length
 from zero_offload.presets import GPTConfig
 
 __all__ = ["activation_bytes", "activation_formula", "add_decoder_activations", "move_checkpoint_inputs"]
@@ -17,21 +18,26 @@ def activation_formula(checkpointing: bool) -> str:
 
 
 def activation_bytes(gpt: GPTConfig, micro_batch: int, seq_len: int, dtype_bytes: int,
-                     checkpointing: bool | None = None) -> int:
+                     checkpointing: bool | None = None, sequence_parallel: int = 1) -> int:
     """Activation bytes of one forward/backward of a GPT (Korthikanti et al. 2022, Sec. 4.1): per block
     ``s*b*h*(34 + 5*a*s/h)`` bytes of 16-bit activations (scaled by ``d/2`` for fp32); with activation
     checkpointing only each block's input ``s*b*h*d`` is kept, plus one block's activations during its
     recompute; plus the logits ``b*s*V`` in the training dtype and their fp32 loss copy and gradient.
-    s = seq_len, b = micro_batch, h = n_embd, a = n_head, V = vocab, L = n_layer, d = dtype bytes."""
+    s = seq_len, b = micro_batch, h = n_embd, a = n_head, V = vocab, L = n_layer, d = dtype bytes. Under Ulysses
+    of size P (`zero_offload.estimate.sequence_activations`) each rank's tokens are s/P, its attention scores cover
+    the whole sequence for a/P heads, and a block keeps one more copy of its attention output, s/P*b*h*d."""
     s, b, h, a, v, n = seq_len, micro_batch, gpt.n_embd, gpt.n_head, gpt.vocab_size, gpt.n_layer
     ckpt = gpt.activation_checkpointing if checkpointing is None else checkpointing
-    block = int(s * b * h * (34 + 5 * a * s / h) * dtype_bytes / 2)
-    logits = b * s * v * (dtype_bytes + 8)
-    return (n * s * b * h * dtype_bytes + block if ckpt else n * block) + logits
+    local = local_length(s, sequence_parallel)
+    block = int(local * b * h * (34 + 5 * a * s / h) * dtype_bytes / 2)
+    if sequence_parallel > 1:
+        block += local * b * h * dtype_bytes
+    logits = b * local * v * (dtype_bytes + 8)
+    return (n * local * b * h * dtype_bytes + block if ckpt else n * block) + logits
 
 
 def add_decoder_activations(est, decoder: DecoderShape, micro_batch: int, seq_len: int | None, dtype_bytes: int,
-                            checkpointing: bool | None) -> None:
+                            checkpointing: bool | None, sequence_parallel: int = 1) -> None:
     """Add a Llama-family decoder's ``activations`` (device bytes, `decoder_activation_bytes`) and its formula to
     the `MemoryEstimate` ``est``; without ``seq_len`` only a formula line saying they are not counted (a decoder's
     context length is no training length)."""
@@ -40,10 +46,14 @@ def add_decoder_activations(est, decoder: DecoderShape, micro_batch: int, seq_le
                                        f"(estimate_memory(..., seq_len=), plan(..., seq_len=))")
         return
     ckpt = decoder.activation_checkpointing if checkpointing is None else checkpointing
-    est.add("device", "activations", decoder_activation_bytes(decoder, micro_batch, seq_len, dtype_bytes, ckpt))
-    est.formulas["activations"] = (decoder_formula(ckpt) + f" with b={micro_batch}, s={seq_len}, d={dtype_bytes} "
+    p = sequence_parallel
+    local = local_length(seq_len, p)
+    est.add("device", "activations", decoder_activation_bytes(decoder, micro_batch, local, dtype_bytes, ckpt)
+            + decoder_sequence_parallel_extra(decoder, micro_batch, seq_len, dtype_bytes, p, ckpt))
+    ulysses = f" + Ulysses' copies (P={p}: estimate.sequence_activations)" if p > 1 else ""
+    est.formulas["activations"] = (decoder_formula(ckpt) + f" with b={micro_batch}, s={local}, d={dtype_bytes} "
                                    f"({decoder.name}: q={decoder.heads * decoder.head_dim}, "
-                                   f"kv={decoder.kv_heads * decoder.head_dim}, I={decoder.intermediate})")
+                                   f"kv={decoder.kv_heads * decoder.head_dim}, I={decoder.intermediate}){ulysses}")
 
 
 def move_checkpoint_inputs(est, layers: int, tokens: int, hidden: int, dtype_bytes: int, section) -> None:

@@ -6,14 +6,20 @@ block inputs in host memory where that helps: the least device memory a step tak
 device is: the optimizer states, the pinned buffers and the checkpoint inputs moved there. The longest is then
 planned again with every knob but the sequence free, for its config and predicted tokens/s.
 
-What bounds it today: the logits and their loss (``12 * b*s*V`` bytes for a decoder), and each block's recompute;
-sequence-tiled compute and Ulysses sequence parallelism, which lift those bounds, are not in the memory model yet.
+With more than one rank, each Ulysses sequence-parallel size that divides the ranks and the heads is tried
+(`zero_offload.estimate.sequence_activations`: each rank holds ``s / P`` positions); the longest wins, the smaller
+size on a tie. The step model does not charge Ulysses' all-to-alls, so no speed is predicted for a size above 1.
+
+What bounds it: the logits and their loss (``12 * b*s/P*V`` bytes for a decoder) and each block's recompute;
+sequence-tiled compute, which lifts the first, is not in the memory model yet.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
-from zero_offload.estimate.memory import ModelShape
+from zero_offload.config.io import raw_config
+from zero_offload.estimate.memory import ModelShape, default_plan_config
 from zero_offload.estimate.planner import Plan, plan
 
 __all__ = ["Longest", "longest", "STEP", "MAX_TOKENS"]
@@ -24,38 +30,66 @@ MAX_TOKENS = 1 << 24        # 16M tokens: beyond what any single machine holds
 
 @dataclass
 class Longest:
-    """The answer: ``seq_len`` (tokens), and ``plan``, the plan at that length with every other knob free."""
+    """The answer: ``seq_len`` (tokens), ``plan``, the plan at that length with every other knob free, and the
+    Ulysses ``sequence_parallel`` size it needs (1: none)."""
     seq_len: int
     plan: Plan
+    sequence_parallel: int = 1
 
     def lines(self) -> list[str]:
         t = self.plan.batch.timing if self.plan.batch is not None else None
         speed = f", ~{t.tokens_per_s:,.0f} tokens/s per rank predicted" if t is not None else ""
+        if self.sequence_parallel > 1:
+            local = self.seq_len // self.sequence_parallel
+            speed = (f", Ulysses sequence_parallel_size {self.sequence_parallel}: {local:,} tokens per rank; "
+                     f"speed not predicted")
         return [f"longest sequence that trains: {self.seq_len:,} tokens ({self.plan.name}{speed})",
                 self.plan.message()]
 
 
+def sequence_parallel_sizes(shape: ModelShape, gpus: int) -> list[int]:
+    """The Ulysses sizes ``shape`` can run at on ``gpus`` ranks: divisors of ``gpus`` that divide the query heads
+    and divide, or are divided by, the key/value heads."""
+    heads, kv = ((shape.decoder.heads, shape.decoder.kv_heads) if shape.decoder is not None else
+                 (shape.gpt.n_head, shape.gpt.n_head) if shape.gpt is not None else (1, 1))
+    return [p for p in range(1, gpus + 1) if gpus % p == 0 and heads % p == 0 and (kv % p == 0 or p % kv == 0)]
+
+
 def longest(shape: ModelShape, gpus: int, gpu_memory, host_memory, nvme=None, *, config=None,
-            **plan_kw) -> Longest | None:
-    """The longest multiple of `STEP` tokens ``shape`` trains at on ``gpus`` ranks with this memory (module
-    docstring), or None when not even `STEP` tokens fit. ``config`` and ``plan_kw`` (allowances, rates,
-    calibration) go to `plan` as they are.
+            sequence_parallel: int | None = None, **plan_kw) -> Longest | None:
+    """The longest sequence ``shape`` trains at on ``gpus`` ranks with this memory (module docstring), over the
+    Ulysses sizes `sequence_parallel_sizes` allows (or the one given), or None when not even `STEP` tokens fit.
+    ``config`` and ``plan_kw`` (allowances, rates, calibration) go to `plan` as they are.
 
     Raises:
         ValueError: as `plan` does (a bad size or count).
     """
+    best = None
+    for p in [sequence_parallel] if sequence_parallel else sequence_parallel_sizes(shape, gpus):
+        base = config
+        if p > 1:
+            base = dict(raw_config(config) if isinstance(config, str) else config or default_plan_config())
+            base["sequence_parallel_size"] = p
+        found = _longest_at(shape, gpus, gpu_memory, host_memory, nvme, base, STEP if STEP % p == 0 else STEP * p, plan_kw)
+        if found is not None and (best is None or found.seq_len > best.seq_len):
+            best = dataclasses.replace(found, sequence_parallel=p)
+    return best
+
+
+def _longest_at(shape, gpus, gpu_memory, host_memory, nvme, config, step, plan_kw) -> Longest | None:
+    """The longest multiple of ``step`` tokens that fits with ``config`` (None: not even ``step``)."""
     def fits(seq: int) -> bool:
         return plan(shape, gpus, gpu_memory, host_memory, nvme, micro_batch=1, gradient_accumulation=1,
                     seq_len=seq, activation_checkpointing=True, config=config, timed=False, **plan_kw).fits
 
-    if not fits(STEP):
+    if not fits(step):
         return None
-    lo, hi = STEP, 2 * STEP                    # lo fits; find an hi that does not, doubling
+    lo, hi = step, 2 * step                    # lo fits; find an hi that does not, doubling
     while hi <= MAX_TOKENS and fits(hi):
         lo, hi = hi, 2 * hi
-    hi = min(hi, MAX_TOKENS + STEP)
-    while hi - lo > STEP:                      # lo fits, hi does not
-        mid = (lo + hi) // 2 // STEP * STEP
+    hi = min(hi, MAX_TOKENS + step)
+    while hi - lo > step:                      # lo fits, hi does not
+        mid = (lo + hi) // 2 // step * step
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     return Longest(lo, plan(shape, gpus, gpu_memory, host_memory, nvme, seq_len=lo, config=config,
                             activation_checkpointing=True, **plan_kw))

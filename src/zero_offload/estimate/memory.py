@@ -160,12 +160,13 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
     shape = model if isinstance(model, ModelShape) else model_shape(model, muon=cfg.optimizer is not None
                                                                      and cfg.optimizer.type == "Muon")
     zc = cfg.zero_optimization
+    sp = cfg.sequence_parallel_size       # Ulysses: each rank holds seq_len / sp positions
     accelerator = torch.cuda.is_available() if accelerator is None else accelerator
     dtype = training_dtype(cfg)
     d = torch.empty((), dtype=dtype).element_size()
     try:
-        gas = cfg.batch_sizes(world_size).gradient_accumulation_steps
-        micro = cfg.batch_sizes(world_size).micro_batch_per_gpu
+        gas = cfg.batch_sizes(world_size // sp).gradient_accumulation_steps
+        micro = cfg.batch_sizes(world_size // sp).micro_batch_per_gpu
     except Exception:                       # batch keys that do not divide: the engine reports it itself
         gas, micro = cfg.gradient_accumulation_steps or 1, cfg.train_micro_batch_size_per_gpu or 1
     # bf16.bf16_master_weights_and_grads: bf16 masters, and gradient partitions that accumulate in bf16
@@ -398,16 +399,18 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
         s = seq_len or shape.gpt.block_size
         b = micro_batch or micro
         ckpt = shape.gpt.activation_checkpointing if activation_checkpointing is None else activation_checkpointing
-        est.add("device", "activations", activation_bytes(shape.gpt, b, s, d, ckpt))
-        est.formulas["activations"] = activation_formula(ckpt) + f" with b={b}, s={s}, d={d}"
+        est.add("device", "activations", activation_bytes(shape.gpt, b, s, d, ckpt, sp))
+        est.formulas["activations"] = activation_formula(ckpt) + f" with b={b}, s={s}, d={d}" + (
+            f", s/{sp} tokens per rank (Ulysses)" if sp > 1 else "")
         if ckpt:
-            move_checkpoint_inputs(est, shape.gpt.n_layer, b * s, shape.gpt.n_embd, d, cfg.activation_checkpointing)
+            move_checkpoint_inputs(est, shape.gpt.n_layer, b * s // sp, shape.gpt.n_embd, d,
+                                   cfg.activation_checkpointing)
     elif shape.decoder is not None:
-        add_decoder_activations(est, shape.decoder, micro_batch or micro, seq_len, d, activation_checkpointing)
+        add_decoder_activations(est, shape.decoder, micro_batch or micro, seq_len, d, activation_checkpointing, sp)
         if seq_len is not None and (shape.decoder.activation_checkpointing if activation_checkpointing is None
                                     else activation_checkpointing):
-            move_checkpoint_inputs(est, shape.decoder.layers, (micro_batch or micro) * seq_len, shape.decoder.hidden,
-                                   d, cfg.activation_checkpointing)
+            move_checkpoint_inputs(est, shape.decoder.layers, (micro_batch or micro) * seq_len // sp,
+                                   shape.decoder.hidden, d, cfg.activation_checkpointing)
     return est
 
 

@@ -177,7 +177,8 @@ def _knobs(base: dict, user_config: bool, gpus: int, accelerator: bool, shape: M
     without an accelerator nothing is chosen (the host computes: no step model, the config's batch)."""
     # A base config without batch keys leaves them to the plan (without an accelerator: 1 and 1)
     batched = any(k in base for k in ("train_micro_batch_size_per_gpu", "train_batch_size"))
-    sizes = Config.load(base).batch_sizes(gpus) if batched else None
+    parsed = Config.load(base)
+    sizes = parsed.batch_sizes(gpus // parsed.sequence_parallel_size) if batched else None   # replicas under Ulysses
     given = lambda *keys: user_config and any(k in base for k in keys)          # noqa: E731
     fixed = (lambda *keys: given(*keys) or not accelerator) if sizes else (lambda *keys: False)   # noqa: E731
     unset = None if accelerator else 1

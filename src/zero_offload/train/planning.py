@@ -46,7 +46,8 @@ def choose_config(model: GPTConfig, name: str, base: dict, user_config: str | No
             is needed where, and what this machine has) and the `zero-offload estimate` command to run.
     """
     gpu, host = _machine(device)
-    micro = Config.load(base).batch_sizes(world_size).micro_batch_per_gpu
+    base_config = Config.load(base)
+    micro = base_config.batch_sizes(world_size // base_config.sequence_parallel_size).micro_batch_per_gpu
     hint = (f"run `zero-offload estimate --model {name} --seq-len {seq_len} --micro-batch {micro}` "
             f"to see what fits")
     if user_config is None:

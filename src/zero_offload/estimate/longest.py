@@ -70,7 +70,8 @@ def longest(shape: ModelShape, gpus: int, gpu_memory, host_memory, nvme=None, *,
         if p > 1:
             base = dict(raw_config(config) if isinstance(config, str) else config or default_plan_config())
             base["sequence_parallel_size"] = p
-        found = _longest_at(shape, gpus, gpu_memory, host_memory, nvme, base, STEP if STEP % p == 0 else STEP * p, plan_kw)
+        step = STEP if STEP % p == 0 else STEP * p       # lengths the size divides
+        found = _longest_at(shape, gpus, gpu_memory, host_memory, nvme, base, step, plan_kw)
         if found is not None and (best is None or found.seq_len > best.seq_len):
             best = dataclasses.replace(found, sequence_parallel=p)
     return best

@@ -30,10 +30,10 @@ def _batches():
     return [torch.randint(0, SHAPE.vocab_size, (2, SHAPE.block_size + 1), generator=g) for _ in range(STEPS)]
 
 
-def _train(stage: int, offload: bool, model_fn=None, **extra):
+def _train(stage: int, offload: bool, model_fn=None, config_extra: dict | None = None, **extra):
     torch.manual_seed(0)
     model = model_fn() if model_fn else GPT(SHAPE)
-    engine = zero_offload.initialize(model, _config(stage, offload, **extra))
+    engine = zero_offload.initialize(model, {**_config(stage, offload, **extra), **(config_extra or {})})
     losses = []
     try:
         for batch in _batches():
@@ -219,3 +219,23 @@ def test_the_planner_keeps_recomputes_or_moves_the_block_inputs():
     assert tight.batch.timing.tokens_per_s > 2 * without.batch.timing.tokens_per_s
     roomy = zero_offload.plan(deep, gpu_memory="80GB", host_memory="128GiB", seq_len=2048)
     assert not roomy.batch.inputs_on_host and "activation_checkpointing" not in roomy.config
+
+
+def _hf_llama_offload():
+    """transformers 5's own ``activation_checkpointing_enable(offload=True)`` (save_on_cpu around each checkpoint)."""
+    model = _hf_llama()
+    model.activation_checkpointing_enable(offload=True)
+    return model
+
+
+def test_transformers_own_offload_takes_the_engines_path():
+    """Under the engine, the layers' save_on_cpu wrapper is replaced by the plain checkpoint and the engine moves
+    the same inputs on its copy streams: bitwise the same training as plain checkpointing, every block input but
+    the last moved each step, with no config key."""
+    from zero_offload.offload.hf_checkpoint_offload import _is_hf_offload
+    assert _is_hf_offload(_hf_llama_offload().model.layers[0]._gradient_checkpointing_func)
+    plain = _train(3, False, _hf_llama)
+    taken = _train(3, False, _hf_llama_offload,
+                   config_extra={"activation_checkpointing": {"cpu_checkpointing_min_bytes": 0}})
+    assert _bitwise(plain, taken)
+    assert taken[2] is not None and taken[2].counts.offloaded == (LAYERS - 1) * STEPS

@@ -17,7 +17,7 @@ from zero_offload.comm import DistContext, deadline
 from zero_offload.runtime.compiling import compile_module
 from zero_offload.config import AutoContext, Config, ConfigError
 from zero_offload.engine_state import EngineState
-from zero_offload.offload import checkpoint_offload
+from zero_offload.offload import checkpoint_offload, hf_checkpoint_offload
 from zero_offload.offload.copies import make_copies
 from zero_offload.offload.state_offload import StateOffload
 from zero_offload.optim.lr_schedules import build_scheduler
@@ -142,9 +142,11 @@ class Engine(EngineState):
         ac = self.config.activation_checkpointing
         # activation_checkpointing.cpu_checkpointing (or deepspeed.checkpointing.configure(checkpoint_in_cpu=True)):
         # the inputs of checkpointed layers wait in host memory; `checkpoint_offload.counts` says what moved.
+        # transformers' activation_checkpointing_enable(offload=True) takes the same path (`hf_checkpoint_offload`)
+        hf_offload = hf_checkpoint_offload.take_over(self.module)
         self.checkpoint_offload = (checkpoint_offload.CheckpointOffload(
             make_copies(self.device), ac.cpu_checkpointing_min_bytes, ac.cpu_checkpointing_prefetch)
-            if ac.cpu_checkpointing or checkpoint_offload.requested() else None)
+            if ac.cpu_checkpointing or checkpoint_offload.requested() or hf_offload else None)
         self._is_compiled = False
 
     # -- the public step loop ----------------------------------------------------------------------------

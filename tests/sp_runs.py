@@ -19,14 +19,29 @@ SHAPES = {  # (config class, heads, key/value heads): Llama with GQA 4/2; Qwen2 
 }
 
 
-def make_model(shape: str):
+def _tiled_mlp_forward(self, x):
+    """LlamaMLP's forward, two tiles of the sequence at a time (DeepSpeed's ALST recipe patches it so)."""
+    from zero_offload.tiling import TiledMLP
+
+    def mlp(module, tile):
+        return module.down_proj(module.act_fn(module.gate_proj(tile)) * module.up_proj(tile))
+    return TiledMLP.apply(mlp, self, x, 2, [self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight])
+
+
+def make_model(shape: str, checkpointing: bool = False, tiled: bool = False):
     import transformers
     cls, heads, kv = SHAPES[shape]
     config = getattr(transformers, cls)(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                                         num_attention_heads=heads, num_key_value_heads=kv,
                                         max_position_embeddings=64, tie_word_embeddings=False)
     torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float()
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float()
+    if checkpointing:               # transformers' own offload: the engine moves the block inputs (docs)
+        model.activation_checkpointing_enable(offload=True)
+    if tiled:                       # every MLP sequence-tiled (item 2 under Ulysses)
+        for layer in model.model.layers:
+            layer.mlp.forward = _tiled_mlp_forward.__get__(layer.mlp)
+    return model
 
 
 def sample(index: int) -> dict:
@@ -52,13 +67,16 @@ def reference(shape: str, world: int, steps: int = STEPS) -> tuple[dict, list[fl
     return {n: p.detach().clone() for n, p in model.named_parameters()}, losses
 
 
-def config(stage: int, sp: int, offload: str) -> dict:
+def config(stage: int, sp: int, offload: str, checkpointing: bool = False) -> dict:
     zero = {"stage": stage, "reduce_bucket_size": 4000, "offload_optimizer": {"device": offload}}
     if stage == 3:
         zero.update(stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=2000)
-    return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": sp, "sequence_parallel_size": sp,
-            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
-            "zero_optimization": zero}
+    out = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": sp, "sequence_parallel_size": sp,
+           "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
+           "zero_optimization": zero}
+    if checkpointing:               # the tiny model's block inputs are far below the default threshold
+        out["activation_checkpointing"] = {"cpu_checkpointing_min_bytes": 0}
+    return out
 
 
 def alst_loss(loss, shift_labels, group, size):
@@ -71,10 +89,13 @@ def alst_loss(loss, shift_labels, group, size):
 
 
 def run(shape: str, stage: int, sp: int, offload: str = "cpu", loss_style: str = "engine", face: bool = False,
-        steps: int = STEPS, save: str | None = None, load: str | None = None) -> dict:
+        steps: int = STEPS, save: str | None = None, load: str | None = None, checkpointing: bool = False,
+        tiled: bool = False) -> dict:
     """One rank's run: the tutorial's call sequence (register, build, initialize, adapter, loop); returns the
     losses, the parameters after the last step and each step's gradient norm. ``load``: resume from that checkpoint
-    directory first (its steps are skipped in the data); ``save``: write one there at the end."""
+    directory first (its steps are skipped in the data); ``save``: write one there at the end; ``checkpointing``:
+    transformers' activation checkpointing with ``offload=True`` (block inputs in host memory, items 1 and 3);
+    ``tiled``: the MLPs sequence-tiled."""
     import zero_offload
     from zero_offload.deepspeed.runtime.sequence_parallel.ulysses_sp import (UlyssesSPAttentionHF,
                                                                              UlyssesSPDataLoaderAdapter)
@@ -84,15 +105,15 @@ def run(shape: str, stage: int, sp: int, offload: str = "cpu", loss_style: str =
                                                           core_attn_implementation="sdpa",
                                                           sequence_parallel_size=sp, micro_batch_size=1)
     try:
-        model = make_model(shape)
+        model = make_model(shape, checkpointing, tiled)
         if face:
             import zero_offload.deepspeed as deepspeed
-            cfg = config(stage, sp, offload)
+            cfg = config(stage, sp, offload, checkpointing)
             cfg.pop("sequence_parallel_size")           # the mpu says it
             engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg, mpu=mpu)
             inner = engine.engine if hasattr(engine, "engine") else engine
         else:
-            engine = inner = zero_offload.initialize(model, config(stage, sp, offload))
+            engine = inner = zero_offload.initialize(model, config(stage, sp, offload, checkpointing))
         start = 0
         if load:
             inner.load_checkpoint(load)
@@ -102,6 +123,7 @@ def run(shape: str, stage: int, sp: int, offload: str = "cpu", loss_style: str =
             loader = UlyssesSPDataLoaderAdapter(loader, sp_rank=mpu.get_sequence_parallel_rank(),
                                                 sp_group=mpu.get_sequence_parallel_group(), sp_world_size=sp,
                                                 device="cpu")
+        moved = inner.checkpoint_offload
         losses, norms = [], []
         for micro, batch in enumerate(loader):
             if sp == 1:
@@ -123,6 +145,7 @@ def run(shape: str, stage: int, sp: int, offload: str = "cpu", loss_style: str =
             inner.save_checkpoint(save)
         params = {n: p.detach().clone() for n, p in inner.full_state_dict().items()}
         inner.close()
-        return {"losses": losses, "params": params, "norms": norms}
+        return {"losses": losses, "params": params, "norms": norms,
+                "offloaded": moved.counts.offloaded if moved is not None else 0}
     finally:
         unregister_from_transformers("sdpa")

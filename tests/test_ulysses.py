@@ -23,14 +23,17 @@ TOL = 1e-5
 def _cases(cases, tmp):
     return [sp_runs.run(*case[:3], "cpu", *case[3:5], steps=1 if case[5] == "save" else sp_runs.STEPS,
                         save=f"{tmp}/ckpt" if case[5] == "save" else None,
-                        load=f"{tmp}/ckpt" if case[5] == "load" else None) for case in cases]
+                        load=f"{tmp}/ckpt" if case[5] == "load" else None, checkpointing=case[5] == "ckpt",
+                        tiled=case[5] == "tiled")
+            for case in cases]
 
 
 # (shape, stage, sequence-parallel size, loss, through deepspeed.initialize(mpu=...), checkpoint)
 TWO = [("llama", 2, 2, "engine", False, None), ("llama", 3, 2, "engine", False, None),
        ("llama", 2, 2, "engine", False, "save"), ("llama", 3, 1, "engine", False, "load"),
-       ("qwen", 3, 2, "alst", True, None), ("llama", 2, 2, "alst", True, None)]
-FOUR = [("llama", 3, 4, "engine", False, None), ("qwen", 2, 2, "engine", False, None)]
+       ("qwen", 3, 2, "alst", True, None), ("llama", 2, 2, "alst", True, None),
+       ("llama", 3, 2, "engine", False, "tiled")]
+FOUR = [("llama", 3, 4, "engine", False, None), ("qwen", 2, 2, "engine", False, "ckpt")]
 
 
 @pytest.fixture(scope="module")
@@ -59,12 +62,13 @@ def _assert_matches_adamw(results, case: int, shape: str, world: int, sp: int) -
             assert steps == pytest.approx(ref_losses[-len(steps):], abs=TOL)
 
 
-@pytest.mark.parametrize("case", [0, 1, 4], ids=["llama-stage2-engine-loss", "llama-stage3-engine-loss",
-                                                 "qwen-kv1-stage3-alst-loss-deepspeed-face"])
+@pytest.mark.parametrize("case", [0, 1, 4, 6], ids=["llama-stage2-engine-loss", "llama-stage3-engine-loss",
+                                                    "qwen-kv1-stage3-alst-loss-deepspeed-face", "llama-stage3-tiled-mlp"])
 def test_two_rank_sequence_parallel_matches_adamw(two_ranks, case):
     """Size 2 on 2 ranks with the optimizer offloaded trains the same global batch as AdamW on one process to
     1e-5: Llama (4 heads, 2 key/value heads) at stages 2 and 3, Qwen2 with one key/value head (replicated to each
-    rank) at stage 3 through ``deepspeed.initialize(mpu=...)`` with the tutorial's loss."""
+    rank) at stage 3 through ``deepspeed.initialize(mpu=...)`` with the tutorial's loss, and Llama with every MLP
+    sequence-tiled (``TiledMLP``, 2 tiles of each shard) at stage 3."""
     shape, _, sp, *_ = TWO[case]
     _assert_matches_adamw(two_ranks, case, shape, 2, sp)
 
@@ -83,12 +87,15 @@ def test_the_tutorial_loss_at_stage_two_gives_the_group_size_times_the_gradient(
     assert tutorial[0] == pytest.approx(2 * exact[0], rel=1e-5)
 
 
-@pytest.mark.parametrize("case", [0, 1], ids=["llama-kv2-size4-stage3", "qwen-size2-dp2-stage2"])
+@pytest.mark.parametrize("case", [0, 1], ids=["llama-kv2-size4-stage3", "qwen-size2-dp2-stage2-checkpoints-on-host"])
 def test_four_rank_sequence_parallel_matches_adamw(four_ranks, case):
     """4 ranks: size 4 at stage 3 (Llama's 2 key/value heads replicated to 4; accumulation 4) and size 2 with 2
-    data-parallel replicas at stage 2 (the gradient averaged over the replicas, summed over the group)."""
+    data-parallel replicas at stage 2 (the gradient averaged over the replicas, summed over the group) with
+    transformers' activation checkpointing, ``offload=True``: the block inputs of every shard in host memory."""
     shape, _, sp, *_ = FOUR[case]
     _assert_matches_adamw(four_ranks, case, shape, 4, sp)
+    if FOUR[case][5] == "ckpt":
+        assert all(runs[case]["offloaded"] > 0 for runs in four_ranks)
 
 
 # -- the HF Trainer's own path (accelerate's ParallelismConfig) against DeepSpeed itself --------------------------

@@ -62,8 +62,11 @@ def _assert_matches_adamw(results, case: int, shape: str, world: int, sp: int) -
             assert steps == pytest.approx(ref_losses[-len(steps):], abs=TOL)
 
 
-@pytest.mark.parametrize("case", [0, 1, 4, 6], ids=["llama-stage2-engine-loss", "llama-stage3-engine-loss",
-                                                    "qwen-kv1-stage3-alst-loss-deepspeed-face", "llama-stage3-tiled-mlp"])
+TWO_IDS = ["llama-stage2-engine-loss", "llama-stage3-engine-loss", "qwen-kv1-stage3-alst-loss-deepspeed-face",
+           "llama-stage3-tiled-mlp"]
+
+
+@pytest.mark.parametrize("case", [0, 1, 4, 6], ids=TWO_IDS)
 def test_two_rank_sequence_parallel_matches_adamw(two_ranks, case):
     """Size 2 on 2 ranks with the optimizer offloaded trains the same global batch as AdamW on one process to
     1e-5: Llama (4 heads, 2 key/value heads) at stages 2 and 3, Qwen2 with one key/value head (replicated to each

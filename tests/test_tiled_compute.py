@@ -18,6 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import tiled_runs
+import zero_offload
 from dist_utils import run_ranks
 from zero_offload.compat.unbuilt import NotBuiltError
 from zero_offload.tiling import (SequenceTiledCompute, SharedGradientError, TiledFusedLogitsLoss, TiledMLP,
@@ -218,6 +219,7 @@ _DEEPSPEED = """
 import sys, torch
 sys.path[:0] = [{src!r}, {tests!r}]
 import tiled_runs
+import zero_offload
 from deepspeed.runtime.sequence_parallel import ulysses_sp
 torch.save(tiled_runs.conformance(ulysses_sp), {out!r})
 """
@@ -347,3 +349,21 @@ def test_engine_reduces_each_gradient_once(engine_results, stage):
 
 def test_agree_tile_count_is_the_largest_any_rank_asks_for(engine_results):
     assert [agreed for _, agreed in engine_results] == [3, 3]      # rank 0 asked for 2, rank 1 for 3
+
+
+def test_tiles_run_without_autograd_leave_the_evaluation_trace_alone():
+    """At stage 3 a tiled forward fetches its modules without autograd inside a training step; those fetches are
+    no evaluation's, so the evaluation trace (never restarted without an evaluation) stays empty instead of
+    growing by every step's tiles (12 entries a step before), and an evaluation forward records its own."""
+    engine = zero_offload.initialize(tiled_runs.make_model(3, None), tiled_runs.config(3))
+    schedule = engine.zero.lifecycle.schedule
+    try:
+        for step in range(3):
+            engine.backward(engine(*tiled_runs.batch(step, 0, 10)))
+            engine.step()
+            assert schedule.eval.order == []
+        with torch.no_grad():
+            engine(*tiled_runs.batch(0, 0, 10))
+        assert schedule.eval.order and not schedule.in_eval
+    finally:
+        engine.close()

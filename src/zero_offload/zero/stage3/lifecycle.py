@@ -213,6 +213,8 @@ class UnitLifecycle:
 
     def root_post_forward(self, module, args, output) -> None:
         self.stray_reads.leave()
+        if not self.held and not torch.is_grad_enabled():
+            self.schedule.end_eval_forward()
 
     def _on_stray(self, u: ShardedUnit) -> None:
         """``u``'s parameter is read in the root's forward outside its module's: fetch it now, and from the next

@@ -4,7 +4,9 @@ A policy with no side effects on the units (DeepSpeed's ``PartitionedParameterCo
 forward order): `UnitLifecycle` tells it each fetch and asks what to gather ahead and whether a unit comes back soon
 enough to stay gathered. If the order changes (data-dependent control flow), replaying stops with one warning and
 every unit is fetched on demand: the results stay exact. Forwards without autograd (evaluation, each token of
-``generate()``) keep a trace of their own, so that they prefetch too.
+``generate()``) keep a trace of their own, so that they prefetch too. A fetch without autograd inside a training
+step (a sequence-tiled forward runs its tiles so) belongs to neither: it is fetched on demand and recorded nowhere,
+else the evaluation trace, never restarted without an evaluation, would grow by every step's tiles.
 """
 from __future__ import annotations
 
@@ -68,6 +70,7 @@ class FetchSchedule:
         self.units = units
         self.prefetch_numel, self.max_live_numel, self.reuse_distance = prefetch_numel, max_live_numel, reuse_distance
         self.train, self.eval = Trace(), Trace()
+        self.in_eval = False                      # an evaluation forward (no autograd, from the root) runs
         self.next_use: list[int] = []             # per trace position: elements fetched until the unit recurs
         self.last_position: dict[int, int] = {}   # unit index -> its latest position in this micro-step's replay
 
@@ -86,9 +89,15 @@ class FetchSchedule:
 
     def begin_eval_forward(self) -> None:
         self.eval.restart()
+        self.in_eval = True
+
+    def end_eval_forward(self) -> None:
+        self.in_eval = False
 
     def follow(self, u: ShardedUnit, training: bool) -> None:
         """``u`` is fetched now, in a training pass (forward or backward) or an evaluation forward."""
+        if not training and not self.in_eval:
+            return                                # no autograd inside a training step: on demand, unrecorded
         trace = self.train if training else self.eval
         position = trace.position
         if trace.follow(u.index):
@@ -101,6 +110,8 @@ class FetchSchedule:
 
     def upcoming(self, training: bool) -> list[ShardedUnit]:
         """The units the replay fetches next, in order (empty when not replaying)."""
+        if not training and not self.in_eval:
+            return []
         return [self.units[i] for i in (self.train if training else self.eval).upcoming()]
 
     def to_prefetch(self, upcoming: list[ShardedUnit], live_numel: int) -> list[int]:

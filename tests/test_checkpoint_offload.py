@@ -239,3 +239,55 @@ def test_transformers_own_offload_takes_the_engines_path():
                    config_extra={"activation_checkpointing": {"cpu_checkpointing_min_bytes": 0}})
     assert _bitwise(plain, taken)
     assert taken[2] is not None and taken[2].counts.offloaded == (LAYERS - 1) * STEPS
+
+
+def _hf_llama_every_other():
+    """Blocks 0 and 2 checkpointed, 1 and 3 keeping their activations (transformers' ``every_n_layers``)."""
+    model = _hf_llama()
+    model.activation_checkpointing_enable(every_n_layers=2)
+    return model
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_whole_blocks_activations_in_host_memory_are_bitwise_the_same(stage):
+    """``cpu_layers`` 2 (the second mode): blocks 0 and 1 keep every activation they save in host memory; with
+    block 0 checkpointed and block 1 not, block 1's activations move whole (not recomputed) and block 0's input
+    moves as a checkpoint input. Bitwise the same training as on the device, under simulated streams too; the
+    breakdown shows the host bytes of each kind."""
+    with simulated.forced(delay_s=1e-3):
+        plain = _train(stage, False, _hf_llama_every_other)
+        moved = _train(stage, False, _hf_llama_every_other, config_extra={"activation_checkpointing": {
+            "cpu_layers": 2, "cpu_checkpointing_min_bytes": 0}})
+    assert _bitwise(plain, moved)
+    layer = moved[2].layer_counts
+    assert layer.offloaded > 0 and layer.bytes_up >= layer.bytes_down > 0 and layer.pool_bytes > 0
+    assert moved[2].counts.offloaded == 0          # no cpu_checkpointing: checkpoint inputs stay
+
+
+def test_cpu_layers_beyond_the_blocks_names_the_key():
+    with pytest.raises(ValueError, match="'activation_checkpointing.cpu_layers' = 9, but the model has 4 blocks"):
+        _train(2, False, _hf_llama_every_other, config_extra={"activation_checkpointing": {"cpu_layers": 9}})
+
+
+def test_the_memory_model_moves_cpu_layers_blocks_to_the_host():
+    """``cpu_layers`` 2 on a Llama not checkpointed: the estimate moves 2 blocks' saved bytes (unique storages) from
+    the device's activations to the host's ``layer_activations``; the engine's pool holds 0.9-1.25 of that (a
+    storage two ops save moves twice; non-contiguous views stay on the device)."""
+    from zero_offload.estimate import estimate_memory
+    from zero_offload.estimate.decoder_activations import decoder_block_bytes, decoder_shape
+    section = {"cpu_layers": 2, "cpu_checkpointing_min_bytes": 0}
+
+    def no_checkpointing():
+        m = _hf_llama()
+        getattr(m, "activation_checkpointing_disable", m.gradient_checkpointing_disable)()
+        return m
+    model = no_checkpointing()
+    base = _config(2, False)
+    est = estimate_memory(model, base, micro_batch=2, seq_len=SHAPE.block_size, accelerator=False)
+    moved = estimate_memory(model, {**base, "activation_checkpointing": section}, micro_batch=2,
+                            seq_len=SHAPE.block_size, accelerator=False)
+    block = decoder_block_bytes(decoder_shape(model.config), 2 * SHAPE.block_size, 4)
+    assert moved.host["layer_activations"] == 2 * block
+    assert est.device["activations"] - moved.device["activations"] == 2 * block
+    engine_run = _train(2, False, no_checkpointing, config_extra={"activation_checkpointing": section})
+    assert 0.9 * 2 * block <= engine_run[2].layer_counts.pool_bytes <= 1.25 * 2 * block

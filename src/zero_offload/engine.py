@@ -17,7 +17,7 @@ from zero_offload.comm import DistContext, deadline
 from zero_offload.runtime.compiling import compile_module
 from zero_offload.config import AutoContext, Config, ConfigError
 from zero_offload.engine_state import EngineState
-from zero_offload.offload import checkpoint_offload, hf_checkpoint_offload
+from zero_offload.offload import checkpoint_offload
 from zero_offload.offload.copies import make_copies
 from zero_offload.offload.state_offload import StateOffload
 from zero_offload.optim.lr_schedules import build_scheduler
@@ -139,14 +139,10 @@ class Engine(EngineState):
         self._counters = self.zero.counters()
         self._closed = False
         self._states = StateOffload(self.ctx.device)      # offload_states / reload_states
-        ac = self.config.activation_checkpointing
-        # activation_checkpointing.cpu_checkpointing (or deepspeed.checkpointing.configure(checkpoint_in_cpu=True)):
-        # the inputs of checkpointed layers wait in host memory; `checkpoint_offload.counts` says what moved.
-        # transformers' activation_checkpointing_enable(offload=True) takes the same path (`hf_checkpoint_offload`)
-        hf_offload = hf_checkpoint_offload.take_over(self.module)
-        self.checkpoint_offload = (checkpoint_offload.CheckpointOffload(
-            make_copies(self.device), ac.cpu_checkpointing_min_bytes, ac.cpu_checkpointing_prefetch)
-            if ac.cpu_checkpointing or checkpoint_offload.requested() or hf_offload else None)
+        # cpu_checkpointing (or DeepSpeed's checkpoint_in_cpu, or transformers' offload=True): checkpoint inputs wait
+        # in host memory; cpu_layers: whole blocks' activations too (`checkpoint_offload.for_engine`)
+        self.checkpoint_offload = checkpoint_offload.for_engine(self.config.activation_checkpointing, self.module,
+                                                                make_copies(self.device))
         self._is_compiled = False
 
     # -- the public step loop ----------------------------------------------------------------------------
@@ -347,11 +343,14 @@ class Engine(EngineState):
 
     def memory_breakdown(self) -> dict[str, dict]:
         """Bytes held by this rank, by kind and device (see `ZeroOptimizerBase.memory_breakdown`); with
-        ``cpu_checkpointing`` the host buffers of checkpoint inputs too (``checkpoint_inputs``)."""
+        ``cpu_checkpointing`` the host buffers of checkpoint inputs too (``checkpoint_inputs``), with ``cpu_layers``
+        those of the blocks' activations (``layer_activations``)."""
         out = self.zero.memory_breakdown()
-        if self.checkpoint_offload is not None and self.checkpoint_offload.counts.pool_bytes:
-            nbytes = self.checkpoint_offload.counts.pool_bytes
-            out["checkpoint_inputs"] = {"bytes": nbytes, "numel": nbytes, "side": "host"}
+        offload = self.checkpoint_offload
+        for kind, counts in (("checkpoint_inputs", offload and offload.counts),
+                             ("layer_activations", offload and offload.layer_counts)):
+            if counts and counts.pool_bytes:
+                out[kind] = {"bytes": counts.pool_bytes, "numel": counts.pool_bytes, "side": "host"}
         return out
 
     @property

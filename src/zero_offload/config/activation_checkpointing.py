@@ -22,3 +22,8 @@ class ActivationCheckpointingConfig:
                                                        "(bytes) stay on the device.", min=0)
     cpu_checkpointing_prefetch: int = option(2, "Not a DeepSpeed key: copies up queued ahead of backward's need.",
                                              min=1)
+    cpu_layers: int = option(0, "Not a DeepSpeed key: the first N blocks of the model (the entries of its longest "
+                                "ModuleList) keep every activation they save in pinned host memory instead of on the "
+                                "device, copied on copy streams, not recomputed; for blocks that are not "
+                                "checkpointed (transformers' every_n_layers); bitwise the same "
+                                "(zero_offload.offload.checkpoint_offload).", min=0)

@@ -6,7 +6,8 @@ from zero_offload.estimate.decoder_activations import DecoderShape, decoder_acti
 from zero_offload.estimate.sequence_activations import decoder_sequence_parallel_extra, local_length
 from zero_offload.presets import GPTConfig
 
-__all__ = ["activation_bytes", "activation_formula", "add_decoder_activations", "move_checkpoint_inputs"]
+__all__ = ["activation_bytes", "activation_formula", "add_decoder_activations", "move_checkpoint_inputs",
+           "move_layer_activations"]
 
 
 def activation_formula(checkpointing: bool) -> str:
@@ -68,3 +69,16 @@ def move_checkpoint_inputs(est, layers: int, tokens: int, hidden: int, dtype_byt
     est.add("device", "activations", -moved)
     est.add("host", "checkpoint_inputs", moved)
     est.formulas["checkpoint_inputs"] = "(L - 1) * b*s*h*d: every block input but the last, in host memory"
+
+
+def move_layer_activations(est, block_bytes: int, checkpointing: bool, section) -> None:
+    """With ``activation_checkpointing.cpu_layers`` N (``section``) and the blocks not checkpointed: N blocks' saved
+    activations, ``N * block_bytes``, move from the device's ``activations`` to the host's ``layer_activations``
+    (`zero_offload.offload.checkpoint_offload.keep_layers`). A checkpointed block saves only its input, which is
+    ``cpu_checkpointing``'s to move, so nothing moves then."""
+    if not section.cpu_layers or checkpointing:
+        return
+    moved = section.cpu_layers * block_bytes
+    est.add("device", "activations", -moved)
+    est.add("host", "layer_activations", moved)
+    est.formulas["layer_activations"] = f"{section.cpu_layers} blocks' saved activations in host memory (cpu_layers)"

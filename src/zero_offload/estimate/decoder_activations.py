@@ -37,7 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = ["DecoderShape", "DECODER_TYPES", "decoder_shape", "decoder_saved_bytes", "decoder_activation_bytes",
-           "decoder_formula"]
+           "decoder_formula", "decoder_block_bytes"]
 
 # transformers' ``model_type`` of the decoders whose blocks are Llama's (RMSNorm, rotary, GQA, SwiGLU); Qwen2's
 # q/k/v biases save nothing more.
@@ -90,6 +90,11 @@ def _block(m: DecoderShape, t: int, d: int) -> int:
     norms = 2 * (4 * t * m.hidden + 4 * t + 2 * d * t * m.hidden)
     attention = d * t * (2 * q + 2 * kv) + 4 * t * m.heads
     return norms + attention + 4 * d * t * m.intermediate
+
+
+def decoder_block_bytes(m: DecoderShape, tokens: int, dtype_bytes: int) -> int:
+    """Bytes one block saves for ``tokens`` tokens in a dtype of ``dtype_bytes`` (not checkpointed)."""
+    return _block(m, tokens, dtype_bytes)
 
 
 def _recomputed_block(m: DecoderShape, t: int, d: int) -> int:

@@ -28,7 +28,8 @@ from zero_offload.hoststep.grad_stream import SLOTS
 from zero_offload.offload.staging_ring import ring_shape
 from zero_offload.precision import training_dtype
 from zero_offload.estimate.activations import (activation_bytes, activation_formula, add_decoder_activations,
-                                               move_checkpoint_inputs)
+                                               move_checkpoint_inputs, move_layer_activations)
+from zero_offload.estimate.decoder_activations import decoder_block_bytes
 from zero_offload.estimate.nvme_files import add_nvme_files
 from zero_offload.zero.bucket_pool import bucket_pool_size
 from zero_offload.zero.collectives import MAX_IN_FLIGHT, scattered_dtype
@@ -407,10 +408,14 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
                                    cfg.activation_checkpointing)
     elif shape.decoder is not None:
         add_decoder_activations(est, shape.decoder, micro_batch or micro, seq_len, d, activation_checkpointing, sp)
-        if seq_len is not None and (shape.decoder.activation_checkpointing if activation_checkpointing is None
-                                    else activation_checkpointing):
+        ckpt = shape.decoder.activation_checkpointing if activation_checkpointing is None else activation_checkpointing
+        if seq_len is not None and ckpt:
             move_checkpoint_inputs(est, shape.decoder.layers, (micro_batch or micro) * seq_len // sp,
                                    shape.decoder.hidden, d, cfg.activation_checkpointing)
+        if seq_len is not None:
+            tokens = (micro_batch or micro) * seq_len // sp
+            move_layer_activations(est, decoder_block_bytes(shape.decoder, tokens, d), ckpt,
+                                   cfg.activation_checkpointing)
     return est
 
 

@@ -18,6 +18,10 @@ copies are synchronous; transformers' ``offload=True`` copies on the compute str
   by events (`zero_offload.offload.copies`); the simulated streams check the waits on the CPU.
 - Tensors under ``min_bytes`` stay on the device, and so does anything not contiguous.
 
+The second mode (`keep_layers`, ``activation_checkpointing.cpu_layers``): chosen blocks that are not checkpointed
+keep every activation they save (parameters aside) in host memory instead of on the device, moved the same way:
+PCIe time instead of the recompute's FLOPs, block by block. Their counts and pool are their own (`layer_counts`).
+
 Training is bitwise the same: the bytes come back as they went.
 """
 from __future__ import annotations
@@ -31,7 +35,8 @@ import torch
 from zero_offload.offload import simulated
 from zero_offload.offload.copies import Copies, CopyHandle
 
-__all__ = ["CheckpointOffload", "OffloadCounts", "from_checkpoint", "request", "requested"]
+__all__ = ["CheckpointOffload", "OffloadCounts", "from_checkpoint", "request", "requested", "for_engine",
+           "model_blocks"]
 
 CHECKPOINT_MODULE = "torch.utils.checkpoint"
 # Frames between the saved-tensors hook and the checkpoint code that saves the input (torch 2.x: 1-2).
@@ -74,13 +79,16 @@ class OffloadCounts:
     pool_bytes: int = 0
 
 
+CHECKPOINT, LAYER = "checkpoint", "layer"      # a checkpoint's input; anything a block in `keep_layers` saves
+
+
 class _Held:
-    """One checkpoint input: on the device until sent down, then in a pinned host buffer until copied back."""
+    """One saved tensor: on the device until sent down, then in a pinned host buffer until copied back."""
 
-    __slots__ = ("owner", "index", "device", "host", "down", "up", "up_handle", "__weakref__")
+    __slots__ = ("owner", "kind", "index", "device", "host", "down", "up", "up_handle", "__weakref__")
 
-    def __init__(self, owner: "CheckpointOffload", index: int, tensor: torch.Tensor):
-        self.owner, self.index, self.device = owner, index, tensor
+    def __init__(self, owner: "CheckpointOffload", kind: str, index: int, tensor: torch.Tensor):
+        self.owner, self.kind, self.index, self.device = owner, kind, index, tensor
         self.host: torch.Tensor | None = None
         self.down: CopyHandle | None = None
         self.up: torch.Tensor | None = None
@@ -88,7 +96,7 @@ class _Held:
 
     def __del__(self):
         if self.host is not None:                # the graph holding it is gone: the buffer goes back to the pool
-            self.owner.give_back(self.host, self.up_handle or self.down)
+            self.owner.give_back(self.host, self.up_handle or self.down, self.kind)
 
 
 class CheckpointOffload:
@@ -106,7 +114,10 @@ class CheckpointOffload:
             raise ValueError(f"CheckpointOffload: min_bytes must be >= 0 and prefetch >= 1, got {min_bytes}, "
                              f"{prefetch}")
         self.copies, self.min_bytes, self.prefetch = copies, min_bytes, prefetch
-        self.counts = OffloadCounts()
+        self.counts = OffloadCounts()            # checkpoint inputs
+        self.layer_counts = OffloadCounts()      # the activations of the blocks in `keep_layers`
+        self._in_layers = 0                      # depth of `keep_layers` blocks whose forward runs now
+        self.checkpoint_inputs = True            # False: only the blocks of `keep_layers` move
         self._pool: dict[tuple, list[tuple[torch.Tensor, CopyHandle | None]]] = {}
         self._forward: list[weakref.ref] = []    # this forward's inputs, in the order they were saved
         self._latest: _Held | None = None        # kept on the device until a newer one arrives
@@ -116,13 +127,29 @@ class CheckpointOffload:
         self._forward, self._latest = [], None
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
+    def keep_layers(self, blocks: list[torch.nn.Module]) -> list:
+        """The second mode: what ``blocks`` save in their forward goes to host memory too (parameters stay). Returns
+        the hooks' handles."""
+        def enter(module, args):
+            self._in_layers += 1
+
+        def leave(module, args, output):
+            self._in_layers -= 1
+        return [h for b in blocks for h in (b.register_forward_pre_hook(enter),
+                                            b.register_forward_hook(leave, always_call=True))]
+
+    def _counts(self, kind: str) -> OffloadCounts:
+        return self.counts if kind == CHECKPOINT else self.layer_counts
+
     def _pack(self, tensor: torch.Tensor):
-        if not from_checkpoint():
+        kind = CHECKPOINT if self.checkpoint_inputs and from_checkpoint() else (
+            LAYER if self._in_layers and not isinstance(tensor, torch.nn.Parameter) else None)
+        if kind is None:
             return tensor
         if tensor.nbytes < self.min_bytes or not tensor.is_contiguous() or tensor.layout != torch.strided:
-            self.counts.kept += 1
+            self._counts(kind).kept += 1
             return tensor
-        held = _Held(self, len(self._forward), tensor)
+        held = _Held(self, kind, len(self._forward), tensor)
         self._forward.append(weakref.ref(held))
         previous, self._latest = self._latest, held
         if previous is not None:
@@ -131,11 +158,12 @@ class CheckpointOffload:
 
     def _send_down(self, held: _Held) -> None:
         tensor = held.device
-        held.host = self._take(tensor)
+        held.host = self._take(tensor, held.kind)
         held.down = self.copies.to_host(held.host, tensor)
         held.device = None                       # the copy stream holds the device memory until it has read it
-        self.counts.offloaded += 1
-        self.counts.bytes_down += tensor.nbytes
+        counts = self._counts(held.kind)
+        counts.offloaded += 1
+        counts.bytes_down += tensor.nbytes
 
     def _unpack(self, packed):
         if not isinstance(packed, _Held):
@@ -159,17 +187,17 @@ class CheckpointOffload:
         # queued so far (the backward of the layers after this one), then runs beside the next recompute.
         held.up = self._poisoned(torch.empty_like(held.host, device=self.copies.device))
         held.up_handle = self.copies.to_device(held.up, held.host)
-        self.counts.bytes_up += held.host.nbytes
+        self._counts(held.kind).bytes_up += held.host.nbytes
 
-    def _take(self, like: torch.Tensor) -> torch.Tensor:
-        free = self._pool.get((like.shape, like.dtype))
+    def _take(self, like: torch.Tensor, kind: str) -> torch.Tensor:
+        free = self._pool.get((kind, like.shape, like.dtype))
         if free:
             buffer, last = free.pop()
             if last is not None:
                 last.synchronize()               # its last copy up has read it
             return self._poisoned(buffer)
         buffer = self.copies.host_empty(like.numel(), like.dtype).view(like.shape)
-        self.counts.pool_bytes += buffer.nbytes
+        self._counts(kind).pool_bytes += buffer.nbytes
         return self._poisoned(buffer)
 
     @staticmethod
@@ -180,7 +208,36 @@ class CheckpointOffload:
             buffer.fill_(float("nan"))
         return buffer
 
-    def give_back(self, buffer: torch.Tensor, last: CopyHandle | None) -> None:
-        """A host buffer whose checkpoint input is gone returns to the pool (``last``: the copy that read or wrote
-        it last, waited for before the buffer is written again)."""
-        self._pool.setdefault((buffer.shape, buffer.dtype), []).append((buffer, last))
+    def give_back(self, buffer: torch.Tensor, last: CopyHandle | None, kind: str = CHECKPOINT) -> None:
+        """A host buffer whose saved tensor is gone returns to its kind's pool (``last``: the copy that read or
+        wrote it last, waited for before the buffer is written again)."""
+        self._pool.setdefault((kind, buffer.shape, buffer.dtype), []).append((buffer, last))
+
+
+def model_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's blocks: the entries of its longest ``ModuleList`` (a decoder's layers), empty without one."""
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
+    return list(max(lists, key=len)) if lists else []
+
+
+def for_engine(section, model: torch.nn.Module, copies: Copies) -> CheckpointOffload | None:
+    """The engine's offload from its ``activation_checkpointing`` config section, or None when nothing asks for one:
+    ``cpu_checkpointing``, ``deepspeed.checkpointing.configure(checkpoint_in_cpu=True)``, transformers'
+    ``activation_checkpointing_enable(offload=True)`` (taken over: `hf_checkpoint_offload`) or ``cpu_layers``.
+
+    Raises:
+        ValueError: ``cpu_layers`` beyond the model's blocks (names the key, the value and the block count).
+    """
+    from zero_offload.offload.hf_checkpoint_offload import take_over
+    inputs = take_over(model) or section.cpu_checkpointing or requested()
+    if not (inputs or section.cpu_layers):
+        return None
+    offload = CheckpointOffload(copies, section.cpu_checkpointing_min_bytes, section.cpu_checkpointing_prefetch)
+    offload.checkpoint_inputs = inputs
+    if section.cpu_layers:
+        blocks = model_blocks(model)
+        if section.cpu_layers > len(blocks):
+            raise ValueError(f"config key 'activation_checkpointing.cpu_layers' = {section.cpu_layers}, but the "
+                             f"model has {len(blocks)} blocks (the entries of its longest ModuleList)")
+        offload.keep_layers(blocks[:section.cpu_layers])
+    return offload

@@ -160,3 +160,57 @@ def test_hf_config_json_counts_the_same_activations(tmp_path):
     from_file = estimate_memory(shape, BF16, micro_batch=2, seq_len=64, accelerator=False)
     from_module = estimate_memory(model, BF16, micro_batch=2, seq_len=64, accelerator=False)
     assert from_file.device["activations"] == from_module.device["activations"] > 0
+
+
+def _tiled_mlp(tiles: int):
+    from zero_offload.tiling import TiledMLP
+
+    def forward(self, x):
+        def mlp(module, tile):
+            return module.down_proj(module.act_fn(module.gate_proj(tile)) * module.up_proj(tile))
+        return TiledMLP.apply(mlp, self, x, tiles, [self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight])
+    return forward
+
+
+def _tiled_loss(model, x, tiles: int):
+    from zero_offload.tiling import TiledFusedLogitsLoss
+    labels = torch.nn.functional.pad(x, (0, 1), value=-100)[:, 1:]
+
+    def loss_sum(self, h, y):
+        return torch.nn.functional.cross_entropy(self.lm_head(h).float(), y, ignore_index=-100, reduction="sum")
+    hidden = model.model(input_ids=x).last_hidden_state
+    return TiledFusedLogitsLoss.apply(loss_sum, model, hidden, labels, None, tiles, [model.lm_head.weight],
+                                      "sum") / (labels != -100).sum()
+
+
+@pytest.mark.parametrize("vocab, intermediate, loss_tiles, mlp_tiles, checkpointing",
+                         [(8192, 160, 4, None, False), (8192, 160, 8, None, True), (64, 1024, None, 4, False),
+                          (64, 1024, None, 8, True)])
+def test_tiled_compute_matches_the_measured_peak(vocab, intermediate, loss_tiles, mlp_tiles, checkpointing):
+    """Sequence-tiled compute in the memory model (`SequenceTiles`): the logits and loss in tiles (a vocabulary where
+    the head is the peak) and the MLPs in tiles (a wide MLP and a small vocabulary, where the MLP's backward is),
+    with and without checkpointing: the heap's peak within 3 % (measured within 1 %). Each fails on the untiled
+    formula (3.0x, 5.7x, 2.9x, 2.6x the tiled estimate)."""
+    from zero_offload.estimate.decoder_activations import SequenceTiles
+    used = _heap_in_use()
+    if used is None:
+        pytest.skip("needs glibc's mallinfo2 to read the heap")
+    torch.manual_seed(0)
+    model = _model("llama", torch.bfloat16, checkpointing, vocab=vocab, intermediate=intermediate)
+    if mlp_tiles:
+        for layer in model.model.layers:
+            layer.mlp.forward = _tiled_mlp(mlp_tiles).__get__(layer.mlp)
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+    b, s = 2, 256
+    x = torch.randint(0, vocab, (b, s))
+
+    def step():
+        loss = _tiled_loss(model, x, loss_tiles) if loss_tiles else model(input_ids=x, labels=x).loss
+        loss.backward()
+    for _ in range(2):
+        with _HeapPeak(used) as heap:
+            step()
+    tiles = SequenceTiles(loss=loss_tiles, mlp=mlp_tiles)
+    est = estimate_memory(model, BF16, micro_batch=b, seq_len=s, accelerator=False, tiles=tiles)
+    assert est.device["activations"] == pytest.approx(heap.peak, rel=0.03), est.formulas["activations"]

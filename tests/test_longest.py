@@ -32,3 +32,24 @@ def test_the_cli_prints_it_and_refuses_two_questions(capsys):
     assert main(["estimate", "--model", "gpt2-10b", "--gpus", "1", "--gpu-mem", "1GB", "--host-mem", "8GiB",
                  "--longest"]) == 1
     assert "not even 1,024 tokens fit" in capsys.readouterr().out
+
+
+LLAMA_3_8B = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
+              "num_key_value_heads": 8, "num_hidden_layers": 32, "vocab_size": 128256, "head_dim": 128}
+
+
+def test_a_decoder_counts_tiled_compute_and_sequence_parallel_ranks(tmp_path):
+    """For a decoder the tiled loss and MLPs (`SequenceTiles`, as many tiles as keep each under 1 GiB) lift the
+    head's bound, and 8 ranks take Ulysses at the size that trains the longest: each step longer than the last
+    (predictions for Llama-3-8B on 80 GB devices and a 256 GiB host; docs/long-sequences.md has the figures)."""
+    import json
+    from zero_offload.estimate.table import hf_config_shape
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(LLAMA_3_8B))
+    shape = hf_config_shape(str(path))
+    whole = longest(shape, 1, "80GB", "256GiB", tiled=False)
+    tiled = longest(shape, 1, "80GB", "256GiB")
+    ranks = longest(shape, 8, "80GB", "256GiB")
+    assert whole.tiles is None and tiled.tiles.loss > 1 and tiled.tiles.mlp > 1
+    assert whole.seq_len < tiled.seq_len < ranks.seq_len and ranks.sequence_parallel == 8
+    assert "TiledFusedLogitsLoss" in tiled.lines()[0] and "sequence_parallel_size 8" in ranks.lines()[0]

@@ -2,7 +2,8 @@
 decoder (`zero_offload.estimate.decoder_activations`), for the memory model (`zero_offload.estimate.memory`)."""
 from __future__ import annotations
 
-from zero_offload.estimate.decoder_activations import DecoderShape, decoder_activation_bytes, decoder_formula
+from zero_offload.estimate.decoder_activations import (DecoderShape, SequenceTiles, decoder_activation_bytes,
+                                                       decoder_formula)
 from zero_offload.estimate.sequence_activations import decoder_sequence_parallel_extra, local_length
 from zero_offload.presets import GPTConfig
 
@@ -38,7 +39,8 @@ def activation_bytes(gpt: GPTConfig, micro_batch: int, seq_len: int, dtype_bytes
 
 
 def add_decoder_activations(est, decoder: DecoderShape, micro_batch: int, seq_len: int | None, dtype_bytes: int,
-                            checkpointing: bool | None, sequence_parallel: int = 1) -> None:
+                            checkpointing: bool | None, sequence_parallel: int = 1,
+                            tiles: SequenceTiles | None = None) -> None:
     """Add a Llama-family decoder's ``activations`` (device bytes, `decoder_activation_bytes`) and its formula to
     the `MemoryEstimate` ``est``; without ``seq_len`` only a formula line saying they are not counted (a decoder's
     context length is no training length)."""
@@ -49,9 +51,15 @@ def add_decoder_activations(est, decoder: DecoderShape, micro_batch: int, seq_le
     ckpt = decoder.activation_checkpointing if checkpointing is None else checkpointing
     p = sequence_parallel
     local = local_length(seq_len, p)
-    est.add("device", "activations", decoder_activation_bytes(decoder, micro_batch, local, dtype_bytes, ckpt)
+    est.add("device", "activations", decoder_activation_bytes(decoder, micro_batch, local, dtype_bytes, ckpt, tiles)
             + decoder_sequence_parallel_extra(decoder, micro_batch, seq_len, dtype_bytes, p, ckpt))
     ulysses = f" + Ulysses' copies (P={p}: estimate.sequence_activations)" if p > 1 else ""
+    if tiles and tiles.loss:
+        ulysses += (f"; the logits and loss in {tiles.loss} tiles (TiledFusedLogitsLoss): the head's 12*b*s*V "
+                    f"becomes 12*ceil(b*s/{tiles.loss})*V + 4*V*h + 4*b*s*h")
+    if tiles and tiles.mlp:
+        ulysses += (f"; each MLP in {tiles.mlp} tiles (TiledMLP): none of its 4d*b*s*I saved, one tile's 6d*c*I "
+                    f"in backward + 12*I*h + 4*b*s*h")
     est.formulas["activations"] = (decoder_formula(ckpt) + f" with b={micro_batch}, s={local}, d={dtype_bytes} "
                                    f"({decoder.name}: q={decoder.heads * decoder.head_dim}, "
                                    f"kv={decoder.kv_heads * decoder.head_dim}, I={decoder.intermediate}){ulysses}")

@@ -37,7 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = ["DecoderShape", "DECODER_TYPES", "decoder_shape", "decoder_saved_bytes", "decoder_activation_bytes",
-           "decoder_formula", "decoder_block_bytes"]
+           "decoder_formula", "decoder_block_bytes", "tiled_head_bytes", "SequenceTiles"]
 
 # transformers' ``model_type`` of the decoders whose blocks are Llama's (RMSNorm, rotary, GQA, SwiGLU); Qwen2's
 # q/k/v biases save nothing more.
@@ -127,21 +127,53 @@ def decoder_saved_bytes(m: DecoderShape, micro_batch: int, seq_len: int, dtype_b
     return m.layers * _block(m, t, d) + outer
 
 
+@dataclass(frozen=True)
+class SequenceTiles:
+    """Sequence-tiled compute the run uses (`zero_offload.tiling`): ``loss`` tiles of the logits and loss
+    (`TiledFusedLogitsLoss`), ``mlp`` tiles of each block's MLP (`TiledMLP`); None: whole."""
+    loss: int | None = None
+    mlp: int | None = None
+
+
+def tiled_head_bytes(m: DecoderShape, tokens: int, loss_tiles: int) -> int:
+    """The head's backward peak with the logits and loss in ``loss_tiles`` tiles (an fp32 cross entropy per tile):
+    one tile's 12*c*V (c = ceil(T / tiles)), plus the fp32 sums the tiles' gradients add into, ``lm_head``'s 4*V*h
+    and the hidden states' 4*T*h (measured on the CPU heap within 1 %: tests/test_decoder_activations.py)."""
+    tile = -(-tokens // loss_tiles)
+    return 12 * tile * m.vocab + 4 * m.vocab * m.hidden + 4 * tokens * m.hidden
+
+
+def _mlp_backward(m: DecoderShape, t: int, d: int, mlp_tiles: int | None) -> int:
+    """A block's MLP backward beside its saved tensors: the two input gradients of the MLP's width, 2*d*T*I; tiled
+    (`TiledMLP`), one tile's recompute and gradients 6*d*c*I plus the fp32 sums of its three weights' and its
+    input's gradients, 12*I*h + 4*T*h (measured on the CPU heap within 1 %)."""
+    if not mlp_tiles:
+        return 2 * d * t * m.intermediate
+    tile = -(-t // mlp_tiles)
+    return 6 * d * tile * m.intermediate + 12 * m.intermediate * m.hidden + 4 * t * m.hidden
+
+
 def decoder_activation_bytes(m: DecoderShape, micro_batch: int, seq_len: int, dtype_bytes: int,
-                             checkpointing: bool | None = None) -> int:
+                             checkpointing: bool | None = None, tiles: SequenceTiles | None = None) -> int:
     """Peak activation bytes of one forward and backward (the memory model's ``activations``), at whichever of two
     points of backward is higher (measured on the CPU heap: tests/test_decoder_activations.py):
     - the head's backward, first: the fp32 log-probabilities and log_softmax's two fp32 gradients, 12*T*V, beside
       everything the blocks saved;
     - the last block's MLP backward, once the head is freed: the block's saved tensors (with checkpointing, as its
       recompute saves them) and two gradients of the MLP's width, 2*d*T*I, beside them.
-    For a language model's vocabulary (V >> I) the head's is the peak."""
+    For a language model's vocabulary (V >> I) the head's is the peak. With sequence-tiled compute (``tiles``) the
+    head holds one tile (`tiled_head_bytes`), and a tiled MLP saves none of its 4*d*T*I intermediates: they exist
+    for one tile in its backward (`_mlp_backward`)."""
+    tiles = tiles or SequenceTiles()
     t, d = micro_batch * seq_len, dtype_bytes
-    head, mlp_grads = 12 * t * m.vocab, 2 * d * t * m.intermediate
+    head = 12 * t * m.vocab if not tiles.loss else tiled_head_bytes(m, t, tiles.loss)
+    mlp_backward = _mlp_backward(m, t, d, tiles.mlp)
+    untiled_mlp = 4 * d * t * m.intermediate if tiles.mlp else 0     # what a tiled MLP does not save
     outer = _model_level(m, micro_batch, seq_len, d)
     if _checkpointing(m, checkpointing):
-        return m.layers * d * t * m.hidden + outer + max(head, _recomputed_block(m, t, d) + mlp_grads)
-    return m.layers * _block(m, t, d) + outer + max(head, mlp_grads)
+        return (m.layers * d * t * m.hidden + outer
+                + max(head, _recomputed_block(m, t, d) - untiled_mlp + mlp_backward))
+    return m.layers * (_block(m, t, d) - untiled_mlp) + outer + max(head, mlp_backward)
 
 
 def decoder_formula(checkpointing: bool) -> str:

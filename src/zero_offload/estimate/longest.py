@@ -10,8 +10,11 @@ With more than one rank, each Ulysses sequence-parallel size that divides the ra
 (`zero_offload.estimate.sequence_activations`: each rank holds ``s / P`` positions); the longest wins, the smaller
 size on a tie. The step model does not charge Ulysses' all-to-alls, so no speed is predicted for a size above 1.
 
-What bounds it: the logits and their loss (``12 * b*s/P*V`` bytes for a decoder) and each block's recompute;
-sequence-tiled compute, which lifts the first, is not in the memory model yet.
+A decoder's logits and loss, and each block's MLP, are counted in tiles (``tiled``, default on:
+`TiledFusedLogitsLoss` and `TiledMLP`, which the run must use, as ALST's recipe does), as many as keep one loss tile's
+head under `TILE_BYTES` and one MLP tile's intermediates under it too; without them the ``12 * b*s/P*V`` bytes of
+the head and the MLP's ``4d * b*s/P*I`` bound the length. Then the bound is what every block keeps: its input (on the
+device or, with ``cpu_checkpointing``, in host memory) and one block's recompute.
 """
 from __future__ import annotations
 
@@ -19,13 +22,15 @@ import dataclasses
 from dataclasses import dataclass
 
 from zero_offload.config.io import raw_config
+from zero_offload.estimate.decoder_activations import SequenceTiles
 from zero_offload.estimate.memory import ModelShape, default_plan_config
 from zero_offload.estimate.planner import Plan, plan
 
-__all__ = ["Longest", "longest", "STEP", "MAX_TOKENS"]
+__all__ = ["Longest", "longest", "tiles_for", "sequence_parallel_sizes", "STEP", "MAX_TOKENS", "TILE_BYTES"]
 
 STEP = 1024                 # the sequence lengths tried are multiples of this
 MAX_TOKENS = 1 << 24        # 16M tokens: beyond what any single machine holds
+TILE_BYTES = 1 << 30        # one loss tile's fp32 logits and gradients, one MLP tile's intermediates: at most 1 GiB
 
 
 @dataclass
@@ -35,6 +40,7 @@ class Longest:
     seq_len: int
     plan: Plan
     sequence_parallel: int = 1
+    tiles: SequenceTiles | None = None
 
     def lines(self) -> list[str]:
         t = self.plan.batch.timing if self.plan.batch is not None else None
@@ -43,8 +49,20 @@ class Longest:
             local = self.seq_len // self.sequence_parallel
             speed = (f", Ulysses sequence_parallel_size {self.sequence_parallel}: {local:,} tokens per rank; "
                      f"speed not predicted")
-        return [f"longest sequence that trains: {self.seq_len:,} tokens ({self.plan.name}{speed})",
+        tiles = (f"; the logits and loss in {self.tiles.loss} tiles, each MLP in {self.tiles.mlp} "
+                 f"(TiledFusedLogitsLoss and TiledMLP, which the run must use)" if self.tiles else "")
+        return [f"longest sequence that trains: {self.seq_len:,} tokens ({self.plan.name}{speed}{tiles})",
                 self.plan.message()]
+
+
+def tiles_for(shape: ModelShape, tokens: int, dtype_bytes: int = 2) -> SequenceTiles | None:
+    """Tiles that keep one loss tile's head (``12 * c * V`` bytes) and one MLP tile's recompute and gradients
+    (``6d * c * I``) under `TILE_BYTES`; None for a GPT shape (its compute is not tiled in the memory model)."""
+    m = shape.decoder
+    if m is None:
+        return None
+    return SequenceTiles(loss=max(1, -(-12 * tokens * m.vocab // TILE_BYTES)),
+                         mlp=max(1, -(-6 * dtype_bytes * tokens * m.intermediate // TILE_BYTES)))
 
 
 def sequence_parallel_sizes(shape: ModelShape, gpus: int) -> list[int]:
@@ -56,7 +74,7 @@ def sequence_parallel_sizes(shape: ModelShape, gpus: int) -> list[int]:
 
 
 def longest(shape: ModelShape, gpus: int, gpu_memory, host_memory, nvme=None, *, config=None,
-            sequence_parallel: int | None = None, **plan_kw) -> Longest | None:
+            sequence_parallel: int | None = None, tiled: bool = True, **plan_kw) -> Longest | None:
     """The longest sequence ``shape`` trains at on ``gpus`` ranks with this memory (module docstring), over the
     Ulysses sizes `sequence_parallel_sizes` allows (or the one given), or None when not even `STEP` tokens fit.
     ``config`` and ``plan_kw`` (allowances, rates, calibration) go to `plan` as they are.
@@ -71,17 +89,21 @@ def longest(shape: ModelShape, gpus: int, gpu_memory, host_memory, nvme=None, *,
             base = dict(raw_config(config) if isinstance(config, str) else config or default_plan_config())
             base["sequence_parallel_size"] = p
         step = STEP if STEP % p == 0 else STEP * p       # lengths the size divides
-        found = _longest_at(shape, gpus, gpu_memory, host_memory, nvme, base, step, plan_kw)
+        found = _longest_at(shape, gpus, gpu_memory, host_memory, nvme, base, step, p, tiled, plan_kw)
         if found is not None and (best is None or found.seq_len > best.seq_len):
             best = dataclasses.replace(found, sequence_parallel=p)
     return best
 
 
-def _longest_at(shape, gpus, gpu_memory, host_memory, nvme, config, step, plan_kw) -> Longest | None:
+def _longest_at(shape, gpus, gpu_memory, host_memory, nvme, config, step, p, tiled, plan_kw) -> Longest | None:
     """The longest multiple of ``step`` tokens that fits with ``config`` (None: not even ``step``)."""
+    def tiles(seq: int) -> SequenceTiles | None:
+        return tiles_for(shape, seq // p) if tiled else None
+
     def fits(seq: int) -> bool:
         return plan(shape, gpus, gpu_memory, host_memory, nvme, micro_batch=1, gradient_accumulation=1,
-                    seq_len=seq, activation_checkpointing=True, config=config, timed=False, **plan_kw).fits
+                    seq_len=seq, activation_checkpointing=True, config=config, timed=False, tiles=tiles(seq),
+                    **plan_kw).fits
 
     if not fits(step):
         return None
@@ -93,4 +115,4 @@ def _longest_at(shape, gpus, gpu_memory, host_memory, nvme, config, step, plan_k
         mid = (lo + hi) // 2 // step * step
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     return Longest(lo, plan(shape, gpus, gpu_memory, host_memory, nvme, seq_len=lo, config=config,
-                            activation_checkpointing=True, **plan_kw))
+                            activation_checkpointing=True, tiles=tiles(lo), **plan_kw), tiles=tiles(lo))

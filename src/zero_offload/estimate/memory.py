@@ -29,7 +29,7 @@ from zero_offload.offload.staging_ring import ring_shape
 from zero_offload.precision import training_dtype
 from zero_offload.estimate.activations import (activation_bytes, activation_formula, add_decoder_activations,
                                                move_checkpoint_inputs, move_layer_activations)
-from zero_offload.estimate.decoder_activations import decoder_block_bytes
+from zero_offload.estimate.decoder_activations import SequenceTiles, decoder_block_bytes
 from zero_offload.estimate.nvme_files import add_nvme_files
 from zero_offload.zero.bucket_pool import bucket_pool_size
 from zero_offload.zero.collectives import MAX_IN_FLIGHT, scattered_dtype
@@ -120,7 +120,7 @@ def _stage2_bucket_bytes(group_numels: list[list[int]], world_size: int, bucket_
 def estimate_memory(model, config: "Config | dict | str | None" = None, world_size: int = 1, *,
                     micro_batch: int | None = None, seq_len: int | None = None,
                     activation_checkpointing: bool | None = None, accelerator: bool | None = None,
-                    generation: bool = False) -> MemoryEstimate:
+                    generation: bool = False, tiles: SequenceTiles | None = None) -> MemoryEstimate:
     """Bytes one rank of ``world_size`` holds to train ``model`` under ``config``, by kind and side.
 
     Args:
@@ -139,6 +139,8 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
         generation: the run calls ``generate`` inside training (TRL's GRPO, RLOO): at stage 3 every unit is
             gathered at once for it (`Engine.gathered_for_generation`); ``generation_params`` is what that takes
             beyond ``live_params``, counted as if held beside everything else (an upper bound).
+        tiles: the sequence-tiled compute a decoder runs with (`decoder_activations.SequenceTiles`: the logits and
+            loss in tiles, `TiledFusedLogitsLoss`; each MLP in tiles, `TiledMLP`); None: whole.
 
     Kinds: ``params`` (16-bit flat buffers, or this rank's stage-3 shards), ``grads`` (full gradients,
     stages 0/1), ``buckets`` (stage-2 bucket buffers), ``grad_partition``, ``grad_staging`` (the pinned pool
@@ -407,7 +409,8 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
             move_checkpoint_inputs(est, shape.gpt.n_layer, b * s // sp, shape.gpt.n_embd, d,
                                    cfg.activation_checkpointing)
     elif shape.decoder is not None:
-        add_decoder_activations(est, shape.decoder, micro_batch or micro, seq_len, d, activation_checkpointing, sp)
+        add_decoder_activations(est, shape.decoder, micro_batch or micro, seq_len, d, activation_checkpointing, sp,
+                                tiles)
         ckpt = shape.decoder.activation_checkpointing if activation_checkpointing is None else activation_checkpointing
         if seq_len is not None and ckpt:
             move_checkpoint_inputs(est, shape.decoder.layers, (micro_batch or micro) * seq_len // sp,

@@ -25,6 +25,7 @@ from zero_offload.estimate.batching import BatchChoice, Knobs, choose_batch
 from zero_offload.estimate.candidates import Candidate, candidates
 from zero_offload.estimate.throughput import Assumptions, calibrated
 from zero_offload.estimate.memory import ModelShape, default_plan_config, estimate_memory, model_shape
+from zero_offload.estimate.decoder_activations import SequenceTiles
 from zero_offload.offload.host_limits import RAISE_MEMLOCK
 
 __all__ = ["Candidate", "Plan", "plan", "candidates", "parse_bytes", "fmt_bytes", "HEADROOM"]
@@ -224,7 +225,8 @@ def plan(model, gpus: int = 1, gpu_memory=None, host_memory=None, nvme=None, mic
          host_adam: float | None = None, pcie: float | None = None, nvme_bandwidth: float | None = None,
          calibration=None,
          allow_stale_step: bool = False, locked_memory: int | None = None, timed: bool = True,
-         allow_bf16_masters: bool = False, allow_bf16_moments: bool = False) -> Plan:
+         allow_bf16_masters: bool = False, allow_bf16_moments: bool = False,
+         tiles: SequenceTiles | None = None) -> Plan:
     """The fastest config for ``model`` on ``gpus`` ranks of one machine that fits with ``headroom`` free.
 
     The stage and offload follow the order of `candidates`; for the first config that fits, the plan also
@@ -260,6 +262,8 @@ def plan(model, gpus: int = 1, gpu_memory=None, host_memory=None, nvme=None, mic
             ``bf16_optimizer_states``: 10 instead of 14 host bytes per parameter; each moment rounded to bf16 at
             every step), where ``config`` does not ask for them itself (default: never: they change what is
             trained). A row with bf16 masters and moments needs both allowances.
+        tiles: the sequence-tiled compute a decoder runs with (`SequenceTiles`): its activations are counted so
+            (`estimate_memory`).
         locked_memory: bytes of host memory each rank may page-lock (``RLIMIT_MEMLOCK`` where it binds:
             `zero_offload.offload.host_limits.memlock_limit`); None: no limit. Where the plan's page-locked
             buffers exceed it they stay pageable (`zero_offload.offload.pinned.host_empty`): the step is predicted
@@ -315,7 +319,7 @@ def plan(model, gpus: int = 1, gpu_memory=None, host_memory=None, nvme=None, mic
 
     def measure(raw: dict, micro: int, ckpt: bool | None):
         est = estimate_memory(shape, raw, gpus, micro_batch=micro, seq_len=seq_len, activation_checkpointing=ckpt,
-                              accelerator=accelerator)
+                              accelerator=accelerator, tiles=tiles)
         need = est.need()
         return est, {"device": max(0, int(need["device"] - gpu_bytes * keep)) if accelerator else 0,
                      "host": max(0, int(need["host"] * gpus - host_bytes * keep)),

@@ -43,6 +43,9 @@ subprocess with its own time limit (`LIMITS`), so a crash or an out-of-memory in
     bf16 moments, activation checkpointing, micro-batch 16, accumulation 1), without and with the delayed update,
     for 8 timed steps on distinct batches (every step's loss reported), beside the step the planner's model
     predicts for it on an 80 GB GPU and this host.
+(d''') ``long_seq`` (issue 58, item 5; not in the default run, a call of its own): Llama 3 8B's shape at the longest
+    sequence ``zero-offload estimate --longest`` names for this GPU and host, one step with ALST's parts (stage 3
+    with both offloads, block inputs in host memory, tiled MLPs and loss), peaks against the estimate (`gpu_long_seq`).
 (f) ``two_gpus``: two processes under an NCCL-only process group that the script creates itself (no
     ``set_device``): each binds ``cuda:LOCAL_RANK``, builds a GPT under ``init_sharded`` and trains it at stage 3;
     skipped, with a note, on fewer than 2 GPUs.
@@ -77,17 +80,19 @@ from gpu_native import ensure_native, native_report  # noqa: E402,F401 (ensure_n
 from gpu_planned import section_largest_planned  # noqa: E402
 from gpu_muon import section_muon  # noqa: E402
 from gpu_trainer import section_llama_trainer  # noqa: E402
+from gpu_long_seq import LIMIT_S as LONG_SEQ_LIMIT_S, section_long_seq  # noqa: E402
 from gpu_report import markdown  # noqa: E402
 
 SECTIONS = ("calibrate", "cuda_tests", "sanitizer", "gpt2", "gpt2_xl", "gpt2_compiled", "gpt2_10b", "gpt2_10b_dpu",
-            "largest", "largest_planned", "two_gpus", "muon", "llama_trainer")
+            "largest", "largest_planned", "two_gpus", "muon", "llama_trainer", "long_seq")
 # The default run: what matters most, inside one 9-minute call with the native build (issue 27, item 8).
 DEFAULT_SECTIONS = ("calibrate", "cuda_tests", "sanitizer", "gpt2", "gpt2_10b", "gpt2_10b_dpu")
 # Seconds per section on one H100 (the default sections sum to 520 s; the build takes ~20 s).
 LIMITS = {"calibrate": 45, "cuda_tests": 80, "sanitizer": 40, "gpt2": 110, "gpt2_xl": 200, "gpt2_compiled": 240,
           "gpt2_10b": 150,
           "gpt2_10b_dpu": 150,
-          "largest": 300, "largest_planned": 420, "two_gpus": 150, "muon": 300, "llama_trainer": 420}
+          "largest": 300, "largest_planned": 420, "two_gpus": 150, "muon": 300, "llama_trainer": 420,
+          "long_seq": LONG_SEQ_LIMIT_S}
 # The 10B model's pinned config (the same every run, so runs compare): stage 2, optimizer offloaded with bf16
 # moments, activation checkpointing, micro-batch 16 x 1024 tokens, no accumulation.
 TEN_B_MICRO = 16
@@ -436,7 +441,8 @@ BODIES = {"calibrate": section_calibrate, "cuda_tests": section_cuda_tests, "san
           "gpt2_10b_dpu": section_gpt2_10b_dpu, "two_gpus": section_two_gpus, "gpt2_xl": section_gpt2_xl,
           "largest_planned": lambda args: section_largest_planned(args, measure_matmul_peak),
           "muon": lambda args: section_muon(args, gpt_config, _device(args)),
-          "llama_trainer": lambda args: section_llama_trainer(args, measure_matmul_peak)}
+          "llama_trainer": lambda args: section_llama_trainer(args, measure_matmul_peak),
+          "long_seq": section_long_seq}
 
 
 # -- the driver -----------------------------------------------------------------------------------------------

@@ -39,7 +39,7 @@ def test_gpu_validate_tiny_cpu_smoke(tmp_path):
     root = _checkout_without_libraries(tmp_path / "checkout")
     out = tmp_path / "out"
     sections = ("calibrate,cuda_tests,sanitizer,gpt2,gpt2_xl,gpt2_compiled,gpt2_10b,gpt2_10b_dpu,largest,"
-                "largest_planned,two_gpus,llama_trainer")
+                "largest_planned,two_gpus,llama_trainer,long_seq")
     proc = subprocess.run([sys.executable, str(root / "benchmarks" / "gpu_validate.py"), "--device", "cpu",
                            "--tiny", "--out", str(out), "--sections", sections], capture_output=True, text=True,
                           timeout=600)
@@ -82,6 +82,8 @@ def test_gpu_validate_tiny_cpu_smoke(tmp_path):
     assert llama["estimate"]["device"]["activations"] > 0 and llama["estimate"]["device_bytes"] > 0
     assert llama["config"]["train_micro_batch_size_per_gpu"] == llama["micro_batch"] == 2 and llama["mfu"] > 0
     assert set(llama["targets"]) == {"mfu_at_least_0.45", "device_memory_within_5pct"}
+    long_seq = report["sections"]["long_seq"]          # issue 58, item 5: the planner's longest, one step, tiled
+    assert long_seq["seq_len"] >= 1024 and long_seq["tiles"]["loss"] >= 1 and long_seq["estimate"]["device_bytes"] > 0
     compiled = report["sections"]["gpt2_compiled"]["runs"]          # issue 29, item 5
     assert set(compiled) == {"plain-adamw", "plain-adamw-compiled", "stage2-offload-dpu-compiled",
                              "stage3-offload-both-compiled"} and all(r["tokens_per_s"] > 0 for r in compiled.values())

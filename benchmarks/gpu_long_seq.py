@@ -5,8 +5,7 @@ them, the measured peaks against the prediction.
 The parts: the plan's config at that length (on an 80 GB GPU, ZeRO stage 3 with parameters and optimizer
 offloaded, activation checkpointing with the block inputs in host memory where it chose ``cpu_checkpointing``),
 every MLP sequence-tiled (`TiledMLP`) and the logits and loss tiled (`TiledFusedLogitsLoss`), in the tile counts
-``longest`` chose. One device: no Ulysses. The step runs ALST's path, the decoder then the tiled head, under the
-engine's saved-tensor hooks.
+``longest`` chose. One device: no Ulysses. The step runs ALST's path: the decoder, then the tiled head.
 
 Reported: the sequence length, the plan, the tile counts, the step time (a single step, no warm-up: at 462K tokens
 one step is predicted at minutes), peak device memory against the estimate's device bytes, peak host RSS against
@@ -17,7 +16,6 @@ On the CPU (``--tiny``, the smoke run) a tiny Llama is sized for a small box so 
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import time
@@ -81,11 +79,9 @@ def section_long_seq(args) -> dict:
             start = time.perf_counter()
             module = engine.module
             # ALST's path: the decoder's hidden states, then the tiled head (the full logits never exist); the
-            # engine's saved-tensor hooks around it, as its own forward would put them
-            offload = engine.checkpoint_offload
-            with offload.hooks() if offload is not None else contextlib.nullcontext():
-                hidden = module.model(input_ids=ids, use_cache=False).last_hidden_state
-                loss = _tiled_loss(module, hidden, ids, tiles.loss)
+            # checkpoint offload's hooks sit on the decoder module itself
+            hidden = module.model(input_ids=ids, use_cache=False).last_hidden_state
+            loss = _tiled_loss(module, hidden, ids, tiles.loss)
             engine.backward(loss)
             engine.step()
             if device.type == "cuda":

@@ -372,7 +372,8 @@ def test_tiles_run_without_autograd_leave_the_evaluation_trace_alone():
 def test_arctic_trainings_path_through_the_inner_module_counts_every_micro_batch():
     """ArcticTraining's tiled loss calls the wrapped model's inner module (``engine.module.model``), not the engine:
     at stage 3 with the optimizer offloaded and accumulation 2, both micro-batches' gradients count (the module
-    hooks do the work, not the engine's forward): 2 steps within 1e-6 of AdamW on the mean of the 2 samples' losses.
+    hooks do the work, not the engine's forward): 2 steps within 1e-6 of AdamW on the mean of the 2 samples' losses,
+    with transformers' checkpointing (``offload=True``) moving every block input but the last to host memory.
     (DeepSpeed 0.19.8 loses the earlier micro-batch's there, as issue 58 reports.)"""
     sp_runs = pytest.importorskip("sp_runs")
     pytest.importorskip("transformers")
@@ -391,8 +392,8 @@ def test_arctic_trainings_path_through_the_inner_module_counts_every_micro_batch
         (sum(model(**sp_runs.sample(2 * k + r)).loss for r in range(2)) / 2).backward()
         opt.step()
         opt.zero_grad()
-    config = {**sp_runs.config(3, 1, "cpu"), "gradient_accumulation_steps": 2}
-    engine = zero_offload.initialize(sp_runs.make_model("llama"), config)
+    config = {**sp_runs.config(3, 1, "cpu", checkpointing=True), "gradient_accumulation_steps": 2}
+    engine = zero_offload.initialize(sp_runs.make_model("llama", checkpointing=True), config)
     try:
         for k in range(2):
             for r in range(2):
@@ -402,3 +403,5 @@ def test_arctic_trainings_path_through_the_inner_module_counts_every_micro_batch
     finally:
         engine.close()
     assert max((got[n] - p.detach()).abs().max().item() for n, p in model.named_parameters()) <= 1e-6
+    # the block inputs went to host memory too: the offload's hooks sit on the decoder module, not only the engine
+    assert engine.checkpoint_offload.counts.offloaded == 4 * (len(model.model.layers) - 1)

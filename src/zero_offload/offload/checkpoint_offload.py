@@ -26,6 +26,7 @@ Training is bitwise the same: the bytes come back as they went.
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 import weakref
 from dataclasses import dataclass
@@ -117,15 +118,45 @@ class CheckpointOffload:
         self.counts = OffloadCounts()            # checkpoint inputs
         self.layer_counts = OffloadCounts()      # the activations of the blocks in `keep_layers`
         self._in_layers = 0                      # depth of `keep_layers` blocks whose forward runs now
+        self._depth = 0                          # `hooks` entered and not left
         self.checkpoint_inputs = True            # False: only the blocks of `keep_layers` move
         self._pool: dict[tuple, list[tuple[torch.Tensor, CopyHandle | None]]] = {}
         self._forward: list[weakref.ref] = []    # this forward's inputs, in the order they were saved
         self._latest: _Held | None = None        # kept on the device until a newer one arrives
 
-    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
-        """The context to run a forward in: checkpoint inputs go to host memory as described above."""
-        self._forward, self._latest = [], None
-        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+    @contextlib.contextmanager
+    def hooks(self):
+        """The context to run a forward in: checkpoint inputs go to host memory as described above. Reentrant: the
+        engine's forward enters it, and so does the blocks' parent module (`attach`), for code that calls an inner
+        module rather than the engine (ArcticTraining's tiled loss); the outermost entry starts a new forward."""
+        if self._depth:
+            self._depth += 1
+            try:
+                yield
+            finally:
+                self._depth -= 1
+            return
+        self._forward, self._latest, self._depth = [], None, 1
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield
+        finally:
+            self._depth = 0
+
+    def attach(self, module: torch.nn.Module) -> list:
+        """Run ``module``'s forwards with autograd under `hooks` (its hooks' handles returned)."""
+        entered: list = []
+
+        def enter(m, args):
+            if torch.is_grad_enabled():
+                context = self.hooks()
+                context.__enter__()
+                entered.append(context)
+
+        def leave(m, args, output):
+            if entered:
+                entered.pop().__exit__(None, None, None)
+        return [module.register_forward_pre_hook(enter), module.register_forward_hook(leave, always_call=True)]
 
     def keep_layers(self, blocks: list[torch.nn.Module]) -> list:
         """The second mode: what ``blocks`` save in their forward goes to host memory too (parameters stay). Returns
@@ -214,10 +245,17 @@ class CheckpointOffload:
         self._pool.setdefault((kind, buffer.shape, buffer.dtype), []).append((buffer, last))
 
 
+def _longest_list(model: torch.nn.Module) -> tuple[torch.nn.Module | None, torch.nn.ModuleList | None]:
+    """The model's longest ``ModuleList`` (a decoder's layers) and the module holding it; (None, None) without one."""
+    pairs = [(parent, child) for parent in model.modules() for child in parent.children()
+             if isinstance(child, torch.nn.ModuleList)]
+    return max(pairs, key=lambda pair: len(pair[1])) if pairs else (None, None)
+
+
 def model_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The model's blocks: the entries of its longest ``ModuleList`` (a decoder's layers), empty without one."""
-    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
-    return list(max(lists, key=len)) if lists else []
+    blocks = _longest_list(model)[1]
+    return list(blocks) if blocks is not None else []
 
 
 def for_engine(section, model: torch.nn.Module, copies: Copies) -> CheckpointOffload | None:
@@ -240,4 +278,7 @@ def for_engine(section, model: torch.nn.Module, copies: Copies) -> CheckpointOff
             raise ValueError(f"config key 'activation_checkpointing.cpu_layers' = {section.cpu_layers}, but the "
                              f"model has {len(blocks)} blocks (the entries of its longest ModuleList)")
         offload.keep_layers(blocks[:section.cpu_layers])
+    holder = _longest_list(model)[0]
+    if holder is not None and holder is not model:     # a forward of the decoder alone is watched too
+        offload.attach(holder)
     return offload

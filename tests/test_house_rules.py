@@ -42,7 +42,10 @@ TORCH_PRIVATE = {"_parameters", "_buffers", "_non_persistent_buffers_set", "_cda
 LIBRARY_PROTOCOL = {"hf/pretrained.py": {"_is_hf_initialized", "_weight_conversions", "_kernels_device"},
                     "compat/zero.py": {"_kernels_device"},     # deepspeed.zero.Init under transformers' from_pretrained
                     # numpy's array rebuilder: the name every pickled ndarray names (torch's weights_only docs)
-                    "checkpoint/safe_pickle.py": {"_reconstruct"}}
+                    "checkpoint/safe_pickle.py": {"_reconstruct"},
+                    # the checkpoint function transformers' _set_gradient_checkpointing gives each layer and its
+                    # GradientCheckpointingLayer calls: the one place its offload=True wrapper can be replaced
+                    "offload/hf_checkpoint_offload.py": {"_gradient_checkpointing_func"}}
 
 
 @pytest.mark.parametrize("path", sorted(p.relative_to(SRC).as_posix() for p in SRC.rglob("*.py")))

@@ -15,6 +15,9 @@ A decoder's logits and loss, and each block's MLP, are counted in tiles (``tiled
 head under `TILE_BYTES` and one MLP tile's intermediates under it too; without them the ``12 * b*s/P*V`` bytes of
 the head and the MLP's ``4d * b*s/P*I`` bound the length. Then the bound is what every block keeps: its input (on the
 device or, with ``cpu_checkpointing``, in host memory) and one block's recompute.
+
+The step model counts 6N FLOPs per token, not attention's, which grow with the sequence: where attention's exceed a
+tenth of them (`ATTENTION_SHARE_LIMIT`) no speed is predicted.
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ __all__ = ["Longest", "longest", "tiles_for", "sequence_parallel_sizes", "STEP",
 STEP = 1024                 # the sequence lengths tried are multiples of this
 MAX_TOKENS = 1 << 24        # 16M tokens: beyond what any single machine holds
 TILE_BYTES = 1 << 30        # one loss tile's fp32 logits and gradients, one MLP tile's intermediates: at most 1 GiB
+ATTENTION_SHARE_LIMIT = 0.1  # beyond this the step model's 6N FLOPs per token miss too much to predict a speed
 
 
 @dataclass
@@ -42,9 +46,14 @@ class Longest:
     sequence_parallel: int = 1
     tiles: SequenceTiles | None = None
 
+    attention_share: float = 0.0     # attention's s-proportional FLOPs per token over the 6N the step model counts
+
     def lines(self) -> list[str]:
         t = self.plan.batch.timing if self.plan.batch is not None else None
         speed = f", ~{t.tokens_per_s:,.0f} tokens/s per rank predicted" if t is not None else ""
+        if self.attention_share > ATTENTION_SHARE_LIMIT:
+            speed = (f"; speed not predicted: attention's FLOPs are {self.attention_share:.1f}x the 6N per token "
+                     f"the step model counts")
         if self.sequence_parallel > 1:
             local = self.seq_len // self.sequence_parallel
             speed = (f", Ulysses sequence_parallel_size {self.sequence_parallel}: {local:,} tokens per rank; "
@@ -92,7 +101,21 @@ def longest(shape: ModelShape, gpus: int, gpu_memory, host_memory, nvme=None, *,
         found = _longest_at(shape, gpus, gpu_memory, host_memory, nvme, base, step, p, tiled, plan_kw)
         if found is not None and (best is None or found.seq_len > best.seq_len):
             best = dataclasses.replace(found, sequence_parallel=p)
+    if best is not None:
+        best.attention_share = attention_share(shape, best.seq_len)
     return best
+
+
+def attention_share(shape: ModelShape, seq_len: int) -> float:
+    """Causal attention's FLOPs per token, 6 * L * q * s (forward and backward, half the s x s scores), over the
+    6 * N the step model counts (`throughput.micro_step_seconds`)."""
+    if shape.decoder is not None:
+        layers, width = shape.decoder.layers, shape.decoder.heads * shape.decoder.head_dim
+    elif shape.gpt is not None:
+        layers, width = shape.gpt.n_layer, shape.gpt.n_embd
+    else:
+        return 0.0
+    return layers * width * seq_len / max(1, shape.n_params)
 
 
 def _longest_at(shape, gpus, gpu_memory, host_memory, nvme, config, step, p, tiled, plan_kw) -> Longest | None:

@@ -53,3 +53,6 @@ def test_a_decoder_counts_tiled_compute_and_sequence_parallel_ranks(tmp_path):
     assert whole.tiles is None and tiled.tiles.loss > 1 and tiled.tiles.mlp > 1
     assert whole.seq_len < tiled.seq_len < ranks.seq_len and ranks.sequence_parallel == 8
     assert "TiledFusedLogitsLoss" in tiled.lines()[0] and "sequence_parallel_size 8" in ranks.lines()[0]
+    # attention's FLOPs (6 L q s per token) dwarf the 6N the step model counts at these lengths: no speed claimed
+    assert tiled.attention_share > 5 and "speed not predicted: attention's FLOPs" in tiled.lines()[0]
+    assert "tokens/s" not in tiled.lines()[0] and whole.attention_share < tiled.attention_share

@@ -9,6 +9,7 @@ tutorial's differentiable all-gather (exact at stage 3; at stages 0-2 it yields 
 under DeepSpeed 0.19.8 as here, because torch's all-gather sums the gradients of every rank's copy).
 """
 import importlib.util
+import warnings
 
 import pytest
 import torch
@@ -279,3 +280,22 @@ def test_the_memory_model_and_longest_count_sequence_parallel_ranks():
     at_one = longest(shape, 1, "1GB", "64GB")
     at_four = longest(shape, 4, "1GB", "64GB")
     assert at_four.sequence_parallel == 4 and at_four.seq_len > 3 * at_one.seq_len
+
+
+def test_a_size_without_ulysses_attention_warns_naming_the_key():
+    """``sequence_parallel_size`` 2 on a model whose attention is not Ulysses' (a GPT whose cores are not wrapped):
+    each rank would attend within its shard only; the engine warns, naming the key (checked at one rank through the
+    warning's own rule: the groups of 2 cannot be made on one process)."""
+    from zero_offload.sequence.check import warn_if_not_sequence_parallel
+    from zero_offload.sequence.gpt import make_sequence_parallel
+    from zero_offload.sequence.groups import SequenceParallelGroups
+    from zero_offload.train.model import GPT, preset
+    model = GPT(preset("tiny"))
+    with pytest.warns(UserWarning, match="'sequence_parallel_size' = 2, but the model's attention is not sequence"):
+        warn_if_not_sequence_parallel(model, 2)
+    make_sequence_parallel(model, SequenceParallelGroups(2, 2, 0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_if_not_sequence_parallel(model, 2)                    # wrapped: no warning
+    with pytest.warns(UserWarning, match="not sequence parallel"):
+        warn_if_not_sequence_parallel(sp_runs.make_model("llama"), 2)   # sdpa, not registered

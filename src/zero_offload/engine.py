@@ -24,6 +24,7 @@ from zero_offload.optim.lr_schedules import build_scheduler
 from zero_offload.precision import LossScaler, is_overflow, training_dtype
 from zero_offload.runtime.stats import StepStats
 from zero_offload.sequence import groups as sequence_groups
+from zero_offload.sequence.check import warn_if_not_sequence_parallel
 from zero_offload.sequence.loss import sequence_loss
 from zero_offload.runtime.step_timer import StepTimer
 from zero_offload.hoststep.builder import build_partition_optimizer
@@ -94,6 +95,7 @@ class Engine(EngineState):
                               '"optimizer": {"type": "AdamW", "params": {"lr": 0.0003}}')
         # Ulysses: ranks per sequence (ZeRO still partitions over every rank; the replicas are world / size)
         self.sequence = sequence_groups.initialize(self.config.sequence_parallel_size)
+        warn_if_not_sequence_parallel(model, self.sequence.size)
         self.batch = self.config.batch_sizes(self.ctx.world_size // self.sequence.size)
         if self.config.seed is not None:
             torch.manual_seed(self.config.seed)

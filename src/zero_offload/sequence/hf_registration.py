@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from zero_offload.sequence import groups as sp_groups
 
-__all__ = ["register_with_transformers", "unregister_from_transformers"]
+__all__ = ["register_with_transformers", "unregister_from_transformers", "registered"]
 
 UNSUPPORTED = ("eager", "paged|eager")     # they need a dense 4-D mask, which the wrapper drops
 _originals: dict[str, object] = {}
@@ -87,3 +87,8 @@ def unregister_from_transformers(core_attn_implementation: str) -> None:
     if core_attn_implementation in _originals:
         ALL_ATTENTION_FUNCTIONS[core_attn_implementation] = _originals.pop(core_attn_implementation)
     sp_groups.release()
+
+
+def registered() -> set[str]:
+    """The attention implementations Ulysses wraps now."""
+    return set(_originals)

@@ -16,6 +16,7 @@ from zero_offload.checkpoint.io import write_errors
 from zero_offload.checkpoint.lock import DirectoryLock, LockedError
 from zero_offload.comm import DistContext, barrier, broadcast_object
 from zero_offload.config import Config, ConfigError
+from zero_offload.sequence import groups as sequence_groups
 from zero_offload.sequence.gpt import make_sequence_parallel, sequence_parallel_off, shard
 from zero_offload.train.data import prepare_data
 from zero_offload.train.model import GPT, count_parameters, flops_per_token, preset
@@ -180,9 +181,10 @@ def _train(args: TrainArgs, ctx: DistContext, config: Config, choice, out: Path,
                    f"({counts.non_embedding / 1e6:.2f}M non-embedding), vocab {data.vocab_size}, "
                    f"context {seq_len}, {ctx.world_size} rank(s) on {ctx.device.type}")
     wd = config.optimizer.params.weight_decay
+    # Ulysses: the ranks of a group load the same batch and take a shard each; the attention cores are wrapped first
+    make_sequence_parallel(model, sequence_groups.initialize(config.sequence_parallel_size))
     engine = zero_offload.initialize(model, config, model_parameters=model.optimizer_groups(wd))
-    sp = engine.sequence            # Ulysses: the ranks of a group load the same batch and take a shard each
-    make_sequence_parallel(engine.module, sp)
+    sp = engine.sequence
     start = 0
     if args.resume:
         start = engine.load_checkpoint(ckpt_dir)["step"]

@@ -299,3 +299,34 @@ def test_a_size_without_ulysses_attention_warns_naming_the_key():
         warn_if_not_sequence_parallel(model, 2)                    # wrapped: no warning
     with pytest.warns(UserWarning, match="not sequence parallel"):
         warn_if_not_sequence_parallel(sp_runs.make_model("llama"), 2)   # sdpa, not registered
+
+
+def _adapter_shards():
+    import torch.distributed as dist
+    from zero_offload.sequence import UlyssesSPDataLoaderAdapter, initialize
+    rank = dist.get_rank()
+    length = 8 if rank == 0 else 12                  # the ranks' batches differ in length
+    ids = torch.arange(100 * rank, 100 * rank + length)[None]
+    batch = {"input_ids": ids, "position_ids": torch.arange(length)[None], "labels": ids.clone(), "tag": f"r{rank}"}
+    groups = initialize(2)
+    loader = UlyssesSPDataLoaderAdapter([batch], groups.get_sequence_parallel_rank(), groups.group, 2, "cpu")
+    return [next(loader) for _ in range(2)], len(loader)
+
+
+def test_the_adapter_shares_batches_of_different_lengths():
+    """Each rank's batch (8 and 12 tokens: DeepSpeed 0.19.8's adapter cannot gather those on gloo) is split in
+    group-rank order: step i gives every rank its half of rank i's batch, labels shifted over the whole sequence
+    first (the last position has none), non-tensor values shared as they are."""
+    results = run_ranks(_adapter_shards, 2)
+    for rank, (shards, length) in enumerate(results):
+        assert length == 2
+        for source, shard in enumerate(shards):
+            n = 8 if source == 0 else 12
+            half = n // 2
+            ids = torch.arange(100 * source, 100 * source + n)
+            mine = slice(rank * half, (rank + 1) * half)
+            assert torch.equal(shard["input_ids"][0], ids[mine])
+            assert torch.equal(shard["position_ids"][0], torch.arange(n)[mine])
+            shifted = torch.cat([ids[1:], torch.tensor([-100])])
+            assert torch.equal(shard["shift_labels"][0], shifted[mine]) and "labels" not in shard
+            assert shard["tag"] == f"r{source}"

@@ -122,6 +122,7 @@ def test_simulated_streams_see_every_wait(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(plain, waited))
     monkeypatch.setenv(simulated.ENV, "1")
     monkeypatch.setenv(simulated.SKIP_WAITS_ENV, "1")
+    monkeypatch.setattr(simulated, "MAX_DELAY_S", 0.05)   # delays of up to 3 ms sometimes land every copy in time
     skipped = _gradients(simulated.SimulatedCopies(torch.device("cpu")))
     assert not all(torch.equal(a, b) for a, b in zip(plain, skipped))
     monkeypatch.delenv(simulated.SKIP_WAITS_ENV)
@@ -271,8 +272,9 @@ def test_cpu_layers_beyond_the_blocks_names_the_key():
 
 def test_the_memory_model_moves_cpu_layers_blocks_to_the_host():
     """``cpu_layers`` 2 on a Llama not checkpointed: the estimate moves 2 blocks' saved bytes (unique storages) from
-    the device's activations to the host's ``layer_activations``; the engine's pool holds 0.9-1.25 of that (a
-    storage two ops save moves twice; non-contiguous views stay on the device)."""
+    the device's activations to the host's ``layer_activations``; the engine's pool holds 0.85-1.0 of that (each
+    storage moves once however many ops save it; non-contiguous views stay on the device: 0.89 measured here, 0.96
+    at hidden 64 and 128 tokens)."""
     from zero_offload.estimate import estimate_memory
     from zero_offload.estimate.decoder_activations import decoder_block_bytes, decoder_shape
     section = {"cpu_layers": 2, "cpu_checkpointing_min_bytes": 0}
@@ -290,4 +292,4 @@ def test_the_memory_model_moves_cpu_layers_blocks_to_the_host():
     assert moved.host["layer_activations"] == 2 * block
     assert est.device["activations"] - moved.device["activations"] == 2 * block
     engine_run = _train(2, False, no_checkpointing, config_extra={"activation_checkpointing": section})
-    assert 0.9 * 2 * block <= engine_run[2].layer_counts.pool_bytes <= 1.25 * 2 * block
+    assert 0.85 * 2 * block <= engine_run[2].layer_counts.pool_bytes <= 2 * block

@@ -20,7 +20,8 @@ copies are synchronous; transformers' ``offload=True`` copies on the compute str
 
 The second mode (`keep_layers`, ``activation_checkpointing.cpu_layers``): chosen blocks that are not checkpointed
 keep every activation they save (parameters aside) in host memory instead of on the device, moved the same way:
-PCIe time instead of the recompute's FLOPs, block by block. Their counts and pool are their own (`layer_counts`).
+PCIe time instead of the recompute's FLOPs, block by block. A block's tensors go down when it ends, each storage once
+however many ops save it. Their counts and pool are their own (`layer_counts`).
 
 Training is bitwise the same: the bytes come back as they went.
 """
@@ -123,6 +124,7 @@ class CheckpointOffload:
         self._pool: dict[tuple, list[tuple[torch.Tensor, CopyHandle | None]]] = {}
         self._forward: list[weakref.ref] = []    # this forward's inputs, in the order they were saved
         self._latest: _Held | None = None        # kept on the device until a newer one arrives
+        self._block: dict[tuple, _Held] = {}     # what the running `keep_layers` block saved, by storage and view
 
     @contextlib.contextmanager
     def hooks(self):
@@ -166,6 +168,10 @@ class CheckpointOffload:
 
         def leave(module, args, output):
             self._in_layers -= 1
+            if not self._in_layers:              # the block is done: what it saved goes down, each storage once
+                for held in self._block.values():
+                    self._send_down(held)
+                self._block.clear()
         return [h for b in blocks for h in (b.register_forward_pre_hook(enter),
                                             b.register_forward_hook(leave, always_call=True))]
 
@@ -180,6 +186,13 @@ class CheckpointOffload:
         if tensor.nbytes < self.min_bytes or not tensor.is_contiguous() or tensor.layout != torch.strided:
             self._counts(kind).kept += 1
             return tensor
+        if kind == LAYER:
+            # held on the device until the block ends (`keep_layers`), so a storage saved twice moves once
+            key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.dtype)
+            if key not in self._block:
+                self._block[key] = _Held(self, kind, len(self._forward), tensor)
+                self._forward.append(weakref.ref(self._block[key]))
+            return self._block[key]
         held = _Held(self, kind, len(self._forward), tensor)
         self._forward.append(weakref.ref(held))
         previous, self._latest = self._latest, held

@@ -29,6 +29,7 @@ import faulthandler
 import importlib
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -173,8 +174,8 @@ def import_after_init() -> None:
 
 def pinned(stdout: str) -> bool:
     """A rank reported threads of its group alive after ``destroy_process_group``."""
-    lines = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
-    return any(d["group_threads"] for d in lines)
+    reports = [json.loads(m) for m in re.findall(r"\{[^{}]*\}", stdout)]   # the ranks' lines may run together
+    return any(d["group_threads"] for d in reports)
 
 
 def soak(policy: str, runs: int, spawn: bool = False, nice: bool = False, timeout_s: float = 300.0,

@@ -23,8 +23,7 @@ from zero_offload.offload.state_offload import StateOffload
 from zero_offload.optim.lr_schedules import build_scheduler
 from zero_offload.precision import LossScaler, is_overflow, training_dtype
 from zero_offload.runtime.stats import StepStats
-from zero_offload.sequence import groups as sequence_groups
-from zero_offload.sequence.check import warn_if_not_sequence_parallel
+from zero_offload.sequence.check import groups_for as sequence_groups_for
 from zero_offload.sequence.loss import sequence_loss
 from zero_offload.runtime.step_timer import StepTimer
 from zero_offload.hoststep.builder import build_partition_optimizer
@@ -94,8 +93,7 @@ class Engine(EngineState):
             raise ConfigError("config key 'optimizer' is missing: zero-offload has no default optimizer; add e.g. "
                               '"optimizer": {"type": "AdamW", "params": {"lr": 0.0003}}')
         # Ulysses: ranks per sequence (ZeRO still partitions over every rank; the replicas are world / size)
-        self.sequence = sequence_groups.initialize(self.config.sequence_parallel_size)
-        warn_if_not_sequence_parallel(model, self.sequence.size)
+        self.sequence = sequence_groups_for(model, self.config.sequence_parallel_size)
         self.batch = self.config.batch_sizes(self.ctx.world_size // self.sequence.size)
         if self.config.seed is not None:
             torch.manual_seed(self.config.seed)
@@ -141,8 +139,7 @@ class Engine(EngineState):
         self._counters = self.zero.counters()
         self._closed = False
         self._states = StateOffload(self.ctx.device)      # offload_states / reload_states
-        # cpu_checkpointing (or DeepSpeed's checkpoint_in_cpu, or transformers' offload=True): checkpoint inputs wait
-        # in host memory; cpu_layers: whole blocks' activations too (`checkpoint_offload.for_engine`)
+        # checkpoint inputs (and with cpu_layers whole blocks' activations) in host memory, when asked: `for_engine`
         self.checkpoint_offload = checkpoint_offload.for_engine(self.config.activation_checkpointing, self.module,
                                                                 make_copies(self.device))
         self._is_compiled = False
@@ -348,11 +345,8 @@ class Engine(EngineState):
         ``cpu_checkpointing`` the host buffers of checkpoint inputs too (``checkpoint_inputs``), with ``cpu_layers``
         those of the blocks' activations (``layer_activations``)."""
         out = self.zero.memory_breakdown()
-        offload = self.checkpoint_offload
-        for kind, counts in (("checkpoint_inputs", offload and offload.counts),
-                             ("layer_activations", offload and offload.layer_counts)):
-            if counts and counts.pool_bytes:
-                out[kind] = {"bytes": counts.pool_bytes, "numel": counts.pool_bytes, "side": "host"}
+        if self.checkpoint_offload is not None:
+            out.update(self.checkpoint_offload.memory_breakdown())
         return out
 
     @property

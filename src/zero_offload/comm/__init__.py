@@ -21,13 +21,14 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from zero_offload.comm.devices import choose_device, device_free_bytes
 from zero_offload.comm.handover import handed, settle
 from zero_offload.offload import simulated
 from zero_offload.offload.simulated import SimulatedCollectives
 
 __all__ = ["DistContext", "DoneWork", "CollectiveTimeoutError", "collective_timeout", "deadline", "all_gather_into",
            "reduce_scatter", "all_to_all", "all_reduce_sum", "broadcast", "gather_objects", "broadcast_object",
-           "barrier", "collective_device", "choose_device"]
+           "barrier", "collective_device", "choose_device", "device_free_bytes"]
 
 DEFAULT_TIMEOUT_S = 600.0   # 10 minutes: long enough for a slow checkpoint, short enough to notice a stall
 
@@ -171,49 +172,6 @@ def broadcast(tensor: torch.Tensor, src: int, group=None) -> None:
     staged = tensor.to(device)
     dist.broadcast(staged, src=src, group=group)
     tensor.copy_(staged)
-
-
-def device_free_bytes(device: torch.device) -> int:
-    """Bytes free for new tensors on ``device``: ``torch.cuda.mem_get_info`` plus what the caching allocator holds
-    unused on CUDA; the host's available memory (``psutil``) on the CPU."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    import psutil
-    return psutil.virtual_memory().available
-
-
-def choose_device(backend: str | None, cuda: bool, environ=None) -> torch.device:
-    """This rank's compute device.
-
-    - no CUDA, or a gloo-only group (gloo reduces CPU tensors only): the CPU;
-    - else ``cuda:LOCAL_RANK`` when the launcher set ``LOCAL_RANK`` (torchrun, the deepspeed launcher), whoever
-      created the process group: DeepSpeed's engine binds the device from ``LOCAL_RANK`` the same way;
-    - else the current CUDA device (``torch.cuda.set_device`` before `initialize`, as with DDP).
-
-    Args:
-        backend: ``dist.get_backend()`` of the group (None: no group).
-        cuda: whether CUDA is available.
-        environ: the environment to read (default ``os.environ``).
-
-    Raises:
-        ValueError: ``LOCAL_RANK`` is not an integer, or names a GPU this process does not see.
-    """
-    environ = os.environ if environ is None else environ
-    if not cuda or (backend is not None and str(backend).lower() == "gloo"):
-        return torch.device("cpu")
-    raw = environ.get("LOCAL_RANK")
-    if raw is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    try:
-        index = int(raw)
-    except ValueError:
-        raise ValueError(f"environment variable LOCAL_RANK={raw!r} must be an integer") from None
-    count = torch.cuda.device_count()
-    if not 0 <= index < count:
-        raise ValueError(f"environment variable LOCAL_RANK={index} names a GPU this process does not see "
-                         f"({count} visible: check CUDA_VISIBLE_DEVICES and --nproc_per_node)")
-    return torch.device("cuda", index)
 
 
 def _pickled(obj) -> torch.Tensor:

@@ -21,7 +21,7 @@ which then let go with the interpreter alive. Unless something else still holds 
 and torch imports it with ``torch._dynamo``, which the first torch optimizer imports -- the engine's, built after
 ``init_process_group``. The default group then outlived ``destroy_process_group`` and its workers ran into
 interpreter exit; a worker that let go of the script's own all-reduced tensor there aborted a two-rank script now
-and then (issue 59; BENCHMARKS.md). So that module is imported here, with ``zero_offload``: before the script
+and then (BENCHMARKS.md, "Clean exits"). So that module is imported here, with ``zero_offload``: before the script
 creates its group, its defaults are None. (A script that imports ``zero_offload`` after creating its group, or
 imports that module itself then, still leaves the group held.)
 """

@@ -3,12 +3,12 @@ decoder (`zero_offload.estimate.decoder_activations`), for the memory model (`ze
 from __future__ import annotations
 
 from zero_offload.estimate.decoder_activations import (DecoderShape, SequenceTiles, decoder_activation_bytes,
-                                                       decoder_formula)
+                                                       decoder_block_bytes, decoder_formula)
 from zero_offload.estimate.sequence_activations import decoder_sequence_parallel_extra, local_length
 from zero_offload.presets import GPTConfig
 
 __all__ = ["activation_bytes", "activation_formula", "add_decoder_activations", "move_checkpoint_inputs",
-           "move_layer_activations"]
+           "move_layer_activations", "add_model_activations"]
 
 
 def activation_formula(checkpointing: bool) -> str:
@@ -90,3 +90,25 @@ def move_layer_activations(est, block_bytes: int, checkpointing: bool, section) 
     est.add("device", "activations", -moved)
     est.add("host", "layer_activations", moved)
     est.formulas["layer_activations"] = f"{section.cpu_layers} blocks' saved activations in host memory (cpu_layers)"
+
+
+def add_model_activations(est, shape, micro_batch: int, seq_len: int | None, d: int, checkpointing: bool | None,
+                          sp: int, tiles: SequenceTiles | None, section) -> None:
+    """A GPT's or a decoder's ``activations`` (``shape``: `estimate.memory.ModelShape`), with what ``section``
+    (``activation_checkpointing``) moves to host memory, under Ulysses of size ``sp`` and with ``tiles``."""
+    if shape.gpt is not None:
+        s = seq_len or shape.gpt.block_size
+        ckpt = shape.gpt.activation_checkpointing if checkpointing is None else checkpointing
+        est.add("device", "activations", activation_bytes(shape.gpt, micro_batch, s, d, ckpt, sp))
+        est.formulas["activations"] = activation_formula(ckpt) + f" with b={micro_batch}, s={s}, d={d}" + (
+            f", s/{sp} tokens per rank (Ulysses)" if sp > 1 else "")
+        if ckpt:
+            move_checkpoint_inputs(est, shape.gpt.n_layer, micro_batch * s // sp, shape.gpt.n_embd, d, section)
+    elif shape.decoder is not None:
+        add_decoder_activations(est, shape.decoder, micro_batch, seq_len, d, checkpointing, sp, tiles)
+        ckpt = shape.decoder.activation_checkpointing if checkpointing is None else checkpointing
+        if seq_len is not None:
+            tokens = micro_batch * seq_len // sp
+            if ckpt:
+                move_checkpoint_inputs(est, shape.decoder.layers, tokens, shape.decoder.hidden, d, section)
+            move_layer_activations(est, decoder_block_bytes(shape.decoder, tokens, d), ckpt, section)

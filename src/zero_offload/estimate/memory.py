@@ -27,9 +27,8 @@ from zero_offload.offload.grad_staging import STAGING_FORMULA, staging_shape
 from zero_offload.hoststep.grad_stream import SLOTS
 from zero_offload.offload.staging_ring import ring_shape
 from zero_offload.precision import training_dtype
-from zero_offload.estimate.activations import (activation_bytes, activation_formula, add_decoder_activations,
-                                               move_checkpoint_inputs, move_layer_activations)
-from zero_offload.estimate.decoder_activations import SequenceTiles, decoder_block_bytes
+from zero_offload.estimate.activations import activation_bytes, activation_formula, add_model_activations
+from zero_offload.estimate.decoder_activations import SequenceTiles
 from zero_offload.estimate.nvme_files import add_nvme_files
 from zero_offload.zero.bucket_pool import bucket_pool_size
 from zero_offload.zero.collectives import MAX_IN_FLIGHT, scattered_dtype
@@ -398,27 +397,8 @@ def estimate_memory(model, config: "Config | dict | str | None" = None, world_si
         est.add("host", "pinned_rounding", rounding)
         est.formulas["pinned_rounding"] = ("each pinned host buffer rounded up to a power of two "
                                            "(torch's host allocator)")
-    if shape.gpt is not None:
-        s = seq_len or shape.gpt.block_size
-        b = micro_batch or micro
-        ckpt = shape.gpt.activation_checkpointing if activation_checkpointing is None else activation_checkpointing
-        est.add("device", "activations", activation_bytes(shape.gpt, b, s, d, ckpt, sp))
-        est.formulas["activations"] = activation_formula(ckpt) + f" with b={b}, s={s}, d={d}" + (
-            f", s/{sp} tokens per rank (Ulysses)" if sp > 1 else "")
-        if ckpt:
-            move_checkpoint_inputs(est, shape.gpt.n_layer, b * s // sp, shape.gpt.n_embd, d,
-                                   cfg.activation_checkpointing)
-    elif shape.decoder is not None:
-        add_decoder_activations(est, shape.decoder, micro_batch or micro, seq_len, d, activation_checkpointing, sp,
-                                tiles)
-        ckpt = shape.decoder.activation_checkpointing if activation_checkpointing is None else activation_checkpointing
-        if seq_len is not None and ckpt:
-            move_checkpoint_inputs(est, shape.decoder.layers, (micro_batch or micro) * seq_len // sp,
-                                   shape.decoder.hidden, d, cfg.activation_checkpointing)
-        if seq_len is not None:
-            tokens = (micro_batch or micro) * seq_len // sp
-            move_layer_activations(est, decoder_block_bytes(shape.decoder, tokens, d), ckpt,
-                                   cfg.activation_checkpointing)
+    add_model_activations(est, shape, micro_batch or micro, seq_len, d, activation_checkpointing, sp, tiles,
+                          cfg.activation_checkpointing)
     return est
 
 

@@ -175,6 +175,13 @@ class CheckpointOffload:
         return [h for b in blocks for h in (b.register_forward_pre_hook(enter),
                                             b.register_forward_hook(leave, always_call=True))]
 
+    def memory_breakdown(self) -> dict[str, dict]:
+        """The pinned bytes each kind holds (``checkpoint_inputs``, ``layer_activations``), as the engine's
+        ``memory_breakdown`` lists them; a kind with none is left out."""
+        return {kind: {"bytes": c.pool_bytes, "numel": c.pool_bytes, "side": "host"}
+                for kind, c in (("checkpoint_inputs", self.counts), ("layer_activations", self.layer_counts))
+                if c.pool_bytes}
+
     def _counts(self, kind: str) -> OffloadCounts:
         return self.counts if kind == CHECKPOINT else self.layer_counts
 

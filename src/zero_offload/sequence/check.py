@@ -11,10 +11,11 @@ import warnings
 
 import torch
 
+from zero_offload.sequence import groups as sequence_groups
 from zero_offload.sequence.gpt import UlyssesCore
 from zero_offload.sequence.hf_registration import registered
 
-__all__ = ["warn_if_not_sequence_parallel"]
+__all__ = ["warn_if_not_sequence_parallel", "groups_for"]
 
 
 def _wrapped(model: torch.nn.Module) -> bool | None:
@@ -35,4 +36,11 @@ def warn_if_not_sequence_parallel(model: torch.nn.Module, size: int) -> None:
         warnings.warn(f"config key 'sequence_parallel_size' = {size}, but the model's attention is not sequence "
                       f"parallel: each rank would attend within its own shard only. Register Ulysses first "
                       f"(UlyssesSPAttentionHF.register_with_transformers before from_pretrained, or "
-                      f"zero_offload.sequence.gpt.make_sequence_parallel)", stacklevel=3)
+                      f"zero_offload.sequence.gpt.make_sequence_parallel)", stacklevel=4)
+
+
+def groups_for(model: torch.nn.Module, size: int) -> sequence_groups.SequenceParallelGroups:
+    """The engine's groups for ``sequence_parallel_size`` ``size`` (`groups.initialize`), with the warning above."""
+    made = sequence_groups.initialize(size)
+    warn_if_not_sequence_parallel(model, made.size)
+    return made

@@ -40,24 +40,13 @@ def _build(tiny: bool, device):
     return model.train()
 
 
-def _tile_mlps(model, tiles: int) -> None:
-    from zero_offload.tiling import TiledMLP
-
-    def mlp(module, x):
-        return module.down_proj(module.act_fn(module.gate_proj(x)) * module.up_proj(x))
-
-    def forward(self, x):
-        return TiledMLP.apply(mlp, self, x, tiles, [self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight])
-    for layer in model.model.layers:
-        layer.mlp.forward = forward.__get__(layer.mlp)
-
-
 def section_long_seq(args) -> dict:
     """Plan the longest sequence, train one step at it, measure (see the module docstring)."""
     import psutil
     import torch
     import zero_offload
     from zero_offload.estimate.longest import longest
+    from zero_offload.tiling import tile_gated_mlps
     from zero_offload.estimate.shape import model_shape
     device = torch.device("cuda" if args.device == "cuda" else "cpu")
     box = dict(TINY_BOX) if args.tiny else {"gpu_memory": torch.cuda.get_device_properties(0).total_memory,
@@ -69,7 +58,7 @@ def section_long_seq(args) -> dict:
         if found is None:
             return {"ok": False, "error": "not even 1024 tokens fit", "box": box}
         seq, tiles, config = found.seq_len, found.tiles, found.plan.config
-        _tile_mlps(model, tiles.mlp)
+        tile_gated_mlps(model, tiles.mlp)
         engine = zero_offload.initialize(model, config)
         try:
             ids = torch.randint(0, model.config.vocab_size, (1, seq), device=device,
@@ -88,7 +77,7 @@ def section_long_seq(args) -> dict:
                 torch.cuda.synchronize(device)
             step_s = time.perf_counter() - start
             peak_device = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
-            loss_value = float(loss)
+            loss_value = loss.item()
         finally:
             engine.close()
         est = found.plan.batch.estimate if found.plan.batch is not None else None

@@ -19,15 +19,6 @@ SHAPES = {  # (config class, heads, key/value heads): Llama with GQA 4/2; Qwen2 
 }
 
 
-def _tiled_mlp_forward(self, x):
-    """LlamaMLP's forward, two tiles of the sequence at a time (DeepSpeed's ALST recipe patches it so)."""
-    from zero_offload.tiling import TiledMLP
-
-    def mlp(module, tile):
-        return module.down_proj(module.act_fn(module.gate_proj(tile)) * module.up_proj(tile))
-    return TiledMLP.apply(mlp, self, x, 2, [self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight])
-
-
 def make_model(shape: str, checkpointing: bool = False, tiled: bool = False):
     import transformers
     cls, heads, kv = SHAPES[shape]
@@ -38,9 +29,9 @@ def make_model(shape: str, checkpointing: bool = False, tiled: bool = False):
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float()
     if checkpointing:               # transformers' own offload: the engine moves the block inputs (docs)
         model.activation_checkpointing_enable(offload=True)
-    if tiled:                       # every MLP sequence-tiled (item 2 under Ulysses)
-        for layer in model.model.layers:
-            layer.mlp.forward = _tiled_mlp_forward.__get__(layer.mlp)
+    if tiled:                       # every MLP sequence-tiled, in 2 tiles, under Ulysses
+        from zero_offload.tiling import tile_gated_mlps
+        tile_gated_mlps(model, 2)
     return model
 
 

@@ -162,16 +162,6 @@ def test_hf_config_json_counts_the_same_activations(tmp_path):
     assert from_file.device["activations"] == from_module.device["activations"] > 0
 
 
-def _tiled_mlp(tiles: int):
-    from zero_offload.tiling import TiledMLP
-
-    def forward(self, x):
-        def mlp(module, tile):
-            return module.down_proj(module.act_fn(module.gate_proj(tile)) * module.up_proj(tile))
-        return TiledMLP.apply(mlp, self, x, tiles, [self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight])
-    return forward
-
-
 def _tiled_loss(model, x, tiles: int):
     from zero_offload.tiling import TiledFusedLogitsLoss
     labels = torch.nn.functional.pad(x, (0, 1), value=-100)[:, 1:]
@@ -198,8 +188,8 @@ def test_tiled_compute_matches_the_measured_peak(vocab, intermediate, loss_tiles
     torch.manual_seed(0)
     model = _model("llama", torch.bfloat16, checkpointing, vocab=vocab, intermediate=intermediate)
     if mlp_tiles:
-        for layer in model.model.layers:
-            layer.mlp.forward = _tiled_mlp(mlp_tiles).__get__(layer.mlp)
+        from zero_offload.tiling import tile_gated_mlps
+        assert tile_gated_mlps(model, mlp_tiles) == len(model.model.layers)
     for p in model.parameters():
         p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
     b, s = 2, 256

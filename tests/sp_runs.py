@@ -29,9 +29,10 @@ def make_model(shape: str, checkpointing: bool = False, tiled: bool = False):
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float()
     if checkpointing:               # transformers' own offload: the engine moves the block inputs (docs)
         model.activation_checkpointing_enable(offload=True)
-    if tiled:                       # every MLP sequence-tiled, in 2 tiles, under Ulysses
-        from zero_offload.tiling import tile_gated_mlps
+    if tiled:                       # every MLP and RMSNorm sequence-tiled, in 2 tiles, under Ulysses
+        from zero_offload.tiling import tile_gated_mlps, tile_rms_norms
         tile_gated_mlps(model, 2)
+        tile_rms_norms(model, 2)
     return model
 
 

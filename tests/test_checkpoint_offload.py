@@ -89,6 +89,20 @@ def test_small_inputs_stay_and_the_prefetch_is_bounded():
     assert _bitwise(one, _train(2, False))
 
 
+def test_the_first_inputs_can_stay_on_the_device():
+    """``cpu_checkpointing_device_inputs`` K: the first K inputs of each forward stay, the rest (but the last) move;
+    bitwise the same, and the memory model moves exactly what the pool holds."""
+    from zero_offload.estimate import estimate_memory
+    split = _train(2, True, cpu_checkpointing_device_inputs=2)
+    assert _bitwise(split, _train(2, False))
+    counts = split[2].counts
+    assert counts.on_device == 2 * STEPS and counts.offloaded == (LAYERS - 3) * STEPS
+    torch.manual_seed(0)
+    est = estimate_memory(GPT(SHAPE), _config(2, True, cpu_checkpointing_device_inputs=2), 1, micro_batch=2,
+                          seq_len=SHAPE.block_size, activation_checkpointing=True)
+    assert est.host["checkpoint_inputs"] == counts.pool_bytes == (LAYERS - 3) * est.checkpoint_input_bytes
+
+
 def _gradients(copies=None) -> list[torch.Tensor]:
     """One forward and backward of the checkpointed GPT, its checkpoint inputs offloaded through ``copies``."""
     torch.manual_seed(0)
@@ -175,6 +189,8 @@ def test_bad_settings_name_the_key():
         zero_offload.Config.load(_config(2, True, cpu_checkpointing_min_bytes=-1))
     with pytest.raises(zero_offload.ConfigError, match=r"activation_checkpointing.cpu_checkpointing_prefetch"):
         zero_offload.Config.load(_config(2, True, cpu_checkpointing_prefetch=0))
+    with pytest.raises(zero_offload.ConfigError, match=r"activation_checkpointing.cpu_checkpointing_device_inputs"):
+        zero_offload.Config.load(_config(2, True, cpu_checkpointing_device_inputs=-1))
 
 
 @pytest.mark.parametrize("model_fn", [None, _hf_llama], ids=["gpt", "llama"])
@@ -220,6 +236,25 @@ def test_the_planner_keeps_recomputes_or_moves_the_block_inputs():
     assert tight.batch.timing.tokens_per_s > 2 * without.batch.timing.tokens_per_s
     roomy = zero_offload.plan(deep, gpu_memory="80GB", host_memory="128GiB", seq_len=2048)
     assert not roomy.batch.inputs_on_host and "activation_checkpointing" not in roomy.config
+
+
+def test_the_planner_splits_the_inputs_where_the_host_cannot_hold_them_all():
+    """Where every block input in host memory leaves the host short and the device has room, the plan keeps the
+    fewest first inputs on the device that bring the host within its capacity (``cpu_checkpointing_device_inputs``);
+    with a host that holds them all it keeps none there."""
+    from zero_offload.presets import GPTConfig as Shape
+    deep = Shape(vocab_size=50257, block_size=2048, n_layer=128, n_head=16, n_embd=1024, activation_checkpointing=True)
+    fixed = dict(micro_batch=4, gradient_accumulation=1, seq_len=2048, activation_checkpointing=True,
+                 config={"bf16": {"enabled": True}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+                         "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+                         "activation_checkpointing": {"cpu_checkpointing": True}})
+    roomy = zero_offload.plan(deep, gpu_memory="16GB", host_memory="128GiB", **fixed)
+    assert "cpu_checkpointing_device_inputs" not in roomy.config["activation_checkpointing"]
+    each = 4 * 2048 * 1024 * 2
+    host = roomy.batch.estimate.need()["host"]
+    tight = zero_offload.plan(deep, gpu_memory="16GB", host_memory=int((host - 5.5 * each) / 0.9), **fixed)
+    assert tight.fits and tight.config["activation_checkpointing"]["cpu_checkpointing_device_inputs"] == 6
+    assert tight.batch.estimate.host["checkpoint_inputs"] == (127 - 6) * each
 
 
 def _hf_llama_offload():

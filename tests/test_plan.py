@@ -284,3 +284,16 @@ def test_nvme_without_a_path_is_planned_and_the_placeholder_named():
         "zero_optimization": {"offload_optimizer": {"nvme_path": "/mnt/nvme0"}}})
     assert given.config["zero_optimization"]["offload_optimizer"]["nvme_path"] == "/mnt/nvme0"
     assert "nvme_path" not in given.reasons
+
+
+def test_a_plan_offloading_both_keeps_the_optimizers_keys_out_of_offload_param():
+    """A row that offloads the optimizer and the parameters to the same device wrote one dict for both sections, so
+    the batch choice's ``super_offload`` reached ``offload_param`` too (a key without effect there, warned about
+    at every load); each section is its own now."""
+    import warnings
+    chosen = zero_offload.plan("gpt2-xl", 1, "8GB", "64GB", seq_len=1024)
+    zero = chosen.config["zero_optimization"]
+    assert zero["offload_param"] == {"device": "cpu"} and zero["offload_optimizer"].get("super_offload")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        zero_offload.Config.load(chosen.config)

@@ -64,7 +64,7 @@ def _assert_matches_adamw(results, case: int, shape: str, world: int, sp: int) -
 
 
 TWO_IDS = ["llama-stage2-engine-loss", "llama-stage3-engine-loss", "qwen-kv1-stage3-alst-loss-deepspeed-face",
-           "llama-stage3-tiled-mlp"]
+           "llama-stage3-tiled-mlp-and-norms"]
 
 
 @pytest.mark.parametrize("case", [0, 1, 4, 6], ids=TWO_IDS)
@@ -72,7 +72,7 @@ def test_two_rank_sequence_parallel_matches_adamw(two_ranks, case):
     """Size 2 on 2 ranks with the optimizer offloaded trains the same global batch as AdamW on one process to
     1e-5: Llama (4 heads, 2 key/value heads) at stages 2 and 3, Qwen2 with one key/value head (replicated to each
     rank) at stage 3 through ``deepspeed.initialize(mpu=...)`` with the tutorial's loss, and Llama with every MLP
-    sequence-tiled (``TiledMLP``, 2 tiles of each shard) at stage 3."""
+    and RMSNorm sequence-tiled (``TiledMLP``, `tile_rms_norms`, 2 tiles of each shard) at stage 3."""
     shape, _, sp, *_ = TWO[case]
     _assert_matches_adamw(two_ranks, case, shape, 2, sp)
 

@@ -22,6 +22,10 @@ class ActivationCheckpointingConfig:
                                                        "(bytes) stay on the device.", min=0)
     cpu_checkpointing_prefetch: int = option(2, "Not a DeepSpeed key: copies up queued ahead of backward's need.",
                                              min=1)
+    cpu_checkpointing_device_inputs: int = option(0, "Not a DeepSpeed key: with cpu_checkpointing, the first N "
+                                                     "checkpoint inputs of each forward stay on the device (the last "
+                                                     "always does): the planner splits them between the device and "
+                                                     "the host where neither holds them all.", min=0)
     cpu_layers: int = option(0, "Not a DeepSpeed key: the first N blocks of the model (the entries of its longest "
                                 "ModuleList) keep every activation they save in pinned host memory instead of on the "
                                 "device, copied on copy streams, not recomputed; for blocks that are not "

@@ -60,6 +60,8 @@ def add_decoder_activations(est, decoder: DecoderShape, micro_batch: int, seq_le
     if tiles and tiles.mlp:
         ulysses += (f"; each MLP in {tiles.mlp} tiles (TiledMLP): none of its 4d*b*s*I saved, one tile's 6d*c*I "
                     f"in backward + 12*I*h + 4*b*s*h")
+    if tiles and tiles.norms:
+        ulysses += "; each RMSNorm in tiles (tile_rms_norms): it keeps its input and output, 2d*b*s*h"
     est.formulas["activations"] = (decoder_formula(ckpt) + f" with b={micro_batch}, s={local}, d={dtype_bytes} "
                                    f"({decoder.name}: q={decoder.heads * decoder.head_dim}, "
                                    f"kv={decoder.kv_heads * decoder.head_dim}, I={decoder.intermediate}){ulysses}")
@@ -67,16 +69,21 @@ def add_decoder_activations(est, decoder: DecoderShape, micro_batch: int, seq_le
 
 def move_checkpoint_inputs(est, layers: int, tokens: int, hidden: int, dtype_bytes: int, section) -> None:
     """With ``activation_checkpointing.cpu_checkpointing`` (``section``) and checkpointing on: every block input but
-    the last, ``(L - 1) * b*s*h*d`` bytes, moves from the device's ``activations`` to the host's
-    ``checkpoint_inputs`` (`zero_offload.offload.checkpoint_offload`; inputs under ``cpu_checkpointing_min_bytes``
-    stay). The host side counts the pool's buffers, one per moved input, kept between steps."""
+    the last and the first ``cpu_checkpointing_device_inputs`` (K), ``(L - 1 - K) * b*s*h*d`` bytes, moves from the
+    device's ``activations`` to the host's ``checkpoint_inputs`` (`zero_offload.offload.checkpoint_offload`; inputs
+    under ``cpu_checkpointing_min_bytes`` stay). The host side counts the pool's buffers, one per moved input, kept
+    between steps; ``est.checkpoint_input_bytes`` is one input's bytes."""
     each = tokens * hidden * dtype_bytes
     if not section.cpu_checkpointing or layers < 2 or each < section.cpu_checkpointing_min_bytes:
         return
-    moved = (layers - 1) * each
+    est.checkpoint_input_bytes = each
+    kept = section.cpu_checkpointing_device_inputs
+    moved = max(0, layers - 1 - kept) * each
     est.add("device", "activations", -moved)
     est.add("host", "checkpoint_inputs", moved)
-    est.formulas["checkpoint_inputs"] = "(L - 1) * b*s*h*d: every block input but the last, in host memory"
+    est.formulas["checkpoint_inputs"] = (f"(L - 1 - {kept}) * b*s*h*d: every block input but the last and the first "
+                                         f"{kept}, in host memory" if kept else
+                                         "(L - 1) * b*s*h*d: every block input but the last, in host memory")
 
 
 def move_layer_activations(est, block_bytes: int, checkpointing: bool, section) -> None:
@@ -111,4 +118,5 @@ def add_model_activations(est, shape, micro_batch: int, seq_len: int | None, d: 
             tokens = micro_batch * seq_len // sp
             if ckpt:
                 move_checkpoint_inputs(est, shape.decoder.layers, tokens, shape.decoder.hidden, d, section)
-            move_layer_activations(est, decoder_block_bytes(shape.decoder, tokens, d), ckpt, section)
+            block = decoder_block_bytes(shape.decoder, tokens, d, bool(tiles and tiles.norms))
+            move_layer_activations(est, block, ckpt, section)

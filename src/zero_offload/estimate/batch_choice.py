@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from zero_offload.estimate.decoder_activations import SequenceTiles
 from zero_offload.estimate.memory import MemoryEstimate
 from zero_offload.estimate.throughput import StepTiming
 
@@ -26,6 +27,8 @@ class Knobs:
         choose_checkpointing: whether ``checkpointing`` None means "choose" (a GPT shape) or "the model's own".
         allow_stale_step: the plan may choose the delayed update where ``delayed_update`` is None (it changes what
             is trained: each step's gradient is taken at the parameters before the last step).
+        tiles: the sequence-tiled compute the run uses (`SequenceTiles`; None: none), fixed: its memory is the
+            memory model's, its recompute the step model's.
     """
     micro_batch: int | None = None
     gradient_accumulation: int | None = None
@@ -36,6 +39,7 @@ class Knobs:
     ratio: float | None = None
     allow_stale_step: bool = False
     super_offload_fraction: float | None = None
+    tiles: SequenceTiles | None = None
 
 
 @dataclass

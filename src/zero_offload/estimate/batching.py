@@ -25,8 +25,11 @@ from typing import Callable
 from zero_offload.config import Config
 from zero_offload.estimate.batch_choice import BatchChoice, Knobs
 from zero_offload.estimate.batch_notes import NOTABLE_GAIN, RATIOS, explain
-from zero_offload.estimate.checkpoint_modes import checkpoint_modes, input_copy_exposure, with_inputs_on_host
+from zero_offload.estimate.checkpoint_modes import (checkpoint_modes, input_copy_exposure, split_inputs,
+                                                    with_inputs_on_host)
+from zero_offload.estimate.decoder_activations import SequenceTiles
 from zero_offload.estimate.memory import MemoryEstimate, ModelShape
+from zero_offload.estimate.sequence_compute import attention_params, tiled_recompute_params, ulysses_seconds
 from zero_offload.estimate.step_graph import Phases, Structure, first_unit_share, predict_step
 from zero_offload.estimate.throughput import (MAX_GRADIENT_ACCUMULATION, STAGE3_UNIT_SECONDS,
                                               Assumptions, StepTiming, accumulation_to_hide, host_add_seconds,
@@ -165,6 +168,8 @@ def choose_batch(shape: ModelShape, raw: dict, gpus: int, seq: int | None, knobs
         ckpt, on_host = mode
         cfg_raw = with_inputs_on_host(_with(raw, micro, gas, policy, fraction), on_host)
         est, short = measure(cfg_raw, micro, ckpt)
+        if on_host:
+            cfg_raw, est, short = split_inputs(cfg_raw, est, short, gpus, lambda r: measure(r, micro, ckpt))
         given = fraction if fraction is not None else knobs.super_offload_fraction     # else the default, 1
         c = BatchChoice(cfg_raw, micro, gas, ckpt, bool(policy[0]), bool(policy[1]),
                         1.0 if policy[2] is None else policy[2], est, short, fraction=given or 1.0,
@@ -191,7 +196,7 @@ def choose_batch(shape: ModelShape, raw: dict, gpus: int, seq: int | None, knobs
             first = make(micro, gas0, mode, default)
             if not first.fits:
                 break                          # activations only grow with the micro-batch
-            options.append(_timed(first, shape, gpus, seq, a))
+            options.append(_timed(first, shape, gpus, seq, a, knobs.tiles))
             plain[micro, mode] = first
             for policy in policies:
                 gases = {gas0}
@@ -205,7 +210,7 @@ def choose_batch(shape: ModelShape, raw: dict, gpus: int, seq: int | None, knobs
                     for share in shares:
                         c = make(micro, gas, mode, policy, share)
                         if c.fits and (share is None or c.fraction < 1.0):
-                            options.append(_timed(c, shape, gpus, seq, a))
+                            options.append(_timed(c, shape, gpus, seq, a, knobs.tiles))
     # The delayed update is predicted always, chosen only where asked for, or allowed and worth a stale step: more
     # than `NOTABLE_GAIN` over the default policy's setting of its micro-batch, which fits wherever it fits (so the
     # rule does not depend on memory, and more memory still never predicts a slower plan).
@@ -223,9 +228,11 @@ def choose_batch(shape: ModelShape, raw: dict, gpus: int, seq: int | None, knobs
     return chosen
 
 
-def _timed(c: BatchChoice, shape: ModelShape, gpus: int, seq: int, a: Assumptions) -> BatchChoice:
+def _timed(c: BatchChoice, shape: ModelShape, gpus: int, seq: int, a: Assumptions,
+           tiles: SequenceTiles | None = None) -> BatchChoice:
     """``c`` with its predicted step: each kind of work's seconds by `zero_offload.estimate.throughput`, overlapped
-    as the engine's recorded step overlaps them (`zero_offload.estimate.step_graph`)."""
+    as the engine's recorded step overlaps them (`zero_offload.estimate.step_graph`); attention, ``tiles``' recompute
+    and Ulysses' all-to-alls by `zero_offload.estimate.sequence_compute`."""
     cfg = Config.load(c.raw)
     zc = cfg.zero_optimization
     host_s, down, add_s = _host_step(shape, cfg, gpus, c.gas, a)
@@ -234,7 +241,8 @@ def _timed(c: BatchChoice, shape: ModelShape, gpus: int, seq: int, a: Assumption
     undo = c.speculative and c.fraction < 1.0
     save_s = UNDO_COPY_COST * host_s * c.ratio if undo else 0.0
     host_s *= (SPECULATIVE_KERNEL_COST if c.speculative and not undo else 1.0) * c.ratio
-    tokens = c.micro * seq
+    sp = cfg.sequence_parallel_size
+    tokens = c.micro * seq // sp                      # this rank's: Ulysses splits each sequence over sp ranks
     ckpt = c.checkpointing if c.checkpointing is not None else bool(shape.gpt and shape.gpt.activation_checkpointing)
     units = len(shape.units) if zc.stage == 3 else 0
     # Stage 3's parameters on NVMe: each unit's shard read before its gather, forward and backward, prefetched
@@ -244,21 +252,24 @@ def _timed(c: BatchChoice, shape: ModelShape, gpus: int, seq: int, a: Assumption
     per_micro = 0 if on_device else down
     d = 4 if cfg.precision == "fp32" else 2
     pulled = down * (4 // d if zc.stage >= 2 and accumulates_fp32(cfg, c.gas) else 1)    # the partition's bytes
-    micro_s = micro_step_seconds(shape.n_params, tokens, ckpt, a, per_micro, stage3_units=units,
-                                 param_read_s=2 * read_s)
-    later_s = micro_step_seconds(shape.n_params, tokens, ckpt, a, per_micro, add_s, units, 2 * read_s)  # adds beside
+    n = shape.n_params + attention_params(shape, seq)     # attention's FLOPs as parameters (sequence_compute)
     flops = a.gpu_flops * min(1.0, tokens / a.saturation_tokens)
+    # Beside the k x N x t: the tiles' forward again in backward, and Ulysses' all-to-alls (attention waits on them)
+    sequence_s = (2 * tiled_recompute_params(shape, tiles) * tokens / flops
+                  + ulysses_seconds(shape, tokens, sp, d, ckpt, a.interconnect))
+    micro_s = micro_step_seconds(n, tokens, ckpt, a, per_micro, stage3_units=units,
+                                 param_read_s=2 * read_s) + sequence_s
+    later_s = micro_step_seconds(n, tokens, ckpt, a, per_micro, add_s, units, 2 * read_s) + sequence_s
     # Checkpoint inputs in host memory: their copies each way, beside the forward and the backward.
     moved = c.estimate.host.get("checkpoint_inputs", 0) if c.inputs_on_host else 0
-    extra_f, extra_b = input_copy_exposure(moved, a.pcie, 2 * shape.n_params * tokens / flops,
-                                           6 * shape.n_params * tokens / flops)
+    extra_f, extra_b = input_copy_exposure(moved, a.pcie, 2 * n * tokens / flops, 6 * n * tokens / flops)
     micro_s, later_s = micro_s + extra_f + extra_b, later_s + extra_f + extra_b
     if not host_s:
         c.timing = step_timing(micro_s, c.gas, 0.0, False, tokens * c.gas, later_s)
         return c
     gathers = units * STAGE3_UNIT_SECONDS
-    forward = max(2 * shape.n_params * tokens / flops + gathers, read_s) + extra_f
-    backward = max((6 if ckpt else 4) * shape.n_params * tokens / flops + gathers, read_s) + extra_b
+    forward = max(2 * n * tokens / flops + gathers, read_s) + extra_f
+    backward = max((6 if ckpt else 4) * n * tokens / flops + gathers, read_s) + extra_b + sequence_s
     offload_param = zc.stage == 3 and zc.offload_param.device in ("cpu", "nvme")
     structure = Structure(zc.stage, offload_param, c.delayed, c.gas > 1, cfg.precision == "fp32", c.speculative,
                           c.fraction if c.speculative else 1.0, first_unit_share(shape),

@@ -1,12 +1,13 @@
 """Where a plan keeps each block's activations: kept on the device, recomputed (activation checkpointing), or
 recomputed from inputs kept in host memory (``activation_checkpointing.cpu_checkpointing``,
-`zero_offload.offload.checkpoint_offload`). `zero_offload.estimate.batching` tries each mode the config leaves
+`zero_offload.offload.checkpoint_offload`), or split: the first K inputs on the device, the rest in host memory, where
+neither side holds them all (`split_inputs`). `zero_offload.estimate.batching` tries each mode the config leaves
 free; the memory model moves the inputs' bytes to the host, and this module charges their copies on PCIe."""
 from __future__ import annotations
 
 import copy
 
-__all__ = ["checkpoint_modes", "with_inputs_on_host", "input_copy_exposure"]
+__all__ = ["checkpoint_modes", "with_inputs_on_host", "input_copy_exposure", "split_inputs"]
 
 
 def checkpoint_modes(ckpts: list, raw: dict, model_checkpoints: bool) -> list[tuple]:
@@ -35,3 +36,23 @@ def input_copy_exposure(moved_bytes: int, pcie: float, forward_s: float, backwar
     (other directions than the gradients' and parameters' copies), so only what outlasts that compute shows."""
     copy_s = moved_bytes / pcie
     return max(0.0, copy_s - forward_s), max(0.0, copy_s - backward_s)
+
+
+def split_inputs(raw: dict, est, short: dict, ranks: int, measure):
+    """Where the host is short and the device is not with every checkpoint input in host memory: ``raw`` with the
+    fewest first inputs kept on the device (``cpu_checkpointing_device_inputs``) that bring the host within its
+    capacity, with its ``(estimate, short)`` from ``measure(raw)``, if that fits; else ``raw, est, short`` as they
+    are. ``short``: bytes missing on each side for all ``ranks`` of the machine (`zero_offload.estimate.plan`);
+    a config that sets the key keeps it."""
+    each = est.checkpoint_input_bytes
+    section = raw.get("activation_checkpointing") or {}
+    if not (each and short.get("host") and not short.get("device")) or "cpu_checkpointing_device_inputs" in section:
+        return raw, est, short
+    moved = est.host.get("checkpoint_inputs", 0) // each
+    kept = -(-short["host"] // (each * ranks))        # each rank keeps as many
+    if kept > moved:
+        return raw, est, short
+    split = copy.deepcopy(raw)
+    split["activation_checkpointing"]["cpu_checkpointing_device_inputs"] = kept
+    est2, short2 = measure(split)
+    return (split, est2, short2) if not any(short2.values()) else (raw, est, short)

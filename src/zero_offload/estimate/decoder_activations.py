@@ -84,30 +84,35 @@ def decoder_shape(config, activation_checkpointing: bool = False) -> DecoderShap
                         name=get("model_type"))
 
 
-def _block(m: DecoderShape, t: int, d: int) -> int:
-    """Bytes one block saves for ``t`` tokens (the module docstring's terms)."""
+def _norms(m: DecoderShape, t: int, d: int, tiled: bool, count: int, recomputed: bool = False) -> int:
+    """Bytes ``count`` RMSNorms save for ``t`` tokens: each its fp32 input, reciprocal RMS, normalised tensor and
+    output; tiled (`zero_offload.tiling.tile_rms_norms`), its input and output only. In a recompute the first
+    norm's input is the kept block input (nothing new when tiled, or in fp32, where ``.to(float32)`` is the tensor
+    itself)."""
+    if tiled:
+        return count * 2 * d * t * m.hidden - (d * t * m.hidden if recomputed else 0)
+    return count * (4 * t * m.hidden + 4 * t + 2 * d * t * m.hidden) - (4 * t * m.hidden if recomputed and d == 4
+                                                                         else 0)
+
+
+def _block(m: DecoderShape, t: int, d: int, norms_tiled: bool = False, recomputed: bool = False) -> int:
+    """Bytes one block saves for ``t`` tokens (the module docstring's terms); ``recomputed``: in its recompute
+    under checkpointing."""
     q, kv = m.heads * m.head_dim, m.kv_heads * m.head_dim
-    norms = 2 * (4 * t * m.hidden + 4 * t + 2 * d * t * m.hidden)
     attention = d * t * (2 * q + 2 * kv) + 4 * t * m.heads
-    return norms + attention + 4 * d * t * m.intermediate
+    return _norms(m, t, d, norms_tiled, 2, recomputed) + attention + 4 * d * t * m.intermediate
 
 
-def decoder_block_bytes(m: DecoderShape, tokens: int, dtype_bytes: int) -> int:
+def decoder_block_bytes(m: DecoderShape, tokens: int, dtype_bytes: int, norms_tiled: bool = False) -> int:
     """Bytes one block saves for ``tokens`` tokens in a dtype of ``dtype_bytes`` (not checkpointed)."""
-    return _block(m, tokens, dtype_bytes)
+    return _block(m, tokens, dtype_bytes, norms_tiled)
 
 
-def _recomputed_block(m: DecoderShape, t: int, d: int) -> int:
-    """A block's saved bytes in its recompute under checkpointing: in fp32 training ``.to(float32)`` is the tensor
-    itself, so the first RMSNorm saves the block input checkpointing already keeps."""
-    return _block(m, t, d) - (4 * t * m.hidden if d == 4 else 0)
-
-
-def _model_level(m: DecoderShape, b: int, s: int, d: int) -> int:
+def _model_level(m: DecoderShape, b: int, s: int, d: int, norms_tiled: bool = False) -> int:
     """Bytes saved once per forward but the log-probabilities: ids, rotary cos/sin, the final RMSNorm, the labels
     and cross_entropy's 4-byte total weight."""
     t = b * s
-    return 8 * t + 2 * s * m.head_dim * d + (4 * t * m.hidden + 4 * t + 2 * d * t * m.hidden) + 8 * t + 4
+    return 8 * t + 2 * s * m.head_dim * d + _norms(m, t, d, norms_tiled, 1) + 8 * t + 4
 
 
 def _checkpointing(m: DecoderShape, checkpointing: bool | None) -> bool:
@@ -115,24 +120,27 @@ def _checkpointing(m: DecoderShape, checkpointing: bool | None) -> bool:
 
 
 def decoder_saved_bytes(m: DecoderShape, micro_batch: int, seq_len: int, dtype_bytes: int,
-                        checkpointing: bool | None = None) -> int:
+                        checkpointing: bool | None = None, norms_tiled: bool = False) -> int:
     """Bytes autograd saves for one forward of ``micro_batch`` x ``seq_len`` tokens in a dtype of ``dtype_bytes``
     (measured: saved_tensors_hooks, unique storages, no parameters). With activation checkpointing
     (transformers' non-reentrant ``checkpoint`` per block): each block's input d*T*h, plus the saved tensors of
-    the one block being recomputed in backward."""
+    the one block being recomputed in backward. ``norms_tiled``: the RMSNorms keep only input and output
+    (`zero_offload.tiling.tile_rms_norms`)."""
     t, d = micro_batch * seq_len, dtype_bytes
-    outer = _model_level(m, micro_batch, seq_len, d) + 4 * t * m.vocab
+    outer = _model_level(m, micro_batch, seq_len, d, norms_tiled) + 4 * t * m.vocab
     if _checkpointing(m, checkpointing):
-        return m.layers * d * t * m.hidden + outer + _recomputed_block(m, t, d)
-    return m.layers * _block(m, t, d) + outer
+        return m.layers * d * t * m.hidden + outer + _block(m, t, d, norms_tiled, recomputed=True)
+    return m.layers * _block(m, t, d, norms_tiled) + outer
 
 
 @dataclass(frozen=True)
 class SequenceTiles:
     """Sequence-tiled compute the run uses (`zero_offload.tiling`): ``loss`` tiles of the logits and loss
-    (`TiledFusedLogitsLoss`), ``mlp`` tiles of each block's MLP (`TiledMLP`); None: whole."""
+    (`TiledFusedLogitsLoss`), ``mlp`` tiles of each block's MLP (`TiledMLP`), ``norms`` tiles of each RMSNorm
+    (`tile_rms_norms`); None: whole."""
     loss: int | None = None
     mlp: int | None = None
+    norms: int | None = None
 
 
 def tiled_head_bytes(m: DecoderShape, tokens: int, loss_tiles: int) -> int:
@@ -165,15 +173,15 @@ def decoder_activation_bytes(m: DecoderShape, micro_batch: int, seq_len: int, dt
     head holds one tile (`tiled_head_bytes`), and a tiled MLP saves none of its 4*d*T*I intermediates: they exist
     for one tile in its backward (`_mlp_backward`)."""
     tiles = tiles or SequenceTiles()
-    t, d = micro_batch * seq_len, dtype_bytes
+    t, d, lean = micro_batch * seq_len, dtype_bytes, bool(tiles.norms)
     head = 12 * t * m.vocab if not tiles.loss else tiled_head_bytes(m, t, tiles.loss)
     mlp_backward = _mlp_backward(m, t, d, tiles.mlp)
     untiled_mlp = 4 * d * t * m.intermediate if tiles.mlp else 0     # what a tiled MLP does not save
-    outer = _model_level(m, micro_batch, seq_len, d)
+    outer = _model_level(m, micro_batch, seq_len, d, lean)
     if _checkpointing(m, checkpointing):
         return (m.layers * d * t * m.hidden + outer
-                + max(head, _recomputed_block(m, t, d) - untiled_mlp + mlp_backward))
-    return m.layers * (_block(m, t, d) - untiled_mlp) + outer + max(head, mlp_backward)
+                + max(head, _block(m, t, d, lean, recomputed=True) - untiled_mlp + mlp_backward))
+    return m.layers * (_block(m, t, d, lean) - untiled_mlp) + outer + max(head, mlp_backward)
 
 
 def decoder_formula(checkpointing: bool) -> str:

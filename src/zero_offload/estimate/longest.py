@@ -8,16 +8,19 @@ planned again with every knob but the sequence free, for its config and predicte
 
 With more than one rank, each Ulysses sequence-parallel size that divides the ranks and the heads is tried
 (`zero_offload.estimate.sequence_activations`: each rank holds ``s / P`` positions); the longest wins, the smaller
-size on a tie. The step model does not charge Ulysses' all-to-alls, so no speed is predicted for a size above 1.
+size on a tie.
 
-A decoder's logits and loss, and each block's MLP, are counted in tiles (``tiled``, default on:
-`TiledFusedLogitsLoss` and `TiledMLP`, which the run must use, as ALST's recipe does), as many as keep one loss tile's
-head under `TILE_BYTES` and one MLP tile's intermediates under it too; without them the ``12 * b*s/P*V`` bytes of
-the head and the MLP's ``4d * b*s/P*I`` bound the length. Then the bound is what every block keeps: its input (on the
-device or, with ``cpu_checkpointing``, in host memory) and one block's recompute.
+A decoder's logits and loss, each block's MLP and each RMSNorm are counted in tiles (``tiled``, default on:
+`TiledFusedLogitsLoss`, `TiledMLP` and `tile_rms_norms`, which the run must use, as ALST's recipe does with its
+tiled loss, tiled MLP and Liger's RMSNorm), as many as keep one loss tile's head under `TILE_BYTES` and one MLP or
+norm tile's work under it too; without them the ``12 * b*s/P*V`` bytes of the head and the MLP's ``4d * b*s/P*I``
+bound the length. Then the bound is what every block keeps: its input (on the device or, with
+``cpu_checkpointing``, in host memory, or split between them: `checkpoint_modes.split_inputs`) and one block's
+recompute.
 
-The step model counts 6N FLOPs per token, not attention's, which grow with the sequence: where attention's exceed a
-tenth of them (`ATTENTION_SHARE_LIMIT`) no speed is predicted.
+The predicted speed counts attention's FLOPs, which grow with the sequence, the tiles' recompute and Ulysses'
+all-to-alls (`zero_offload.estimate.sequence_compute`); the line says how much attention adds where it is more than a
+tenth of the 6N FLOPs per token (`ATTENTION_SHARE_NOTED`).
 """
 from __future__ import annotations
 
@@ -29,12 +32,13 @@ from zero_offload.estimate.decoder_activations import SequenceTiles
 from zero_offload.estimate.memory import ModelShape, default_plan_config
 from zero_offload.estimate.planner import Plan, plan
 
-__all__ = ["Longest", "longest", "tiles_for", "sequence_parallel_sizes", "STEP", "MAX_TOKENS", "TILE_BYTES"]
+__all__ = ["Longest", "longest", "tiles_for", "sequence_parallel_sizes", "STEP", "MAX_TOKENS", "TILE_BYTES",
+           "ATTENTION_SHARE_NOTED"]
 
 STEP = 1024                 # the sequence lengths tried are multiples of this
 MAX_TOKENS = 1 << 24        # 16M tokens: beyond what any single machine holds
 TILE_BYTES = 1 << 30        # one loss tile's fp32 logits and gradients, one MLP tile's intermediates: at most 1 GiB
-ATTENTION_SHARE_LIMIT = 0.1  # beyond this the step model's 6N FLOPs per token miss too much to predict a speed
+ATTENTION_SHARE_NOTED = 0.1  # from here the line says how much attention adds to the 6N FLOPs per token
 
 
 @dataclass
@@ -51,27 +55,31 @@ class Longest:
     def lines(self) -> list[str]:
         t = self.plan.batch.timing if self.plan.batch is not None else None
         speed = f", ~{t.tokens_per_s:,.0f} tokens/s per rank predicted" if t is not None else ""
-        if self.attention_share > ATTENTION_SHARE_LIMIT:
-            speed = (f"; speed not predicted: attention's FLOPs are {self.attention_share:.1f}x the 6N per token "
-                     f"the step model counts")
+        if t is not None and self.attention_share > ATTENTION_SHARE_NOTED:
+            speed += f", attention {self.attention_share:.1f}x the 6N FLOPs per token"
         if self.sequence_parallel > 1:
             local = self.seq_len // self.sequence_parallel
-            speed = (f", Ulysses sequence_parallel_size {self.sequence_parallel}: {local:,} tokens per rank; "
-                     f"speed not predicted")
-        tiles = (f"; the logits and loss in {self.tiles.loss} tiles, each MLP in {self.tiles.mlp} "
-                 f"(TiledFusedLogitsLoss and TiledMLP, which the run must use)" if self.tiles else "")
+            speed += f"; Ulysses sequence_parallel_size {self.sequence_parallel}: {local:,} tokens per rank"
+        tiles = (f"; the logits and loss in {self.tiles.loss} tiles, each MLP in {self.tiles.mlp}, each RMSNorm in "
+                 f"{self.tiles.norms} (TiledFusedLogitsLoss, TiledMLP and tile_rms_norms, which the run must use)"
+                 if self.tiles else "")
+        kept = ((self.plan.config or {}).get("activation_checkpointing") or {}).get("cpu_checkpointing_device_inputs")
+        if kept:
+            tiles += f"; block inputs: the first {kept} on the device, the rest in host memory"
         return [f"longest sequence that trains: {self.seq_len:,} tokens ({self.plan.name}{speed}{tiles})",
                 self.plan.message()]
 
 
 def tiles_for(shape: ModelShape, tokens: int, dtype_bytes: int = 2) -> SequenceTiles | None:
-    """Tiles that keep one loss tile's head (``12 * c * V`` bytes) and one MLP tile's recompute and gradients
-    (``6d * c * I``) under `TILE_BYTES`; None for a GPT shape (its compute is not tiled in the memory model)."""
+    """Tiles that keep one loss tile's head (``12 * c * V`` bytes), one MLP tile's recompute and gradients
+    (``6d * c * I``) and one RMSNorm tile's fp32 work in backward (``24 * c * h``) under `TILE_BYTES`; None for a
+    GPT shape (its compute is not tiled in the memory model)."""
     m = shape.decoder
     if m is None:
         return None
     return SequenceTiles(loss=max(1, -(-12 * tokens * m.vocab // TILE_BYTES)),
-                         mlp=max(1, -(-6 * dtype_bytes * tokens * m.intermediate // TILE_BYTES)))
+                         mlp=max(1, -(-6 * dtype_bytes * tokens * m.intermediate // TILE_BYTES)),
+                         norms=max(1, -(-24 * tokens * m.hidden // TILE_BYTES)))
 
 
 def sequence_parallel_sizes(shape: ModelShape, gpus: int) -> list[int]:
@@ -108,7 +116,7 @@ def longest(shape: ModelShape, gpus: int, gpu_memory, host_memory, nvme=None, *,
 
 def attention_share(shape: ModelShape, seq_len: int) -> float:
     """Causal attention's FLOPs per token, 6 * L * q * s (forward and backward, half the s x s scores), over the
-    6 * N the step model counts (`throughput.micro_step_seconds`)."""
+    6 * N of the rest (`zero_offload.estimate.sequence_compute`)."""
     if shape.decoder is not None:
         layers, width = shape.decoder.layers, shape.decoder.heads * shape.decoder.head_dim
     elif shape.gpt is not None:

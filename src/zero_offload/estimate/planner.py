@@ -23,7 +23,7 @@ from zero_offload.config import Config, ConfigError
 from zero_offload.config.io import raw_config
 from zero_offload.estimate.batching import BatchChoice, Knobs, choose_batch
 from zero_offload.estimate.candidates import Candidate, candidates
-from zero_offload.estimate.throughput import Assumptions, calibrated
+from zero_offload.estimate.throughput import calibrated
 from zero_offload.estimate.memory import ModelShape, default_plan_config, estimate_memory, model_shape
 from zero_offload.estimate.decoder_activations import SequenceTiles
 from zero_offload.offload.host_limits import RAISE_MEMLOCK
@@ -156,10 +156,11 @@ def _zero_section(base: dict, zero: dict) -> dict:
            if k not in ("stage", "offload_optimizer", "offload_param")}
     out.update(copy.deepcopy(zero))
     for key in ("offload_optimizer", "offload_param"):
-        # The base config's offload settings (pin_memory, nvme_path) stay with a candidate that offloads.
+        # The base config's offload settings (pin_memory, nvme_path) stay with a candidate that offloads; each
+        # section its own dict (a row may give both the same one: the batch choice's keys go to the optimizer's)
         given = base.get("zero_optimization", {}).get(key)
-        if key in out and isinstance(given, dict):
-            out[key] = {**given, **out[key]}
+        if key in out:
+            out[key] = {**(given if isinstance(given, dict) else {}), **out[key]}
     for key in ("offload_optimizer", "offload_param"):     # no mount given: a placeholder, named in the reasons
         if out.get(key, {}).get("device") == "nvme":
             out[key].setdefault("nvme_path", NVME_PATH_UNSET)
@@ -312,8 +313,8 @@ def plan(model, gpus: int = 1, gpu_memory=None, host_memory=None, nvme=None, mic
     if activation_checkpointing is None and shape.decoder is not None:
         # A transformers decoder's own setting, so that the step model times the recompute it will do
         activation_checkpointing = shape.decoder.activation_checkpointing
-    knobs = _knobs(base, config is not None, gpus, accelerator, shape, micro_batch, gradient_accumulation,
-                   activation_checkpointing, allow_stale_step)
+    knobs = dataclasses.replace(_knobs(base, config is not None, gpus, accelerator, shape, micro_batch,
+                                       gradient_accumulation, activation_checkpointing, allow_stale_step), tiles=tiles)
     seq = seq_len or (shape.gpt.block_size if shape.gpt is not None else None)
     keep = 1 - headroom
 

@@ -9,9 +9,10 @@ from pathlib import Path
 
 import torch
 
-from zero_offload.estimate.decoder_activations import decoder_shape
+from zero_offload.estimate.decoder_activations import DECODER_TYPES, decoder_shape
 from zero_offload.estimate.memory import ModelShape, model_shape
-from zero_offload.estimate.planner import Plan, fmt_bytes, parse_bytes, plan
+from zero_offload.estimate.planner import Plan, fmt_bytes, parse_bytes
+from zero_offload.estimate.sequence_plan import plan_sequence
 from zero_offload.offload.host_limits import memlock_limit, usable_host_memory
 
 __all__ = ["this_machine", "render", "deepspeed_estimates", "hf_config_shape", "parse_size_flag",
@@ -48,12 +49,15 @@ def hf_config_shape(path: str) -> ModelShape:
     layers = get("num_hidden_layers", "n_layer", "num_layers")
     vocab = get("vocab_size")
     inter = cfg.get("intermediate_size") or cfg.get("n_inner") or 4 * h
-    gated = 3 if cfg.get("hidden_act", cfg.get("activation_function", "")) in ("silu", "swiglu") else 2
+    # transformers' Llama, Qwen2 and Mistral configs default to SiLU (a gated MLP: three matrices) when unset
+    default_act = "silu" if cfg.get("model_type") in DECODER_TYPES else ""
+    gated = 3 if cfg.get("hidden_act", cfg.get("activation_function", default_act)) in ("silu", "swiglu") else 2
     heads = cfg.get("num_attention_heads") or cfg.get("n_head") or 1
     kv = cfg.get("num_key_value_heads") or heads
     attn = h * h * 2 + 2 * h * (h * kv // heads)
     units = [("embed", 0, (vocab * h,))]
     units += [(f"layers.{i}", 0, (attn, gated * h * inter, 2 * h)) for i in range(layers)]
+    units.append(("norm", 0, (h,)))                   # the final norm
     if not cfg.get("tie_word_embeddings", True):       # the head last, where the module order puts it
         units.append(("lm_head", 0, (vocab * h,)))
     # a Llama-family decoder's activations are counted too (with --seq-len): `estimate.decoder_activations`
@@ -263,17 +267,19 @@ def plan_from_args(ns) -> tuple[Plan, ModelShape]:
     if ns.seq_len is not None and ns.seq_len < 1:
         raise ValueError(f"--seq-len must be >= 1, got {ns.seq_len}")
     ckpt = {"auto": None, "on": True, "off": False}[ns.activation_checkpointing]
-    result = plan(shape, gpus=gpus, gpu_memory=gpu_mem, host_memory=host_mem, nvme=nvme,
-                  micro_batch=parse_count_flag(ns.micro_batch, "--micro-batch"), seq_len=ns.seq_len,
-                  config=ns.config, gradient_accumulation=parse_count_flag(ns.grad_accum, "--grad-accum"),
-                  activation_checkpointing=ckpt, gpu_flops=parse_rate_flag(ns.gpu_tflops, "--gpu-tflops", 1e12),
-                  host_adam=parse_rate_flag(ns.host_adam, "--host-adam"),
-                  pcie=parse_rate_flag(ns.pcie, "--pcie", 1e9), calibration=getattr(ns, "calibration", None),
-                  nvme_bandwidth=parse_rate_flag(getattr(ns, "nvme_gbps", None), "--nvme-gbps", 1e9),
-                  locked_memory=machine["locked_memory"] if ns.host_mem is None else None,
-                  allow_stale_step=getattr(ns, "allow_stale_step", False),
-                  allow_bf16_masters=getattr(ns, "allow_bf16_masters", False),
-                  allow_bf16_moments=getattr(ns, "allow_bf16_moments", False))
+    # a decoder at a sequence length: Ulysses' size, tiled compute and checkpointing chosen too (sequence_plan)
+    result = plan_sequence(shape, gpus=gpus, gpu_memory=gpu_mem, host_memory=host_mem, nvme=nvme,
+                           micro_batch=parse_count_flag(ns.micro_batch, "--micro-batch"), seq_len=ns.seq_len,
+                           config=ns.config, gradient_accumulation=parse_count_flag(ns.grad_accum, "--grad-accum"),
+                           activation_checkpointing=ckpt,
+                           gpu_flops=parse_rate_flag(ns.gpu_tflops, "--gpu-tflops", 1e12),
+                           host_adam=parse_rate_flag(ns.host_adam, "--host-adam"),
+                           pcie=parse_rate_flag(ns.pcie, "--pcie", 1e9), calibration=getattr(ns, "calibration", None),
+                           nvme_bandwidth=parse_rate_flag(getattr(ns, "nvme_gbps", None), "--nvme-gbps", 1e9),
+                           locked_memory=machine["locked_memory"] if ns.host_mem is None else None,
+                           allow_stale_step=getattr(ns, "allow_stale_step", False),
+                           allow_bf16_masters=getattr(ns, "allow_bf16_masters", False),
+                           allow_bf16_moments=getattr(ns, "allow_bf16_moments", False))
     return result, shape
 
 

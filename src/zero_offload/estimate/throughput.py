@@ -5,7 +5,9 @@ accumulation, activation checkpointing and the delayed parameter update (DPU, Ze
 Per rank and optimizer step of ``gas`` micro-steps of ``t`` tokens each:
 
 - **device compute of a micro-step**: ``k x N x t`` FLOPs (k = 6 for forward and backward, 8 with activation
-  checkpointing's recompute; N = all parameters, data parallelism replicates the compute) at
+  checkpointing's recompute; N = all parameters, data parallelism replicates the compute; attention's FLOPs,
+  which grow with the sequence, count as ``L x q x s`` more parameters, and tiled compute's and Ulysses' work is
+  added: `zero_offload.estimate.sequence_compute`) at
   ``gpu_flops x min(1, t / saturation_tokens)``: a micro-batch of fewer tokens than ``saturation_tokens`` leaves
   the device's matmuls short of their sustained rate and costs as much as one of ``saturation_tokens``;
 - **gradient copies down** (gradients on the host): every micro-step moves this rank's reduced gradient partition
@@ -37,8 +39,8 @@ Per rank and optimizer step of ``gas`` micro-steps of ``t`` tokens each:
   (gas - 1) x later micro-step``), and of the ideal cases: without DPU ``step = compute + host``; with DPU
   ``step = compute + max(0, host - compute)``.
 
-Not modelled: collectives between ranks and the Python overhead of a micro-step. The default figures and where
-they come from are in docs/estimate.md.
+Not modelled: collectives between ranks other than Ulysses' all-to-alls, and the Python overhead of a micro-step.
+The default figures and where they come from are in docs/estimate.md.
 """
 from __future__ import annotations
 
@@ -75,6 +77,8 @@ class Assumptions:
             charged at `host_rate`, ``host_adam x host_load_share``, under every policy (measured under the
             delayed update, the heaviest load; a synchronous step overlaps only its copies up: an assumption).
         saturation_tokens: tokens per micro-batch from which the device reaches ``gpu_flops``.
+        interconnect: bytes/s a rank's all-to-all moves to the other ranks of its machine (Ulysses,
+            `zero_offload.estimate.sequence_compute`).
         source: where the figures come from ("built-in", or the calibration file: `zero_offload.calibrate`).
 
     Raises:
@@ -84,6 +88,7 @@ class Assumptions:
     host_adam: float = 4.2e9
     pcie: float = 25e9
     saturation_tokens: int = 8192
+    interconnect: float = 300e9
     nvme_read: float = 2.5e9
     nvme_write: float = 2.5e9
     nvme_duplex: float = 2.5e9
@@ -92,7 +97,7 @@ class Assumptions:
 
     def __post_init__(self) -> None:
         for name in ("gpu_flops", "host_adam", "pcie", "saturation_tokens", "nvme_read", "nvme_write",
-                     "nvme_duplex"):
+                     "nvme_duplex", "interconnect"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
                 raise ValueError(f"{name} must be a number > 0, got {value!r}")

@@ -16,7 +16,9 @@ copies are synchronous; transformers' ``offload=True`` copies on the compute str
   In backward, unpacking layer i's input waits only for its own copy up, and queues the copies up of the next
   `prefetch` inputs backward will need, so they land while layer i recomputes. The copy streams order everything
   by events (`zero_offload.offload.copies`); the simulated streams check the waits on the CPU.
-- Tensors under ``min_bytes`` stay on the device, and so does anything not contiguous.
+- Tensors under ``min_bytes`` stay on the device, and so does anything not contiguous, and the first
+  ``device_inputs`` checkpoint inputs of each forward (``cpu_checkpointing_device_inputs``: where the host cannot
+  hold them all, the planner keeps some on the device; the first are the last backward needs).
 
 The second mode (`keep_layers`, ``activation_checkpointing.cpu_layers``): chosen blocks that are not checkpointed
 keep every activation they save (parameters aside) in host memory instead of on the device, moved the same way:
@@ -73,11 +75,12 @@ def from_checkpoint() -> bool:
 @dataclass
 class OffloadCounts:
     """Running totals: checkpoint inputs sent to host memory (tensors, bytes), copied back (bytes), kept on the
-    device for their size or layout (tensors), and the pinned bytes the pool holds."""
+    device for their size or layout or their place in the forward (tensors), and the pinned bytes the pool holds."""
     offloaded: int = 0
     bytes_down: int = 0
     bytes_up: int = 0
     kept: int = 0                 # too small or not contiguous
+    on_device: int = 0            # among the first ``device_inputs`` of a forward
     pool_bytes: int = 0
 
 
@@ -109,13 +112,19 @@ class CheckpointOffload:
             synchronous or simulated on the CPU.
         min_bytes: smaller checkpoint inputs stay on the device (bytes, >= 0).
         prefetch: copies up queued ahead of backward's need (>= 1).
+        device_inputs: the first checkpoint inputs of each forward that stay on the device (>= 0).
+
+    Raises:
+        ValueError: ``min_bytes`` or ``device_inputs`` < 0, or ``prefetch`` < 1 (names all three).
     """
 
-    def __init__(self, copies: Copies, min_bytes: int = 1 << 20, prefetch: int = 2):
-        if min_bytes < 0 or prefetch < 1:
-            raise ValueError(f"CheckpointOffload: min_bytes must be >= 0 and prefetch >= 1, got {min_bytes}, "
-                             f"{prefetch}")
+    def __init__(self, copies: Copies, min_bytes: int = 1 << 20, prefetch: int = 2, device_inputs: int = 0):
+        if min_bytes < 0 or prefetch < 1 or device_inputs < 0:
+            raise ValueError(f"CheckpointOffload: min_bytes and device_inputs must be >= 0 and prefetch >= 1, got "
+                             f"{min_bytes}, {device_inputs}, {prefetch}")
         self.copies, self.min_bytes, self.prefetch = copies, min_bytes, prefetch
+        self.device_inputs = device_inputs       # the first checkpoint inputs of a forward that stay
+        self._inputs_seen = 0                    # checkpoint inputs of this forward large enough to move
         self.counts = OffloadCounts()            # checkpoint inputs
         self.layer_counts = OffloadCounts()      # the activations of the blocks in `keep_layers`
         self._in_layers = 0                      # depth of `keep_layers` blocks whose forward runs now
@@ -138,7 +147,7 @@ class CheckpointOffload:
             finally:
                 self._depth -= 1
             return
-        self._forward, self._latest, self._depth = [], None, 1
+        self._forward, self._latest, self._depth, self._inputs_seen = [], None, 1, 0
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 yield
@@ -200,6 +209,10 @@ class CheckpointOffload:
                 self._block[key] = _Held(self, kind, len(self._forward), tensor)
                 self._forward.append(weakref.ref(self._block[key]))
             return self._block[key]
+        self._inputs_seen += 1
+        if self._inputs_seen <= self.device_inputs:
+            self.counts.on_device += 1
+            return tensor
         held = _Held(self, kind, len(self._forward), tensor)
         self._forward.append(weakref.ref(held))
         previous, self._latest = self._latest, held
@@ -290,7 +303,8 @@ def for_engine(section, model: torch.nn.Module, copies: Copies) -> CheckpointOff
     inputs = take_over(model) or section.cpu_checkpointing or requested()
     if not (inputs or section.cpu_layers):
         return None
-    offload = CheckpointOffload(copies, section.cpu_checkpointing_min_bytes, section.cpu_checkpointing_prefetch)
+    offload = CheckpointOffload(copies, section.cpu_checkpointing_min_bytes, section.cpu_checkpointing_prefetch,
+                                section.cpu_checkpointing_device_inputs)
     offload.checkpoint_inputs = inputs
     if section.cpu_layers:
         blocks = model_blocks(model)

@@ -4,10 +4,11 @@ tile only (DeepSpeed 0.19.8's ``ulysses_sp.TiledMLP``, ``TiledFusedLogitsLoss`` 
 arXiv 2506.13996). docs/long-sequences.md shows their use on a Hugging Face Llama.
 """
 from zero_offload.tiling.gated_mlps import tile_gated_mlps
+from zero_offload.tiling.rms_norms import tile_rms_norms
 from zero_offload.tiling.sequence_tiled import SequenceTiledCompute, sequence_tiled_compute
 from zero_offload.tiling.tiled_loss import TiledFusedLogitsLoss
 from zero_offload.tiling.tiled_mlp import TiledMLP
 from zero_offload.tiling.tiles import SharedGradientError, agree_tile_count
 
 __all__ = ["TiledMLP", "TiledFusedLogitsLoss", "SequenceTiledCompute", "sequence_tiled_compute",
-           "agree_tile_count", "SharedGradientError", "tile_gated_mlps"]
+           "agree_tile_count", "SharedGradientError", "tile_gated_mlps", "tile_rms_norms"]

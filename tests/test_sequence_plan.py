@@ -86,3 +86,21 @@ def test_the_cli_says_what_it_chose(llama, capsys):
     assert main(["estimate", "--hf-config", path, "--gpus", "8", "--gpu-mem", "80GB", "--host-mem", "2TB",
                  "--seq-len", "131072", "--no-deepspeed"]) == 0
     assert "sequence: Ulysses sequence_parallel_size" in capsys.readouterr().out
+
+
+def test_cpu_layers_copies_are_charged_beside_compute(llama):
+    """Power test: the second mode's copies (``cpu_layers``: whole blocks' activations in host memory) cost their
+    PCIe time beyond the forward and the backward they overlap, as the checkpoint inputs' do; without the charge
+    the two steps would be equal."""
+    from zero_offload.estimate.checkpoint_modes import input_copy_exposure
+    shape, _ = llama
+    fixed = dict(micro_batch=1, gradient_accumulation=1, activation_checkpointing=False, seq_len=8192, pcie=1e9)
+    plain = plan(shape, 1, "141GB", "512GiB", **fixed)
+    config = dict(plain.config, activation_checkpointing={"cpu_layers": 4})
+    moved = plan(shape, 1, "141GB", "512GiB", **fixed, config=config)
+    layer_bytes = moved.batch.estimate.host["layer_activations"]
+    n = shape.n_params + attention_params(shape, 8192)
+    flops = Assumptions().gpu_flops
+    extra = sum(input_copy_exposure(layer_bytes, 1e9, 2 * n * 8192 / flops, 4 * n * 8192 / flops))
+    assert extra > 0
+    assert moved.batch.timing.micro_s - plain.batch.timing.micro_s == pytest.approx(extra, rel=1e-6)

@@ -260,9 +260,10 @@ def _timed(c: BatchChoice, shape: ModelShape, gpus: int, seq: int, a: Assumption
     micro_s = micro_step_seconds(n, tokens, ckpt, a, per_micro, stage3_units=units,
                                  param_read_s=2 * read_s) + sequence_s
     later_s = micro_step_seconds(n, tokens, ckpt, a, per_micro, add_s, units, 2 * read_s) + sequence_s
-    # Checkpoint inputs in host memory: their copies each way, beside the forward and the backward.
-    moved = c.estimate.host.get("checkpoint_inputs", 0) if c.inputs_on_host else 0
-    extra_f, extra_b = input_copy_exposure(moved, a.pcie, 2 * n * tokens / flops, 6 * n * tokens / flops)
+    # Checkpoint inputs and cpu_layers' activations in host memory: their copies each way, beside forward and backward.
+    moved = c.estimate.host.get("checkpoint_inputs", 0) + c.estimate.host.get("layer_activations", 0)
+    extra_f, extra_b = input_copy_exposure(moved, a.pcie, 2 * n * tokens / flops,
+                                           (6 if ckpt else 4) * n * tokens / flops)
     micro_s, later_s = micro_s + extra_f + extra_b, later_s + extra_f + extra_b
     if not host_s:
         c.timing = step_timing(micro_s, c.gas, 0.0, False, tokens * c.gas, later_s)

@@ -84,6 +84,7 @@ def test_gpu_validate_tiny_cpu_smoke(tmp_path):
     assert set(llama["targets"]) == {"mfu_at_least_0.45", "device_memory_within_5pct"}
     long_seq = report["sections"]["long_seq"]          # issue 58, item 5: the planner's longest, one step, tiled
     assert long_seq["seq_len"] >= 1024 and long_seq["tiles"]["loss"] >= 1 and long_seq["estimate"]["device_bytes"] > 0
+    assert long_seq["tiles"]["norms"] >= 1 and long_seq["longest"] >= long_seq["seq_len"]
     compiled = report["sections"]["gpt2_compiled"]["runs"]          # issue 29, item 5
     assert set(compiled) == {"plain-adamw", "plain-adamw-compiled", "stage2-offload-dpu-compiled",
                              "stage3-offload-both-compiled"} and all(r["tokens_per_s"] > 0 for r in compiled.values())

@@ -104,3 +104,20 @@ def test_cpu_layers_copies_are_charged_beside_compute(llama):
     extra = sum(input_copy_exposure(layer_bytes, 1e9, 2 * n * 8192 / flops, 4 * n * 8192 / flops))
     assert extra > 0
     assert moved.batch.timing.micro_s - plain.batch.timing.micro_s == pytest.approx(extra, rel=1e-6)
+
+
+def test_the_planner_moves_the_fewest_whole_blocks_where_the_device_is_short(llama):
+    """A decoder not checkpointed whose activations the device cannot hold: the plan moves the fewest first blocks'
+    activations to host memory (``cpu_layers``, the second mode) that make it fit, their bytes counted on the host and
+    their copies in the step; one block fewer does not fit. Here that beats recomputing every block."""
+    shape, _ = llama
+    box = dict(gpus=1, gpu_memory="141GB", host_memory="512GiB", seq_len=8192)
+    chosen = plan(shape, **box, activation_checkpointing=False)
+    n = chosen.config["activation_checkpointing"]["cpu_layers"]
+    est = chosen.batch.estimate
+    assert n >= 1 and est.host["layer_activations"] == n * est.block_activation_bytes
+    fixed = dict(micro_batch=chosen.batch.micro, gradient_accumulation=chosen.batch.gas, config=chosen.config)
+    fewer = dict(chosen.config, activation_checkpointing={"cpu_layers": n - 1})
+    assert not plan(shape, **box, activation_checkpointing=False, **{**fixed, "config": fewer}).fits
+    recomputed = plan(shape, **box, activation_checkpointing=True)
+    assert chosen.batch.timing.tokens_per_s > recomputed.batch.timing.tokens_per_s

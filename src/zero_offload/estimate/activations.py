@@ -119,4 +119,7 @@ def add_model_activations(est, shape, micro_batch: int, seq_len: int | None, d: 
             if ckpt:
                 move_checkpoint_inputs(est, shape.decoder.layers, tokens, shape.decoder.hidden, d, section)
             block = decoder_block_bytes(shape.decoder, tokens, d, bool(tiles and tiles.norms))
+            if tiles and tiles.mlp:
+                block -= 4 * d * tokens * shape.decoder.intermediate     # a tiled MLP saves none of these
+            est.block_activation_bytes = 0 if ckpt else block
             move_layer_activations(est, block, ckpt, section)

@@ -25,8 +25,8 @@ from typing import Callable
 from zero_offload.config import Config
 from zero_offload.estimate.batch_choice import BatchChoice, Knobs
 from zero_offload.estimate.batch_notes import NOTABLE_GAIN, RATIOS, explain
-from zero_offload.estimate.checkpoint_modes import (checkpoint_modes, input_copy_exposure, split_inputs,
-                                                    with_inputs_on_host)
+from zero_offload.estimate.checkpoint_modes import (checkpoint_modes, input_copy_exposure, move_blocks,
+                                                    split_inputs, with_inputs_on_host)
 from zero_offload.estimate.decoder_activations import SequenceTiles
 from zero_offload.estimate.memory import MemoryEstimate, ModelShape
 from zero_offload.estimate.sequence_compute import attention_params, tiled_recompute_params, ulysses_seconds
@@ -170,6 +170,9 @@ def choose_batch(shape: ModelShape, raw: dict, gpus: int, seq: int | None, knobs
         est, short = measure(cfg_raw, micro, ckpt)
         if on_host:
             cfg_raw, est, short = split_inputs(cfg_raw, est, short, gpus, lambda r: measure(r, micro, ckpt))
+        elif shape.decoder is not None:         # whole blocks to the host where the device cannot keep them all
+            cfg_raw, est, short = move_blocks(cfg_raw, est, short, shape.decoder.layers,
+                                              lambda r: measure(r, micro, ckpt))
         given = fraction if fraction is not None else knobs.super_offload_fraction     # else the default, 1
         c = BatchChoice(cfg_raw, micro, gas, ckpt, bool(policy[0]), bool(policy[1]),
                         1.0 if policy[2] is None else policy[2], est, short, fraction=given or 1.0,

@@ -1,13 +1,15 @@
 """Where a plan keeps each block's activations: kept on the device, recomputed (activation checkpointing), or
 recomputed from inputs kept in host memory (``activation_checkpointing.cpu_checkpointing``,
 `zero_offload.offload.checkpoint_offload`), or split: the first K inputs on the device, the rest in host memory, where
-neither side holds them all (`split_inputs`). `zero_offload.estimate.batching` tries each mode the config leaves
-free; the memory model moves the inputs' bytes to the host, and this module charges their copies on PCIe."""
+neither side holds them all (`split_inputs`). Blocks that are not checkpointed keep their activations on the device,
+or, where the device cannot hold them all, the first N move to host memory whole (``cpu_layers``, `move_blocks`):
+PCIe time instead of the recompute, block by block. `zero_offload.estimate.batching` tries each mode the config
+leaves free; the memory model moves the bytes to the host, and this module charges their copies on PCIe."""
 from __future__ import annotations
 
 import copy
 
-__all__ = ["checkpoint_modes", "with_inputs_on_host", "input_copy_exposure", "split_inputs"]
+__all__ = ["checkpoint_modes", "with_inputs_on_host", "input_copy_exposure", "split_inputs", "move_blocks"]
 
 
 def checkpoint_modes(ckpts: list, raw: dict, model_checkpoints: bool) -> list[tuple]:
@@ -56,3 +58,22 @@ def split_inputs(raw: dict, est, short: dict, ranks: int, measure):
     split["activation_checkpointing"]["cpu_checkpointing_device_inputs"] = kept
     est2, short2 = measure(split)
     return (split, est2, short2) if not any(short2.values()) else (raw, est, short)
+
+
+def move_blocks(raw: dict, est, short: dict, blocks: int, measure):
+    """Where the device is short and the host is not with every block's activations on the device (a decoder not
+    checkpointed): ``raw`` with the fewest first blocks whose saved activations move to host memory
+    (``activation_checkpointing.cpu_layers``) that bring the device within its capacity, with its ``(estimate,
+    short)`` from ``measure(raw)``, if that fits; else ``raw, est, short`` as they are. ``blocks``: the model's;
+    a config that sets the key keeps it."""
+    each = est.block_activation_bytes
+    section = raw.get("activation_checkpointing") or {}
+    if not (each and short.get("device") and not short.get("host")) or "cpu_layers" in section:
+        return raw, est, short
+    moved = -(-short["device"] // each)
+    if moved > blocks:
+        return raw, est, short
+    out = copy.deepcopy(raw)
+    out.setdefault("activation_checkpointing", {})["cpu_layers"] = moved
+    est2, short2 = measure(out)
+    return (out, est2, short2) if not any(short2.values()) else (raw, est, short)

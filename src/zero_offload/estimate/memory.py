@@ -63,6 +63,8 @@ class MemoryEstimate:
         formulas: {kind: how it was computed}, for the figures that are formulas rather than sizes.
         pinned: bytes of the host's that are page-locked buffers (``pin_memory``; with an accelerator).
         checkpoint_input_bytes: one checkpoint input's bytes where ``cpu_checkpointing`` moves them (else 0).
+        block_activation_bytes: one block's saved bytes where ``cpu_layers`` could move them (a decoder not
+            checkpointed; else 0).
     """
     device: dict[str, int] = field(default_factory=dict)
     host: dict[str, int] = field(default_factory=dict)
@@ -71,6 +73,7 @@ class MemoryEstimate:
     formulas: dict[str, str] = field(default_factory=dict)
     pinned: int = 0
     checkpoint_input_bytes: int = 0
+    block_activation_bytes: int = 0
 
     def add(self, side: str, kind: str, nbytes: int) -> None:
         where = getattr(self, side)

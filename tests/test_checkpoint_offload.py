@@ -255,6 +255,7 @@ def test_the_planner_splits_the_inputs_where_the_host_cannot_hold_them_all():
     tight = zero_offload.plan(deep, gpu_memory="16GB", host_memory=int((host - 5.5 * each) / 0.9), **fixed)
     assert tight.fits and tight.config["activation_checkpointing"]["cpu_checkpointing_device_inputs"] == 6
     assert tight.batch.estimate.host["checkpoint_inputs"] == (127 - 6) * each
+    assert "the first 6 block inputs stay on the device" in tight.reasons["activation_checkpointing"]
 
 
 def _hf_llama_offload():

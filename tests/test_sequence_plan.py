@@ -116,6 +116,7 @@ def test_the_planner_moves_the_fewest_whole_blocks_where_the_device_is_short(lla
     n = chosen.config["activation_checkpointing"]["cpu_layers"]
     est = chosen.batch.estimate
     assert n >= 1 and est.host["layer_activations"] == n * est.block_activation_bytes
+    assert f"the first {n} blocks keep their activations in host memory" in chosen.reasons["activation_checkpointing"]
     fixed = dict(micro_batch=chosen.batch.micro, gradient_accumulation=chosen.batch.gas, config=chosen.config)
     fewer = dict(chosen.config, activation_checkpointing={"cpu_layers": n - 1})
     assert not plan(shape, **box, activation_checkpointing=False, **{**fixed, "config": fewer}).fits

@@ -45,6 +45,8 @@ def explain(c: BatchChoice, options: list[BatchChoice], seq: int, free_ckpt: boo
                     f"the compute)")
         else:
             notes["activation_checkpointing"] = "off: the chosen micro-batch fits without recomputing activations"
+    if placed := _placement(c):
+        notes["activation_checkpointing"] = "; ".join(filter(None, [notes.get("activation_checkpointing"), placed]))
     if dpu_possible and t.host_s > 0:
         if c.delayed:
             spare = c.gas > 1 and Config.load(c.raw).zero_optimization.stage >= 2
@@ -105,3 +107,18 @@ def explain(c: BatchChoice, options: list[BatchChoice], seq: int, free_ckpt: boo
                      + (f" (target {EXPOSED_FRACTION:.0%})" if t.exposed_share > EXPOSED_FRACTION else "")
                      + f"; ~{t.tokens_per_s:,.0f} tokens/s per rank predicted")
     return notes
+
+
+def _placement(c) -> str | None:
+    """What the plan moves to host memory beyond the whole block inputs: a split of the inputs, or whole blocks."""
+    section = c.raw.get("activation_checkpointing") or {}
+    host = c.estimate.host
+    if section.get("cpu_checkpointing_device_inputs"):
+        return (f"the first {section['cpu_checkpointing_device_inputs']} block inputs stay on the device, the rest "
+                f"wait in host memory (cpu_checkpointing_device_inputs: the host holds no more; "
+                f"{host.get('checkpoint_inputs', 0) / 2**30:.1f} GiB each way per micro-step)")
+    if section.get("cpu_layers"):
+        return (f"the first {section['cpu_layers']} blocks keep their activations in host memory, not recomputed "
+                f"(cpu_layers: the device holds no more; {host.get('layer_activations', 0) / 2**30:.1f} GiB each "
+                f"way per micro-step, beside the compute)")
+    return None

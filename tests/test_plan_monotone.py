@@ -58,12 +58,16 @@ def test_the_issues_host_sizes_are_monotone_and_a_margin_would_break_them(monkey
     """The report: 4,313 tokens/s at 128 GiB, then 4,276 at 144 GiB (a 3 % margin let a slower setting win)."""
     chain = [_tokens_per_s("gpt2-10b", 80, h, True) for h in (120, 128, 144, 160, 200)]
     assert all(b >= a for a, b in zip(chain, chain[1:])), chain
-    # power: the old 3 % margins, in the planner and in the batch choice
+    # power: the old 3 % margins, in the planner and in the batch choice, on a box where they let a slower setting
+    # win with more host memory (since the step model counts attention's FLOPs the issue's own chain no longer shows
+    # it: 141 GB and 144 -> 152 GiB does, 4,477 then 4,434 tokens/s; 4,525 then 4,564 without the margins)
+    exact = [plan("gpt2-10b", gpu_memory="141GB", host_memory=f"{h}GiB", allow_bf16_moments=True)
+             .batch.timing.tokens_per_s for h in (144, 152)]
     monkeypatch.setattr(planner, "THROUGHPUT_TOLERANCE", 0.03)
     monkeypatch.setattr(batching, "TIE", 0.03)
-    margin = [plan("gpt2-10b", gpu_memory="80GB", host_memory=f"{h}GiB", allow_bf16_moments=True)
-              .batch.timing.tokens_per_s for h in (128, 144, 160)]
-    assert any(b < a for a, b in zip(margin, margin[1:])), margin
+    margin = [plan("gpt2-10b", gpu_memory="141GB", host_memory=f"{h}GiB", allow_bf16_moments=True)
+              .batch.timing.tokens_per_s for h in (144, 152)]
+    assert exact[1] >= exact[0] and margin[1] < margin[0], (exact, margin)
 
 
 def test_bf16_moments_only_where_allowed_or_asked():

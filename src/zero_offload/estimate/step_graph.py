@@ -18,7 +18,7 @@ the last chunk's copy up 1/64 of a step's).
 """
 from __future__ import annotations
 
-import copy
+import dataclasses
 import weakref
 from dataclasses import dataclass, field
 
@@ -187,7 +187,9 @@ def predict_step(s: Structure, p: Phases) -> StepGraph:
         weakref.finalize(tl, _PREDICTED.pop, id(tl), None)
     if p not in memo:
         memo[p] = _replay(tl, marks, p, s)
-    return copy.deepcopy(memo[p])
+    g = memo[p]          # its containers copied (their items are immutable): a deep copy took most of a plan's time
+    return dataclasses.replace(g, busy=dict(g.busy), critical_path=list(g.critical_path), bars=dict(g.bars),
+                               spans={k: list(v) for k, v in g.spans.items()})
 
 
 def _replay(tl: Timeline, marks, p: Phases, s: Structure) -> StepGraph:

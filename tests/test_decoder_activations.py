@@ -181,7 +181,7 @@ def test_hf_config_json_counts_the_same_activations(tmp_path):
 def test_a_llama_config_json_counts_every_parameter(tmp_path):
     """Llama-3-8B's config.json as benchmarks/shapes holds it (no ``hidden_act``: transformers' default SiLU, a
     gated MLP of three matrices): the parameter count is the model's own, 8,030,261,248 (with two MLP matrices
-    it was 6.15B, and the host memory of its optimizer states 30 GB short)."""
+    it was 6.15B, and the host memory of its optimizer states 30 GB short); without ``tie_word_embeddings`` too."""
     import json
     from pathlib import Path
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "shapes" / "llama-3-8b.json"
@@ -190,6 +190,10 @@ def test_a_llama_config_json_counts_every_parameter(tmp_path):
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg))
     assert hf_config_shape(str(path)).n_params == sum(p.numel() for p in model.parameters()) == 8_030_261_248
+    # without tie_word_embeddings: LlamaConfig's default, an untied head, as transformers builds it
+    bare = tmp_path / "config.json"
+    bare.write_text(json.dumps({k: v for k, v in cfg.items() if k != "tie_word_embeddings"}))
+    assert hf_config_shape(str(bare)).n_params == 8_030_261_248
 
 
 def _tiled_loss(model, x, tiles: int):

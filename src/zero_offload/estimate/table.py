@@ -58,7 +58,8 @@ def hf_config_shape(path: str) -> ModelShape:
     units = [("embed", 0, (vocab * h,))]
     units += [(f"layers.{i}", 0, (attn, gated * h * inter, 2 * h)) for i in range(layers)]
     units.append(("norm", 0, (h,)))                   # the final norm
-    if not cfg.get("tie_word_embeddings", True):       # the head last, where the module order puts it
+    # the head last, where the module order puts it; Llama, Qwen2 and Mistral configs default to an untied one
+    if not cfg.get("tie_word_embeddings", cfg.get("model_type") not in DECODER_TYPES):
         units.append(("lm_head", 0, (vocab * h,)))
     # a Llama-family decoder's activations are counted too (with --seq-len): `estimate.decoder_activations`
     return ModelShape(tuple(units), None, Path(path).parent.name or Path(path).name, decoder=decoder_shape(cfg))

@@ -28,7 +28,7 @@ def _peer(key, tmp_path_factory, world, *args) -> dict:
     return _PEER[key]
 
 
-@pytest.mark.parametrize("stage, world", [(2, 1), (3, 1), (2, 2), (3, 2)])
+@pytest.mark.parametrize("stage, world", [(3, 1), (2, 2), (3, 2)])   # stage 2 at one rank: left out for CI time
 def test_trainer_with_deepspeed_config_trains_as_deepspeed(tmp_path, tmp_path_factory, stage, world):
     args = ("--stage", str(stage), "--offload")
     theirs = _peer((stage, world), tmp_path_factory, world, *args)

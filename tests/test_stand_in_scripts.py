@@ -27,7 +27,7 @@ def test_deepspeed_chat_style_script_trains_as_deepspeed(tmp_path_factory, stage
     assert_agree(ours, theirs)
 
 
-@pytest.mark.parametrize("stage, world", [(2, 1), (3, 1), (2, 2), (3, 2)])
+@pytest.mark.parametrize("stage, world", [(2, 2), (3, 2)])   # one rank: the HF Trainer's stand-in test (CI time)
 def test_accelerate_launch_with_a_deepspeed_config_file_trains_as_deepspeed(tmp_path_factory, stage, world):
     accelerate = shutil.which("accelerate")
     if accelerate is None:
@@ -46,7 +46,7 @@ def test_accelerate_launch_with_a_deepspeed_config_file_trains_as_deepspeed(tmp_
     assert_agree(ours, theirs)
 
 
-@pytest.mark.parametrize("stage, world", [(2, 1), (3, 1), (2, 2), (3, 2)])
+@pytest.mark.parametrize("stage, world", [(2, 2), (3, 2)])   # one rank: the HF Trainer's stand-in test (CI time)
 def test_trl_dpo_with_deepspeed_in_its_arguments_trains_as_deepspeed(tmp_path_factory, stage, world):
     """TRL's DPOTrainer with ``DPOConfig(deepspeed=...)`` with offload: its reference model goes through
     ``deepspeed.initialize`` with no optimizer (TRL's ``prepare_deepspeed``: at stage 3 partitioned, dotted keys

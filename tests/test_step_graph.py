@@ -112,7 +112,7 @@ def test_the_planner_and_the_cli_use_the_replayed_step(capsys):
 
 
 def test_no_host_work_no_graph():
-    p = zero_offload.plan("gpt2", gpus=1, gpu_memory="80GB", host_memory="64GB")
+    p = zero_offload.plan("gpt2", gpus=1, gpu_memory="80GB", host_memory="64GB", micro_batch=8, gradient_accumulation=1)
     assert p.batch.timing.host_s == 0 and p.batch.timing.graph is None
 
 

@@ -47,17 +47,11 @@ def split_inputs(raw: dict, est, short: dict, ranks: int, measure):
     are. ``short``: bytes missing on each side for all ``ranks`` of the machine (`zero_offload.estimate.plan`);
     a config that sets the key keeps it."""
     each = est.checkpoint_input_bytes
-    section = raw.get("activation_checkpointing") or {}
-    if not (each and short.get("host") and not short.get("device")) or "cpu_checkpointing_device_inputs" in section:
+    if not (each and short.get("host") and not short.get("device")):
         return raw, est, short
-    moved = est.host.get("checkpoint_inputs", 0) // each
     kept = -(-short["host"] // (each * ranks))        # each rank keeps as many
-    if kept > moved:
-        return raw, est, short
-    split = copy.deepcopy(raw)
-    split["activation_checkpointing"]["cpu_checkpointing_device_inputs"] = kept
-    est2, short2 = measure(split)
-    return (split, est2, short2) if not any(short2.values()) else (raw, est, short)
+    moved = est.host.get("checkpoint_inputs", 0) // each
+    return _with_fewest(raw, est, short, "cpu_checkpointing_device_inputs", kept, moved, measure)
 
 
 def move_blocks(raw: dict, est, short: dict, blocks: int, measure):
@@ -67,13 +61,17 @@ def move_blocks(raw: dict, est, short: dict, blocks: int, measure):
     short)`` from ``measure(raw)``, if that fits; else ``raw, est, short`` as they are. ``blocks``: the model's;
     a config that sets the key keeps it."""
     each = est.block_activation_bytes
-    section = raw.get("activation_checkpointing") or {}
-    if not (each and short.get("device") and not short.get("host")) or "cpu_layers" in section:
+    if not (each and short.get("device") and not short.get("host")):
         return raw, est, short
-    moved = -(-short["device"] // each)
-    if moved > blocks:
+    return _with_fewest(raw, est, short, "cpu_layers", -(-short["device"] // each), blocks, measure)
+
+
+def _with_fewest(raw: dict, est, short: dict, key: str, count: int, limit: int, measure):
+    """``raw`` with ``activation_checkpointing.<key>`` = ``count`` and its measure, where the config leaves the key
+    free, ``count`` <= ``limit`` and that fits; else ``raw, est, short`` as they are."""
+    if key in (raw.get("activation_checkpointing") or {}) or count > limit:
         return raw, est, short
     out = copy.deepcopy(raw)
-    out.setdefault("activation_checkpointing", {})["cpu_layers"] = moved
+    out.setdefault("activation_checkpointing", {})[key] = count
     est2, short2 = measure(out)
     return (out, est2, short2) if not any(short2.values()) else (raw, est, short)

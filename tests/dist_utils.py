@@ -1,9 +1,13 @@
 """Run a function on N gloo ranks in forked processes and collect each rank's return value."""
 from __future__ import annotations
 
+import faulthandler
+import gc
 import os
 import socket
 import tempfile
+import threading
+import time
 import traceback
 
 import torch
@@ -19,11 +23,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _dump_and_exit() -> None:
+    faulthandler.dump_traceback(all_threads=True)
+    os._exit(70)
+
+
 def _entry(rank, world_size, port, fn, args, out_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)   # the ranks share two cores
-    # A hang fails within ZERO_OFFLOAD_TIMEOUT_S (default 10 minutes) instead of blocking CI.
+    # A hang in a collective fails within ZERO_OFFLOAD_TIMEOUT_S (default 10 minutes); one anywhere else (a lock
+    # held across the fork, an exit that never ends) dumps every thread's stack and ends the rank a little later.
+    # A timer thread of this process, not faulthandler's own watchdog, which the fork may have left mid-wait.
+    watchdog = threading.Timer(_rank_deadline_s(), _dump_and_exit)
+    watchdog.daemon = True
+    watchdog.start()
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=collective_timeout())
     try:
         result = fn(*args)
@@ -35,15 +49,27 @@ def _entry(rank, world_size, port, fn, args, out_dir):
         dist.destroy_process_group()
 
 
+def _rank_deadline_s() -> float:
+    return collective_timeout().total_seconds() + 120
+
+
 def run_ranks(fn, world_size: int, *args) -> list:
-    """``fn(*args)`` on ``world_size`` gloo ranks; returns the per-rank results (rank order)."""
+    """``fn(*args)`` on ``world_size`` gloo ranks; returns the per-rank results (rank order). A rank still running
+    past the collective timeout plus two minutes fails the call (its stacks are in the test's captured stderr)."""
+    # Garbage the parent has not collected (an engine in a reference cycle, its I/O threads) is collected here,
+    # where its threads are, not by a rank's collector, which would find a copy whose threads were not forked.
+    gc.collect()
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = mp.start_processes(_entry, args=(world_size, _free_port(), fn, args, out_dir),
                                  nprocs=world_size, join=False, start_method="fork")
+        deadline = time.monotonic() + _rank_deadline_s() + 60   # each rank's own watchdog fires first
         try:
-            while not ctx.join(timeout=600):
-                pass
-        except mp.ProcessRaisedException as e:
+            while not ctx.join(timeout=max(deadline - time.monotonic(), 0.0)):
+                if time.monotonic() >= deadline:
+                    for process in ctx.processes:
+                        process.kill()
+                    raise AssertionError(f"ranks still running after {_rank_deadline_s() + 60:.0f} s: killed")
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:   # exit code 70: the watchdog
             raise AssertionError(f"a rank failed:\n{e}") from None
         results = [torch.load(os.path.join(out_dir, f"{r}.pt"), weights_only=False) for r in range(world_size)]
     for r, res in enumerate(results):

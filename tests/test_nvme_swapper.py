@@ -2,6 +2,7 @@
 import errno
 import os
 import subprocess
+import threading
 import warnings
 
 import pytest
@@ -193,3 +194,33 @@ def test_power_removing_an_empty_directory_in_use_breaks_the_next_open(tmp_path,
         new.open("group0.param.swp", 4096)
     swapper_mod._LIVE[new._key] = 1
     new.close()
+
+
+@PATHS
+def test_a_forked_childs_copy_closes_at_once_and_keeps_the_parents_file(tmp_path, native):
+    """A process forked while a write is in flight holds a copy of the swapper (its garbage collector closes one
+    the parent had not yet collected). Closing the copy returns at once and deletes nothing; the parent's write
+    completes. Power: the parent's close run in the child waits for a request whose I/O thread is not there
+    (the hang of a 2-rank NVMe test whose ranks forked from a process with an engine left to collect)."""
+    s = Swapper(tmp_path, block_size=8192, native=native)
+    src = AlignedBuffer(8192)
+    src.view(torch.float32, 2048).fill_(3.0)
+    s.open("state", src.nbytes)
+    gate = threading.Event()
+    for pool in set(s.pools.values()):
+        pool.submit(gate.wait)                    # the one I/O thread is busy: the write below stays in flight
+    pending = s.write("state", src.view(torch.float32, 2048))
+    pid = os.fork()
+    if pid == 0:                                  # the child: only os calls and a thread, then os._exit
+        closing = threading.Thread(target=s.close, daemon=True)
+        closing.start()
+        closing.join(timeout=10)
+        os._exit(0 if not closing.is_alive() and (tmp_path / "state").exists() else 1)
+    _, status = os.waitpid(pid, 0)
+    gate.set()
+    s.wait(pending)
+    dst = AlignedBuffer(8192)
+    s.wait(s.read("state", dst.view(torch.float32, 2048)))
+    s.close()
+    assert os.waitstatus_to_exitcode(status) == 0, "the child's close waited or deleted the parent's file"
+    assert torch.equal(dst.view(torch.float32, 2048), torch.full((2048,), 3.0))

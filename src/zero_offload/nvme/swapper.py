@@ -117,6 +117,7 @@ class Swapper:
         self._lock = threading.Lock()
         self._warned = False
         self._closed = False
+        self._pid = os.getpid()
         self.simulated, self.skip_waits = simulated.enabled(), simulated.waits_skipped()
         atexit.register(_close_at_exit, weakref.ref(self))
         # A forked multiprocessing child leaves through os._exit (no atexit) after running these finalizers.
@@ -173,10 +174,19 @@ class Swapper:
 
     def close(self) -> None:
         """Wait for all requests, close and delete every file. Safe to call twice. A write that fails now
-        is not raised: the files are scratch and go in any case (errors surface at `wait` and `flush`)."""
+        is not raised: the files are scratch and go in any case (errors surface at `wait` and `flush`). In a
+        process forked from the swapper's own, only that process's descriptors are closed: nothing is waited for
+        and no file is deleted."""
         if self._closed:
             return
         self._closed = True
+        if self._pid != os.getpid():
+            # A forked child's copy (its garbage collector can reach one the parent had not yet collected): the
+            # I/O threads are not in this process, so a request in flight would be waited for forever, and the
+            # files are the parent's. Only this process's copies of the descriptors are closed.
+            for f in self.files.values():
+                os.close(f.fd)
+            return
         try:
             self.flush()
         except NvmeIOError:

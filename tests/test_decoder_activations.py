@@ -46,14 +46,16 @@ def _saved(model, run, seen: dict) -> None:
         run()
 
 
-def measured_saved_bytes(model, b: int, s: int, checkpointing: bool) -> int:
-    """Saved bytes of one forward with labels; with checkpointing, those of the forward (block inputs, head) plus
-    one block run again on its real inputs, as checkpoint's recompute in backward runs it (unique storages across
-    both: in fp32 the recompute's first norm saves the kept input itself)."""
+def measured_saved_bytes(model, b: int, s: int, checkpointing: bool, loss_tiles: int | None = None) -> int:
+    """Saved bytes of one forward with labels (the loss in ``loss_tiles`` tiles: `_tiled_loss`); with
+    checkpointing, those of the forward (block inputs, head) plus one block run again on its real inputs, as
+    checkpoint's recompute in backward runs it (unique storages across both: in fp32 the recompute's first norm
+    saves the kept input itself)."""
     x = torch.randint(0, model.config.vocab_size, (b, s))
     layer, seen, kept = model.model.layers[-1], {}, {}
     hook = layer.register_forward_pre_hook(lambda m, a, kw: kept.update(args=a, kwargs=kw), with_kwargs=True)
-    _saved(model, lambda: model(input_ids=x, labels=x), seen)
+    _saved(model, (lambda: _tiled_loss(model, x, loss_tiles)) if loss_tiles else lambda: model(input_ids=x, labels=x),
+           seen)
     hook.remove()
     if checkpointing:
         layer.gradient_checkpointing = False          # the plain forward the recompute runs
@@ -89,6 +91,26 @@ def test_tiled_norms_save_their_input_and_output_only(dtype, checkpointing):
         got = measured_saved_bytes(model, b, s, checkpointing)
         assert decoder_saved_bytes(shape, b, s, dtype.itemsize, norms_tiled=True) == got, (dtype, b, s)
         assert decoder_saved_bytes(shape, b, s, dtype.itemsize) > got
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_tiled_loss_saves_no_log_probabilities(dtype, checkpointing):
+    """`decoder_saved_bytes(loss_tiled=True)`: the logits and loss in tiles save what the untiled model does but
+    the fp32 log-probabilities (4*T*V), exactly, once the caller's own loss code is counted (`_tiled_loss` pads the
+    labels a column to shift them and divides by an int64 token count; no cross entropy's 4-byte total weight)."""
+    model = _model("llama", dtype, checkpointing)
+    shape = decoder_shape(model.config, checkpointing)
+    for b, s in ((2, 32), (3, 48)):
+        got = measured_saved_bytes(model, b, s, checkpointing, loss_tiles=4)
+        predicted = decoder_saved_bytes(shape, b, s, dtype.itemsize, loss_tiled=True) + tiled_loss_caller_bytes(b)
+        assert predicted == got, (dtype, b, s)
+
+
+def tiled_loss_caller_bytes(b: int) -> int:
+    """What `_tiled_loss`'s own code saves beyond the model's labels: a padded column of ``b`` int64 labels and
+    the int64 token count it divides by, less cross entropy's 4-byte total weight, which it does not save."""
+    return 8 * b + 8 - 4
 
 
 class _MallInfo2(ctypes.Structure):

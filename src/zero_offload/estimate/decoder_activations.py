@@ -120,14 +120,16 @@ def _checkpointing(m: DecoderShape, checkpointing: bool | None) -> bool:
 
 
 def decoder_saved_bytes(m: DecoderShape, micro_batch: int, seq_len: int, dtype_bytes: int,
-                        checkpointing: bool | None = None, norms_tiled: bool = False) -> int:
+                        checkpointing: bool | None = None, norms_tiled: bool = False, loss_tiled: bool = False) -> int:
     """Bytes autograd saves for one forward of ``micro_batch`` x ``seq_len`` tokens in a dtype of ``dtype_bytes``
     (measured: saved_tensors_hooks, unique storages, no parameters). With activation checkpointing
     (transformers' non-reentrant ``checkpoint`` per block): each block's input d*T*h, plus the saved tensors of
     the one block being recomputed in backward. ``norms_tiled``: the RMSNorms keep only input and output
-    (`zero_offload.tiling.tile_rms_norms`)."""
+    (`zero_offload.tiling.tile_rms_norms`). ``loss_tiled``: the logits and loss in tiles (`TiledFusedLogitsLoss`)
+    save no fp32 log-probabilities (one tile's exist in backward: `tiled_head_bytes`); the labels are counted as
+    the model's own loss shifts them, 8*T (a caller that pads them to shift, as ALST does, saves 8*b more)."""
     t, d = micro_batch * seq_len, dtype_bytes
-    outer = _model_level(m, micro_batch, seq_len, d, norms_tiled) + 4 * t * m.vocab
+    outer = _model_level(m, micro_batch, seq_len, d, norms_tiled) + (0 if loss_tiled else 4 * t * m.vocab)
     if _checkpointing(m, checkpointing):
         return m.layers * d * t * m.hidden + outer + _block(m, t, d, norms_tiled, recomputed=True)
     return m.layers * _block(m, t, d, norms_tiled) + outer

@@ -62,13 +62,14 @@ def run_ranks(fn, world_size: int, *args) -> list:
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = mp.start_processes(_entry, args=(world_size, _free_port(), fn, args, out_dir),
                                  nprocs=world_size, join=False, start_method="fork")
-        deadline = time.monotonic() + _rank_deadline_s() + 60   # each rank's own watchdog fires first
+        limit = _rank_deadline_s() + 60          # each rank's own watchdog fires first
+        deadline = time.monotonic() + limit
         try:
             while not ctx.join(timeout=max(deadline - time.monotonic(), 0.0)):
                 if time.monotonic() >= deadline:
                     for process in ctx.processes:
                         process.kill()
-                    raise AssertionError(f"ranks still running after {_rank_deadline_s() + 60:.0f} s: killed")
+                    raise AssertionError(f"ranks still running after {limit:.0f} s: killed")
         except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:   # exit code 70: the watchdog
             raise AssertionError(f"a rank failed:\n{e}") from None
         results = [torch.load(os.path.join(out_dir, f"{r}.pt"), weights_only=False) for r in range(world_size)]
